@@ -1,0 +1,141 @@
+"""Paged attention over the block-structured KV cache.
+
+The KV cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
+A request owns a block table (block ids); token at position p lives in
+block `block_table[p // block_size]`, offset `p % block_size`.
+
+`TorchPagedAttention` is the reference that runs everywhere (CPU included): it gathers each
+request's blocks and calls scaled_dot_product_attention. A GPU kernel implements the same
+two methods (`prepare`, `forward`) and is chosen in `make_attention_backend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BatchLayout:
+    """The per-step batch, as plain lists, from which a backend builds its metadata."""
+
+    query_lens: list[int]
+    context_lens: list[int]  # tokens already in the cache before this step
+    block_tables: list[list[int]]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+
+@dataclass
+class _PrefillSeq:
+    token_slice: slice
+    block_ids: torch.Tensor
+    seq_len: int
+    masks: dict[int | None, torch.Tensor]  # sliding window (None = full) -> [q, seq_len] bool
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    decode_token_idx: torch.Tensor  # [num_decodes] rows of the packed batch that are 1-token queries
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_masks: dict[int | None, torch.Tensor]  # [num_decodes, 1, 1, max_kv] bool
+    prefills: list[_PrefillSeq] = field(default_factory=list)
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal mask, optionally limited to a sliding window, as Hugging Face defines it."""
+    ok = (k_pos <= q_pos) & (k_pos < seq_len)
+    if window is not None:
+        ok &= (q_pos - k_pos) < window
+    return ok
+
+
+class TorchPagedAttention:
+    """Reference paged attention: gathers blocks, then SDPA. Decodes are batched; prefills run one by one."""
+
+    def __init__(self, block_size: int, windows: set[int | None], device: torch.device):
+        self.block_size = block_size
+        self.windows = windows
+        self.device = device
+
+    def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        bs, dev = self.block_size, self.device
+        slots: list[int] = []
+        for ctx, q, table in zip(layout.context_lens, layout.query_lens, layout.block_tables):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + q))
+        meta_decode_rows, decode_tables, decode_lens = [], [], []
+        prefills: list[_PrefillSeq] = []
+        start = 0
+        for ctx, q, table in zip(layout.context_lens, layout.query_lens, layout.block_tables):
+            seq_len = ctx + q
+            needed = table[: (seq_len + bs - 1) // bs]
+            if q == 1:
+                meta_decode_rows.append(start)
+                decode_tables.append(needed)
+                decode_lens.append(seq_len)
+            else:
+                q_pos = torch.arange(ctx, seq_len, device=dev)[:, None]
+                k_pos = torch.arange(seq_len, device=dev)[None, :]
+                masks = {w: _allowed(q_pos, k_pos, torch.tensor(seq_len, device=dev), w) for w in self.windows}
+                prefills.append(_PrefillSeq(slice(start, start + q), torch.tensor(needed, device=dev), seq_len, masks))
+            start += q
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
+        lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+        k_pos = torch.arange(max_blocks * bs, device=dev)[None, :]
+        q_pos = (lens - 1)[:, None]
+        decode_masks = {w: _allowed(q_pos, k_pos, lens[:, None], w)[:, None, None, :] for w in self.windows}
+        return TorchAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_token_idx=torch.tensor(meta_decode_rows, dtype=torch.long, device=dev),
+            decode_block_tables=tables,
+            decode_masks=decode_masks,
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
+        meta: TorchAttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_token_idx.numel():
+            out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, window)
+        for seq in meta.prefills:
+            keys = k_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
+            values = v_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
+            out[seq.token_slice] = _sdpa(q[seq.token_slice].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         seq.masks[window], scale).squeeze(0)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, window) -> torch.Tensor:
+        keys = k_cache[meta.decode_block_tables].flatten(1, 2)  # [B, max_kv, Hkv, D]
+        values = v_cache[meta.decode_block_tables].flatten(1, 2)
+        return _sdpa(q.unsqueeze(1), keys, values, meta.decode_masks[window], scale).squeeze(1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], mask broadcastable to [B, H, Lq, Lk] → [B, Lq, Hq, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device) -> TorchPagedAttention:
+    """The seam where a GPU paged-attention kernel plugs in; the torch reference serves every device today."""
+    return TorchPagedAttention(block_size, windows, device)

@@ -1,0 +1,140 @@
+"""Paged KV blocks: one pool, reference counts, and a prefix cache keyed by chained block hashes.
+
+A full block's hash is xxh3_64(parent_hash ‖ token_ids). Freed blocks keep their hash and
+sit in an LRU free queue, so a later request with the same prefix reuses them until they
+are evicted to make room.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from common.engine.request import Request
+
+ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: list[int], extra: bytes = b"") -> int:
+    """Chained hash of one full block; `extra` keys content the ids don't show (e.g. an image's hash)."""
+    h = xxhash.xxh3_64()
+    h.update(parent_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(extra)
+    return h.intdigest()
+
+
+def hash_blocks(token_ids: list[int], block_size: int, parent_hash: int = ROOT_HASH) -> list[int]:
+    """Hashes of every full block of `token_ids`."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+        hashes.append(parent_hash)
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, request: Request) -> None:
+        """On a request's first schedule: take the cached blocks of its longest cached prefix."""
+        if not self.enable_prefix_caching or request.block_table:
+            return
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size  # keep one token to compute: we need its logits
+        hashes = hash_blocks(tokens[: max_blocks * self.block_size], self.block_size)
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            self._take(block_id)
+            request.block_table.append(block_id)
+        request.block_hashes = hashes[: len(request.block_table)]
+        request.num_computed_tokens = len(request.block_table) * self.block_size
+        self.prefix_hit_tokens += request.num_computed_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False (and no change) if the pool is short."""
+        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(max(needed, 0)):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self._take(block_id)
+            request.block_table.append(block_id)
+        return True
+
+    def commit_full_blocks(self, request: Request, extra: bytes = b"") -> None:
+        """Register the request's newly completed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
+            h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size], extra)
+            request.block_hashes.append(h)
+            block = self.blocks[request.block_table[i]]
+            if h not in self.cached and block.hash is None:
+                block.hash = h
+                self.cached[h] = block.block_id
+
+    def free(self, request: Request) -> None:
+        self.free_block_ids(request.block_table)
+        request.block_table = []
+        request.block_hashes = []
+        request.num_computed_tokens = 0
+
+    def free_block_ids(self, block_ids: list[int]) -> None:
+        # Tail blocks first, so the LRU evicts a prefix's end before its start.
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free_queue.pop(block_id, None)
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_count == 0:
+                self._evict(block.block_id)

@@ -1,0 +1,63 @@
+"""EngineConfig: every knob of the engine, validated once."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import InvalidConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    """Defaults to the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    session_ttl_s: float = 60.0
+    """How long an exported (context_only) KV session stays pinned waiting for its pull."""
+    max_waiting: int = 1024
+    """Bound on queued requests; past it add_request raises ResourceExhausted."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"),
+            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two in [1, 128], got {self.block_size}"),
+            (self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
+            (self.session_ttl_s > 0, f"session_ttl_s must be > 0, got {self.session_ttl_s}"),
+            (self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidConfig(message)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_positions: int) -> int:
+    """The context length the engine enforces: the flag if set, capped by what the model supports."""
+    if config.max_model_len is None:
+        return model_max_positions
+    if config.max_model_len > model_max_positions:
+        raise InvalidConfig(
+            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max_positions}"
+        )
+    return config.max_model_len

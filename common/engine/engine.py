@@ -1,0 +1,212 @@
+"""LLMEngine: add requests, step, abort. One class for the three modes of TensorRT-LLM's request_type."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from transformers import GenerationConfig
+
+from common.engine.block_manager import BlockManager
+from common.engine.config import EngineConfig, resolve_max_model_len
+from common.engine.model_runner import ModelRunner
+from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
+                                   SamplingParams, TokenLogprob)
+from common.engine.scheduler import Scheduler
+from common.engine.stopping import StopChecker, load_tokenizer
+from common.errors import InvalidRequest, ResourceExhausted
+from common.kv.layout import KvExport, model_fingerprint
+from common.kv.session import KvSession, KvSessionTable
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model_dir: str, hf_config) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config, _generation_config(model_dir)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def _generation_config(model_dir: str) -> GenerationConfig | None:
+    if not (Path(model_dir) / "generation_config.json").exists():
+        return None
+    return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        hf = self.runner.hf_config
+        self.vocab_size: int = hf.vocab_size
+        self.max_model_len = resolve_max_model_len(config, hf.max_position_embeddings)
+        self.fingerprint = model_fingerprint(hf, config.dtype)
+        self.kv_layout = self.runner.layout(self.fingerprint)
+        self.eos_token_ids = _eos_ids(config.model, hf)
+        self.tokenizer = load_tokenizer(config.model)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sessions = KvSessionTable(config.session_ttl_s)
+        self.requests: dict[str, Request] = {}
+        self._stop_checkers: dict[str, StopChecker] = {}
+        self.num_preemptions = 0
+
+    # --- requests ---
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
+        kv_import: KvExport | None = None,
+        first_token: int | None = None,
+    ) -> Request:
+        sampling = sampling or SamplingParams()
+        self._validate(request_id, prompt_token_ids, request_type, kv_import, first_token)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise ResourceExhausted(f"engine queue is full ({self.config.max_waiting} waiting requests)")
+        # A lone request must always fit in the pool, or preemption would loop forever.
+        cap = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+        if sampling.max_tokens is not None:
+            cap = min(cap, len(prompt_token_ids) + sampling.max_tokens)
+        request = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+            request_type=request_type, kv_import=kv_import, max_total_tokens=cap, arrival_time=time.monotonic(),
+        )
+        if first_token is not None:
+            request.output_token_ids.append(first_token)
+        self.requests[request_id] = request
+        self._stop_checkers[request_id] = StopChecker(request, self.eos_token_ids, self.tokenizer)
+        self.scheduler.add(request)
+        return request
+
+    def _validate(self, request_id, prompt, request_type, kv_import, first_token) -> None:
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequest("prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len} "
+                                 "tokens, which must also hold at least one generated token")
+        if -(-(len(prompt) + 1) // self.config.block_size) > self.block_manager.num_blocks:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the KV pool holds only "
+                                 f"{self.block_manager.num_blocks * self.config.block_size}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if request_type is RequestType.GENERATION_ONLY:
+            if kv_import is None or first_token is None:
+                raise InvalidRequest("generation_only needs the prompt's exported KV and its first token")
+            if not 0 <= first_token < self.vocab_size:
+                raise InvalidRequest(f"first token {first_token} is outside the vocabulary [0, {self.vocab_size})")
+            self.kv_layout.check_compatible(kv_import.layout)
+            kv_import.validate()
+            if kv_import.num_tokens != len(prompt):
+                raise InvalidRequest(f"imported KV covers {kv_import.num_tokens} tokens, the prompt has {len(prompt)}")
+        elif kv_import is not None or first_token is not None:
+            raise InvalidRequest(f"{request_type.value} takes no imported KV or first token")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; False if it is unknown or already done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- the loop ---
+
+    def step(self) -> list[RequestOutput]:
+        self.expire_sessions()
+        batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
+        for request in batch.kv_imports:
+            self.runner.import_blocks(request.block_table, request.kv_import)
+            request.kv_import = None
+        if batch.empty:
+            return []
+        sampled = self.runner.run(batch)
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(request)
+        return [self._append_token(self.requests[rid], token, lp) for rid, (token, lp) in sampled.items()]
+
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        request.output_token_ids.append(token)
+        checker = self._stop_checkers[request.request_id]
+        reason, text, matched = checker.check(token)
+        output = RequestOutput(
+            request_id=request.request_id, new_token_ids=[token], new_logprobs=[logprob] if logprob else [],
+            text=text, matched_stop=matched, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens, num_output_tokens=len(request.output_token_ids),
+        )
+        if reason is None and request.request_type is RequestType.CONTEXT_ONLY:
+            output.session_id = self._pin_session(request, token).session_id
+            reason = FinishReason.CONTEXT_DONE
+        if reason is not None:
+            output.text += checker.flush() if reason is not FinishReason.STOP or matched is None else ""
+            output.finished, output.finish_reason = True, reason
+            if reason is not FinishReason.CONTEXT_DONE:
+                self._finish(request, reason)
+        return output
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.remove(request)
+        if request.block_table:
+            self.block_manager.free(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.requests.pop(request.request_id, None)
+        self._stop_checkers.pop(request.request_id, None)
+
+    # --- KV sessions (context_only → generation_only handoff) ---
+
+    def _pin_session(self, request: Request, first_token: int) -> KvSession:
+        """The session takes over the request's blocks; they stay out of the free pool until released."""
+        session = self.sessions.create(request.request_id, request.block_table, request.num_prompt_tokens,
+                                       first_token, request.block_hashes)
+        self.scheduler.remove(request)
+        request.block_table = []
+        request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.CONTEXT_DONE
+        self.requests.pop(request.request_id, None)
+        self._stop_checkers.pop(request.request_id, None)
+        return session
+
+    def export_session(self, session_id: str) -> KvExport:
+        session = self.sessions.get(session_id)
+        return KvExport(self.kv_layout, session.num_tokens, self.runner.export_blocks(session.block_ids))
+
+    def release_session(self, session_id: str) -> None:
+        self.block_manager.free_block_ids(self.sessions.release(session_id).block_ids)
+
+    def expire_sessions(self) -> int:
+        expired = self.sessions.pop_expired()
+        for session in expired:
+            log.info("KV session %s of request %s expired unpulled", session.session_id, session.request_id)
+            self.block_manager.free_block_ids(session.block_ids)
+        return len(expired)
+
+    # --- convenience for scripts and tests ---
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, sampling)
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[rid] for rid in ids]

@@ -1,0 +1,79 @@
+"""Turns a ScheduledBatch into tensors, runs the model on the paged cache, and samples."""
+from __future__ import annotations
+
+import torch
+
+from common.engine.attention import BatchLayout, make_attention_backend
+from common.engine.config import EngineConfig
+from common.engine.models.llama import head_dim_of, sliding_windows
+from common.engine.models.loader import load_model
+from common.engine.request import Request, TokenLogprob
+from common.engine.sampler import Sampler
+from common.engine.scheduler import ScheduledBatch
+from common.kv.layout import KvExport, KvLayout
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, seed: int = 0):
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
+        c = self.hf_config
+        self.num_layers = c.num_hidden_layers
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = head_dim_of(c)
+        self.kv_cache = torch.zeros(
+            (self.num_layers, 2, config.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim),
+            dtype=self.dtype, device=self.device,
+        )
+        self.attention = make_attention_backend(self.block_size, set(sliding_windows(c)), self.device)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """One forward pass; returns the sampled token of each request whose scheduled tokens reach its end."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        last_rows: list[int] = []
+        sampled: list[Request] = []
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            input_ids.extend(request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            if start + n == request.num_tokens:  # a finished prefill chunk or a decode: sample
+                last_rows.append(len(input_ids) - 1)
+                sampled.append(request)
+        layout = BatchLayout(
+            query_lens=list(batch.num_new_tokens),
+            context_lens=[r.num_computed_tokens for r in batch.requests],
+            block_tables=[r.block_table for r in batch.requests],
+        )
+        meta = self.attention.prepare(layout)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache, meta, self.attention,
+        )
+        if not sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        return {r.request_id: out for r, out in zip(sampled, self.sampler(logits, sampled))}
+
+    # --- KV export / import: whole blocks with their layout ---
+
+    def layout(self, fingerprint: str) -> KvLayout:
+        return KvLayout(
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=self.block_size, dtype=str(self.dtype).removeprefix("torch."), fingerprint=fingerprint,
+        )
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim], on the CPU."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache.index_select(2, index).cpu()
+
+    def import_blocks(self, block_ids: list[int], kv: KvExport) -> None:
+        blocks = kv.blocks.to(device=self.device, dtype=self.dtype)
+        index = torch.tensor(block_ids[: blocks.shape[2]], dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, index, blocks)

@@ -1,0 +1,55 @@
+"""Load a Hugging Face model directory (config.json + safetensors) into our model classes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+
+from common.engine.models.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
+from common.errors import InvalidConfig
+
+# Checkpoint entries that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise InvalidConfig(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(model_dir):
+        state.update(load_file(str(path), device=str(device)))
+    state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied:
+        state.pop("lm_head.weight", None)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise InvalidConfig(
+            f"checkpoint in {model_dir} does not match the {config.model_type} model: "
+            f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = RotaryEmbedding(config, head_dim_of(config)).to(device)
+    return model.eval(), config

@@ -1,0 +1,132 @@
+"""Request state: what the caller asks for (SamplingParams) and what the engine tracks (Request)."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from common.errors import InvalidRequest
+
+
+class RequestType(enum.Enum):
+    """TensorRT-LLM's DisaggregatedParams.request_type, one engine mode each."""
+
+    CONTEXT_AND_GENERATION = "context_and_generation"  # aggregated: prompt and generation here
+    CONTEXT_ONLY = "context_only"  # prefill: run the prompt, sample the first token, export the KV
+    GENERATION_ONLY = "generation_only"  # decode: import the prompt's KV, generate from the first token
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+    CONTEXT_DONE = "context_done"  # context_only: first token sampled, KV exported
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Defaults mirror vLLM/OpenAI: temperature 1, no truncation; temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # None = up to the context limit
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    MAX_TOP_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS,
+             f"top_logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.top_logprobs}"),
+            (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    """One sequence as the engine sees it. Holds block ids, never tensors (except a pending KV import)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule only)
+    finish_reason: FinishReason | None = None
+    kv_import: object | None = None  # generation_only: common.kv.layout.KvExport until copied in
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of this request's full blocks
+    max_total_tokens: int = 0  # prompt + output cap, set by the engine from max_tokens / max_model_len
+    arrival_time: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    text: str = ""  # detokenised delta (empty when the engine has no tokenizer)
+    matched_stop: str | None = None
+    session_id: str | None = None  # context_only: where the KV waits for its pull

@@ -1,0 +1,116 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every request has `num_computed_tokens` of its `num_tokens` in the KV cache. Each step gives
+running requests their next tokens (one for a decode, a chunk for an unfinished prefill)
+within a token budget, then admits waiting requests while the budget and the pool allow.
+When a running request cannot get a block, the most recently admitted one is preempted:
+its blocks are freed and it goes back to the queue to be recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.engine.block_manager import BlockManager
+from common.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What to run this step; the model runner decides how."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    kv_imports: list[Request] = field(default_factory=list)  # copy their imported KV in before running
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues (finished or aborted); the caller frees its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, n, batch):
+                break  # the request itself was preempted (it was the last one)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        if not batch.preempted:
+            budget = self._admit_waiting(batch, budget)
+        return batch
+
+    def _allocate_or_preempt(self, request: Request, n: int, batch: ScheduledBatch) -> bool:
+        while not self.block_manager.allocate_slots(request, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.kv_import is not None:
+                if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+                    break
+                request.num_computed_tokens = request.num_prompt_tokens
+                batch.kv_imports.append(request)
+            else:
+                self.block_manager.match_prefix(request)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = request.num_computed_tokens
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(request, n):
+                if request.kv_import is None:
+                    self.block_manager.free(request)  # give back the prefix hits; retry next step
+                else:
+                    batch.kv_imports.pop()
+                    self.block_manager.free(request)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.kv_import = None  # recompute from tokens: an imported KV is gone with its blocks
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,29 @@
+"""Typed errors raised by the library; services map them to gRPC status codes in one place."""
+
+
+class DisaggError(Exception):
+    """Base class: every error the library raises on purpose."""
+
+
+class InvalidRequest(DisaggError):
+    """The request itself is wrong (maps to INVALID_ARGUMENT)."""
+
+
+class InvalidConfig(DisaggError):
+    """A configuration value is out of range; the message names the flag."""
+
+
+class NotFound(DisaggError):
+    """Unknown model, session or handle (maps to NOT_FOUND)."""
+
+
+class SessionExpired(NotFound):
+    """A KV session or tensor handle outlived its TTL."""
+
+
+class LayoutMismatch(DisaggError):
+    """Exported KV does not fit the importer's cache (maps to FAILED_PRECONDITION)."""
+
+
+class ResourceExhausted(DisaggError):
+    """A queue or the KV pool is full (maps to RESOURCE_EXHAUSTED)."""

@@ -1,0 +1,66 @@
+"""The layout of exported KV blocks and the fingerprint that says two engines can share them."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+
+import torch
+from transformers import PretrainedConfig
+
+from common.errors import LayoutMismatch
+
+# Bump when the meaning of exported blocks changes (cache layout, RoPE placement, ...).
+KV_FORMAT_VERSION = 1
+# Config entries that name where a model came from, not what it computes.
+_NON_ARCHITECTURAL = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
+
+
+def model_fingerprint(config: PretrainedConfig, dtype: str) -> str:
+    """Hash of the model config + KV dtype + KV format version: equal only when KV blocks are interchangeable."""
+    arch = {k: v for k, v in sorted(config.to_dict().items()) if k not in _NON_ARCHITECTURAL}
+    payload = json.dumps({"config": arch, "dtype": dtype, "kv_format": KV_FORMAT_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    fingerprint: str
+
+    def check_compatible(self, exported: "KvLayout") -> None:
+        """Raise LayoutMismatch naming both sides of every difference; never import mismatched KV."""
+        diffs = [
+            f"{f.name}: exporter={getattr(exported, f.name)!r} importer={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(exported, f.name) != getattr(self, f.name)
+        ]
+        if diffs:
+            raise LayoutMismatch("KV layout mismatch (" + "; ".join(diffs) + ")")
+
+    def block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass
+class KvExport:
+    """A prompt's KV as whole blocks: `blocks` is [layers, 2, n_blocks, block_size, kv_heads, head_dim]."""
+
+    layout: KvLayout
+    num_tokens: int
+    blocks: torch.Tensor
+
+    def validate(self) -> None:
+        expected = self.layout.block_shape(-(-self.num_tokens // self.layout.block_size))
+        if tuple(self.blocks.shape) != expected:
+            raise LayoutMismatch(f"KV tensor shape {tuple(self.blocks.shape)} does not match its layout {expected}")
+        if str(self.blocks.dtype).removeprefix("torch.") != self.layout.dtype:
+            raise LayoutMismatch(f"KV tensor dtype {self.blocks.dtype} does not match its layout dtype {self.layout.dtype}")

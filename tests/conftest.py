@@ -1,0 +1,19 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from tests.tiny_models import TINY_FAMILIES, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {family: str(make_tiny_model(root / family, family)) for family in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dirs) -> str:
+    return tiny_model_dirs["llama-gqa"]

@@ -1,0 +1,36 @@
+"""Tiny random-weight Hugging Face checkpoints of each supported family, saved as real model dirs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+               initializer_range=0.2)
+
+TINY_FAMILIES = {
+    "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-tied-rope-scaled": (LlamaConfig, LlamaForCausalLM, dict(
+        num_key_value_heads=1, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen2-bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qknorm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
+}
+
+
+def make_tiny_model(directory: Path, family: str, seed: int = 0) -> Path:
+    config_cls, model_cls, extra = TINY_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**_COMMON, **extra)).eval()
+    if family == "qwen2-bias":  # random init zeroes biases; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
