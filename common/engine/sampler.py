@@ -11,7 +11,7 @@ def _row_generator(seed: int, step: int) -> torch.Generator:
     # Seeded per (seed, output position): the same request draws the same tokens in every
     # mode (aggregated, prefill→decode) and after a preemption.
     g = torch.Generator()
-    g.manual_seed(xxhash.xxh64_intdigest(f"{seed}:{step}") & (2**63 - 1))
+    g.manual_seed(xxhash.xxh64_intdigest(f"{seed}:{step}".encode()) & (2**63 - 1))
     return g
 
 

@@ -1,0 +1,145 @@
+"""The asyncio bridge: the engine loop runs in its own thread; coroutines submit, stream and abort.
+
+Every touch of the engine happens on its thread (commands go through a queue), so the gRPC
+event loop never blocks on a model step and the engine needs no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, TypeVar
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
+from common.kv.layout import KvExport
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAKEUP_S = 0.25  # how often an idle loop wakes to expire KV sessions
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable, concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result (or raise its error)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
+        kv_import: KvExport | None = None,
+        first_token: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Errors in the request raise before the first output;
+        leaving the loop early (or being cancelled) aborts the request and frees its blocks."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt_token_ids, sampling, request_type, kv_import, first_token)
+            self._streams[request_id] = stream
+
+        await self.call(add)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put((lambda e: self._abort(e, request_id), concurrent.futures.Future()))
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a request from anywhere; its stream ends with an ABORT output."""
+        return await self.call(lambda e: self._abort(e, request_id))
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        request = engine.requests.get(request_id)
+        aborted = engine.abort_request(request_id)
+        if stream is not None and aborted:
+            stream.put(RequestOutput(request_id, [], [], finished=True, finish_reason=FinishReason.ABORT,
+                                     num_prompt_tokens=request.num_prompt_tokens,
+                                     num_output_tokens=len(request.output_token_ids)))
+        return aborted
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put((lambda e: None, concurrent.futures.Future()))
+        self._thread.join(timeout=10)
+
+    # --- the engine thread ---
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            self._run_commands(block=not engine.has_unfinished_requests())
+            if not engine.has_unfinished_requests():
+                engine.expire_sessions()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a broken step fails its requests, not the process
+                log.exception("engine step failed; failing %d requests", len(self._streams))
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=_IDLE_WAKEUP_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(exc)
+        self._streams.clear()

@@ -1,0 +1,87 @@
+"""Sampling parameters: validation, reproducibility, and what each filter keeps."""
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import Request, SamplingParams
+from common.engine.sampler import Sampler, _filter
+from common.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": float("nan")}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"min_p": 2.0}, r"min_p must be in \[0, 1\]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"top_logprobs": 21}, r"top_logprobs must be in \[0, 20\]"),
+    ({"stop": ("",)}, "stop strings must not be empty"),
+])
+def test_bad_sampling_values_are_rejected_with_the_limit(kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_keeps_exactly_k():
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    kept = torch.isfinite(_filter(logits, top_k=2, top_p=1.0, min_p=0.0))
+    assert kept.tolist() == [False, True, False, True, False]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = torch.isfinite(_filter(probs.log(), top_k=0, top_p=0.7, min_p=0.0))
+    assert kept.tolist() == [True, True, False, False]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    probs = torch.tensor([0.6, 0.3, 0.07, 0.03])
+    kept = torch.isfinite(_filter(probs.log(), top_k=0, top_p=1.0, min_p=0.1))
+    assert kept.tolist() == [True, True, True, False]
+
+
+def test_repetition_penalty_follows_hf():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0]])
+    request = Request("r", [0, 1], SamplingParams(temperature=0, repetition_penalty=1.7))
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[0, 1]]), logits.clone())
+    from common.engine.sampler import _apply_repetition_penalty
+    row = logits[0].clone()
+    _apply_repetition_penalty(row, request.all_token_ids, 1.7)
+    assert torch.allclose(row, expected[0])
+
+
+def test_seeded_requests_are_reproducible_and_seed_dependent(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=128))
+    prompt = list(range(5, 20))
+
+    def run(seed):
+        return engine.generate([prompt], SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True))[0]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    # The same seed in a batch with other traffic draws the same tokens.
+    batch = engine.generate([prompt, prompt[:7], prompt[3:]],
+                            SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    assert batch[0] == run(7)
+
+
+def test_sampled_tokens_respect_top_k_1_as_greedy(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=128))
+    prompt = list(range(5, 20))
+    greedy = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    top1 = engine.generate([prompt], SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True))[0]
+    assert top1 == greedy
+
+
+def test_sampler_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    request = Request("r", [0], SamplingParams(temperature=0, logprobs=True, top_logprobs=2))
+    ((token, lp),) = Sampler()(logits, [request])
+    expected = torch.log_softmax(logits[0], -1)
+    assert token == 2 and lp.logprob == pytest.approx(float(expected[2]))
+    assert [t for t, _ in lp.top] == [2, 1]
