@@ -1,0 +1,20 @@
+"""The `disagg` command: one subcommand per process or tool, each in its own module."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+SUBCOMMANDS = {
+    "run": ("services.run_local", "generate from a prompt with the engine in this process"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+        print("usage: disagg SUBCOMMAND [args]\n\nsubcommands:\n" + "\n".join(lines), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module, _ = SUBCOMMANDS[argv[0]]
+    return importlib.import_module(module).main(argv[1:])

@@ -1,0 +1,76 @@
+"""Proto ↔ engine types, in one place for every service."""
+from __future__ import annotations
+
+from common.engine.request import FinishReason, RequestType, SamplingParams, TokenLogprob
+from common.errors import InvalidRequest
+from common.pb.disagg.v1 import common_pb2
+
+_FINISH_REASONS = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_CANCELLED,
+}
+_REQUEST_TYPES = {
+    common_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION: RequestType.CONTEXT_AND_GENERATION,
+    common_pb2.REQUEST_TYPE_CONTEXT_ONLY: RequestType.CONTEXT_ONLY,
+    common_pb2.REQUEST_TYPE_GENERATION_ONLY: RequestType.GENERATION_ONLY,
+}
+
+
+def sampling_from_proto(
+    sampling: common_pb2.SamplingParams,
+    stop: common_pb2.StopConditions | None = None,
+    output: common_pb2.OutputOptions | None = None,
+) -> SamplingParams:
+    """Unset fields take the engine's defaults; bad values raise InvalidRequest naming the field."""
+    kwargs: dict = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens"):
+        if sampling.HasField(name):
+            kwargs[name] = getattr(sampling, name)
+    if stop is not None:
+        kwargs["stop"] = tuple(stop.stop)
+        kwargs["stop_token_ids"] = tuple(stop.stop_token_ids)
+        if stop.HasField("ignore_eos"):
+            kwargs["ignore_eos"] = stop.ignore_eos
+    if output is not None:
+        if output.top_logprobs < 0:
+            raise InvalidRequest(f"top_logprobs must be >= 0, got {output.top_logprobs}")
+        kwargs["logprobs"] = output.logprobs or output.top_logprobs > 0
+        kwargs["top_logprobs"] = output.top_logprobs
+    return SamplingParams(**kwargs)
+
+
+def sampling_to_proto(params: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions,
+                                                        common_pb2.OutputOptions]:
+    """The inverse, for a service that forwards a request (router → prefill / decode)."""
+    sampling = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+    )
+    if params.seed is not None:
+        sampling.seed = params.seed
+    if params.max_tokens is not None:
+        sampling.max_tokens = params.max_tokens
+    stop = common_pb2.StopConditions(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                                     ignore_eos=params.ignore_eos)
+    output = common_pb2.OutputOptions(logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+    return sampling, stop, output
+
+
+def request_type_from_proto(value: int, default: RequestType) -> RequestType:
+    if value == common_pb2.REQUEST_TYPE_UNSPECIFIED:
+        return default
+    if value not in _REQUEST_TYPES:
+        raise InvalidRequest(f"unknown request_type {value}")
+    return _REQUEST_TYPES[value]
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )

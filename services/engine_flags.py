@@ -1,0 +1,36 @@
+"""Engine flags shared by every process that runs an engine (run, prefill, decode)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from common.engine.config import EngineConfig
+from common.engine.default_model import resolve_model
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
+                   help="Hugging Face model directory, or 'default' for SmolLM2-135M-Instruct (env DISAGG_MODEL)")
+    g.add_argument("--dtype", default=os.environ.get("DISAGG_DTYPE", "float32"),
+                   choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"))
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=int(os.environ.get("DISAGG_NUM_KV_BLOCKS", 1024)))
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--session-ttl", type=float, default=float(os.environ.get("DISAGG_SESSION_TTL", 60.0)),
+                   help="seconds an exported KV session waits for its pull")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+        session_ttl_s=args.session_ttl,
+    )

@@ -1,0 +1,112 @@
+"""What every disagg server shares: health, reflection, message caps, error mapping, graceful shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common import errors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# The one place library errors become gRPC status codes.
+_STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.InvalidConfig, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+]
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in _STATUS_OF:
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code()
+    return grpc.StatusCode.INTERNAL
+
+
+def message_of(exc: BaseException) -> str:
+    return exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the RPC with the status that `exc` maps to (never returns)."""
+    code = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=exc)
+    await context.abort(code, message_of(exc) or type(exc).__name__)
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+@dataclass
+class Server:
+    """A started grpc.aio server with its health servicer; `serving(...)` flips health per service."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    service_names: list[str]
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = _SERVING if serving else _NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float, drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Graceful shutdown: NOT_SERVING, stop accepting, let `drain` finish or cancel work, then stop."""
+        await self.set_serving(False)
+        if drain is not None:
+            await drain()
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_full_names: Iterable[str],
+    host: str,
+    port: int,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> Server:
+    """Start a server with health (NOT_SERVING until `set_serving(True)`) and reflection."""
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_full_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+    result = Server(server, health_servicer, names, bound)
+    await result.set_serving(False)
+    return result
+
+
+async def wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
