@@ -1,0 +1,79 @@
+"""The asyncio bridge: concurrent streams, abort from another coroutine, errors before the first token."""
+import asyncio
+
+import pytest
+
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import FinishReason, SamplingParams
+from common.errors import InvalidRequest
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def engines(tiny_llama):
+    config = EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=128)
+    async_engine = AsyncLLMEngine(LLMEngine(config))
+    yield async_engine, LLMEngine(config)
+    async_engine.shutdown()
+
+
+async def _collect(engine: AsyncLLMEngine, rid: str, prompt: list[int]) -> list[int]:
+    tokens = []
+    async for out in engine.generate(rid, prompt, GREEDY):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def test_concurrent_streams_match_the_sync_engine(engines):
+    async_engine, sync_engine = engines
+    prompts = [list(range(3 + i, 12 + 2 * i)) for i in range(6)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, f"r{i}", p) for i, p in enumerate(prompts)))
+
+    assert asyncio.run(main()) == sync_engine.generate(prompts, GREEDY)
+
+
+def test_abort_from_another_coroutine_ends_the_stream_and_frees_blocks(engines):
+    async_engine, _ = engines
+
+    async def main():
+        outputs = []
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        async for out in async_engine.generate("long", list(range(3, 40)), long):
+            outputs.append(out)
+            if len(outputs) == 3:
+                assert await async_engine.abort("long")
+        return outputs, await async_engine.call(lambda e: e.block_manager.num_free_blocks)
+
+    outputs, free = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.ABORT
+    assert free == 128
+
+
+def test_consumer_leaving_early_aborts_the_request(engines):
+    async_engine, _ = engines
+
+    async def main():
+        stream = async_engine.generate("leaver", list(range(3, 40)), SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        return await async_engine.call(lambda e: (e.block_manager.num_free_blocks, e.has_unfinished_requests()))
+
+    assert asyncio.run(main()) == (128, False)
+
+
+def test_bad_request_raises_before_any_output_and_the_loop_keeps_serving(engines):
+    async_engine, _ = engines
+
+    async def main():
+        with pytest.raises(InvalidRequest, match="prompt is empty"):
+            await _collect(async_engine, "bad", [])
+        return await _collect(async_engine, "good", [5, 6, 7])
+
+    assert len(asyncio.run(main())) == 8

