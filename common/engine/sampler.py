@@ -52,16 +52,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """logits [B, V] float32, raw from the model. Logprobs are of the raw distribution, as HF's output_logits."""
-        logits = logits.clone()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.sampling.logprobs for r in requests) else None
+        argmax = logits.argmax(dim=-1).tolist()  # one call serves every plain greedy row
         results = []
         for i, req in enumerate(requests):
             s = req.sampling
             row = logits[i]
             if s.repetition_penalty != 1.0:
+                row = row.clone()
                 _apply_repetition_penalty(row, req.all_token_ids, s.repetition_penalty)
             if s.greedy:
-                token = int(torch.argmax(row).item())
+                token = argmax[i] if s.repetition_penalty == 1.0 else int(torch.argmax(row).item())
             else:
                 gen = _row_generator(s.seed, len(req.output_token_ids)) if s.seed is not None else self._unseeded
                 token = _sample_row(row, req, gen)
