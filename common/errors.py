@@ -27,3 +27,7 @@ class LayoutMismatch(DisaggError):
 
 class ResourceExhausted(DisaggError):
     """A queue or the KV pool is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(DisaggError):
+    """No healthy worker can take the request, or the service is draining (maps to UNAVAILABLE)."""

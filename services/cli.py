@@ -7,6 +7,11 @@ import sys
 # subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS = {
     "run": ("services.run_local", "generate from a prompt with the engine in this process"),
+    "prefill": ("services.prefill.__main__", "the prefill worker: context phase, exports KV sessions"),
+    "decode": ("services.decode.__main__", "the decode worker: pulls KV, generates, streams tokens"),
+    "router": ("services.router.__main__", "the router: tokenise, pick workers, orchestrate prefill → decode"),
+    "up": ("services.up", "start router + prefill + decode on this machine, until Ctrl-C"),
+    "generate": ("services.client", "stream an answer from a running router"),
 }
 
 

@@ -129,10 +129,13 @@ class AsyncLLMEngine:
             return
         while True:
             fn, future = item
-            try:
-                future.set_result(fn(self.engine))
-            except Exception as exc:
-                future.set_exception(exc)
+            # A caller cancelled before its turn: skip the command. Once running, a future can
+            # no longer be cancelled, so setting its result below cannot fail (and kill this thread).
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:
+                    future.set_exception(exc)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

@@ -1,5 +1,6 @@
 """The asyncio bridge: concurrent streams, abort from another coroutine, errors before the first token."""
 import asyncio
+import threading
 
 import pytest
 
@@ -77,3 +78,22 @@ def test_bad_request_raises_before_any_output_and_the_loop_keeps_serving(engines
         return await _collect(async_engine, "good", [5, 6, 7])
 
     assert len(asyncio.run(main())) == 8
+
+
+def test_a_call_cancelled_before_its_turn_is_skipped_and_the_loop_lives_on(engines):
+    """A cancelled caller must neither run its command late nor kill the engine thread."""
+    async_engine, _ = engines
+    gate, ran = threading.Event(), []
+
+    async def main():
+        blocker = asyncio.ensure_future(async_engine.call(lambda e: gate.wait(10)))
+        skipped = asyncio.ensure_future(async_engine.call(lambda e: ran.append("late")))
+        await asyncio.sleep(0.05)
+        skipped.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        return await _collect(async_engine, "after", list(range(3, 12)))
+
+    tokens = asyncio.run(main())
+    assert ran == [] and len(tokens) == GREEDY.max_tokens

@@ -1,0 +1,167 @@
+"""The KV data plane over gRPC: session refs, TensorStore.Pull of a session's blocks, Release.
+
+The exporter (prefill) describes a pinned session as a KvSessionRef; the importer (decode)
+checks the layout, pulls the blocks as TensorChunks, checks the header against the ref,
+and releases the session. The importer owns the session once it has the ref.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, NamedTuple, Sequence
+
+import grpc
+import torch
+
+from common.errors import InvalidRequest, LayoutMismatch
+from common.kv.chunks import MAX_CHUNK_BYTES, ChunkAssembler, dtype_name
+from common.kv.layout import KvExport, KvLayout
+from common.kv.session import KvSession
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+KV_DIMS = "layer,kv,block,slot,kv_head,head_dim"
+# Room for a chunk's framing and the first chunk's header (block ids) on top of its data.
+HEADER_ROOM = 1024 * 1024
+RELEASE_TIMEOUT_S = 5.0
+_PULL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + HEADER_ROOM)]
+_GRPC_BACKENDS = (common_pb2.TRANSFER_BACKEND_UNSPECIFIED, common_pb2.TRANSFER_BACKEND_GRPC)
+
+
+class PulledKv(NamedTuple):
+    export: KvExport
+    num_bytes: int
+    seconds: float
+
+
+def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) -> worker_pb2.TensorHeader:
+    return worker_pb2.TensorHeader(
+        kind=worker_pb2.TENSOR_KIND_KV_CACHE, shape=list(blocks.shape), dtype=dtype_name(blocks.dtype),
+        layout=KV_DIMS, block_ids=list(block_ids), fingerprint=layout.fingerprint,
+    )
+
+
+def session_ref(layout: KvLayout, session: KvSession, endpoint: str) -> common_pb2.KvSessionRef:
+    """The handoff metadata of a pinned session, served by the TensorStore at `endpoint`."""
+    return common_pb2.KvSessionRef(
+        session_id=session.session_id, request_id=session.request_id, endpoint=endpoint,
+        transfer_backend=common_pb2.TRANSFER_BACKEND_GRPC, num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, block_size=layout.block_size,
+        dtype=layout.dtype, num_tokens=session.num_tokens, block_ids=session.block_ids,
+        fingerprint=layout.fingerprint, first_token=session.first_token,
+        expires_at_unix_ms=int(session.expires_at_unix * 1000),
+    )
+
+
+def layout_of(ref: common_pb2.KvSessionRef) -> KvLayout:
+    return KvLayout(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads, head_dim=ref.head_dim,
+                    block_size=ref.block_size, dtype=ref.dtype, fingerprint=ref.fingerprint)
+
+
+def check_pullable(ref: common_pb2.KvSessionRef) -> None:
+    """Refuse a ref this client cannot pull, before any bytes move."""
+    if ref.transfer_backend not in _GRPC_BACKENDS:
+        raise InvalidRequest(f"transfer backend {common_pb2.TransferBackend.Name(ref.transfer_backend)} is not "
+                             "supported here; this worker pulls over TRANSFER_BACKEND_GRPC")
+    if not ref.session_id or not ref.endpoint:
+        raise InvalidRequest("the KV session ref needs a session_id and an endpoint")
+    num_blocks = -(-ref.num_tokens // ref.block_size) if ref.block_size else -1
+    if num_blocks != len(ref.block_ids):
+        raise InvalidRequest(f"the KV session ref lists {len(ref.block_ids)} blocks for {ref.num_tokens} tokens "
+                             f"of block size {ref.block_size}")
+
+
+def kv_from_pull(header: worker_pb2.TensorHeader, blocks: torch.Tensor, ref: common_pb2.KvSessionRef) -> KvExport:
+    """The pulled tensor as a KvExport, after checking that the header describes the session in `ref`."""
+    layout = layout_of(ref)
+    expected = {
+        "kind": (worker_pb2.TensorKind.Name(header.kind), "TENSOR_KIND_KV_CACHE"),
+        "layout": (header.layout, KV_DIMS),
+        "fingerprint": (header.fingerprint, ref.fingerprint),
+        "dtype": (header.dtype, ref.dtype),
+        "shape": (list(header.shape), list(layout.block_shape(len(ref.block_ids)))),
+        "block_ids": (list(header.block_ids), list(ref.block_ids)),
+    }
+    diffs = [f"{name}: pulled={got!r} ref={want!r}" for name, (got, want) in expected.items() if got != want]
+    if diffs:
+        raise LayoutMismatch(f"pulled KV of session {ref.session_id} does not match its ref (" + "; ".join(diffs) + ")")
+    export = KvExport(layout, ref.num_tokens, blocks)
+    export.validate()
+    return export
+
+
+@contextlib.asynccontextmanager
+async def _open(target: grpc.aio.Channel | str) -> AsyncIterator[grpc.aio.Channel]:
+    if not isinstance(target, str):
+        yield target
+        return
+    channel = grpc.aio.insecure_channel(target, options=_PULL_CHANNEL_OPTIONS)
+    try:
+        yield channel
+    finally:
+        await channel.close()
+
+
+async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, max_chunk_bytes: int = 0,
+                  timeout_s: float | None = None) -> PulledKv:
+    """Pull a session's blocks (does not release it). `target` is a channel that accepts messages
+    of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint. Raises grpc.aio.AioRpcError
+    from the exporter (NOT_FOUND when expired), LayoutMismatch / InvalidRequest on a bad stream."""
+    check_pullable(ref)
+    start = time.perf_counter()
+    assembler = ChunkAssembler()
+    async with _open(target) as channel:
+        request = worker_pb2.PullRequest(handle=ref.session_id, max_chunk_bytes=max_chunk_bytes)
+        async for chunk in worker_pb2_grpc.TensorStoreStub(channel).Pull(request, timeout=timeout_s):
+            assembler.add(chunk)
+    header, blocks = assembler.finish()
+    export = kv_from_pull(header, blocks, ref)
+    return PulledKv(export, len(assembler.buffer), time.perf_counter() - start)
+
+
+async def release_session(target: grpc.aio.Channel | str, handle: str,
+                          timeout_s: float | None = RELEASE_TIMEOUT_S) -> bool:
+    """Release a TensorStore handle; False when it was unknown, expired or already released."""
+    async with _open(target) as channel:
+        stub = worker_pb2_grpc.TensorStoreStub(channel)
+        response = await stub.Release(worker_pb2.ReleaseRequest(handle=handle), timeout=timeout_s)
+    return response.released
+
+
+async def release_quietly(target: grpc.aio.Channel | str, handle: str) -> bool:
+    """Release, logging instead of raising: the exporter's TTL frees what a lost release leaves."""
+    try:
+        return await release_session(target, handle)
+    except grpc.aio.AioRpcError as exc:
+        log.warning("could not release KV session %s (%s: %s); it will expire", handle, exc.code().name,
+                    exc.details())
+        return False
+
+
+async def pull_and_release(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *,
+                           timeout_s: float | None = None) -> PulledKv:
+    """Pull, then release the session whatever happened: success, a failed pull, or cancellation."""
+    try:
+        return await pull_kv(target, ref, timeout_s=timeout_s)
+    finally:
+        # Shielded: a cancelled pull must still free the exporter's blocks.
+        await asyncio.shield(release_quietly(target, ref.session_id))
+
+
+class ChannelCache:
+    """One channel per exporter endpoint, reused across pulls; `close` at shutdown."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, endpoint: str) -> grpc.aio.Channel:
+        if endpoint not in self._channels:
+            self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=_PULL_CHANNEL_OPTIONS)
+        return self._channels[endpoint]
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(channel.close() for channel in channels))

@@ -1,0 +1,71 @@
+"""`disagg generate "prompt"`: stream an answer from a running router to the terminal."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.router.config import DEFAULT_PORT
+
+DEFAULT_ROUTER = os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}")
+
+
+def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(
+        model=args.model,
+        sampling=common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
+        stop=common_pb2.StopConditions(stop=args.stop),
+    )
+    if args.top_p is not None:
+        request.sampling.top_p = args.top_p
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    if args.raw:
+        request.prompt = args.prompt
+    else:
+        if args.system:
+            request.chat.messages.add(role="system", content=args.system)
+        request.chat.messages.add(role="user", content=args.prompt)
+    return request
+
+
+def _summary(finished: common_pb2.Finished) -> str:
+    usage = finished.usage
+    reason = common_pb2.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_").lower()
+    rate = usage.completion_tokens / (usage.e2e_ms / 1000) if usage.e2e_ms else 0.0
+    return (f"[{reason}: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
+            f"ttft {usage.ttft_ms:.0f} ms, {usage.e2e_ms / 1000:.2f} s, {rate:.1f} tokens/s]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg generate", description=__doc__)
+    parser.add_argument("prompt")
+    parser.add_argument("--router", default=DEFAULT_ROUTER, help="host:port of the router (env DISAGG_ROUTER)")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--system", default=None, help="a system message (chat only)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--model", default="", help="model name (default: the router's)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    args = parser.parse_args(argv)
+    with grpc.insecure_channel(args.router) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for response in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):
+                if response.HasField("delta"):
+                    sys.stdout.write(response.delta.text)
+                    sys.stdout.flush()
+                else:
+                    print("\n" + _summary(response.finished), file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\nerror from {args.router}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return 0

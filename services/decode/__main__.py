@@ -1,0 +1,18 @@
+"""`python -m services.decode` / `disagg decode`: the decode worker process."""
+from __future__ import annotations
+
+import sys
+
+from common.pb.disagg.v1 import worker_pb2
+from services.decode.server import SERVICE_NAMES, add_args, add_servicers
+from services.worker_service import RoleSpec, run_worker
+
+SPEC = RoleSpec(worker_pb2.WORKER_ROLE_DECODE, SERVICE_NAMES, add_servicers, add_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(SPEC, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Decoder servicer: one request per bidirectional stream.
+
+With a KvSessionRef the worker checks the layout, pulls the prompt's KV from the exporter's
+TensorStore, releases the session and generates from the first token (GENERATION_ONLY);
+without one it runs the prompt itself (CONTEXT_AND_GENERATION). Once this worker accepts a
+DecodeStart with a session it owns the session and releases it whatever happens next (also
+when it refuses the request as invalid or mismatched); only when it is UNAVAILABLE (loading,
+shutting down) does the caller keep it, to try another decode worker.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
+from common.errors import InvalidRequest, NotFound, Unavailable
+from common.kv.layout import KvExport, KvLayout
+from common.kv.transfer import ChannelCache, check_pullable, layout_of, pull_and_release, release_quietly
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.convert import finish_reason_to_proto, logprob_to_proto, request_type_from_proto, sampling_from_proto
+from services.serving import abort_with
+from services.worker_service import WorkerState
+
+log = logging.getLogger(__name__)
+SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-pull-timeout", type=float, default=60.0,
+                        help="seconds a KV pull from a prefill worker may take before UNAVAILABLE")
+
+
+def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
+    channels = ChannelCache()
+    state.closers.append(channels.close)
+    worker_pb2_grpc.add_DecoderServicer_to_server(DecodeServicer(state, channels, args.kv_pull_timeout), server)
+
+
+@dataclass
+class _Plan:
+    """A validated DecodeStart."""
+
+    request_id: str  # the caller's
+    engine_id: str  # unique in the engine
+    prompt: list[int]
+    sampling: SamplingParams
+    request_type: RequestType
+    session: common_pb2.KvSessionRef | None
+    first_token: int | None
+
+
+def _plan(start: worker_pb2.DecodeStart, layout: KvLayout) -> _Plan:
+    has_session = start.HasField("session")
+    request_type = request_type_from_proto(
+        start.request_type, RequestType.GENERATION_ONLY if has_session else RequestType.CONTEXT_AND_GENERATION)
+    if request_type is RequestType.CONTEXT_ONLY:
+        raise InvalidRequest("Decode does not run CONTEXT_ONLY requests; call Prefiller.Prefill")
+    if (request_type is RequestType.GENERATION_ONLY) != has_session:
+        raise InvalidRequest(f"request_type {request_type.value} contradicts the request: generation_only needs a "
+                             "session, context_and_generation takes none")
+    if start.embeddings:
+        raise InvalidRequest("this decode worker takes no image embeddings (a text-only model)")
+    sampling = sampling_from_proto(start.sampling, start.stop, start.output)
+    if has_session:
+        _check_session(start, layout)
+    return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
+                 sampling, request_type, start.session if has_session else None,
+                 start.first_token if has_session else None)
+
+
+def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout) -> None:
+    ref = start.session
+    check_pullable(ref)
+    if not start.HasField("first_token"):
+        raise InvalidRequest("a DecodeStart with a session needs first_token")
+    if start.first_token != ref.first_token:
+        raise InvalidRequest(f"first_token {start.first_token} differs from the session's {ref.first_token}")
+    if ref.num_tokens != len(start.token_ids):
+        raise InvalidRequest(f"the session holds KV for {ref.num_tokens} tokens, the prompt has {len(start.token_ids)}")
+    layout.check_compatible(layout_of(ref))
+
+
+class _Progress:
+    """Turns engine outputs into stream messages and keeps the usage of this request."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.usage = common_pb2.Usage(prompt_tokens=num_prompt_tokens)
+        self.start = time.perf_counter()
+
+    def messages(self, out: RequestOutput) -> list[worker_pb2.DecodeServerMessage]:
+        messages = []
+        if out.new_token_ids:
+            if self.usage.completion_tokens == 0:
+                self.usage.ttft_ms = (time.perf_counter() - self.start) * 1000
+            self.usage.completion_tokens += len(out.new_token_ids)  # tokens generated here, not prefill's first
+            delta = common_pb2.Delta(token_ids=out.new_token_ids,
+                                     logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
+            messages.append(worker_pb2.DecodeServerMessage(request_id=self.request_id, delta=delta))
+        self.usage.cached_prompt_tokens = out.num_cached_tokens
+        if out.finished:
+            messages.append(self.finished(out))
+        return messages
+
+    def finished(self, out: RequestOutput | None = None) -> worker_pb2.DecodeServerMessage:
+        """The last message; without an output, the request was cancelled."""
+        self.usage.e2e_ms = (time.perf_counter() - self.start) * 1000
+        reason = out.finish_reason if out is not None else FinishReason.ABORT
+        finished = common_pb2.Finished(reason=finish_reason_to_proto(reason), usage=self.usage)
+        if out is not None and out.matched_stop is not None:
+            finished.matched_stop = out.matched_stop
+        elif reason is FinishReason.STOP and out.new_token_ids:
+            finished.matched_stop_token_id = out.new_token_ids[-1]
+        return worker_pb2.DecodeServerMessage(request_id=self.request_id, finished=finished)
+
+
+class DecodeServicer(worker_pb2_grpc.DecoderServicer):
+    def __init__(self, state: WorkerState, channels: ChannelCache, pull_timeout_s: float):
+        self.state = state
+        self.channels = channels
+        self.pull_timeout_s = pull_timeout_s
+
+    async def Decode(self, request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage],
+                     context: grpc.aio.ServicerContext):
+        try:
+            start = await _read_start(request_iterator)
+        except InvalidRequest as exc:
+            await abort_with(context, exc)
+        try:
+            engine = self.state.require_engine()
+            plan = _plan(start, self.state.kv_layout)
+        except Exception as exc:
+            await self._refuse(context, start, exc)
+        outbox: asyncio.Queue = asyncio.Queue()
+        work = asyncio.create_task(self._work(engine, plan, outbox))
+        work.add_done_callback(lambda _: outbox.put_nowait(None))  # the stream ends however the work ends
+        watcher = asyncio.create_task(_watch(request_iterator, work, outbox))
+        try:
+            while (item := await outbox.get()) is not None:
+                if isinstance(item, BaseException):
+                    await abort_with(context, item)
+                yield item
+        finally:  # also when the client disappears: the work's cleanup frees everything
+            watcher.cancel()
+            work.cancel()
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, start: worker_pb2.DecodeStart, exc: Exception) -> None:
+        """End the RPC with exc's status, releasing the refused request's session unless another
+        decode worker could take it (this one is loading or shutting down)."""
+        ref = start.session
+        if start.HasField("session") and ref.endpoint and ref.session_id and not isinstance(exc, Unavailable):
+            await asyncio.shield(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
+        await abort_with(context, exc)
+
+    async def _work(self, engine: AsyncLLMEngine, plan: _Plan, outbox: asyncio.Queue) -> None:
+        progress = _Progress(plan.request_id, len(plan.prompt))
+        try:
+            kv = await self._pull(plan.session) if plan.session is not None else None
+            self.state.require_engine()  # not if shutdown began during the pull
+            async for out in engine.generate(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
+                                             plan.first_token):
+                if out.finish_reason is FinishReason.ABORT:
+                    raise Unavailable("the decode worker is shutting down; the request was aborted")
+                for message in progress.messages(out):
+                    outbox.put_nowait(message)
+        except asyncio.CancelledError:
+            # generate() aborts a request it streams, but not one cancelled while being added.
+            await asyncio.shield(engine.abort(plan.engine_id))
+            outbox.put_nowait(progress.finished())
+        except Exception as exc:
+            outbox.put_nowait(exc)
+
+    async def _pull(self, ref: common_pb2.KvSessionRef) -> KvExport:
+        try:
+            pulled = await pull_and_release(self.channels.get(ref.endpoint), ref, timeout_s=self.pull_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            what = f"KV session {ref.session_id} at {ref.endpoint}: {exc.code().name}: {exc.details()}"
+            if exc.code() is grpc.StatusCode.NOT_FOUND:
+                raise NotFound(what) from None
+            raise Unavailable(f"could not pull {what}") from None
+        log.debug("pulled %d KV bytes of session %s in %.1f ms", pulled.num_bytes, ref.session_id,
+                  pulled.seconds * 1000)
+        return pulled.export
+
+
+async def _read_start(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage]) -> worker_pb2.DecodeStart:
+    message = await anext(aiter(request_iterator), None)
+    if message is None:
+        raise InvalidRequest("the Decode stream closed before its `start` message")
+    if message.WhichOneof("kind") != "start":
+        raise InvalidRequest("the first Decode message must be `start`")
+    return message.start
+
+
+async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage], work: asyncio.Task,
+                 outbox: asyncio.Queue) -> None:
+    """Reads the rest of the stream: `cancel` cancels the request; a half-close changes nothing."""
+    async for message in request_iterator:
+        if message.WhichOneof("kind") == "cancel":
+            work.cancel()
+        else:
+            outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only `cancel`"))
+        return

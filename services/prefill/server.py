@@ -1,0 +1,97 @@
+"""Prefiller servicer: runs a prompt context_only, answers the first token and a KV session ref."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+
+import grpc
+
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.engine import LLMEngine
+from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
+from common.errors import InvalidRequest, Unavailable
+from common.kv.transfer import session_ref
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.convert import logprob_to_proto, sampling_from_proto
+from services.serving import abort_with
+from services.tensor_store import TensorStoreServicer
+from services.worker_service import WorkerState
+
+SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Prefiller", "TensorStore")]
+_CONTEXT_ONLY = (common_pb2.REQUEST_TYPE_UNSPECIFIED, common_pb2.REQUEST_TYPE_CONTEXT_ONLY)
+
+
+def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
+    worker_pb2_grpc.add_PrefillerServicer_to_server(PrefillServicer(state), server)
+    worker_pb2_grpc.add_TensorStoreServicer_to_server(TensorStoreServicer(state), server)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
+    def __init__(self, state: WorkerState):
+        self.state = state
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        # Unique in the engine even when a router retries the same request id.
+        engine_id = f"{request.request_id or 'prefill'}-{uuid.uuid4().hex[:8]}"
+        try:
+            engine = self.state.require_engine()
+            output = await _context_only(engine, engine_id, request, _sampling(request))
+            response = await self._response(engine, output, request.request_id)
+        except asyncio.CancelledError:
+            self._release_sessions_of(engine_id)  # the caller left; a session made meanwhile must not wait for its TTL
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+        return response
+
+    async def _response(self, engine: AsyncLLMEngine, output: RequestOutput,
+                        request_id: str) -> worker_pb2.PrefillResponse:
+        if output.finish_reason is FinishReason.ABORT:
+            raise Unavailable("the prefill worker is shutting down; the request was aborted")
+        response = worker_pb2.PrefillResponse(first_token=output.new_token_ids[0],
+                                              cached_tokens=output.num_cached_tokens)
+        if output.new_logprobs:
+            logprob = logprob_to_proto(output.new_logprobs[0])
+            response.first_token_logprob = logprob.logprob
+            response.first_token_top_logprobs.extend(logprob.top_logprobs)
+        if output.session_id is not None:
+            session_id, endpoint = output.session_id, self.state.endpoint
+            ref = await engine.call(lambda e: session_ref(e.kv_layout, e.sessions.get(session_id), endpoint))
+            ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
+            response.session.CopyFrom(ref)
+        return response
+
+    def _release_sessions_of(self, engine_id: str) -> None:
+        if self.state.engine is not None:
+            self.state.spawn(_forget(self.state.engine, engine_id))
+
+
+def _sampling(request: worker_pb2.PrefillRequest) -> SamplingParams:
+    if request.request_type not in _CONTEXT_ONLY:
+        raise InvalidRequest(f"Prefill runs CONTEXT_ONLY requests, got "
+                             f"{common_pb2.RequestType.Name(request.request_type)}")
+    if request.embeddings:
+        raise InvalidRequest("this prefill worker takes no image embeddings (a text-only model)")
+    return sampling_from_proto(request.sampling, None, request.output)
+
+
+async def _context_only(engine: AsyncLLMEngine, engine_id: str, request: worker_pb2.PrefillRequest,
+                        sampling: SamplingParams) -> RequestOutput:
+    outputs = [out async for out in engine.generate(engine_id, list(request.token_ids), sampling,
+                                                    RequestType.CONTEXT_ONLY)]
+    return outputs[-1]
+
+
+async def _forget(engine: AsyncLLMEngine, engine_id: str) -> None:
+    """Abort the request (generate() does not when cancelled while adding it), then free any session it made."""
+    await engine.abort(engine_id)
+    await engine.call(lambda e: _release_sessions_of(e, engine_id))
+
+
+def _release_sessions_of(engine: LLMEngine, engine_id: str) -> int:
+    session_ids = [s.session_id for s in engine.sessions.sessions.values() if s.request_id == engine_id]
+    for session_id in session_ids:
+        engine.release_session(session_id)
+    return len(session_ids)

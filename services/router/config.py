@@ -1,0 +1,79 @@
+"""RouterConfig: the router's flags, validated once."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from common.discovery import Role, StaticDiscovery
+from common.engine.default_model import resolve_model
+from common.errors import InvalidConfig
+from services.router.policies import POLICIES
+
+DEFAULT_PORT = 50051
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    """Model directory whose tokenizer (and config.json) the router uses; workers serve the weights."""
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    model_name: str | None = None
+    """The name clients put in GenerateRequest.model; by default what the decode workers announce."""
+    policy: str = "round_robin"
+    min_remote_prefill_tokens: int = 0
+    """Prompts shorter than this run aggregated on a decode worker instead of on a prefill worker."""
+    max_inflight_requests: int = 256
+    worker_wait_s: float = 60.0
+    """How long a newly discovered worker may stay silent before the router serves without it."""
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}"),
+            (self.policy in POLICIES, f"--policy must be one of {sorted(POLICIES)}, got {self.policy!r}"),
+            (self.min_remote_prefill_tokens >= 0,
+             f"--min-remote-prefill-tokens must be >= 0, got {self.min_remote_prefill_tokens}"),
+            (self.max_inflight_requests >= 1, f"--max-inflight-requests must be >= 1, got {self.max_inflight_requests}"),
+            (self.worker_wait_s > 0, f"--worker-wait must be > 0, got {self.worker_wait_s}"),
+            (self.drain_timeout_s >= 0, f"--drain-timeout must be >= 0, got {self.drain_timeout_s}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidConfig(message)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=os.environ.get("DISAGG_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_ROUTER_PORT", DEFAULT_PORT)),
+                        help="0 picks a free port (env DISAGG_ROUTER_PORT)")
+    parser.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
+                        help="model directory or 'default' (SmolLM2-135M-Instruct), for the tokenizer (env DISAGG_MODEL)")
+    parser.add_argument("--model-name", default=None, help="the model's name for clients (default: the workers')")
+    parser.add_argument("--prefill-workers", default=None,
+                        help="host:port,... of prefill workers (env DISAGG_PREFILL_WORKERS)")
+    parser.add_argument("--decode-workers", default=None,
+                        help="host:port,... of decode workers (env DISAGG_DECODE_WORKERS)")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="round_robin")
+    parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
+                        help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
+    parser.add_argument("--max-inflight-requests", type=int, default=256,
+                        help="requests in flight before new ones get RESOURCE_EXHAUSTED")
+    parser.add_argument("--worker-wait", type=float, default=60.0,
+                        help="seconds a listed worker may stay silent before the router serves without it")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model=str(resolve_model(args.model)), host=args.host, port=args.port, model_name=args.model_name, policy=args.policy,
+        min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
+        worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout,
+    )
+
+
+def discovery_from_args(args: argparse.Namespace) -> StaticDiscovery:
+    return StaticDiscovery.from_flags({Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers})

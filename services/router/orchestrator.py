@@ -1,0 +1,242 @@
+"""One request through the workers: prefill → decode with the KV session, or aggregated on a decode worker.
+
+Every worker RPC lives inside an async generator that the caller closes (contextlib.aclosing):
+when the client cancels or disconnects, closing it cancels the in-flight Prefill or Decode call,
+and a KV session that no decode worker took over is released on its prefill worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Iterator
+
+import grpc
+
+from common.discovery import Role
+from common.errors import ResourceExhausted, Unavailable
+from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
+from services.router.config import RouterConfig
+from services.router.policies import make_policy
+from services.router.prepare import PreparedRequest, RequestPreparer, ServedModel
+from services.router.streaming import Response, ResponseBuilder
+from services.router.workers import WorkerClient, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_RELEASE_TIMEOUT_S = 5.0
+_STOP, _LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+
+
+class Orchestrator:
+    def __init__(self, pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig):
+        self._pool = pool
+        self._preparer = preparer
+        self._config = config
+        self._policies = {role: make_policy(config.policy) for role in (Role.PREFILL, Role.DECODE)}
+        # One thread: HF tokenizers are not meant to be driven from several threads at once.
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.inflight = 0
+        self.draining = False
+
+    def response(self, request_id: str) -> ResponseBuilder:
+        return ResponseBuilder(request_id, self._preparer.tokenizer)
+
+    def served_model(self) -> ServedModel:
+        model = self._pool.model()
+        if model is None:
+            raise Unavailable("no decode worker is ready; the router cannot serve yet")
+        return ServedModel(self._config.model_name or model.name, model.max_model_len)
+
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    async def generate(self, request: generation_pb2.GenerateRequest, out: ResponseBuilder) -> AsyncIterator[Response]:
+        """Deltas then one Finished; raises the typed error (or the worker's AioRpcError) on failure."""
+        with self._admitted():
+            model = self.served_model()
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._tokenize, self._preparer.prepare, request,
+                                                  out.request_id, model)
+            out.bind(prepared)
+            async with contextlib.aclosing(self._run(prepared, out)) as responses:
+                async for response in responses:
+                    yield response
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        if self.draining:
+            raise Unavailable("the router is shutting down; send the request to another router")
+        limit = self._config.max_inflight_requests
+        if self.inflight >= limit:
+            raise ResourceExhausted(f"the router has {self.inflight} requests in flight, its limit "
+                                    f"(--max-inflight-requests={limit}); retry later")
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    async def _run(self, req: PreparedRequest, out: ResponseBuilder) -> AsyncIterator[Response]:
+        decode = await self._pick(Role.DECODE)
+        if decode is None:
+            raise Unavailable("no decode worker is available")
+        with decode.busy():
+            prefill = await self._pick(Role.PREFILL) if len(req.prompt) >= self._config.min_remote_prefill_tokens else None
+            flow = (self._disaggregated(prefill, decode, req, out) if prefill is not None
+                    else self._decode(decode, req, out, _aggregated_start(req)))
+            async with contextlib.aclosing(flow) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _pick(self, role: Role) -> WorkerClient | None:
+        workers = self._pool.ready(role)
+        return await self._policies[role].pick(workers) if workers else None
+
+    async def _disaggregated(self, prefill: WorkerClient, decode: WorkerClient, req: PreparedRequest,
+                             out: ResponseBuilder) -> AsyncIterator[Response]:
+        ready = await self._prefill(prefill, req)
+        if ready is None:
+            flow = self._decode(decode, req, out, _aggregated_start(req))
+        else:
+            flow = self._after_prefill(ready, decode, req, out)
+        async with contextlib.aclosing(flow) as responses:
+            async for response in responses:
+                yield response
+
+    async def _prefill(self, worker: WorkerClient, req: PreparedRequest) -> worker_pb2.PrefillResponse | None:
+        """The prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
+        request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
+                                            sampling=req.sampling, output=req.output)
+        call = worker.prefiller.Prefill(request)
+        try:
+            with worker.busy():
+                return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if not call.cancel():  # it had already answered: its session has no taker now
+                self._pool.spawn(self._release_answered(call))
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            self._pool.mark_down(worker, exc.details())
+            log.warning("request %s: prefill worker %s unavailable; running aggregated", req.request_id,
+                        worker.endpoint)
+            return None
+
+    async def _after_prefill(self, ready: worker_pb2.PrefillResponse, decode: WorkerClient, req: PreparedRequest,
+                             out: ResponseBuilder) -> AsyncIterator[Response]:
+        session = ready.session if ready.HasField("session") else None
+        handed_over = False
+        try:
+            out.cached_prompt_tokens = ready.cached_tokens
+            first = common_pb2.TokenLogprob(token_id=ready.first_token, logprob=ready.first_token_logprob,
+                                            top_logprobs=ready.first_token_top_logprobs)
+            response = out.delta([ready.first_token], [first])
+            if response is not None:
+                yield response
+            ending = self._first_token_ends(req, out, ready.first_token)
+            if ending is not None:
+                for response in out.finish(*ending):
+                    yield response
+                return
+            start = _handoff_start(req, ready.first_token, session) if session else _continuation_start(req, ready)
+            handed_over = True
+            async with contextlib.aclosing(self._decode(decode, req, out, start)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            if session is not None and not handed_over:
+                self._release(session)
+
+    def _first_token_ends(self, req: PreparedRequest, out: ResponseBuilder, token: int) -> tuple[int, int | None] | None:
+        """(reason, matched stop token id) when the token prefill sampled already ends the request."""
+        params = req.params
+        if out.stopped:
+            return _STOP, None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._preparer.facts.eos_token_ids):
+            return _STOP, token
+        if params.max_tokens == 1 or len(req.prompt) + 1 >= req.max_model_len:
+            return _LENGTH, None
+        return None
+
+    async def _decode(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
+                      start: worker_pb2.DecodeStart) -> AsyncIterator[Response]:
+        session = start.session if start.HasField("session") else None
+        call = worker.decoder.Decode()
+        answered = False
+        try:
+            await call.write(worker_pb2.DecodeClientMessage(start=start))
+            async for message in call:
+                answered = True
+                if message.HasField("finished"):
+                    for response in self._worker_finished(message.finished, session, out):
+                        yield response
+                    return
+                response = out.delta(message.delta.token_ids, message.delta.logprobs)
+                if response is not None:
+                    yield response
+                if out.stopped:
+                    for response in out.finish(_STOP):
+                        yield response
+                    return
+            raise Unavailable(f"decode worker {worker.endpoint} ended request {req.request_id} without finishing it")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                self._pool.mark_down(worker, exc.details())
+            raise
+        finally:
+            call.cancel()
+            if session is not None and not answered:
+                self._release(session)
+
+    @staticmethod
+    def _worker_finished(finished: common_pb2.Finished, session: common_pb2.KvSessionRef | None,
+                         out: ResponseBuilder) -> list[Response]:
+        if session is None:
+            out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
+        stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
+        return out.finish(finished.reason, stop_id)
+
+    async def _release_answered(self, call: grpc.aio.UnaryUnaryCall) -> None:
+        try:
+            ready = await call
+        except grpc.aio.AioRpcError:
+            return
+        if ready.HasField("session"):
+            self._release(ready.session)
+
+    def _release(self, session: common_pb2.KvSessionRef) -> None:
+        """Free a KV session no decode worker took over; in the background, so a cancelled request still does it."""
+        async def release() -> None:
+            try:
+                await self._pool.tensor_store(session.endpoint).Release(
+                    worker_pb2.ReleaseRequest(handle=session.session_id), timeout=_RELEASE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("releasing KV session %s on %s failed: %s", session.session_id, session.endpoint,
+                            exc.code().name)
+
+        self._pool.spawn(release())
+
+
+def _aggregated_start(req: PreparedRequest) -> worker_pb2.DecodeStart:
+    return worker_pb2.DecodeStart(request_id=req.worker_request_id, token_ids=req.prompt, sampling=req.sampling,
+                                  stop=req.stop, output=req.output)
+
+
+def _handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.KvSessionRef) -> worker_pb2.DecodeStart:
+    start = _aggregated_start(req)
+    start.first_token = first_token
+    start.session.CopyFrom(session)
+    return start
+
+
+def _continuation_start(req: PreparedRequest, ready: worker_pb2.PrefillResponse) -> worker_pb2.DecodeStart:
+    """Prefill ended the request where the router does not (it cannot know ignore_eos or stop token ids):
+    decode continues aggregated from the prompt and the first token."""
+    start = _aggregated_start(req)
+    start.token_ids.append(ready.first_token)
+    if req.sampling.HasField("max_tokens"):
+        start.sampling.max_tokens = req.sampling.max_tokens - 1
+    return start

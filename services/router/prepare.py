@@ -1,0 +1,112 @@
+"""GenerateRequest → a validated, tokenised request, before any worker is touched."""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.engine.request import SamplingParams
+from common.engine.stopping import load_tokenizer
+from common.engine.tokenizer import Tokenizer
+from common.errors import InvalidRequest, NotFound
+from common.pb.disagg.v1 import common_pb2, generation_pb2
+from services.convert import sampling_from_proto
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the router needs to know of the model besides its tokenizer."""
+
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, tokenizer: Tokenizer | None) -> "ModelFacts":
+        root = Path(model_dir)
+        config = json.loads((root / "config.json").read_text())
+        eos: set[int] = set(tokenizer.eos_token_ids) if tokenizer else set()
+        for name in ("config.json", "generation_config.json"):
+            path = root / name
+            value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+            eos.update([value] if isinstance(value, int) else (value or []))
+        return cls(vocab_size=int(config["vocab_size"]), eos_token_ids=frozenset(eos))
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model as the workers announce it (GetInfo)."""
+
+    name: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    # Unique towards the workers: two clients may both call their request "r1".
+    worker_request_id: str
+    prompt: list[int]
+    max_model_len: int
+    params: SamplingParams
+    sampling: common_pb2.SamplingParams
+    stop: common_pb2.StopConditions
+    output: common_pb2.OutputOptions
+
+
+class RequestPreparer:
+    def __init__(self, tokenizer: Tokenizer | None, facts: ModelFacts):
+        self.tokenizer = tokenizer
+        self.facts = facts
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "RequestPreparer":
+        tokenizer = load_tokenizer(str(model_dir))
+        return cls(tokenizer, ModelFacts.from_model_dir(model_dir, tokenizer))
+
+    def prepare(self, request: generation_pb2.GenerateRequest, request_id: str,
+                model: ServedModel) -> PreparedRequest:
+        """Raises NotFound (unknown model) or InvalidRequest (what was wrong and which limit applies)."""
+        if request.model and request.model != model.name:
+            raise NotFound(f"unknown model {request.model!r}; this router serves {model.name!r} "
+                           "(or leave model empty for the default)")
+        if request.images:
+            raise InvalidRequest(f"model {model.name!r} does not accept images")
+        params = sampling_from_proto(request.sampling, request.stop, request.output)
+        prompt = self._tokens(request)
+        if len(prompt) >= model.max_model_len:
+            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {model.max_model_len} "
+                                 "tokens, which must also hold at least one generated token")
+        return PreparedRequest(request_id=request_id, worker_request_id=f"{request_id}-{secrets.token_hex(4)}",
+                               prompt=prompt, max_model_len=model.max_model_len, params=params,
+                               sampling=request.sampling, stop=request.stop, output=request.output)
+
+    def _tokens(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("the request has no input; set one of prompt, token_ids or chat")
+        if kind == "token_ids":
+            return self._checked_ids(list(request.token_ids.ids))
+        tokenizer = self._require_tokenizer(kind)
+        if kind == "prompt":
+            if not request.prompt:
+                raise InvalidRequest("prompt is empty")
+            return tokenizer.encode(request.prompt)
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        try:
+            return tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise InvalidRequest(f"chat: {exc}") from exc
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidRequest("token_ids is empty")
+        bad = [t for t in ids if t >= self.facts.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids outside the vocabulary [0, {self.facts.vocab_size}): {bad[:5]}")
+        return ids
+
+    def _require_tokenizer(self, kind: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequest(f"this model has no tokenizer, so {kind} input is not supported; send token_ids")
+        return self.tokenizer

@@ -1,0 +1,168 @@
+"""The router's view of its workers: one client per endpoint, kept in step with discovery."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Coroutine, Iterator
+
+import grpc
+
+from common.discovery import Discovery, Role
+from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
+from services.router.prepare import ServedModel
+from services.serving import channel_options
+
+log = logging.getLogger(__name__)
+
+_ACCEPTED_ROLES = {
+    Role.PREFILL: {worker_pb2.WORKER_ROLE_PREFILL},
+    Role.DECODE: {worker_pb2.WORKER_ROLE_DECODE, worker_pb2.WORKER_ROLE_AGGREGATED},
+}
+_GET_INFO_TIMEOUT_S = 5.0
+_MAX_RETRY_S = 5.0
+
+
+@dataclass(eq=False)
+class WorkerClient:
+    role: Role
+    endpoint: str
+    channel: grpc.aio.Channel
+    info: worker_pb2.WorkerInfo | None = None
+    healthy: bool = False
+    # Requests this router has on the worker right now (a tie-breaker for least_loaded).
+    inflight: int = 0
+    worker: worker_pb2_grpc.WorkerStub = field(init=False)
+    prefiller: worker_pb2_grpc.PrefillerStub = field(init=False)
+    decoder: worker_pb2_grpc.DecoderStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = worker_pb2_grpc.WorkerStub(self.channel)
+        self.prefiller = worker_pb2_grpc.PrefillerStub(self.channel)
+        self.decoder = worker_pb2_grpc.DecoderStub(self.channel)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+
+class WorkerPool:
+    """Follows discovery per role; a worker is usable once it answered GetInfo with the right role.
+
+    A worker that fails with UNAVAILABLE is set aside (`mark_down`) and probed with GetInfo until
+    it answers again. `settled` is False while a newly discovered worker has not answered yet
+    (within `contact_timeout_s`), so the router does not report SERVING with half its workers.
+    """
+
+    def __init__(self, discovery: Discovery, contact_timeout_s: float = 60.0, retry_s: float = 0.2):
+        self._discovery = discovery
+        self._contact_timeout_s = contact_timeout_s
+        self._retry_s = retry_s
+        self._clients: dict[Role, dict[str, WorkerClient]] = {role: {} for role in _ACCEPTED_ROLES}
+        self._pending: set[WorkerClient] = set()
+        self._stores: dict[str, worker_pb2_grpc.TensorStoreStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        for role in _ACCEPTED_ROLES:
+            self.spawn(self._follow(role))
+
+    def spawn(self, coro: Coroutine) -> None:
+        """Run a background task the pool owns (cancelled on close)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def ready(self, role: Role) -> list[WorkerClient]:
+        return [c for c in self._clients[role].values() if c.healthy]
+
+    @property
+    def settled(self) -> bool:
+        return not self._pending
+
+    def model(self) -> ServedModel | None:
+        """Name and context length as the ready workers announce them (the smallest context wins)."""
+        decoders = self.ready(Role.DECODE)
+        if not decoders:
+            return None
+        infos = [c.info for role in _ACCEPTED_ROLES for c in self.ready(role) if c.info is not None]
+        return ServedModel(name=decoders[0].info.model, max_model_len=min(i.max_model_len for i in infos))
+
+    def tensor_store(self, endpoint: str) -> worker_pb2_grpc.TensorStoreStub:
+        if endpoint not in self._stores:
+            self._stores[endpoint] = worker_pb2_grpc.TensorStoreStub(self._channel(endpoint))
+        return self._stores[endpoint]
+
+    def mark_down(self, client: WorkerClient, reason: str) -> None:
+        if client.healthy:
+            client.healthy = False
+            log.warning("%s worker %s is down (%s); probing it until it answers", client.role.value,
+                        client.endpoint, reason)
+            self.spawn(self._contact(client))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(ch.close() for ch in self._channels), return_exceptions=True)
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        channel = grpc.aio.insecure_channel(endpoint, options=channel_options())
+        self._channels.append(channel)
+        return channel
+
+    async def _follow(self, role: Role) -> None:
+        async for endpoints in self._discovery.watch(role):
+            self._apply(role, endpoints)
+
+    def _apply(self, role: Role, endpoints: list[str]) -> None:
+        current = self._clients[role]
+        for endpoint in endpoints:
+            if endpoint not in current:
+                client = current[endpoint] = WorkerClient(role, endpoint, self._channel(endpoint))
+                self._pending.add(client)
+                self.spawn(self._contact(client))
+        for endpoint in set(current) - set(endpoints):
+            client = current.pop(endpoint)
+            client.healthy = False
+            self._pending.discard(client)
+            log.info("%s worker %s left discovery", role.value, endpoint)
+
+    async def _contact(self, client: WorkerClient) -> None:
+        """GetInfo until the worker answers or leaves discovery."""
+        loop = asyncio.get_running_loop()
+        started, delay = loop.time(), self._retry_s
+        while self._clients[client.role].get(client.endpoint) is client:
+            try:
+                info = await client.worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=_GET_INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if client in self._pending and loop.time() - started > self._contact_timeout_s:
+                    log.warning("%s worker %s did not answer GetInfo within %.0fs (%s); serving without it",
+                                client.role.value, client.endpoint, self._contact_timeout_s, exc.code().name)
+                    self._pending.discard(client)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _MAX_RETRY_S)
+                continue
+            self._admit(client, info)
+            return
+
+    def _admit(self, client: WorkerClient, info: worker_pb2.WorkerInfo) -> None:
+        self._pending.discard(client)
+        if info.role not in _ACCEPTED_ROLES[client.role]:
+            log.error("worker %s is listed as %s but serves role %s; not using it", client.endpoint,
+                      client.role.value, worker_pb2.WorkerRole.Name(info.role))
+            return
+        for other in self.ready(client.role) + self.ready(Role.DECODE if client.role is Role.PREFILL else Role.PREFILL):
+            if other is not client and other.info.fingerprint != info.fingerprint:
+                log.warning("%s worker %s serves fingerprint %s (model %s) but %s worker %s serves %s (model %s); "
+                            "their KV is not interchangeable", client.role.value, client.endpoint, info.fingerprint,
+                            info.model, other.role.value, other.endpoint, other.info.fingerprint, other.info.model)
+        client.info, client.healthy = info, True
+        log.info("%s worker %s ready: model=%s fingerprint=%s max_model_len=%d", client.role.value, client.endpoint,
+                 info.model, info.fingerprint, info.max_model_len)

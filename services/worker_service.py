@@ -1,0 +1,254 @@
+"""What every engine worker (prefill, decode) shares: its state, the Worker servicer, and the process lifecycle.
+
+Lifecycle: start the gRPC server (health NOT_SERVING), load the engine off the event loop,
+flip to SERVING and print `disagg-<role> serving on HOST:PORT`; on SIGTERM/SIGINT go
+NOT_SERVING, stop accepting, abort in-flight requests, release sessions, stop the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Awaitable, Callable, Coroutine
+
+import grpc
+
+from common.engine.async_engine import AsyncLLMEngine
+from common.engine.config import EngineConfig
+from common.engine.default_model import DEFAULT_MODEL_NAME
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from common.errors import DisaggError, InvalidConfig, Unavailable
+from common.kv.layout import KvLayout
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.engine_flags import add_engine_args, engine_config_from_args
+from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, start_server
+from services.tensor_store import KvSessionSource, TensorSource
+
+log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 5.0
+_ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode"}
+
+
+@dataclass
+class WorkerState:
+    """What a worker's servicers share: identity, the engine once loaded, and work that outlives an RPC."""
+
+    role: int
+    model_name: str
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    endpoint: str = ""  # advertised host:port, known once the server is bound
+    engine: AsyncLLMEngine | None = None
+    kv_layout: KvLayout | None = None
+    tensor_source: TensorSource | None = None
+    shutting_down: bool = False
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def role_name(self) -> str:
+        return _ROLE_NAMES[self.role]
+
+    def require_engine(self) -> AsyncLLMEngine:
+        if self.shutting_down:
+            raise Unavailable(f"the {self.role_name} worker is shutting down")
+        if self.engine is None:
+            raise Unavailable(f"the {self.role_name} worker is still loading its model")
+        return self.engine
+
+    def spawn(self, coro: Coroutine) -> None:
+        """Run cleanup that must finish even when the RPC that started it is gone; drained at shutdown."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, state: WorkerState):
+        self.state = state
+
+    async def GetInfo(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        try:
+            facts = await self.state.require_engine().call(lambda e: (e.kv_layout, e.max_model_len, e.config))
+        except DisaggError as exc:
+            await abort_with(context, exc)
+        layout, max_model_len, config = facts
+        return worker_pb2.WorkerInfo(
+            role=self.state.role, model=self.state.model_name, fingerprint=layout.fingerprint,
+            block_size=layout.block_size, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim, dtype=layout.dtype, max_model_len=max_model_len,
+            limits=_limits(config, self.state.max_message_bytes), worker_id=self.state.worker_id,
+            endpoint=self.state.endpoint, engine="torch", engine_version=_version(),
+            transfer_backends=[common_pb2.TRANSFER_BACKEND_GRPC],
+        )
+
+    async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
+        try:
+            load = await self.state.require_engine().call(_load)
+            load.stored_tensors, load.stored_tensor_bytes = await self.state.tensor_source.stored()
+        except DisaggError as exc:
+            await abort_with(context, exc)
+        load.timestamp_unix_ms = int(time.time() * 1000)
+        return load
+
+    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "KV events are not implemented yet (a later issue adds them for kv_aware routing)")
+        yield  # an async generator, as the streaming RPC requires
+
+
+def _limits(config: EngineConfig, max_message_bytes: int) -> worker_pb2.WorkerLimits:
+    return worker_pb2.WorkerLimits(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_waiting_requests=config.max_waiting, max_message_bytes=max_message_bytes,
+        max_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS, session_ttl_ms=int(config.session_ttl_s * 1000),
+    )
+
+
+def _load(engine: LLMEngine) -> worker_pb2.Load:
+    blocks = engine.block_manager
+    return worker_pb2.Load(
+        running_requests=engine.num_running, waiting_requests=engine.num_waiting, kv_blocks_total=blocks.num_blocks,
+        kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage,
+        active_kv_sessions=len(engine.sessions.sessions),
+    )
+
+
+def _version() -> str:
+    try:
+        return metadata.version("disagg")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# --- the process ---
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One worker kind: its role, the services it adds besides Worker, and how to add them."""
+
+    role: int
+    service_names: list[str]
+    add_servicers: Callable[[grpc.aio.Server, WorkerState, argparse.Namespace], None]
+    add_args: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+
+
+def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
+    name = _ROLE_NAMES[spec.role]
+    parser = argparse.ArgumentParser(prog=f"disagg {name}", description=f"The {name} worker.")
+    _add_process_args(parser)
+    spec.add_args(parser)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    for ours in ("common", "services"):  # --log-level debug should not turn on grpc's and asyncio's
+        logging.getLogger(ours).setLevel(args.log_level.upper())
+    try:
+        config = engine_config_from_args(args)
+    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(_serve(spec, args, config))
+    except Exception:
+        log.exception("the %s worker failed", name)
+        return 1
+    return 0
+
+
+def _add_process_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    g.add_argument("--advertise-host", default=None,
+                   help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _advertised(args: argparse.Namespace, port: int) -> str:
+    host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host)
+    return f"{host}:{port}"
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    if args.model_name:
+        return args.model_name
+    if args.model in (None, "default", DEFAULT_MODEL_NAME):
+        return DEFAULT_MODEL_NAME
+    return args.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig) -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    state = WorkerState(spec.role, _model_name(args), args.max_message_bytes)
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(state), server)
+        spec.add_servicers(server, state, args)
+
+    names = [*spec.service_names, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
+    server = await start_server(add_servicers, names, args.host, args.port, args.max_message_bytes)
+    state.endpoint = _advertised(args, server.port)
+    try:
+        if await _load_engine(state, config, stop):
+            await server.set_serving(True)
+            print(f"disagg-{state.role_name} serving on {state.endpoint}", flush=True)
+            log.info("serving %s (%s) as worker %s", state.model_name, config.dtype, state.worker_id)
+            await stop.wait()
+    finally:
+        await _shutdown(server, state)
+
+
+async def _load_engine(state: WorkerState, config: EngineConfig, stop: asyncio.Event) -> bool:
+    """Load the model in a thread; False if a signal came first (the load finishes, unused)."""
+    loading = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loading.done():
+        return False
+    engine = AsyncLLMEngine(loading.result())
+    state.kv_layout = await engine.call(lambda e: e.kv_layout)
+    state.engine, state.tensor_source = engine, KvSessionSource(engine)
+    return True
+
+
+async def _shutdown(server: Server, state: WorkerState) -> None:
+    state.shutting_down = True
+    await server.set_serving(False)
+    stopping = asyncio.ensure_future(server.server.stop(SHUTDOWN_GRACE_S))  # refuses new RPCs at once
+    engine = state.engine
+    if engine is not None:
+        running = await engine.call(lambda e: list(e.requests))
+        await asyncio.gather(*(engine.abort(request_id) for request_id in running))
+    await stopping
+    await state.drain(SHUTDOWN_GRACE_S)
+    for close in state.closers:
+        await close()
+    if engine is not None:
+        released = await engine.call(_release_all_sessions)
+        await asyncio.to_thread(engine.shutdown)
+        log.info("stopped: aborted %d requests, released %d KV sessions", len(running), released)
+
+
+def _release_all_sessions(engine: LLMEngine) -> int:
+    session_ids = list(engine.sessions.sessions)
+    for session_id in session_ids:
+        engine.release_session(session_id)
+    return len(session_ids)

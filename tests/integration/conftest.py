@@ -1,0 +1,88 @@
+"""Fixtures for real worker processes on loopback: a tiny-model prefill + decode pair, more on demand.
+
+A failed test's report gets the log of every process it used (as "<name> log" sections).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import pytest
+
+from tests.integration.processes import ServiceProcess, start_services
+
+# Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
+TINY_ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "64")
+WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class WorkerPair:
+    prefill: ServiceProcess
+    decode: ServiceProcess
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return [self.prefill, self.decode]
+
+
+class ServiceFactory:
+    """Starts extra processes for one test (in parallel with `start_many`) and stops them all afterwards."""
+
+    def __init__(self) -> None:
+        self.processes: list[ServiceProcess] = []
+
+    def start(self, role: str, *args: str) -> ServiceProcess:
+        return self.start_many([(role, args)])[0]
+
+    def start_many(self, specs: list[tuple[str, tuple[str, ...]]]) -> list[ServiceProcess]:
+        started = start_services(specs, env=WORKER_ENV)
+        self.processes.extend(started)
+        return started
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_worker_args(tiny_llama) -> tuple[str, ...]:
+    return ("--model", tiny_llama, *TINY_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def worker_pair(tiny_worker_args) -> Iterator[WorkerPair]:
+    """A float32 tiny-llama prefill and decode, shared by a module's tests."""
+    processes = start_services([("prefill", tiny_worker_args), ("decode", tiny_worker_args)], env=WORKER_ENV)
+    try:
+        yield WorkerPair(*processes)
+    finally:
+        for process in processes:
+            process.stop()
+
+
+@pytest.fixture
+def service_factory() -> Iterator[ServiceFactory]:
+    factory = ServiceFactory()
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for process in _processes_of(item):
+            report.sections.append((f"{process.name} log", process.log()))
+
+
+def _processes_of(item) -> list[ServiceProcess]:
+    found: list[ServiceProcess] = []
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, ServiceProcess):
+            found.append(value)
+        found.extend(p for p in getattr(value, "processes", []) if isinstance(p, ServiceProcess))
+    return found

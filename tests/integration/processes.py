@@ -1,0 +1,133 @@
+"""Real service processes for integration tests and benchmarks.
+
+    proc = start_service("prefill", "--model", model_dir)   # port 0, waits for health SERVING
+    try:
+        channel = grpc.insecure_channel(proc.address)
+        ...
+    finally:
+        proc.stop()                                         # SIGTERM, then SIGKILL; returns the exit code
+
+`start_service(role, *args, env=None)` runs `python -m services.<role> --port 0 *args`,
+reads the `disagg-<role> serving on HOST:PORT` line from its stdout and waits until
+grpc.health.v1 says SERVING. `ServiceProcess.spawn` + `wait_ready` start several at once.
+`with running_service(...) as proc:` prints the process log if the block raises.
+Every process is stopped by whoever started it; nothing here outlives a `finally`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVING_LINE = re.compile(r"^disagg-(?P<role>[\w-]+) serving on (?P<address>\S+)$")
+DEFAULT_START_TIMEOUT_S = 120.0
+
+
+class ServiceProcess:
+    """One `python -m services.<role>` subprocess; its stdout and stderr are kept for `log()`."""
+
+    def __init__(self, role: str, args: tuple[str, ...], popen: subprocess.Popen):
+        self.role = role
+        self.args = args
+        self.popen = popen
+        self.address: str | None = None  # host:port from the serving line
+        self._lines: list[str] = []
+        self._announced = threading.Event()  # the serving line arrived, or the output ended
+        self._reader = threading.Thread(target=self._read_output, name=f"{role}-output", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def spawn(cls, role: str, *args: str, env: Mapping[str, str] | None = None) -> "ServiceProcess":
+        """Start the process without waiting; call `wait_ready` (and always `stop`)."""
+        command = [sys.executable, "-m", f"services.{role}", "--port", "0", *args]
+        popen = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, text=True,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return cls(role, tuple(args), popen)
+
+    @property
+    def name(self) -> str:
+        return f"disagg-{self.role} (pid {self.popen.pid})"
+
+    def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Until the serving line is printed and health is SERVING; RuntimeError with the log otherwise."""
+        if not self._announced.wait(timeout_s) or self.address is None:
+            raise RuntimeError(f"{self.name} did not announce its port within {timeout_s:g}s "
+                               f"(exit code {self.popen.poll()}):\n{self.log()}")
+        with grpc.insecure_channel(self.address) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
+        if response.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"{self.name} announced {self.address} but is not SERVING:\n{self.log()}")
+
+    def log(self) -> str:
+        return "".join(self._lines)
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout_s`; returns the exit code (negative: killed by a signal)."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self._reader.join(timeout=5)
+        return self.popen.returncode
+
+    def _read_output(self) -> None:
+        for line in self.popen.stdout:
+            self._lines.append(line)
+            match = SERVING_LINE.match(line.strip())
+            if match and self.address is None:
+                self.address = match["address"]
+                self._announced.set()
+        self.popen.stdout.close()
+        self._announced.set()
+
+
+def start_service(role: str, *args: str, env: Mapping[str, str] | None = None,
+                  timeout_s: float = DEFAULT_START_TIMEOUT_S) -> ServiceProcess:
+    """Start `python -m services.<role>` on a free port and wait until it serves."""
+    return start_services([(role, args)], env=env, timeout_s=timeout_s)[0]
+
+
+def start_services(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str, str] | None = None,
+                   timeout_s: float = DEFAULT_START_TIMEOUT_S) -> list[ServiceProcess]:
+    """Start several at once (they load in parallel); if any fails, all are stopped."""
+    processes: list[ServiceProcess] = []
+    try:
+        for role, args in specs:
+            processes.append(ServiceProcess.spawn(role, *args, env=env))
+        for process in processes:
+            process.wait_ready(timeout_s)
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return processes
+
+
+@contextlib.contextmanager
+def running_service(role: str, *args: str, env: Mapping[str, str] | None = None) -> Iterator[ServiceProcess]:
+    """A started service for the block; its log goes to stderr if the block raises."""
+    process = start_service(role, *args, env=env)
+    try:
+        yield process
+    except BaseException:
+        print(f"--- log of {process.name} ---\n{process.log()}", file=sys.stderr)
+        raise
+    finally:
+        process.stop()

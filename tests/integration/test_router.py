@@ -1,0 +1,349 @@
+"""The router over real prefill and decode processes on loopback: parity with HF, cancels, errors, limits.
+
+One prefill and one decode worker serve a tiny random Llama whose vocabulary is SmolLM2's, with
+SmolLM2's tokenizer files next to it, so text requests work; several routers share them.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.engine.default_model import default_model_dir
+from common.engine.tokenizer import Tokenizer
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.hf_reference import hf_greedy
+from tests.integration.processes import ServiceProcess, start_service, start_services
+
+PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "GPUs are fast because",
+           "Bread needs flour, water and"]
+MAX_TOKENS = 12
+
+
+def make_text_model(directory: Path) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir() / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory) -> str:
+    return str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_model) -> Tokenizer:
+    return Tokenizer.from_model_dir(text_model)
+
+
+@pytest.fixture(scope="module")
+def workers(text_model):
+    processes = start_services([("prefill", ("--model", text_model, "--num-kv-blocks", "256")),
+                                ("decode", ("--model", text_model, "--num-kv-blocks", "256"))])
+    yield processes
+    _stop_all(processes)
+
+
+def _router(model: str, prefill: list[ServiceProcess], decode: list[ServiceProcess], *flags: str) -> ServiceProcess:
+    args = ["--model", model, "--decode-workers", ",".join(p.address for p in decode), *flags]
+    if prefill:
+        args += ["--prefill-workers", ",".join(p.address for p in prefill)]
+    return start_service("router", *args)
+
+
+def _stop_all(processes: list[ServiceProcess]) -> None:
+    for process in processes:
+        code = process.stop()
+        assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
+        assert "Traceback" not in process.log(), process.log()
+
+
+@pytest.fixture(scope="module")
+def router(text_model, workers):
+    """Every prompt goes prefill → decode."""
+    process = _router(text_model, workers[:1], workers[1:])
+    yield process
+    _stop_all([process])
+
+
+@pytest.fixture(scope="module")
+def aggregated_router(text_model, workers):
+    """Every prompt runs aggregated on the decode worker; at most 4 requests in flight."""
+    process = _router(text_model, workers[:1], workers[1:], "--min-remote-prefill-tokens", "100000",
+                      "--max-inflight-requests", "4", "--policy", "least_loaded")
+    yield process
+    _stop_all([process])
+
+
+def _stub(process: ServiceProcess) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(process.address))
+
+
+def _greedy(max_tokens: int = MAX_TOKENS, **stop) -> dict:
+    return dict(sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens),
+                stop=common_pb2.StopConditions(**stop))
+
+
+def _collect(responses) -> tuple[list[int], str, common_pb2.Finished]:
+    tokens, text, finished = [], "", None
+    for response in responses:
+        if response.HasField("delta"):
+            tokens += response.delta.token_ids
+            text += response.delta.text
+        else:
+            finished = response.finished
+    return tokens, text, finished
+
+
+def _reference(model: str, tokenizer: Tokenizer, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    return hf_greedy(model, tokenizer.encode(prompt), max_tokens, stop_at_eos=True)[0]
+
+
+def wait_until_idle(processes: list[ServiceProcess], timeout_s: float = 10.0) -> list[worker_pb2.Load]:
+    """Poll GetLoad until every worker has all its KV blocks free and no requests or sessions."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = [worker_pb2_grpc.WorkerStub(grpc.insecure_channel(p.address)).GetLoad(worker_pb2.GetLoadRequest())
+                 for p in processes]
+        idle = all(load.kv_blocks_free == load.kv_blocks_total and not load.running_requests
+                   and not load.waiting_requests and not load.active_kv_sessions for load in loads)
+        if idle or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.05)
+
+
+def assert_idle(processes: list[ServiceProcess]) -> None:
+    for process, load in zip(processes, wait_until_idle(processes)):
+        assert load.kv_blocks_free == load.kv_blocks_total, f"{process.name} leaked blocks: {load}"
+        assert not (load.running_requests or load.waiting_requests or load.active_kv_sessions), load
+
+
+@pytest.mark.parametrize("which", ["router", "aggregated_router"])
+def test_greedy_text_matches_hf_generate(request, which, text_model, tokenizer, workers):
+    stub = _stub(request.getfixturevalue(which))
+    for prompt in PROMPTS:
+        tokens, text, finished = _collect(stub.Generate(generation_pb2.GenerateRequest(prompt=prompt, **_greedy())))
+        expected = _reference(text_model, tokenizer, prompt)
+        assert tokens == expected, prompt
+        assert text == tokenizer.decode(expected)
+        assert finished.reason == common_pb2.FINISH_REASON_LENGTH
+        usage = finished.usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(tokenizer.encode(prompt)), MAX_TOKENS)
+        assert 0 < usage.ttft_ms <= usage.e2e_ms
+    assert_idle(workers)
+
+
+def test_chat_input_uses_the_chat_template(router, text_model, tokenizer):
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="Hi!")])
+    tokens, _, _ = _collect(_stub(router).Generate(generation_pb2.GenerateRequest(chat=chat, **_greedy())))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    assert tokens == hf_greedy(text_model, prompt, MAX_TOKENS, stop_at_eos=True)[0]
+
+
+def test_stop_string_finishes_stop_and_frees_the_decode(router, text_model, tokenizer, workers):
+    expected = _reference(text_model, tokenizer, PROMPTS[1])
+    full = tokenizer.decode(expected)
+    stop = full[len(tokenizer.decode(expected[:5])):][:6]  # text that starts with the 6th token
+    request = generation_pb2.GenerateRequest(prompt=PROMPTS[1], **_greedy(stop=[stop]))
+    tokens, text, finished = _collect(_stub(router).Generate(request))
+    assert finished.reason == common_pb2.FINISH_REASON_STOP and finished.matched_stop == stop
+    assert text == full[: full.index(stop)]
+    assert tokens == expected[: len(tokens)] and len(tokens) < MAX_TOKENS
+    assert_idle(workers)
+
+
+def test_first_token_that_ends_the_request_skips_decode_and_frees_the_session(router, text_model, tokenizer,
+                                                                              workers):
+    first = _reference(text_model, tokenizer, PROMPTS[0], 1)[0]
+    stub = _stub(router)
+    tokens, _, finished = _collect(stub.Generate(generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy(1))))
+    assert tokens == [first] and finished.reason == common_pb2.FINISH_REASON_LENGTH
+    # Prefill does not know stop token ids: it exports a session the router must release.
+    request = generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy(stop_token_ids=[first]))
+    tokens, _, finished = _collect(stub.Generate(request))
+    assert tokens == [first] and finished.reason == common_pb2.FINISH_REASON_STOP
+    assert finished.matched_stop_token_id == first
+    assert_idle(workers)
+
+
+def test_token_ids_input_with_logprobs_and_echo(router, text_model, workers):
+    ids = [1, 400, 500, 600, 700]
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids), **_greedy(4),
+                                             output=common_pb2.OutputOptions(logprobs=True,
+                                                                             echo_prompt_token_ids=True))
+    responses = list(_stub(router).Generate(request))
+    deltas = [r.delta for r in responses if r.HasField("delta")]
+    expected, logprobs = hf_greedy(text_model, ids, 4, stop_at_eos=True)
+    assert list(deltas[0].prompt_token_ids) == ids and not any(d.prompt_token_ids for d in deltas[1:])
+    got = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in got] == expected
+    assert [lp.logprob for lp in got] == pytest.approx(logprobs, abs=1e-3)
+    assert all(lp.text for lp in got)
+
+
+async def _stream_with_cancels(address: str, requests: list[generation_pb2.GenerateRequest],
+                               cancel_at_once: set[str], cancel_after_first: set[str]) -> dict[str, list]:
+    """Run every request on one GenerateStream; returns each request's responses."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).GenerateStream()
+        for request in requests:
+            await call.write(generation_pb2.GenerateStreamRequest(start=request))
+            if request.request_id in cancel_at_once:
+                await call.write(generation_pb2.GenerateStreamRequest(
+                    cancel=common_pb2.Cancel(request_id=request.request_id)))
+        responses: dict[str, list] = {r.request_id: [] for r in requests}
+        finished = 0
+        async for response in call:
+            responses[response.request_id].append(response)
+            if response.request_id in cancel_after_first and response.HasField("delta"):
+                cancel_after_first.discard(response.request_id)
+                await call.write(generation_pb2.GenerateStreamRequest(
+                    cancel=common_pb2.Cancel(request_id=response.request_id)))
+            finished += response.HasField("finished")
+            if finished == len(requests):
+                await call.done_writing()  # the router ends the stream once it has seen the half-close
+    return responses
+
+
+def test_many_requests_on_one_stream_with_cancels_all_finish_and_free_every_block(router, text_model, tokenizer,
+                                                                                   workers):
+    requests, cancel_at_once, cancel_after_first = [], set(), set()
+    for i in range(24):
+        rid = f"req-{i}"
+        if i % 6 == 1:
+            cancel_at_once.add(rid)
+        elif i % 6 == 4:
+            cancel_after_first.add(rid)
+        long = rid in cancel_at_once or rid in cancel_after_first
+        requests.append(generation_pb2.GenerateRequest(
+            request_id=rid, prompt=PROMPTS[i % len(PROMPTS)],
+            **(_greedy(200, ignore_eos=True) if long else _greedy())))
+    cancelled = cancel_at_once | cancel_after_first
+    responses = asyncio.run(_stream_with_cancels(router.address, requests, set(cancel_at_once),
+                                                 set(cancel_after_first)))
+    references = {p: _reference(text_model, tokenizer, p) for p in PROMPTS}
+    for request in requests:
+        tokens, text, finished = _collect(responses[request.request_id])
+        assert finished is not None and [r.HasField("finished") for r in responses[request.request_id]][-1]
+        if request.request_id in cancelled:
+            assert finished.reason == common_pb2.FINISH_REASON_CANCELLED, request.request_id
+            assert len(tokens) < 200 and finished.usage.completion_tokens == len(tokens)
+        else:
+            assert tokens == references[request.prompt], request.request_id
+            assert text == tokenizer.decode(tokens)
+    assert_idle(workers)
+
+
+def test_client_disconnect_mid_stream_frees_every_block(router, workers):
+    request = generation_pb2.GenerateRequest(prompt=PROMPTS[1], **_greedy(200, ignore_eos=True))
+    call = _stub(router).Generate(request)
+    assert next(call).HasField("delta") and next(call).HasField("delta")
+    call.cancel()
+    assert_idle(workers)
+
+
+def test_bad_requests_get_clear_statuses_and_the_router_keeps_serving(router, workers):
+    stub = _stub(router)
+    cases = [
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (dict(prompt="word " * 300), grpc.StatusCode.INVALID_ARGUMENT, "the model's context is 256 tokens"),
+        (dict(prompt="x", sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT,
+         "max_tokens must be >= 1, got 0"),
+        (dict(prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
+         "temperature must be >= 0, got -1"),
+        (dict(prompt="x", sampling=common_pb2.SamplingParams(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT,
+         "top_p must be in (0, 1], got 0"),
+        (dict(prompt="x", sampling=common_pb2.SamplingParams(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT,
+         "top_p must be in (0, 1], got 1.5"),
+        (dict(prompt="x", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "unknown model 'gpt-9'; this router serves 'tiny-text'"),
+        (dict(token_ids=generation_pb2.TokenIds(ids=[49152])), grpc.StatusCode.INVALID_ARGUMENT,
+         "outside the vocabulary"),
+    ]
+    for kwargs, code, message in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generation_pb2.GenerateRequest(**kwargs)))
+        assert info.value.code() == code and message in info.value.details(), (kwargs, info.value.details())
+    tokens, _, _ = _collect(stub.Generate(generation_pb2.GenerateRequest(prompt="x", model="tiny-text", **_greedy(3))))
+    assert len(tokens) == 3
+    assert [m.id for m in stub.ListModels(generation_pb2.ListModelsRequest()).models] == ["tiny-text"]
+    assert_idle(workers)
+
+
+def test_one_bad_request_on_a_stream_does_not_disturb_the_others(router):
+    good = generation_pb2.GenerateRequest(request_id="good", prompt=PROMPTS[0], **_greedy())
+    requests = [good, generation_pb2.GenerateRequest(request_id="bad", prompt="x", **_greedy(0)),
+                generation_pb2.GenerateRequest(request_id="good", prompt="x", **_greedy()),  # duplicate id
+                generation_pb2.GenerateRequest(prompt="x")]  # no id
+    responses = asyncio.run(_stream_with_cancels(router.address, requests, set(), set()))
+    errors = {(r.request_id, r.finished.error.code, r.finished.error.message) for rs in responses.values()
+              for r in rs if r.HasField("finished") and r.finished.reason == common_pb2.FINISH_REASON_ERROR}
+    assert ("bad", 3, "max_tokens must be >= 1, got 0") in errors
+    assert ("good", 3, "request_id 'good' is already in flight on this stream; ids must be unique") in errors
+    assert ("", 3, "request_id is required on GenerateStream") in errors
+    tokens, _, _ = _collect(responses["good"])
+    assert len(tokens) == MAX_TOKENS
+    assert [r.finished.reason for r in responses["good"] if r.HasField("finished")].count(
+        common_pb2.FINISH_REASON_LENGTH) == 1
+
+
+def test_requests_beyond_the_inflight_limit_are_resource_exhausted(aggregated_router, workers):
+    async def main() -> list:
+        async with grpc.aio.insecure_channel(aggregated_router.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            long = generation_pb2.GenerateRequest(prompt="x", **_greedy(200, ignore_eos=True))
+            calls = [stub.Generate(long) for _ in range(4)]
+            for call in calls:
+                await call.read()  # in flight: it has sent a token
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Generate(generation_pb2.GenerateRequest(prompt="x")).read()
+            for call in calls:
+                call.cancel()
+            return info.value
+
+    error = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-inflight-requests=4" in error.details()
+    assert_idle(workers)
+
+
+def test_fingerprint_mismatch_reaches_the_client_naming_both_sides(text_model, workers):
+    decode_bf16 = start_service("decode", "--model", text_model, "--dtype", "bfloat16", "--num-kv-blocks", "64")
+    try:
+        router = _router(text_model, workers[:1], [decode_bf16])
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                list(_stub(router).Generate(generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy())))
+            assert "fingerprint" in router.log() and "not interchangeable" in router.log()
+        finally:
+            _stop_all([router])
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "exporter='float32' importer='bfloat16'" in info.value.details()
+        assert_idle([workers[0], decode_bf16])
+    finally:
+        _stop_all([decode_bf16])
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(text_model, workers):
+    router = _router(text_model, workers[:1], workers[1:])
+    try:
+        call = _stub(router).Generate(generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy(60, ignore_eos=True)))
+        first = next(call)
+        router.signal(signal.SIGTERM)
+        tokens, _, finished = _collect([first, *call])
+        assert len(tokens) == 60 and finished.reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        assert router.stop() == 0, router.log()
+    assert_idle(workers)

@@ -1,0 +1,325 @@
+"""Prefill and decode workers as real processes on loopback: handoff, cancel, TTL, layout checks, bad input."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import signal
+import socket
+import threading
+import time
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from common.kv.transfer import pull_kv, release_session
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, is_idle, split
+
+PROMPT = list(range(3, 22))  # 19 tokens: four full blocks of 4 and a partial one
+GREEDY = dict(temperature=0, max_tokens=12)
+SEEDED = dict(temperature=0.9, top_k=50, seed=1234, max_tokens=12)
+LONG = dict(temperature=0, max_tokens=400)
+NO_EOS = common_pb2.StopConditions(ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prefill(worker_pair) -> Iterator[WorkerClient]:
+    client = WorkerClient.connect(worker_pair.prefill)
+    yield client
+    client.channel.close()
+
+
+@pytest.fixture(scope="module")
+def decode(worker_pair) -> Iterator[WorkerClient]:
+    client = WorkerClient.connect(worker_pair.decode)
+    yield client
+    client.channel.close()
+
+
+@pytest.fixture(autouse=True)
+def every_block_returns(prefill, decode) -> Iterator[None]:
+    yield
+    for client in (prefill, decode):
+        assert_pool_full(client)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=64))
+
+
+def run_prefill(client: WorkerClient, prompt=PROMPT, output=None, **sampling) -> worker_pb2.PrefillResponse:
+    request = worker_pb2.PrefillRequest(request_id="r", token_ids=prompt, output=output,
+                                        sampling=common_pb2.SamplingParams(**sampling))
+    return client.prefiller.Prefill(request, timeout=30)
+
+
+def decode_start(prefilled: worker_pb2.PrefillResponse | None, prompt=PROMPT, output=None,
+                 **sampling) -> worker_pb2.DecodeClientMessage:
+    start = worker_pb2.DecodeStart(request_id="r", token_ids=prompt, sampling=common_pb2.SamplingParams(**sampling),
+                                   stop=NO_EOS, output=output)
+    if prefilled is not None:
+        start.session.CopyFrom(prefilled.session)
+        start.first_token = prefilled.first_token
+    return worker_pb2.DecodeClientMessage(start=start)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_then_decode_matches_the_in_process_engine(prefill, decode, reference, sampling):
+    expected = reference.generate([PROMPT], SamplingParams(**sampling, ignore_eos=True))[0]
+    prefilled = run_prefill(prefill, **sampling)
+    ref = prefilled.session
+    assert (ref.num_tokens, len(ref.block_ids), ref.dtype, ref.first_token) == (19, 5, "float32", expected[0])
+    assert ref.transfer_backend == common_pb2.TRANSFER_BACKEND_GRPC and ref.expires_at_unix_ms > time.time() * 1000
+    tokens, finished = split(decode.decoder.Decode(iter([decode_start(prefilled, **sampling)]), timeout=30))
+    assert [prefilled.first_token, *tokens] == expected
+    assert finished.reason == common_pb2.FINISH_REASON_LENGTH
+    assert (finished.usage.prompt_tokens, finished.usage.completion_tokens) == (19, 11)  # prefill made the first
+
+
+def test_aggregated_decode_without_a_session_matches(decode, reference):
+    expected = reference.generate([PROMPT], SamplingParams(**GREEDY, ignore_eos=True))[0]
+    messages = list(decode.decoder.Decode(iter([decode_start(None, **GREEDY)]), timeout=30))
+    assert messages[0].delta.token_ids[0] == expected[0]
+    tokens, finished = split(messages)
+    assert tokens == expected and finished.usage.completion_tokens == 12
+
+
+def test_logprobs_come_with_the_first_token_and_every_delta(prefill, decode):
+    output = common_pb2.OutputOptions(logprobs=True, top_logprobs=2)
+    prefilled = run_prefill(prefill, output=output, **GREEDY)
+    assert prefilled.first_token_logprob < 0 and len(prefilled.first_token_top_logprobs) == 2
+    assert prefilled.session.first_token_logprob == prefilled.first_token_logprob
+    messages = list(decode.decoder.Decode(iter([decode_start(prefilled, output=output, **GREEDY)]), timeout=30))
+    for message in messages[:-1]:
+        (logprob,) = message.delta.logprobs
+        assert logprob.token_id == message.delta.token_ids[0] and len(logprob.top_logprobs) == 2
+
+
+def test_first_token_that_ends_the_request_leaves_no_session(prefill):
+    prefilled = run_prefill(prefill, temperature=0, max_tokens=1)
+    assert not prefilled.HasField("session") and prefilled.first_token
+
+
+def test_cancel_during_decode_frees_every_block(prefill, decode):
+    stream = DecodeStream(decode, decode_start(run_prefill(prefill, **LONG), **LONG))
+    try:
+        deltas = [next(stream.responses) for _ in range(3)]
+        stream.cancel()
+        tokens, finished = split(list(stream.responses))
+    finally:
+        stream.close()
+    assert all(m.HasField("delta") for m in deltas) and len(tokens) < 390
+    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED
+    assert finished.usage.completion_tokens == 3 + len(tokens)
+    assert is_idle(prefill.load()) and is_idle(decode.load())  # by the time `finished` arrives
+
+
+def test_cancel_right_after_start_releases_the_session(prefill, decode):
+    cancel = worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel(request_id="r"))
+    messages = decode.decoder.Decode(iter([decode_start(run_prefill(prefill, **LONG), **LONG), cancel]), timeout=30)
+    _, finished = split(messages)
+    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED
+    assert is_idle(prefill.load()) and is_idle(decode.load())
+
+
+class StallingStore(worker_pb2_grpc.TensorStoreServicer):
+    """An exporter whose Pull never sends a byte: the puller must cancel, then Release."""
+
+    def __init__(self) -> None:
+        self.pulling = threading.Event()
+        self.released: queue.Queue[str] = queue.Queue()
+
+    def Pull(self, request, context):
+        self.pulling.set()
+        gone = threading.Event()
+        context.add_callback(gone.set)
+        gone.wait(30)
+        yield from ()
+
+    def Release(self, request, context):
+        self.released.put(request.handle)
+        return worker_pb2.ReleaseResponse(released=True)
+
+
+@pytest.fixture
+def stalling_store() -> Iterator[tuple[StallingStore, str]]:
+    store, server = StallingStore(), grpc.server(futures.ThreadPoolExecutor(4))
+    worker_pb2_grpc.add_TensorStoreServicer_to_server(store, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield store, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def fake_session(client: WorkerClient, endpoint: str) -> worker_pb2.DecodeClientMessage:
+    """A session ref that fits the decode worker's layout, held by `endpoint`."""
+    info = client.worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    prefilled = worker_pb2.PrefillResponse(first_token=7, session=common_pb2.KvSessionRef(
+        session_id="fake", endpoint=endpoint, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim, block_size=info.block_size, dtype=info.dtype, fingerprint=info.fingerprint,
+        num_tokens=len(PROMPT), block_ids=range(5), first_token=7))
+    return decode_start(prefilled, **LONG)
+
+
+def test_cancel_during_the_pull_releases_the_session(decode, stalling_store):
+    store, endpoint = stalling_store
+    stream = DecodeStream(decode, fake_session(decode, endpoint))
+    try:
+        assert store.pulling.wait(10)
+        stream.cancel()
+        _, finished = split(list(stream.responses))
+    finally:
+        stream.close()
+    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED
+    assert store.released.get_nowait() == "fake"  # released before `finished` was sent
+
+
+def test_pull_from_a_gone_prefill_is_unavailable(decode):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(grpc.RpcError) as error:
+        list(decode.decoder.Decode(iter([fake_session(decode, endpoint)]), timeout=30))
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"could not pull KV session fake at {endpoint}: UNAVAILABLE" in error.value.details()
+
+
+def test_client_disconnect_during_decode_frees_every_block(prefill, decode):
+    stream = DecodeStream(decode, decode_start(run_prefill(prefill, **LONG), **LONG))
+    try:
+        next(stream.responses)
+        stream.responses.cancel()
+        with pytest.raises(grpc.RpcError) as error:
+            list(stream.responses)
+    finally:
+        stream.close()
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+    assert_pool_full(decode)
+
+
+def test_unpulled_session_expires_after_its_ttl(service_factory, tiny_worker_args):
+    process = service_factory.start("prefill", *tiny_worker_args, "--session-ttl", "1")
+    client = WorkerClient.connect(process)
+    prefilled = run_prefill(client, **GREEDY)
+    load = client.load()
+    assert load.active_kv_sessions == 1 and load.kv_blocks_free == load.kv_blocks_total - 5
+    assert_pool_full(client, timeout_s=10)
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.store.Pull(worker_pb2.PullRequest(handle=prefilled.session.session_id), timeout=10))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND and "expired after its TTL of 1s" in error.value.details()
+    assert not client.store.Release(worker_pb2.ReleaseRequest(handle=prefilled.session.session_id)).released
+    client.channel.close()
+    assert process.stop() == 0
+
+
+def test_decode_with_another_dtype_is_refused_naming_both_sides(prefill, service_factory, tiny_worker_args):
+    process = service_factory.start("decode", *tiny_worker_args, "--dtype", "bfloat16")
+    bf16 = WorkerClient.connect(process)
+    with pytest.raises(grpc.RpcError) as error:
+        list(bf16.decoder.Decode(iter([decode_start(run_prefill(prefill, **GREEDY), **GREEDY)]), timeout=30))
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype: exporter='float32' importer='bfloat16'" in error.value.details()
+    assert "fingerprint: exporter=" in error.value.details()
+    assert is_idle(prefill.load()) and is_idle(bf16.load())  # the refused session was released
+    bf16.channel.close()
+
+
+@pytest.mark.parametrize("prompt, sampling, message", [
+    ([], {}, "prompt is empty"),
+    ([5, 512, 7], {}, r"token ids outside the vocabulary \[0, 512\): \[512\]"),
+    (PROMPT, {"temperature": -0.5}, "temperature must be >= 0"),
+    (PROMPT, {"max_tokens": 0}, "max_tokens must be >= 1"),
+    (list(range(3, 515)), {}, "the model's context is 512 tokens"),
+])
+def test_bad_prefill_request_is_invalid_argument_and_the_worker_keeps_serving(prefill, prompt, sampling, message):
+    with pytest.raises(grpc.RpcError) as error:
+        run_prefill(prefill, prompt, **sampling)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, error.value.details()), error.value.details()
+    assert run_prefill(prefill, temperature=0, max_tokens=1).first_token
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda s: setattr(s, "first_token", s.first_token + 1), "differs from the session's"),
+    (lambda s: s.token_ids.append(5), "the session holds KV for 19 tokens, the prompt has 20"),
+    (lambda s: setattr(s, "request_type", common_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION), "contradicts"),
+    (lambda s: setattr(s.session, "transfer_backend", common_pb2.TRANSFER_BACKEND_SHM), "is not supported here"),
+])
+def test_bad_decode_start_is_invalid_argument_and_releases_the_session(prefill, decode, mutate, message):
+    start = decode_start(run_prefill(prefill, **GREEDY), **GREEDY)
+    mutate(start.start)
+    with pytest.raises(grpc.RpcError) as error:
+        list(decode.decoder.Decode(iter([start]), timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
+    assert is_idle(prefill.load())
+
+
+def test_decode_stream_must_begin_with_start(decode):
+    cancel = worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel(request_id="r"))
+    with pytest.raises(grpc.RpcError) as error:
+        list(decode.decoder.Decode(iter([cancel]), timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be `start`" in error.value.details()
+
+
+def test_pull_kv_checks_the_header_and_release_is_idempotent(prefill):
+    ref = run_prefill(prefill, **GREEDY).session
+
+    async def pull_twice():
+        whole = await pull_kv(ref.endpoint, ref)
+        small_chunks = await pull_kv(ref.endpoint, ref, max_chunk_bytes=1000)
+        return whole, small_chunks, await release_session(ref.endpoint, ref.session_id), \
+            await release_session(ref.endpoint, ref.session_id)
+
+    whole, small_chunks, first, second = asyncio.run(pull_twice())
+    assert whole.num_bytes == whole.export.layout.block_bytes() * 5 and whole.export.num_tokens == 19
+    assert torch.equal(whole.export.blocks, small_chunks.export.blocks)
+    assert (first, second) == (True, False)
+    with pytest.raises(grpc.RpcError) as error:
+        list(prefill.store.Pull(worker_pb2.PullRequest(handle=ref.session_id), timeout=10))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_worker_info_describes_matching_layouts(prefill, decode, worker_pair):
+    infos = [c.worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=10) for c in (prefill, decode)]
+    assert [i.role for i in infos] == [worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE]
+    assert infos[0].fingerprint == infos[1].fingerprint and infos[0].block_size == 4
+    assert infos[0].limits.session_ttl_ms == 60_000 and infos[0].endpoint == worker_pair.prefill.address
+    with pytest.raises(grpc.RpcError) as error:
+        list(decode.worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(), timeout=10))
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_caller_leaving_mid_prefill_aborts_it_and_leaves_no_session(service_factory, tiny_worker_args):
+    process = service_factory.start("prefill", *tiny_worker_args, "--max-num-batched-tokens", "1")
+    client = WorkerClient.connect(process)  # one token per step: a 250-token prompt takes 250 steps
+    with pytest.raises(grpc.RpcError) as error:
+        client.prefiller.Prefill(worker_pb2.PrefillRequest(token_ids=list(range(3, 253))), timeout=0.1)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_pool_full(client)
+    client.channel.close()
+
+
+def test_sigterm_ends_in_flight_streams_and_exits_cleanly(service_factory, tiny_worker_args):
+    process = service_factory.start("decode", *tiny_worker_args)
+    client = WorkerClient.connect(process)
+    stream = DecodeStream(client, decode_start(None, **LONG))
+    try:
+        next(stream.responses)
+        process.signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stream.responses)
+    finally:
+        stream.close()
+        client.channel.close()
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.value.details()
+    assert process.stop() == 0

@@ -1,0 +1,70 @@
+"""Request validation before any worker is touched: clear INVALID_ARGUMENT / NOT_FOUND messages."""
+import pytest
+
+from common.engine.default_model import default_model_dir
+from common.errors import InvalidRequest, NotFound
+from common.pb.disagg.v1 import common_pb2, generation_pb2
+from services.router.prepare import ModelFacts, RequestPreparer, ServedModel
+
+MODEL = ServedModel(name="SmolLM2-135M-Instruct", max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def preparer() -> RequestPreparer:
+    return RequestPreparer.from_model_dir(default_model_dir())
+
+
+def _request(**kwargs) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(**kwargs)
+
+
+def test_prompt_chat_and_token_ids_become_token_ids(preparer):
+    tok = preparer.tokenizer
+    assert preparer.prepare(_request(prompt="The sea"), "r", MODEL).prompt == tok.encode("The sea")
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="hi")])
+    assert preparer.prepare(_request(chat=chat), "r", MODEL).prompt == tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}])
+    ids = generation_pb2.TokenIds(ids=[1, 2, 3])
+    assert preparer.prepare(_request(token_ids=ids), "r", MODEL).prompt == [1, 2, 3]
+
+
+def test_worker_request_ids_are_unique_per_call(preparer):
+    a = preparer.prepare(_request(prompt="x"), "r1", MODEL)
+    b = preparer.prepare(_request(prompt="x"), "r1", MODEL)
+    assert a.request_id == b.request_id == "r1" and a.worker_request_id != b.worker_request_id
+
+
+def test_model_facts_read_eos_and_vocab(preparer):
+    assert preparer.facts == ModelFacts(vocab_size=49152, eos_token_ids=frozenset({2}))
+
+
+@pytest.mark.parametrize("request_kwargs, match", [
+    (dict(), "set one of prompt, token_ids or chat"),
+    (dict(prompt=""), "prompt is empty"),
+    (dict(token_ids=generation_pb2.TokenIds()), "token_ids is empty"),
+    (dict(token_ids=generation_pb2.TokenIds(ids=[5, 49152])), r"outside the vocabulary \[0, 49152\)"),
+    (dict(prompt="word " * 80), "the model's context is 64 tokens"),
+    (dict(chat=generation_pb2.Chat()), "messages is empty"),
+    (dict(prompt="x", sampling=common_pb2.SamplingParams(max_tokens=0)), "max_tokens must be >= 1, got 0"),
+    (dict(prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)), "temperature must be >= 0"),
+    (dict(prompt="x", sampling=common_pb2.SamplingParams(top_p=0)), r"top_p must be in \(0, 1\]"),
+    (dict(prompt="x", sampling=common_pb2.SamplingParams(top_p=1.5)), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(prompt="x", stop=common_pb2.StopConditions(stop=[""])), "stop strings must not be empty"),
+    (dict(prompt="x", images=[common_pb2.Image(data=b"png")]), "does not accept images"),
+])
+def test_bad_requests_are_invalid_argument_with_a_clear_message(preparer, request_kwargs, match):
+    with pytest.raises(InvalidRequest, match=match):
+        preparer.prepare(_request(**request_kwargs), "r", MODEL)
+
+
+def test_unknown_model_is_not_found_and_names_the_served_one(preparer):
+    with pytest.raises(NotFound, match="unknown model 'gpt-9'; this router serves 'SmolLM2-135M-Instruct'"):
+        preparer.prepare(_request(model="gpt-9", prompt="x"), "r", MODEL)
+    assert preparer.prepare(_request(model=MODEL.name, prompt="x"), "r", MODEL).prompt
+
+
+def test_text_input_without_a_tokenizer_asks_for_token_ids():
+    preparer = RequestPreparer(None, ModelFacts(vocab_size=512, eos_token_ids=frozenset({2})))
+    with pytest.raises(InvalidRequest, match="no tokenizer.*send token_ids"):
+        preparer.prepare(_request(prompt="x"), "r", MODEL)
+    assert preparer.prepare(_request(token_ids=generation_pb2.TokenIds(ids=[7])), "r", MODEL).prompt == [7]
