@@ -122,7 +122,7 @@ def _load(engine: LLMEngine) -> worker_pb2.Load:
     return worker_pb2.Load(
         running_requests=engine.num_running, waiting_requests=engine.num_waiting, kv_blocks_total=blocks.num_blocks,
         kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage,
-        active_kv_sessions=len(engine.sessions.sessions),
+        active_kv_sessions=len(engine.sessions.sessions), expired_kv_sessions=engine.sessions.num_expired,
     )
 
 

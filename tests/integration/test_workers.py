@@ -214,6 +214,7 @@ def test_unpulled_session_expires_after_its_ttl(service_factory, tiny_worker_arg
     load = client.load()
     assert load.active_kv_sessions == 1 and load.kv_blocks_free == load.kv_blocks_total - 5
     assert_pool_full(client, timeout_s=10)
+    assert client.load().expired_kv_sessions == 1
     with pytest.raises(grpc.RpcError) as error:
         list(client.store.Pull(worker_pb2.PullRequest(handle=prefilled.session.session_id), timeout=10))
     assert error.value.code() == grpc.StatusCode.NOT_FOUND and "expired after its TTL of 1s" in error.value.details()
