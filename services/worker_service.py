@@ -22,7 +22,7 @@ import grpc
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
-from common.engine.default_model import DEFAULT_MODEL_NAME
+from common.engine.default_model import DEFAULT_MODEL_NAME, is_default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, InvalidConfig, Unavailable
@@ -187,7 +187,7 @@ def _advertised(args: argparse.Namespace, port: int) -> str:
 def _model_name(args: argparse.Namespace) -> str:
     if args.model_name:
         return args.model_name
-    if args.model in (None, "default", DEFAULT_MODEL_NAME):
+    if args.model in (None, "default", DEFAULT_MODEL_NAME) or is_default_model_dir(args.model):
         return DEFAULT_MODEL_NAME
     return args.model.rstrip("/").rsplit("/", 1)[-1]
 

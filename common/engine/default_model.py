@@ -81,6 +81,13 @@ def default_model_dir() -> Path:
     return target
 
 
+def is_default_model_dir(path: str | Path) -> bool:
+    """Whether `path` is a converted default model directory (so it is served under DEFAULT_MODEL_NAME)."""
+    resolved = Path(path).expanduser().resolve()
+    return (resolved.parent == (cache_root() / "models").resolve()
+            and resolved.name.startswith(f"{DEFAULT_MODEL_NAME}-") and resolved.is_dir())
+
+
 def _convert(source: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

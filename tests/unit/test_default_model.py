@@ -125,3 +125,12 @@ def test_concurrent_first_calls_convert_once(tmp_path):
     assert [d.name for d in (tmp_path / "models").iterdir() if d.is_dir()] == [path.name]
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     assert config.num_hidden_layers == 30
+
+
+def test_the_converted_dir_is_recognised_as_the_default_model(tmp_path):
+    """Workers started with the converted directory's path still announce DEFAULT_MODEL_NAME."""
+    assert default_model.is_default_model_dir(default_model.default_model_dir())
+    assert not default_model.is_default_model_dir(tmp_path)
+    impostor = tmp_path / f"{default_model.DEFAULT_MODEL_NAME}-0123456789ab"
+    impostor.mkdir()
+    assert not default_model.is_default_model_dir(impostor)  # not under the cache

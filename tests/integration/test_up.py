@@ -1,0 +1,122 @@
+"""The one-machine entry points as a user runs them: `disagg up`, then `disagg generate` against it;
+and the real SmolLM2-135M through router → prefill → decode, token for token against HF."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from common.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from common.engine.tokenizer import Tokenizer
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.hf_reference import hf_greedy
+from tests.integration.processes import REPO_ROOT, start_services
+from tests.integration.test_router import make_text_model
+
+BANNER = re.compile(r"disagg is up: router on (\S+)")
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory) -> str:
+    return str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
+
+
+class Up:
+    """`disagg up` as a child process; its output is collected for the banner and for failures."""
+
+    def __init__(self, *args: str):
+        self.popen = subprocess.Popen([sys.executable, "-m", "services", "up", *args], cwd=REPO_ROOT,
+                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        self.router: str | None = None
+        self._found = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line)
+            match = BANNER.search(line)
+            if match:
+                self.router = match.group(1)
+                self._found.set()
+        self._found.set()
+
+    def wait(self, timeout_s: float = 180) -> str:
+        assert self._found.wait(timeout_s) and self.router, "".join(self.lines)
+        return self.router
+
+    def stop(self) -> int:
+        self.popen.send_signal(signal.SIGINT)
+        try:
+            return self.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+
+def _child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_up_then_generate_streams_the_hf_answer(text_model):
+    up = Up("--model", text_model, "--router-port", "0")
+    children: list[int] = []
+    try:
+        router = up.wait()
+        children = _child_pids(up.popen.pid)
+        assert len(children) == 3, "".join(up.lines)  # router, prefill, decode
+        result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--raw",
+                                 "--max-tokens", "10", "The sea is"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        tokenizer = Tokenizer.from_model_dir(text_model)
+        expected = hf_greedy(text_model, tokenizer.encode("The sea is"), 10, stop_at_eos=True)[0]
+        assert result.stdout == tokenizer.decode(expected)
+        assert re.search(r"\[length: \d+ prompt \+ 10 completion tokens, ttft \d+ ms", result.stderr), result.stderr
+    finally:
+        assert up.stop() == 0, "".join(up.lines)
+    for pid in children:  # every child stopped with it
+        deadline = time.monotonic() + 10
+        while subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, f"child {pid} outlived disagg up"
+            time.sleep(0.1)
+
+
+def test_generate_reports_an_unreachable_router():
+    result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", "127.0.0.1:1",
+                             "--timeout", "5", "hi"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "error from 127.0.0.1:1: UNAVAILABLE" in result.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_through_router_prefill_decode_matches_hf():
+    model = str(default_model_dir())
+    workers = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))])
+    processes = list(workers)
+    try:
+        processes += start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
+                                                 "--decode-workers", workers[1].address))])
+        tokenizer = Tokenizer.from_model_dir(model)
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(processes[-1].address))
+        for question in ["What is the capital of France?", "Name three colours."]:
+            chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=question)])
+            request = generation_pb2.GenerateRequest(
+                chat=chat, model=DEFAULT_MODEL_NAME,
+                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=24))
+            responses = list(stub.Generate(request, timeout=120))
+            tokens = [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+            text = "".join(r.delta.text for r in responses if r.HasField("delta"))
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+            expected = hf_greedy(model, prompt, 24, stop_at_eos=True)[0]
+            assert tokens == expected, question
+            assert text == tokenizer.decode(expected)
+    finally:
+        for process in processes:
+            process.stop()
