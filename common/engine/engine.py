@@ -98,10 +98,14 @@ class LLMEngine:
         if bad:
             raise InvalidRequest(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if request_type is RequestType.GENERATION_ONLY:
-            if kv_import is None or first_token is None:
-                raise InvalidRequest("generation_only needs the prompt's exported KV and its first token")
+            # Without kv_import the prompt's KV is recomputed here (kv_load_failure_policy=recompute),
+            # the way a preempted request is: prompt + first token are run, then generation goes on.
+            if first_token is None:
+                raise InvalidRequest("generation_only needs the first token the context phase sampled")
             if not 0 <= first_token < self.vocab_size:
                 raise InvalidRequest(f"first token {first_token} is outside the vocabulary [0, {self.vocab_size})")
+            if kv_import is None:
+                return
             self.kv_layout.check_compatible(kv_import.layout)
             kv_import.validate()
             if kv_import.num_tokens != len(prompt):

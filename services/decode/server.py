@@ -31,17 +31,23 @@ from services.worker_service import WorkerState
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pull-timeout", type=float, default=60.0,
-                        help="seconds a KV pull from a prefill worker may take before UNAVAILABLE")
+                        help="seconds a KV pull from a prefill worker may take before it counts as failed")
+    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute",
+                        help="when the KV pull fails (prefill gone, session expired, stream broken): "
+                             "'recompute' runs the prompt here and carries on, 'fail' ends the request "
+                             "(UNAVAILABLE or NOT_FOUND)")
 
 
 def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
     channels = ChannelCache()
     state.closers.append(channels.close)
-    worker_pb2_grpc.add_DecoderServicer_to_server(DecodeServicer(state, channels, args.kv_pull_timeout), server)
+    servicer = DecodeServicer(state, channels, args.kv_pull_timeout, args.kv_load_failure_policy)
+    worker_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
 
 
 @dataclass
@@ -123,10 +129,13 @@ class _Progress:
 
 
 class DecodeServicer(worker_pb2_grpc.DecoderServicer):
-    def __init__(self, state: WorkerState, channels: ChannelCache, pull_timeout_s: float):
+    def __init__(self, state: WorkerState, channels: ChannelCache, pull_timeout_s: float,
+                 kv_load_failure_policy: str = "recompute"):
         self.state = state
         self.channels = channels
         self.pull_timeout_s = pull_timeout_s
+        self.recompute_on_failed_pull = kv_load_failure_policy == "recompute"
+        self.num_recomputed = 0
 
     async def Decode(self, request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage],
                      context: grpc.aio.ServicerContext):
@@ -163,7 +172,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
     async def _work(self, engine: AsyncLLMEngine, plan: _Plan, outbox: asyncio.Queue) -> None:
         progress = _Progress(plan.request_id, len(plan.prompt))
         try:
-            kv = await self._pull(plan.session) if plan.session is not None else None
+            kv = await self._load_kv(plan) if plan.session is not None else None
             self.state.require_engine()  # not if shutdown began during the pull
             async for out in engine.generate(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
                                              plan.first_token):
@@ -177,6 +186,18 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             outbox.put_nowait(progress.finished())
         except Exception as exc:
             outbox.put_nowait(exc)
+
+    async def _load_kv(self, plan: _Plan) -> KvExport | None:
+        """The session's KV, or None to recompute the prompt here when the pull failed and the policy allows it."""
+        try:
+            return await self._pull(plan.session)
+        except (NotFound, Unavailable, InvalidRequest) as exc:  # InvalidRequest: a broken chunk stream
+            if not self.recompute_on_failed_pull:
+                raise
+            self.num_recomputed += 1
+            log.warning("request %s: KV load failed (%s); recomputing its %d prompt tokens here", plan.request_id,
+                        exc, len(plan.prompt))
+            return None
 
     async def _pull(self, ref: common_pb2.KvSessionRef) -> KvExport:
         try:

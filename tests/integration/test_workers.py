@@ -184,14 +184,37 @@ def test_cancel_during_the_pull_releases_the_session(decode, stalling_store):
     assert store.released.get_nowait() == "fake"  # released before `finished` was sent
 
 
-def test_pull_from_a_gone_prefill_is_unavailable(decode):
+def _dead_endpoint() -> str:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_failed_pull_is_recomputed_by_default_and_matches(prefill, decode, reference, sampling):
+    """kv_load_failure_policy=recompute (the default): the exporter is gone, decode runs the prompt itself."""
+    expected = reference.generate([PROMPT], SamplingParams(**sampling, ignore_eos=True))[0]
+    prefilled = run_prefill(prefill, **sampling)
+    session_id = prefilled.session.session_id
+    prefilled.session.endpoint = _dead_endpoint()
+    try:
+        tokens, finished = split(decode.decoder.Decode(iter([decode_start(prefilled, **sampling)]), timeout=30))
+    finally:
+        prefill.store.Release(worker_pb2.ReleaseRequest(handle=session_id), timeout=10)
+    assert [prefilled.first_token, *tokens] == expected
+    assert finished.reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_failed_pull_with_the_fail_policy_is_unavailable(service_factory, tiny_worker_args):
+    strict = WorkerClient.connect(service_factory.start("decode", *tiny_worker_args,
+                                                        "--kv-load-failure-policy", "fail"))
+    endpoint = _dead_endpoint()
     with pytest.raises(grpc.RpcError) as error:
-        list(decode.decoder.Decode(iter([fake_session(decode, endpoint)]), timeout=30))
+        list(strict.decoder.Decode(iter([fake_session(strict, endpoint)]), timeout=30))
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"could not pull KV session fake at {endpoint}: UNAVAILABLE" in error.value.details()
+    assert_pool_full(strict)
+    strict.channel.close()
 
 
 def test_client_disconnect_during_decode_frees_every_block(prefill, decode):

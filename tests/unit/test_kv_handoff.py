@@ -136,3 +136,18 @@ def test_preempted_decode_recomputes_and_still_matches(tiny_llama):
     assert decode.num_preemptions > 0
     assert [tokens[f"d{i}"] for i in range(3)] == aggregated
     assert decode.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=10,
+                                                             ignore_eos=True)])
+def test_generation_only_without_kv_recomputes_the_prompt_and_matches(tiny_llama, sampling):
+    """kv_load_failure_policy=recompute: the KV never arrived, decode runs prompt + first token itself."""
+    prompt = list(range(10, 31))
+    aggregated = _engine(tiny_llama).generate([prompt], sampling)[0]
+    prefill = _engine(tiny_llama)
+    first = _prefill(prefill, prompt, sampling).new_token_ids[0]
+    decode = _engine(tiny_llama)
+    assert _decode(decode, prompt, first, None, sampling) == aggregated
+    assert decode.block_manager.num_free_blocks == 64
+    with pytest.raises(InvalidRequest, match="needs the first token"):
+        decode.add_request("x", prompt, sampling, RequestType.GENERATION_ONLY)
