@@ -31,3 +31,7 @@ class ResourceExhausted(DisaggError):
 
 class Unavailable(DisaggError):
     """No healthy worker can take the request, or the service is draining (maps to UNAVAILABLE)."""
+
+
+class DeadlineExceeded(DisaggError):
+    """The request's deadline passed before it finished (maps to DEADLINE_EXCEEDED)."""

@@ -27,6 +27,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

@@ -67,7 +67,8 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         self._validate(request_id, prompt_token_ids, request_type, kv_import, first_token)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise ResourceExhausted(f"engine queue is full ({self.config.max_waiting} waiting requests)")
+            raise ResourceExhausted(f"the engine queue is full: {self.config.max_waiting} requests waiting, its limit "
+                                    "(--max-waiting); retry later or add workers")
         # A lone request must always fit in the pool, or preemption would loop forever.
         cap = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
         if sampling.max_tokens is not None:

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 
 from common.discovery import Role
-from common.errors import ResourceExhausted, Unavailable
+from common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
 from services.router.config import RouterConfig
 from services.router.policies import make_policy
@@ -26,6 +26,7 @@ from services.router.workers import WorkerClient, WorkerPool
 log = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 5.0
+_DEADLINE_EXCEEDED, _UNAVAILABLE = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE
 _STOP, _LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
@@ -52,17 +53,29 @@ class Orchestrator:
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, request: generation_pb2.GenerateRequest, out: ResponseBuilder) -> AsyncIterator[Response]:
-        """Deltas then one Finished; raises the typed error (or the worker's AioRpcError) on failure."""
+    async def generate(self, request: generation_pb2.GenerateRequest, out: ResponseBuilder,
+                       rpc_time_remaining_s: float | None = None) -> AsyncIterator[Response]:
+        """Deltas then one Finished; raises the typed error (or the worker's AioRpcError) on failure.
+
+        The request's deadline (GenerateRequest.timeout_ms, or the RPC's if earlier) goes with every
+        worker call as its gRPC deadline, so a worker cancels the request (freeing its blocks) when it passes.
+        """
+        deadline = Deadline.of(request.timeout_ms, rpc_time_remaining_s)
         with self._admitted():
             model = self.served_model()
             loop = asyncio.get_running_loop()
             prepared = await loop.run_in_executor(self._tokenize, self._preparer.prepare, request,
                                                   out.request_id, model)
             out.bind(prepared)
-            async with contextlib.aclosing(self._run(prepared, out)) as responses:
-                async for response in responses:
-                    yield response
+            try:
+                async with contextlib.aclosing(self._run(prepared, out, deadline)) as responses:
+                    async for response in responses:
+                        yield response
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not _DEADLINE_EXCEEDED:
+                    raise
+                raise DeadlineExceeded(f"request {out.request_id} passed its deadline of {deadline.budget_ms} ms "
+                                       f"after {out.completion_tokens} tokens were delivered") from None
 
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[None]:
@@ -78,14 +91,14 @@ class Orchestrator:
         finally:
             self.inflight -= 1
 
-    async def _run(self, req: PreparedRequest, out: ResponseBuilder) -> AsyncIterator[Response]:
+    async def _run(self, req: PreparedRequest, out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
         decode = await self._pick(Role.DECODE)
         if decode is None:
             raise Unavailable("no decode worker is available")
         with decode.busy():
             prefill = await self._pick(Role.PREFILL) if len(req.prompt) >= self._config.min_remote_prefill_tokens else None
-            flow = (self._disaggregated(prefill, decode, req, out) if prefill is not None
-                    else self._decode(decode, req, out, _aggregated_start(req)))
+            flow = (self._disaggregated(prefill, decode, req, out, deadline) if prefill is not None
+                    else self._decode(decode, req, out, _aggregated_start(req), deadline))
             async with contextlib.aclosing(flow) as responses:
                 async for response in responses:
                     yield response
@@ -95,21 +108,22 @@ class Orchestrator:
         return await self._policies[role].pick(workers) if workers else None
 
     async def _disaggregated(self, prefill: WorkerClient, decode: WorkerClient, req: PreparedRequest,
-                             out: ResponseBuilder) -> AsyncIterator[Response]:
-        ready = await self._prefill(prefill, req)
+                             out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
+        ready = await self._prefill(prefill, req, deadline)
         if ready is None:
-            flow = self._decode(decode, req, out, _aggregated_start(req))
+            flow = self._decode(decode, req, out, _aggregated_start(req), deadline)
         else:
-            flow = self._after_prefill(ready, decode, req, out)
+            flow = self._after_prefill(ready, decode, req, out, deadline)
         async with contextlib.aclosing(flow) as responses:
             async for response in responses:
                 yield response
 
-    async def _prefill(self, worker: WorkerClient, req: PreparedRequest) -> worker_pb2.PrefillResponse | None:
+    async def _prefill(self, worker: WorkerClient, req: PreparedRequest,
+                       deadline: Deadline) -> worker_pb2.PrefillResponse | None:
         """The prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
         request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
                                             sampling=req.sampling, output=req.output)
-        call = worker.prefiller.Prefill(request)
+        call = worker.prefiller.Prefill(request, timeout=deadline.remaining_s())
         try:
             with worker.busy():
                 return await asyncio.shield(call)
@@ -126,7 +140,7 @@ class Orchestrator:
             return None
 
     async def _after_prefill(self, ready: worker_pb2.PrefillResponse, decode: WorkerClient, req: PreparedRequest,
-                             out: ResponseBuilder) -> AsyncIterator[Response]:
+                             out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
         session = ready.session if ready.HasField("session") else None
         handed_over = False
         try:
@@ -143,7 +157,7 @@ class Orchestrator:
                 return
             start = _handoff_start(req, ready.first_token, session) if session else _continuation_start(req, ready)
             handed_over = True
-            async with contextlib.aclosing(self._decode(decode, req, out, start)) as responses:
+            async with contextlib.aclosing(self._decode(decode, req, out, start, deadline)) as responses:
                 async for response in responses:
                     yield response
         finally:
@@ -162,9 +176,9 @@ class Orchestrator:
         return None
 
     async def _decode(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
-                      start: worker_pb2.DecodeStart) -> AsyncIterator[Response]:
+                      start: worker_pb2.DecodeStart, deadline: Deadline) -> AsyncIterator[Response]:
         session = start.session if start.HasField("session") else None
-        call = worker.decoder.Decode()
+        call = worker.decoder.Decode(timeout=deadline.remaining_s())
         answered = False
         try:
             await call.write(worker_pb2.DecodeClientMessage(start=start))
@@ -181,11 +195,17 @@ class Orchestrator:
                     for response in out.finish(_STOP):
                         yield response
                     return
-            raise Unavailable(f"decode worker {worker.endpoint} ended request {req.request_id} without finishing it")
+            raise Unavailable(f"decode worker {worker.endpoint} ended request {req.request_id} without finishing it, "
+                              f"after {out.completion_tokens} tokens were delivered")
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                self._pool.mark_down(worker, exc.details())
-            raise
+            if exc.code() is not _UNAVAILABLE:
+                raise
+            self._pool.mark_down(worker, exc.details())
+            if not answered:
+                raise
+            raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} after "
+                              f"{out.completion_tokens} tokens were delivered ({exc.details()}); "
+                              "retry the request") from None
         finally:
             call.cancel()
             if session is not None and not answered:
@@ -240,3 +260,25 @@ def _continuation_start(req: PreparedRequest, ready: worker_pb2.PrefillResponse)
     if req.sampling.HasField("max_tokens"):
         start.sampling.max_tokens = req.sampling.max_tokens - 1
     return start
+
+
+class Deadline:
+    """When a request must be over, on the event loop's clock; `remaining_s` is what worker calls get."""
+
+    def __init__(self, at: float | None, budget_ms: int):
+        self.at = at
+        self.budget_ms = budget_ms
+
+    @classmethod
+    def of(cls, timeout_ms: int, rpc_time_remaining_s: float | None) -> "Deadline":
+        budgets = [s for s in (timeout_ms / 1000 if timeout_ms else None, rpc_time_remaining_s) if s is not None]
+        if not budgets:
+            return cls(None, 0)
+        budget = min(budgets)
+        return cls(asyncio.get_running_loop().time() + budget, round(budget * 1000))
+
+    def remaining_s(self) -> float | None:
+        """Seconds left (at least a millisecond, so an expired deadline still fails the call), None without one."""
+        if self.at is None:
+            return None
+        return max(self.at - asyncio.get_running_loop().time(), 0.001)

@@ -32,7 +32,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         out = self._orchestrator.response(request.request_id or uuid.uuid4().hex)
         try:
-            async with contextlib.aclosing(self._orchestrator.generate(request, out)) as responses:
+            responses = self._orchestrator.generate(request, out, context.time_remaining())
+            async with contextlib.aclosing(responses) as responses:
                 async for response in responses:
                     await context.write(response)
         except Exception as exc:

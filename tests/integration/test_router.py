@@ -347,3 +347,28 @@ def test_sigterm_drains_in_flight_requests_then_exits(text_model, workers):
     finally:
         assert router.stop() == 0, router.log()
     assert_idle(workers)
+
+
+def test_the_rpc_deadline_reaches_the_workers_and_frees_their_blocks(router, workers):
+    stub = _stub(router)
+    request = generation_pb2.GenerateRequest(prompt=PROMPTS[1], **_greedy(10_000, ignore_eos=True))
+    tokens = 0
+    with pytest.raises(grpc.RpcError) as info:
+        for response in stub.Generate(request, timeout=0.4):
+            tokens += len(response.delta.token_ids)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and tokens > 0
+    assert_idle(workers)
+
+
+def test_timeout_ms_ends_one_request_on_a_stream_and_the_others_finish(router, workers):
+    slow = generation_pb2.GenerateRequest(request_id="slow", prompt=PROMPTS[1], timeout_ms=300,
+                                          **_greedy(10_000, ignore_eos=True))
+    quick = generation_pb2.GenerateRequest(request_id="quick", prompt=PROMPTS[0], **_greedy())
+    responses = asyncio.run(_stream_with_cancels(router.address, [slow, quick], set(), set()))
+    tokens, _, finished = _collect(responses["slow"])
+    assert finished.reason == common_pb2.FINISH_REASON_ERROR
+    assert finished.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert f"passed its deadline of 300 ms after {len(tokens)} tokens were delivered" in finished.error.message
+    assert 0 < len(tokens) == finished.usage.completion_tokens
+    assert _collect(responses["quick"])[2].reason == common_pb2.FINISH_REASON_LENGTH
+    assert_idle(workers)

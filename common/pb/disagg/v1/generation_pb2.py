@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.disagg.v1 import common_pb2 as disagg_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64isagg/v1/generation.proto\x12\tdisagg.v1\x1a\x16\x64isagg/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.disagg.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.disagg.v1.ChatH\x00\x12 \n\x06images\x18\x06 \x03(\x0b\x32\x10.disagg.v1.Image\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\'\n\x04stop\x18\x08 \x01(\x0b\x32\x19.disagg.v1.StopConditions\x12(\n\x06output\x18\t \x01(\x0b\x32\x18.disagg.v1.OutputOptionsB\x07\n\x05input\"q\n\x15GenerateStreamRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.GenerateRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.disagg.v1.CancelH\x00\x42\x06\n\x04kind\"z\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.disagg.v1.DeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.disagg.v1.FinishedH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"G\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fsupports_images\x18\x03 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.disagg.v1.ModelInfo2\xf3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.disagg.v1.GenerateRequest\x1a\x1b.disagg.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12 .disagg.v1.GenerateStreamRequest\x1a\x1b.disagg.v1.GenerateResponse(\x01\x30\x01\x12I\n\nListModels\x12\x1c.disagg.v1.ListModelsRequest\x1a\x1d.disagg.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64isagg/v1/generation.proto\x12\tdisagg.v1\x1a\x16\x64isagg/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\"\xd0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.disagg.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.disagg.v1.ChatH\x00\x12 \n\x06images\x18\x06 \x03(\x0b\x32\x10.disagg.v1.Image\x12+\n\x08sampling\x18\x07 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\'\n\x04stop\x18\x08 \x01(\x0b\x32\x19.disagg.v1.StopConditions\x12(\n\x06output\x18\t \x01(\x0b\x32\x18.disagg.v1.OutputOptions\x12\x12\n\ntimeout_ms\x18\n \x01(\rB\x07\n\x05input\"q\n\x15GenerateStreamRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.GenerateRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.disagg.v1.CancelH\x00\x42\x06\n\x04kind\"z\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.disagg.v1.DeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.disagg.v1.FinishedH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"G\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fsupports_images\x18\x03 \x01(\x08\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.disagg.v1.ModelInfo2\xf3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.disagg.v1.GenerateRequest\x1a\x1b.disagg.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12 .disagg.v1.GenerateStreamRequest\x1a\x1b.disagg.v1.GenerateResponse(\x01\x30\x01\x12I\n\nListModels\x12\x1c.disagg.v1.ListModelsRequest\x1a\x1d.disagg.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=136
   _globals['_CHAT']._serialized_end=184
   _globals['_GENERATEREQUEST']._serialized_start=187
-  _globals['_GENERATEREQUEST']._serialized_end=503
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=505
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=618
-  _globals['_GENERATERESPONSE']._serialized_start=620
-  _globals['_GENERATERESPONSE']._serialized_end=742
-  _globals['_LISTMODELSREQUEST']._serialized_start=744
-  _globals['_LISTMODELSREQUEST']._serialized_end=763
-  _globals['_MODELINFO']._serialized_start=765
-  _globals['_MODELINFO']._serialized_end=836
-  _globals['_LISTMODELSRESPONSE']._serialized_start=838
-  _globals['_LISTMODELSRESPONSE']._serialized_end=896
-  _globals['_GENERATION']._serialized_start=899
-  _globals['_GENERATION']._serialized_end=1142
+  _globals['_GENERATEREQUEST']._serialized_end=523
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=525
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=638
+  _globals['_GENERATERESPONSE']._serialized_start=640
+  _globals['_GENERATERESPONSE']._serialized_end=762
+  _globals['_LISTMODELSREQUEST']._serialized_start=764
+  _globals['_LISTMODELSREQUEST']._serialized_end=783
+  _globals['_MODELINFO']._serialized_start=785
+  _globals['_MODELINFO']._serialized_end=856
+  _globals['_LISTMODELSRESPONSE']._serialized_start=858
+  _globals['_LISTMODELSRESPONSE']._serialized_end=916
+  _globals['_GENERATION']._serialized_start=919
+  _globals['_GENERATION']._serialized_end=1162
 # @@protoc_insertion_point(module_scope)
