@@ -7,6 +7,8 @@ import sys
 
 import grpc
 
+from common import tls
+from common.errors import InvalidConfig
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import DEFAULT_PORT
 
@@ -53,8 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--model", default="", help="model name (default: the router's)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    tls.add_tls_args(parser)
     args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.router) as channel:
+    try:
+        tls.configure(tls.tls_from_args(args))
+    except InvalidConfig as exc:
+        parser.error(str(exc))
+    with tls.sync_channel(args.router) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for response in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import errors
+from common import errors, tls
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +89,18 @@ async def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> Server:
-    """Start a server with health (NOT_SERVING until `set_serving(True)`) and reflection."""
+    """Start a server with health (NOT_SERVING until `set_serving(True)`) and reflection; TLS when the
+    process is configured for it (common.tls)."""
     server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_full_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    settings = tls.current()
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, settings.server_credentials()) if settings.serves_tls
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()

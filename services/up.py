@@ -16,9 +16,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import tls
 from services.router.config import DEFAULT_PORT
 
 _READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)")
@@ -73,7 +73,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
 
 
 def _check_health(child: Child, deadline: float) -> None:
-    with grpc.insecure_channel(child.address) as channel:
+    with tls.sync_channel(child.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
             if time.monotonic() > deadline:
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.decode < 1 or args.prefill < 0:
         parser.error("--decode must be >= 1 and --prefill >= 0")
+    tls.configure(tls.tls_from_args(argparse.Namespace()))  # DISAGG_TLS_*, which the children inherit too
     signal.signal(signal.SIGTERM, _interrupt)
     children: list[Child] = []
     try:

@@ -27,6 +27,8 @@ from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, InvalidConfig, Unavailable
 from common.kv.layout import KvLayout
+from common.tls import add_tls_args, tls_from_args
+from common.tls import configure as configure_tls
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.engine_flags import add_engine_args, engine_config_from_args
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, start_server
@@ -151,6 +153,7 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
     _add_process_args(parser)
     spec.add_args(parser)
     add_engine_args(parser)
+    add_tls_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
@@ -158,6 +161,7 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
         logging.getLogger(ours).setLevel(args.log_level.upper())
     try:
         config = engine_config_from_args(args)
+        configure_tls(tls_from_args(args))
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     try:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from common import tls
 from common.errors import InvalidConfig
 from services.router.config import add_router_args, config_from_args, discovery_from_args
 from services.router.server import serve
@@ -14,11 +15,13 @@ from services.router.server import serve
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg router", description=__doc__)
     add_router_args(parser)
+    tls.add_tls_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     try:
         config, discovery = config_from_args(args), discovery_from_args(args)
+        tls.configure(tls.tls_from_args(args))
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     asyncio.run(serve(config, discovery))

@@ -15,6 +15,7 @@ Every process is stopped by whoever started it; nothing here outlives a `finally
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -28,6 +29,8 @@ from typing import Iterator, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.tls import tls_from_args
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING_LINE = re.compile(r"^disagg-(?P<role>[\w-]+) serving on (?P<address>\S+)$")
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -36,10 +39,11 @@ DEFAULT_START_TIMEOUT_S = 120.0
 class ServiceProcess:
     """One `python -m services.<role>` subprocess; its stdout and stderr are kept for `log()`."""
 
-    def __init__(self, role: str, args: tuple[str, ...], popen: subprocess.Popen):
+    def __init__(self, role: str, args: tuple[str, ...], popen: subprocess.Popen, env: Mapping[str, str]):
         self.role = role
         self.args = args
         self.popen = popen
+        self.env = env
         self.address: str | None = None  # host:port from the serving line
         self._lines: list[str] = []
         self._announced = threading.Event()  # the serving line arrived, or the output ended
@@ -50,9 +54,10 @@ class ServiceProcess:
     def spawn(cls, role: str, *args: str, env: Mapping[str, str] | None = None) -> "ServiceProcess":
         """Start the process without waiting; call `wait_ready` (and always `stop`)."""
         command = [sys.executable, "-m", f"services.{role}", "--port", "0", *args]
-        popen = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, text=True,
+        full_env = {**os.environ, **(env or {})}
+        popen = subprocess.Popen(command, cwd=REPO_ROOT, env=full_env, text=True,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        return cls(role, tuple(args), popen)
+        return cls(role, tuple(args), popen, full_env)
 
     @property
     def name(self) -> str:
@@ -63,11 +68,18 @@ class ServiceProcess:
         if not self._announced.wait(timeout_s) or self.address is None:
             raise RuntimeError(f"{self.name} did not announce its port within {timeout_s:g}s "
                                f"(exit code {self.popen.poll()}):\n{self.log()}")
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
         if response.status != health_pb2.HealthCheckResponse.SERVING:
             raise RuntimeError(f"{self.name} announced {self.address} but is not SERVING:\n{self.log()}")
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the process, with the TLS settings its environment (DISAGG_TLS_*) gives it."""
+        settings = tls_from_args(argparse.Namespace(), self.env)
+        if settings.dials_tls:
+            return grpc.secure_channel(self.address, settings.channel_credentials())
+        return grpc.insecure_channel(self.address)
 
     def log(self) -> str:
         return "".join(self._lines)
