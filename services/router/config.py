@@ -28,6 +28,8 @@ class RouterConfig:
     worker_wait_s: float = 60.0
     """How long a newly discovered worker may stay silent before the router serves without it."""
     drain_timeout_s: float = 30.0
+    migration_limit: int = 0
+    """How many times a request may move to another decode worker when its worker is lost mid-stream."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -38,6 +40,7 @@ class RouterConfig:
             (self.max_inflight_requests >= 1, f"--max-inflight-requests must be >= 1, got {self.max_inflight_requests}"),
             (self.worker_wait_s > 0, f"--worker-wait must be > 0, got {self.worker_wait_s}"),
             (self.drain_timeout_s >= 0, f"--drain-timeout must be >= 0, got {self.drain_timeout_s}"),
+            (self.migration_limit >= 0, f"--migration-limit must be >= 0, got {self.migration_limit}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -64,6 +67,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a listed worker may stay silent before the router serves without it")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--migration-limit", type=int, default=0,
+                        help="times a request may move to another decode worker when its worker is lost mid-stream "
+                             "(0: it ends with UNAVAILABLE)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -71,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model=str(resolve_model(args.model)), host=args.host, port=args.port, model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
-        worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout,
+        worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,
     )
 
 

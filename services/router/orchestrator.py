@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator
@@ -155,7 +156,8 @@ class Orchestrator:
                 for response in out.finish(*ending):
                     yield response
                 return
-            start = _handoff_start(req, ready.first_token, session) if session else _continuation_start(req, ready)
+            start = (_handoff_start(req, ready.first_token, session) if session
+                     else _continuation_start(req, [ready.first_token]))
             handed_over = True
             async with contextlib.aclosing(self._decode(decode, req, out, start, deadline)) as responses:
                 async for response in responses:
@@ -177,6 +179,26 @@ class Orchestrator:
 
     async def _decode(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                       start: worker_pb2.DecodeStart, deadline: Deadline) -> AsyncIterator[Response]:
+        """Stream from a decode worker; if it is lost mid-stream, migrate (up to --migration-limit times)
+        to another decode worker, which continues from the prompt and the tokens delivered so far."""
+        for migration in itertools.count():
+            try:
+                async with contextlib.aclosing(self._decode_on(worker, req, out, start, deadline)) as responses:
+                    async for response in responses:
+                        yield response
+                return
+            except _DecodeLost as lost:
+                other = await self._pick(Role.DECODE) if migration < self._config.migration_limit else None
+                if other is None or other is worker:
+                    raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} "
+                                      f"after {out.completion_tokens} tokens were delivered ({lost}); "
+                                      "retry the request") from None
+                log.warning("request %s: decode worker %s lost after %d tokens (%s); migrating to %s",
+                            req.request_id, worker.endpoint, out.completion_tokens, lost, other.endpoint)
+                worker, start = other, _continuation_start(req, out.token_ids)
+
+    async def _decode_on(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
+                         start: worker_pb2.DecodeStart, deadline: Deadline) -> AsyncIterator[Response]:
         session = start.session if start.HasField("session") else None
         call = worker.decoder.Decode(timeout=deadline.remaining_s())
         answered = False
@@ -203,9 +225,7 @@ class Orchestrator:
             self._pool.mark_down(worker, exc.details())
             if not answered:
                 raise
-            raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} after "
-                              f"{out.completion_tokens} tokens were delivered ({exc.details()}); "
-                              "retry the request") from None
+            raise _DecodeLost(exc.details()) from None
         finally:
             call.cancel()
             if session is not None and not answered:
@@ -252,14 +272,19 @@ def _handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.K
     return start
 
 
-def _continuation_start(req: PreparedRequest, ready: worker_pb2.PrefillResponse) -> worker_pb2.DecodeStart:
-    """Prefill ended the request where the router does not (it cannot know ignore_eos or stop token ids):
-    decode continues aggregated from the prompt and the first token."""
+def _continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb2.DecodeStart:
+    """Decode continues aggregated from the prompt and the tokens already delivered: after a prefill that
+    ended the request where the router does not (it cannot know ignore_eos or stop token ids), or on
+    another decode worker after a migration. Greedy output is the same; a seeded sampler's stream restarts."""
     start = _aggregated_start(req)
-    start.token_ids.append(ready.first_token)
+    start.token_ids.extend(generated)
     if req.sampling.HasField("max_tokens"):
-        start.sampling.max_tokens = req.sampling.max_tokens - 1
+        start.sampling.max_tokens = req.sampling.max_tokens - len(generated)
     return start
+
+
+class _DecodeLost(Exception):
+    """The decode worker went away (UNAVAILABLE) after it had started streaming."""
 
 
 class Deadline:

@@ -28,6 +28,7 @@ class ResponseBuilder:
         self._want_logprobs = False
         self._echo_pending = False
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # every token sent to the client, in order
         self.cached_prompt_tokens = 0
         self.matched_stop: str | None = None
         self.finished = False
@@ -61,6 +62,7 @@ class ResponseBuilder:
         if self._first_token_at is None:
             self._first_token_at = time.perf_counter()
         self.completion_tokens += len(kept)
+        self.token_ids.extend(kept)
         delta = common_pb2.Delta(token_ids=kept, text="".join(texts))
         if self._want_logprobs:
             delta.logprobs.extend(self._with_text(lp) for lp in logprobs[: len(kept)])
