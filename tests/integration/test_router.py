@@ -65,8 +65,8 @@ def _router(model: str, prefill: list[ServiceProcess], decode: list[ServiceProce
 
 
 def _stop_all(processes: list[ServiceProcess]) -> None:
-    for process in processes:
-        code = process.stop()
+    codes = [process.stop() for process in processes]  # every one, before any assertion
+    for process, code in zip(processes, codes):
         assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
         assert "Traceback" not in process.log(), process.log()
 
