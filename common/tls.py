@@ -1,8 +1,8 @@
 """Optional TLS for every server and every channel between our processes, mutual TLS as an option.
 
 One TlsConfig per process, set once at start-up (`configure`), so that every channel the process
-opens (router → workers, decode → prefill's TensorStore, clients) uses the same credentials
-without passing them through each call site. Without a config everything is plaintext, which is
+opens (common.channels: router → workers, decode → prefill's TensorStore, clients) uses the same
+credentials without passing them through each call site. Without a config everything is plaintext, which is
 what loopback development and the tests use.
 
     --tls-cert / DISAGG_TLS_CERT    this process's certificate chain (PEM); with --tls-key, servers use TLS
@@ -16,7 +16,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import grpc
 
@@ -74,19 +74,6 @@ def configure(config: TlsConfig) -> None:
 
 def current() -> TlsConfig:
     return _process_tls
-
-
-def aio_channel(target: str, options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Channel:
-    """An asyncio channel to another disagg process: TLS when this process has a CA configured."""
-    if _process_tls.dials_tls:
-        return grpc.aio.secure_channel(target, _process_tls.channel_credentials(), options=list(options))
-    return grpc.aio.insecure_channel(target, options=list(options))
-
-
-def sync_channel(target: str, options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
-    if _process_tls.dials_tls:
-        return grpc.secure_channel(target, _process_tls.channel_credentials(), options=list(options))
-    return grpc.insecure_channel(target, options=list(options))
 
 
 def add_tls_args(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from common import tls
+from common import channels, tls
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import DEFAULT_PORT
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         tls.configure(tls.tls_from_args(args))
     except InvalidConfig as exc:
         parser.error(str(exc))
-    with tls.sync_channel(args.router) as channel:
+    with channels.sync_channel(args.router) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for response in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import errors, tls
+from common.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ async def start_server(
 ) -> Server:
     """Start a server with health (NOT_SERVING until `set_serving(True)`) and reflection; TLS when the
     process is configured for it (common.tls)."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
+    interceptors = [*tracing.server_interceptors(), *interceptors]  # tracing first: it opens the RPC's span
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -15,6 +15,7 @@ from common.errors import InvalidRequest, NotFound
 from common.kv.chunks import chunk_size, chunk_tensor, tensor_to_bytes
 from common.kv.transfer import HEADER_ROOM, kv_header
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
+from common.telemetry.metrics import Metrics
 from services.serving import abort_with
 
 
@@ -76,6 +77,7 @@ class TensorHolder(Protocol):
 
     tensor_source: TensorSource | None  # None until the worker has loaded
     max_message_bytes: int
+    metrics: Metrics | None
 
 
 class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
@@ -93,6 +95,8 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
             await abort_with(context, exc)
         for chunk in chunk_tensor(header, data, size):
             yield chunk
+        if self.holder.metrics is not None and header.kind == worker_pb2.TENSOR_KIND_KV_CACHE:
+            self.holder.metrics.get("disagg_kv_sessions_pulled_total").inc()
 
     async def Release(self, request: worker_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:

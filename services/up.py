@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import tls
+from common import channels, tls
 from services.router.config import DEFAULT_PORT
 
 _READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)")
@@ -73,7 +73,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
 
 
 def _check_health(child: Child, deadline: float) -> None:
-    with tls.sync_channel(child.address) as channel:
+    with channels.sync_channel(child.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
             if time.monotonic() > deadline:

@@ -22,16 +22,18 @@ import grpc
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
-from common.engine.default_model import DEFAULT_MODEL_NAME, is_default_model_dir
+from common.engine.default_model import model_label
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, InvalidConfig, Unavailable
 from common.kv.layout import KvLayout
+from common.telemetry.metrics import Metrics, observe_engine_load
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.engine_flags import add_engine_args, engine_config_from_args
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, start_server
+from services.observability import Observability, add_observability_args
 from services.tensor_store import KvSessionSource, TensorSource
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class WorkerState:
     kv_layout: KvLayout | None = None
     tensor_source: TensorSource | None = None
     shutting_down: bool = False
+    metrics: Metrics | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -154,6 +157,7 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
     spec.add_args(parser)
     add_engine_args(parser)
     add_tls_args(parser)
+    add_observability_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
@@ -189,11 +193,7 @@ def _advertised(args: argparse.Namespace, port: int) -> str:
 
 
 def _model_name(args: argparse.Namespace) -> str:
-    if args.model_name:
-        return args.model_name
-    if args.model in (None, "default", DEFAULT_MODEL_NAME) or is_default_model_dir(args.model):
-        return DEFAULT_MODEL_NAME
-    return args.model.rstrip("/").rsplit("/", 1)[-1]
+    return args.model_name or model_label(args.model)
 
 
 async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig) -> None:
@@ -201,6 +201,8 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig)
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     state = WorkerState(spec.role, _model_name(args), args.max_message_bytes)
+    obs = Observability.from_args(state.role_name, state.model_name, args)  # before the server: tracing
+    state.metrics = obs.metrics
 
     def add_servicers(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(state), server)
@@ -214,9 +216,23 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig)
             await server.set_serving(True)
             print(f"disagg-{state.role_name} serving on {state.endpoint}", flush=True)
             log.info("serving %s (%s) as worker %s", state.model_name, config.dtype, state.worker_id)
+            layout = state.kv_layout
+            await obs.start(args.host, state.endpoint.rpartition(":")[0], server.port,
+                            meta={"fingerprint": layout.fingerprint, "block_size": str(layout.block_size),
+                                  "worker_id": state.worker_id, "dtype": layout.dtype})
+            state.spawn(_publish_load(state))
             await stop.wait()
     finally:
+        await obs.stop()
         await _shutdown(server, state)
+
+
+async def _publish_load(state: WorkerState, every_s: float = 1.0) -> None:
+    """Keep the engine gauges (running, waiting, KV usage, sessions) fresh for Prometheus scrapes."""
+    while not state.shutting_down:
+        load = await state.engine.call(_load)
+        observe_engine_load(state.metrics, load)
+        await asyncio.sleep(every_s)
 
 
 async def _load_engine(state: WorkerState, config: EngineConfig, stop: asyncio.Event) -> bool:

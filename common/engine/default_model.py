@@ -81,6 +81,13 @@ def default_model_dir() -> Path:
     return target
 
 
+def model_label(model: str | None) -> str:
+    """The name a model is served under: SmolLM2-135M-Instruct for the default, else the directory's name."""
+    if model in (None, "default", DEFAULT_MODEL_NAME) or is_default_model_dir(model):
+        return DEFAULT_MODEL_NAME
+    return str(model).rstrip("/").rsplit("/", 1)[-1]
+
+
 def is_default_model_dir(path: str | Path) -> bool:
     """Whether `path` is a converted default model directory (so it is served under DEFAULT_MODEL_NAME)."""
     resolved = Path(path).expanduser().resolve()

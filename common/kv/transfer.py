@@ -15,7 +15,7 @@ from typing import AsyncIterator, NamedTuple, Sequence
 import grpc
 import torch
 
-from common import tls
+from common import channels
 from common.errors import InvalidRequest, LayoutMismatch
 from common.kv.chunks import MAX_CHUNK_BYTES, ChunkAssembler, dtype_name
 from common.kv.layout import KvExport, KvLayout
@@ -99,7 +99,7 @@ async def _open(target: grpc.aio.Channel | str) -> AsyncIterator[grpc.aio.Channe
     if not isinstance(target, str):
         yield target
         return
-    channel = tls.aio_channel(target, options=_PULL_CHANNEL_OPTIONS)
+    channel = channels.aio_channel(target, options=_PULL_CHANNEL_OPTIONS)
     try:
         yield channel
     finally:
@@ -160,7 +160,7 @@ class ChannelCache:
 
     def get(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
-            self._channels[endpoint] = tls.aio_channel(endpoint, options=_PULL_CHANNEL_OPTIONS)
+            self._channels[endpoint] = channels.aio_channel(endpoint, options=_PULL_CHANNEL_OPTIONS)
         return self._channels[endpoint]
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
@@ -26,6 +27,7 @@ from common.kv.layout import KvExport, KvLayout
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, pull_and_release, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import finish_reason_to_proto, logprob_to_proto, request_type_from_proto, sampling_from_proto
+from common.telemetry import tracing
 from services.serving import abort_with
 from services.worker_service import WorkerState
 
@@ -171,13 +173,18 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
 
     async def _work(self, engine: AsyncLLMEngine, plan: _Plan, outbox: asyncio.Queue) -> None:
         progress = _Progress(plan.request_id, len(plan.prompt))
+        span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
+                                                                 "disagg.request_type": plan.request_type.value})
         try:
-            kv = await self._load_kv(plan) if plan.session is not None else None
+            with trace.use_span(span, end_on_exit=False):
+                kv = await self._load_kv(plan) if plan.session is not None else None
             self.state.require_engine()  # not if shutdown began during the pull
             async for out in engine.generate(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
                                              plan.first_token):
                 if out.finish_reason is FinishReason.ABORT:
                     raise Unavailable("the decode worker is shutting down; the request was aborted")
+                if out.new_token_ids and progress.usage.completion_tokens == 0:
+                    span.add_event("first_token")
                 for message in progress.messages(out):
                     outbox.put_nowait(message)
         except asyncio.CancelledError:
@@ -185,19 +192,30 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             await asyncio.shield(engine.abort(plan.engine_id))
             outbox.put_nowait(progress.finished())
         except Exception as exc:
+            span.record_exception(exc)
             outbox.put_nowait(exc)
+        finally:
+            span.set_attribute("disagg.decode.tokens", progress.usage.completion_tokens)
+            span.end()
 
     async def _load_kv(self, plan: _Plan) -> KvExport | None:
         """The session's KV, or None to recompute the prompt here when the pull failed and the policy allows it."""
         try:
-            return await self._pull(plan.session)
+            with tracing.tracer().start_as_current_span("kv_pull", attributes={
+                    "disagg.session_id": plan.session.session_id, "disagg.exporter": plan.session.endpoint}):
+                return await self._pull(plan.session)
         except (NotFound, Unavailable, InvalidRequest) as exc:  # InvalidRequest: a broken chunk stream
+            self._count_load_failure("recompute" if self.recompute_on_failed_pull else "fail")
             if not self.recompute_on_failed_pull:
                 raise
             self.num_recomputed += 1
             log.warning("request %s: KV load failed (%s); recomputing its %d prompt tokens here", plan.request_id,
                         exc, len(plan.prompt))
             return None
+
+    def _count_load_failure(self, action: str) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.get("disagg_kv_load_failures_total", action=action).inc()
 
     async def _pull(self, ref: common_pb2.KvSessionRef) -> KvExport:
         try:
@@ -209,6 +227,12 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             raise Unavailable(f"could not pull {what}") from None
         log.debug("pulled %d KV bytes of session %s in %.1f ms", pulled.num_bytes, ref.session_id,
                   pulled.seconds * 1000)
+        span = trace.get_current_span()
+        span.set_attribute("disagg.kv_pull.bytes", pulled.num_bytes)
+        span.set_attribute("disagg.kv_pull.seconds", pulled.seconds)
+        if self.state.metrics is not None:
+            self.state.metrics.get("disagg_kv_pull_bytes_total").inc(pulled.num_bytes)
+            self.state.metrics.get("disagg_kv_pull_seconds").observe(pulled.seconds)
         return pulled.export
 
 

@@ -61,6 +61,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             ref = await engine.call(lambda e: session_ref(e.kv_layout, e.sessions.get(session_id), endpoint))
             ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
             response.session.CopyFrom(ref)
+            if self.state.metrics is not None:
+                self.state.metrics.get("disagg_kv_sessions_exported_total").inc()
         return response
 
     def _release_sessions_of(self, engine_id: str) -> None:

@@ -7,8 +7,11 @@ import logging
 import sys
 
 from common import tls
+from common.discovery.consul import ConsulDiscovery
+from common.engine.default_model import model_label
 from common.errors import InvalidConfig
 from services.router.config import add_router_args, config_from_args, discovery_from_args
+from services.observability import Observability, add_observability_args
 from services.router.server import serve
 
 
@@ -16,15 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg router", description=__doc__)
     add_router_args(parser)
     tls.add_tls_args(parser)
+    add_observability_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     try:
-        config, discovery = config_from_args(args), discovery_from_args(args)
+        config = config_from_args(args)
         tls.configure(tls.tls_from_args(args))
+        obs = Observability.from_args("router", config.model_name or model_label(config.model), args)
+        discovery = ConsulDiscovery(obs.consul) if obs.consul is not None else discovery_from_args(args)
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
-    asyncio.run(serve(config, discovery))
+    asyncio.run(serve(config, discovery, obs))
     return 0
 
 

@@ -14,10 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Iterator
 
 import grpc
+from opentelemetry import trace
 
 from common.discovery import Role
 from common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
+from common.telemetry import tracing
+from common.telemetry.metrics import Metrics
 from services.router.config import RouterConfig
 from services.router.policies import make_policy
 from services.router.prepare import PreparedRequest, RequestPreparer, ServedModel
@@ -32,7 +35,9 @@ _STOP, _LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig):
+    def __init__(self, pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig,
+                 metrics: Metrics | None = None):
+        self._metrics = metrics
         self._pool = pool
         self._preparer = preparer
         self._config = config
@@ -43,7 +48,7 @@ class Orchestrator:
         self.draining = False
 
     def response(self, request_id: str) -> ResponseBuilder:
-        return ResponseBuilder(request_id, self._preparer.tokenizer)
+        return ResponseBuilder(request_id, self._preparer.tokenizer, metrics=self._metrics)
 
     def served_model(self) -> ServedModel:
         model = self._pool.model()
@@ -65,8 +70,10 @@ class Orchestrator:
         with self._admitted():
             model = self.served_model()
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(self._tokenize, self._preparer.prepare, request,
-                                                  out.request_id, model)
+            with tracing.tracer().start_as_current_span("tokenize") as span:
+                prepared = await loop.run_in_executor(self._tokenize, self._preparer.prepare, request,
+                                                      out.request_id, model)
+                span.set_attribute("disagg.prompt_tokens", len(prepared.prompt))
             out.bind(prepared)
             try:
                 async with contextlib.aclosing(self._run(prepared, out, deadline)) as responses:
@@ -124,6 +131,12 @@ class Orchestrator:
         """The prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
         request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
                                             sampling=req.sampling, output=req.output)
+        with tracing.tracer().start_as_current_span("prefill", attributes={
+                "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
+            return await self._prefill_call(worker, req, request, deadline)
+
+    async def _prefill_call(self, worker: WorkerClient, req: PreparedRequest, request: worker_pb2.PrefillRequest,
+                            deadline: Deadline) -> worker_pb2.PrefillResponse | None:
         call = worker.prefiller.Prefill(request, timeout=deadline.remaining_s())
         try:
             with worker.busy():
@@ -200,7 +213,11 @@ class Orchestrator:
     async def _decode_on(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                          start: worker_pb2.DecodeStart, deadline: Deadline) -> AsyncIterator[Response]:
         session = start.session if start.HasField("session") else None
-        call = worker.decoder.Decode(timeout=deadline.remaining_s())
+        span = tracing.tracer().start_span("decode", attributes={
+            "disagg.worker": worker.endpoint, "disagg.kv_handoff": session is not None})
+        with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
+            call = worker.decoder.Decode(timeout=deadline.remaining_s())
+        delivered_before = out.completion_tokens
         answered = False
         try:
             await call.write(worker_pb2.DecodeClientMessage(start=start))
@@ -228,6 +245,8 @@ class Orchestrator:
             raise _DecodeLost(exc.details()) from None
         finally:
             call.cancel()
+            span.set_attribute("disagg.decode.tokens", out.completion_tokens - delivered_before)
+            span.end()
             if session is not None and not answered:
                 self._release(session)
 

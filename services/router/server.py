@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import uuid
 from typing import AsyncIterator
 
@@ -17,7 +18,8 @@ from services.router.multiplex import Multiplexer
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
-from services.serving import Server, abort_with, start_server, wait_for_signal
+from services.observability import Observability
+from services.serving import Server, abort_with, start_server, status_of, wait_for_signal
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             async with contextlib.aclosing(responses) as responses:
                 async for response in responses:
                     await context.write(response)
+        except asyncio.CancelledError:
+            out.close(grpc.StatusCode.CANCELLED)  # the client went away
+            raise
         except Exception as exc:
+            out.close(status_of(exc))
             await abort_with(context, exc)
 
     async def GenerateStream(self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
@@ -56,18 +62,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             models=[generation_pb2.ModelInfo(id=model.name, max_model_len=model.max_model_len)])
 
 
-async def serve(config: RouterConfig, discovery: Discovery) -> None:
+async def serve(config: RouterConfig, discovery: Discovery, obs: Observability | None = None) -> None:
     """Load the tokenizer, follow the workers, serve until SIGINT/SIGTERM, then drain."""
     preparer = await asyncio.to_thread(RequestPreparer.from_model_dir, config.model)
     pool = WorkerPool(discovery, contact_timeout_s=config.worker_wait_s)
-    orchestrator = Orchestrator(pool, preparer, config)
+    orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)
     server = await start_server(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), s),
         [SERVICE_NAME], config.host, config.port)
     await pool.start()
-    health = asyncio.create_task(_track_health(server, pool, orchestrator, f"{config.host}:{server.port}"))
+    advertised = socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host
+    health = asyncio.create_task(_track_health(server, pool, orchestrator, f"{advertised}:{server.port}"))
     try:
+        if obs is not None:
+            await obs.start(config.host, advertised, server.port)
         await wait_for_signal()
+        if obs is not None:
+            await obs.stop()  # out of Consul first: no new requests while draining
         log.info("draining %d requests (up to %.0fs)", orchestrator.inflight, config.drain_timeout_s)
         orchestrator.draining = True
         health.cancel()

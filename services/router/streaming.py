@@ -4,8 +4,12 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import grpc
+from opentelemetry import trace
+
 from common.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2
+from common.telemetry.metrics import Metrics
 from services.router.prepare import PreparedRequest
 from services.serving import message_of, status_of
 
@@ -18,8 +22,12 @@ class ResponseBuilder:
     Works before `bind` too (a request that fails validation still gets a Finished with usage).
     """
 
-    def __init__(self, request_id: str, tokenizer: Tokenizer | None, started: float | None = None):
+    def __init__(self, request_id: str, tokenizer: Tokenizer | None, started: float | None = None,
+                 metrics: Metrics | None = None):
         self.request_id = request_id
+        self._metrics = metrics
+        self._last_token_at: float | None = None
+        self._closed = False
         self._tokenizer = tokenizer
         self._started = time.perf_counter() if started is None else started
         self._first_token_at: float | None = None
@@ -59,8 +67,17 @@ class ResponseBuilder:
                 self.matched_stop = out.matched_stop
         if not kept:
             return None
+        now = time.perf_counter()
         if self._first_token_at is None:
-            self._first_token_at = time.perf_counter()
+            self._first_token_at = now
+            trace.get_current_span().add_event("first_token")
+            if self._metrics is not None:
+                self._metrics.get("disagg_time_to_first_token_seconds").observe(now - self._started)
+        elif self._metrics is not None:  # the gap since the last delta, shared by its tokens
+            itl = self._metrics.get("disagg_inter_token_latency_seconds")
+            for _ in kept:
+                itl.observe((now - self._last_token_at) / len(kept))
+        self._last_token_at = now
         self.completion_tokens += len(kept)
         self.token_ids.extend(kept)
         delta = common_pb2.Delta(token_ids=kept, text="".join(texts))
@@ -84,16 +101,31 @@ class ResponseBuilder:
         if matched_stop_token_id is not None and not self.stopped:
             finished.matched_stop_token_id = matched_stop_token_id
         responses.append(self._finished(finished))
+        self.close(grpc.StatusCode.OK)
         return responses
 
     def failed(self, exc: BaseException) -> Response:
         """Finished with reason ERROR: the status the error maps to, and its message."""
         error = common_pb2.ErrorStatus(code=status_of(exc).value[0], message=message_of(exc) or type(exc).__name__)
+        self.close(status_of(exc))
         return self._finished(common_pb2.Finished(reason=common_pb2.FINISH_REASON_ERROR, usage=self.usage(),
                                                   error=error))
 
     def cancelled(self) -> Response:
+        self.close(grpc.StatusCode.CANCELLED)
         return self._finished(common_pb2.Finished(reason=common_pb2.FINISH_REASON_CANCELLED, usage=self.usage()))
+
+    def close(self, status: grpc.StatusCode) -> None:
+        """Record the request's outcome in the metrics, once (the first outcome wins)."""
+        if self._closed or self._metrics is None:
+            return
+        self._closed = True
+        m = self._metrics
+        m.get("disagg_requests_total", status=status.name).inc()
+        m.get("disagg_e2e_request_latency_seconds").observe(time.perf_counter() - self._started)
+        m.get("disagg_prompt_tokens_total").inc(len(self._prompt))
+        m.get("disagg_generation_tokens_total").inc(self.completion_tokens)
+        m.get("disagg_prefix_cache_hit_tokens_total").inc(self.cached_prompt_tokens)
 
     def usage(self) -> common_pb2.Usage:
         now = time.perf_counter()

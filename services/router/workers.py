@@ -9,7 +9,7 @@ from typing import Coroutine, Iterator
 
 import grpc
 
-from common import tls
+from common import channels
 from common.discovery import Discovery, Role
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.router.prepare import ServedModel
@@ -114,7 +114,7 @@ class WorkerPool:
         await asyncio.gather(*(ch.close() for ch in self._channels), return_exceptions=True)
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = tls.aio_channel(endpoint, options=channel_options())
+        channel = channels.aio_channel(endpoint, options=channel_options())
         self._channels.append(channel)
         return channel
 

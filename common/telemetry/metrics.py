@@ -1,0 +1,92 @@
+"""Prometheus metrics: one registry per process, served on its own HTTP port (`--metrics-port`).
+
+Names follow Prometheus conventions: `disagg_` prefix, base units (seconds, bytes), `_total`
+for counters; every series carries `model` and `role`. The router measures what clients see
+(TTFT, inter-token and end-to-end latency, tokens, per-status requests, prefix-cache hits); workers
+publish their engine's state (running / waiting, KV usage, free blocks) and the KV handoff
+(sessions exported / pulled / expired, pull bytes and seconds); encode workers their latency.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_PULL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# name → (kind, help, extra label names); the one table of every metric disagg exports.
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "disagg_time_to_first_token_seconds": ("histogram", "Time from request arrival to its first token.", ()),
+    "disagg_inter_token_latency_seconds": ("histogram", "Time between consecutive tokens of a request.", ()),
+    "disagg_e2e_request_latency_seconds": ("histogram", "Time from request arrival to its last message.", ()),
+    "disagg_requests_total": ("counter", "Requests finished, by gRPC status code name.", ("status",)),
+    "disagg_prompt_tokens_total": ("counter", "Prompt tokens of finished requests.", ()),
+    "disagg_generation_tokens_total": ("counter", "Tokens generated and delivered.", ()),
+    "disagg_prefix_cache_hit_tokens_total": ("counter", "Prompt tokens served from a prefix cache.", ()),
+    "disagg_requests_running": ("gauge", "Requests in the engine's running batch.", ()),
+    "disagg_requests_waiting": ("gauge", "Requests queued in the engine.", ()),
+    "disagg_kv_cache_usage_ratio": ("gauge", "Used KV blocks / all KV blocks, in [0, 1].", ()),
+    "disagg_kv_cache_free_blocks": ("gauge", "Free KV blocks.", ()),
+    "disagg_kv_sessions_active": ("gauge", "Exported KV sessions not yet released.", ()),
+    "disagg_kv_sessions_exported_total": ("counter", "KV sessions exported by prefill.", ()),
+    "disagg_kv_sessions_pulled_total": ("counter", "KV sessions whose blocks were pulled from this worker.", ()),
+    "disagg_kv_sessions_expired_total": ("counter", "KV sessions that reached their TTL unpulled.", ()),
+    "disagg_kv_pull_bytes_total": ("counter", "KV bytes pulled by decode from prefill workers.", ()),
+    "disagg_kv_pull_seconds": ("histogram", "Duration of one KV pull.", ()),
+    "disagg_kv_load_failures_total": ("counter", "KV pulls that failed, by what decode did next.", ("action",)),
+    "disagg_encode_latency_seconds": ("histogram", "Duration of one Encode call (all its images).", ()),
+}
+_BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
+            "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,
+            "disagg_encode_latency_seconds": _LATENCY_BUCKETS}
+_KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+
+@dataclass
+class Metrics:
+    """The metrics of one process; `m.get(name)` is the labelled child for this process's model and role."""
+
+    role: str
+    model: str
+    registry: CollectorRegistry
+    _families: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, role: str, model: str) -> "Metrics":
+        registry = CollectorRegistry()
+        metrics = cls(role, model, registry)
+        for name, (kind, help_text, extra) in METRICS.items():
+            kwargs = {"buckets": _BUCKETS[name]} if kind == "histogram" else {}
+            # prometheus_client appends _total to counters itself
+            family_name = name.removesuffix("_total") if kind == "counter" else name
+            metrics._families[name] = _KINDS[kind](family_name, help_text, ("model", "role", *extra),
+                                                   registry=registry, **kwargs)
+        return metrics
+
+    def get(self, name: str, **labels: str):
+        return self._families[name].labels(model=self.model, role=self.role, **labels)
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP on host:port (0 picks a free port); returns the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        bound = server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+
+def observe_engine_load(metrics: Metrics, load) -> None:
+    """Copy a worker's Load (disagg.v1.Load) into its gauges; expired sessions count up monotonically."""
+    metrics.get("disagg_requests_running").set(load.running_requests)
+    metrics.get("disagg_requests_waiting").set(load.waiting_requests)
+    metrics.get("disagg_kv_cache_usage_ratio").set(load.kv_usage_ratio)
+    metrics.get("disagg_kv_cache_free_blocks").set(load.kv_blocks_free)
+    metrics.get("disagg_kv_sessions_active").set(load.active_kv_sessions)
+    expired = metrics.get("disagg_kv_sessions_expired_total")
+    if load.expired_kv_sessions > expired._value.get():
+        expired.inc(load.expired_kv_sessions - expired._value.get())
