@@ -33,6 +33,7 @@ from common.tls import tls_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING_LINE = re.compile(r"^disagg-(?P<role>[\w-]+) serving on (?P<address>\S+)$")
+METRICS_LINE = re.compile(r"^disagg-[\w-]+ metrics on http://(?P<address>\S+)/metrics$")
 DEFAULT_START_TIMEOUT_S = 120.0
 
 
@@ -80,6 +81,15 @@ class ServiceProcess:
         if settings.dials_tls:
             return grpc.secure_channel(self.address, settings.channel_credentials())
         return grpc.insecure_channel(self.address)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of the process's Prometheus endpoint, from its log."""
+        for line in self._lines:
+            match = METRICS_LINE.match(line.strip())
+            if match:
+                return match["address"]
+        return None
 
     def log(self) -> str:
         return "".join(self._lines)
