@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.kv.layout import KvExport
 
@@ -59,13 +60,14 @@ class AsyncLLMEngine:
         request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
         kv_import: KvExport | None = None,
         first_token: int | None = None,
+        images: list[ImageEmbedding] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Errors in the request raise before the first output;
         leaving the loop early (or being cancelled) aborts the request and frees its blocks."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_token_ids, sampling, request_type, kv_import, first_token)
+            engine.add_request(request_id, prompt_token_ids, sampling, request_type, kv_import, first_token, images)
             self._streams[request_id] = stream
 
         await self.call(add)

@@ -69,7 +69,10 @@ class BlockManager:
             return
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size  # keep one token to compute: we need its logits
-        hashes = hash_blocks(tokens[: max_blocks * self.block_size], self.block_size)
+        if request.mm is None:
+            hashes = hash_blocks(tokens[: max_blocks * self.block_size], self.block_size)
+        else:
+            hashes = self._image_block_hashes(request, max_blocks)
         for h in hashes:
             block_id = self.cached.get(h)
             if block_id is None:
@@ -100,12 +103,25 @@ class BlockManager:
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
-            h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size], extra)
+            h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size],
+                           extra or self._image_key(request, i))
             request.block_hashes.append(h)
             block = self.blocks[request.block_table[i]]
             if h not in self.cached and block.hash is None:
                 block.hash = h
                 self.cached[h] = block.block_id
+
+    def _image_key(self, request: Request, i: int) -> bytes:
+        """Block i's extra key: the content hashes of the images whose placeholders it covers."""
+        return request.mm.block_key(i * self.block_size, (i + 1) * self.block_size) if request.mm else b""
+
+    def _image_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        hashes, parent, tokens = [], ROOT_HASH, request.all_token_ids
+        for i in range(num_blocks):
+            block = tokens[i * self.block_size : (i + 1) * self.block_size]
+            parent = hash_block(parent, block, self._image_key(request, i))
+            hashes.append(parent)
+        return hashes
 
     def free(self, request: Request) -> None:
         self.free_block_ids(request.block_table)

@@ -10,6 +10,9 @@ from transformers import GenerationConfig
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.model_runner import ModelRunner
+from common.engine.models.llava import image_token_id
+from common.engine.models.loader import load_config
+from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
                                    SamplingParams, TokenLogprob)
 from common.engine.scheduler import Scheduler
@@ -45,6 +48,7 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(hf, config.dtype)
         self.kv_layout = self.runner.layout(self.fingerprint)
         self.eos_token_ids = _eos_ids(config.model, hf)
+        self.image_token_id = image_token_id(load_config(config.model))
         self.tokenizer = load_tokenizer(config.model)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -63,9 +67,11 @@ class LLMEngine:
         request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
         kv_import: KvExport | None = None,
         first_token: int | None = None,
+        images: list[ImageEmbedding] | None = None,
     ) -> Request:
         sampling = sampling or SamplingParams()
         self._validate(request_id, prompt_token_ids, request_type, kv_import, first_token)
+        mm = self._multimodal(prompt_token_ids, images)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(f"the engine queue is full: {self.config.max_waiting} requests waiting, its limit "
                                     "(--max-waiting); retry later or add workers")
@@ -75,7 +81,7 @@ class LLMEngine:
             cap = min(cap, len(prompt_token_ids) + sampling.max_tokens)
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
-            request_type=request_type, kv_import=kv_import, max_total_tokens=cap, arrival_time=time.monotonic(),
+            request_type=request_type, kv_import=kv_import, max_total_tokens=cap, arrival_time=time.monotonic(), mm=mm,
         )
         if first_token is not None:
             request.output_token_ids.append(first_token)
@@ -113,6 +119,13 @@ class LLMEngine:
                 raise InvalidRequest(f"imported KV covers {kv_import.num_tokens} tokens, the prompt has {len(prompt)}")
         elif kv_import is not None or first_token is not None:
             raise InvalidRequest(f"{request_type.value} takes no imported KV or first token")
+
+    def _multimodal(self, prompt: list[int], images: list[ImageEmbedding] | None) -> MultiModalInputs | None:
+        if images:
+            return MultiModalInputs.build(prompt, self.image_token_id, images, self.runner.hf_config.hidden_size)
+        if self.image_token_id is not None and self.image_token_id in prompt:
+            raise InvalidRequest(f"the prompt has image placeholder tokens (id {self.image_token_id}) but no images")
+        return None
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it is unknown or already done."""

@@ -50,15 +50,28 @@ class ModelRunner:
             block_tables=[r.block_table for r in batch.requests],
         )
         meta = self.attention.prepare(layout)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_cache, meta, self.attention,
+            ids, torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache, meta, self.attention, self._splice_images(batch, ids),
         )
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         return {r.request_id: out for r, out in zip(sampled, self.sampler(logits, sampled))}
+
+    def _splice_images(self, batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with image embedding rows over the placeholders this step covers; None without images."""
+        if all(r.mm is None for r in batch.requests):
+            return None
+        embeds = self.model.model.embed_tokens(ids)
+        row = 0
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            if request.mm is not None:  # a chunk (or a prefix-cache hit) may cover any part of an image
+                offsets, rows = request.mm.rows_in(request.num_computed_tokens, request.num_computed_tokens + n)
+                embeds[row + offsets.to(self.device)] = rows.to(device=self.device, dtype=embeds.dtype)
+            row += n
+        return embeds
 
     # --- KV export / import: whole blocks with their layout ---
 

@@ -5,6 +5,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from common.engine.multimodal import MultiModalInputs
 from common.errors import InvalidRequest
 
 
@@ -97,6 +98,7 @@ class Request:
     max_total_tokens: int = 0  # prompt + output cap, set by the engine from max_tokens / max_model_len
     arrival_time: float = 0.0
     num_preemptions: int = 0
+    mm: MultiModalInputs | None = None  # image embeddings spliced over the prompt's placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -170,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: TorchAttentionMetadata,
         backend: TorchPagedAttention,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces the token embeddings (images spliced in)
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, backend)

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
 from common.engine.models.llama import LlamaForCausalLM, RotaryEmbedding, head_dim_of
+from common.engine.models.llava import is_vision_language, language_state, text_config_of
 from common.errors import InvalidConfig
 
 # Checkpoint entries that are derived state, not weights.
@@ -30,14 +31,23 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def load_state(model_dir: str | Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(Path(model_dir)):
+        state.update(load_file(str(path), device=str(device)))
+    return state
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """Our language model and its config (a vision-language checkpoint's text half; the vision half is llava.py's)."""
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    full_config = load_config(model_dir)
+    config = text_config_of(full_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(model_dir):
-        state.update(load_file(str(path), device=str(device)))
+    state = load_state(model_dir, device)
+    if is_vision_language(full_config):
+        state = language_state(state)
     state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
     tied = getattr(config, "tie_word_embeddings", False)
     if tied:
