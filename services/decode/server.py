@@ -63,6 +63,7 @@ class _Plan:
     request_type: RequestType
     session: common_pb2.KvSessionRef | None
     first_token: int | None
+    time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
 
 
 def _plan(start: worker_pb2.DecodeStart, layout: KvLayout) -> _Plan:
@@ -148,6 +149,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         try:
             engine = self.state.require_engine()
             plan = _plan(start, self.state.kv_layout)
+            plan.time_left_s = context.time_remaining()
         except Exception as exc:
             await self._refuse(context, start, exc)
         outbox: asyncio.Queue = asyncio.Queue()
@@ -203,7 +205,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         try:
             with tracing.tracer().start_as_current_span("kv_pull", attributes={
                     "disagg.session_id": plan.session.session_id, "disagg.exporter": plan.session.endpoint}):
-                return await self._pull(plan.session)
+                return await self._pull(plan.session, plan.time_left_s)
         except (NotFound, Unavailable, InvalidRequest) as exc:  # InvalidRequest: a broken chunk stream
             self._count_load_failure("recompute" if self.recompute_on_failed_pull else "fail")
             if not self.recompute_on_failed_pull:
@@ -217,9 +219,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_kv_load_failures_total", action=action).inc()
 
-    async def _pull(self, ref: common_pb2.KvSessionRef) -> KvExport:
+    async def _pull(self, ref: common_pb2.KvSessionRef, time_left_s: float | None) -> KvExport:
+        timeout_s = self.pull_timeout_s if time_left_s is None else min(self.pull_timeout_s, time_left_s)
         try:
-            pulled = await pull_and_release(self.channels.get(ref.endpoint), ref, timeout_s=self.pull_timeout_s)
+            pulled = await pull_and_release(self.channels.get(ref.endpoint), ref, timeout_s=timeout_s)
         except grpc.aio.AioRpcError as exc:
             what = f"KV session {ref.session_id} at {ref.endpoint}: {exc.code().name}: {exc.details()}"
             if exc.code() is grpc.StatusCode.NOT_FOUND:
