@@ -86,7 +86,7 @@ class ConsulDouble:
         self.services: dict[str, dict] = {}
         self.checks: dict[str, Check] = {}
         self.index = 1
-        self.requests: list[tuple[str, str]] = []  # (method, path) seen, for tests
+        self.requests: list[tuple[str, str, str]] = []  # (method, path, query) seen, for tests
         self._changed = threading.Condition()
         self._stopping = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -207,7 +207,7 @@ class ConsulDouble:
 
             def do_PUT(self) -> None:
                 url = urllib.parse.urlparse(self.path)
-                double.requests.append(("PUT", url.path))
+                double.requests.append(("PUT", url.path, url.query))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
                 if url.path == "/v1/agent/service/register":
@@ -226,7 +226,7 @@ class ConsulDouble:
             def do_GET(self) -> None:
                 url = urllib.parse.urlparse(self.path)
                 query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
-                double.requests.append(("GET", url.path))
+                double.requests.append(("GET", url.path, url.query))
                 if url.path == "/v1/agent/services":
                     return self._reply(200, dict(double.services))
                 if url.path == "/v1/agent/checks":

@@ -9,7 +9,8 @@ Discovery (router): /v1/health/service/disagg-<role>?passing with `index`/`wait`
 queries; a view is yielded whenever the set of passing endpoints changes.
 
 The agent's address, ACL token and TLS come from Consul's standard variables (CONSUL_HTTP_ADDR,
-CONSUL_HTTP_TOKEN, CONSUL_HTTP_SSL, CONSUL_HTTP_SSL_VERIFY, read by py-consul) or from flags.
+CONSUL_HTTP_TOKEN, CONSUL_HTTP_SSL, CONSUL_HTTP_SSL_VERIFY, read by py-consul; CONSUL_CACERT,
+CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, read here) or from flags.
 py-consul's client is synchronous; its calls run in a thread, so blocking queries never block
 the event loop.
 """
@@ -55,6 +56,11 @@ class ConsulSettings:
             kwargs.update(host=host, port=int(port), scheme=scheme or None)
         if self.token:
             kwargs["token"] = self.token
+        # py-consul reads CONSUL_HTTP_SSL(_VERIFY) itself but not the CA / client certificate variables
+        if os.environ.get("CONSUL_CACERT"):
+            kwargs["verify"] = os.environ["CONSUL_CACERT"]
+        if os.environ.get("CONSUL_CLIENT_CERT") and os.environ.get("CONSUL_CLIENT_KEY"):
+            kwargs["cert"] = (os.environ["CONSUL_CLIENT_CERT"], os.environ["CONSUL_CLIENT_KEY"])
         return consul.Consul(**kwargs)
 
 
@@ -67,6 +73,8 @@ def add_consul_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--consul-token", default=None, help="ACL token (default: CONSUL_HTTP_TOKEN)")
     g.add_argument("--consul-deregister-after", default="30s",
                    help="Consul removes a service whose check stays critical this long")
+    g.add_argument("--consul-check-interval", default="2s",
+                   help="how often the agent runs this service's GRPC health check (also its timeout)")
 
 
 def consul_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> ConsulSettings | None:
@@ -75,7 +83,7 @@ def consul_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.envir
     if not wanted:
         return None
     return ConsulSettings(address=args.consul_addr, token=args.consul_token,
-                          deregister_after=args.consul_deregister_after)
+                          deregister_after=args.consul_deregister_after, check_interval=args.consul_check_interval)
 
 
 @dataclass
