@@ -142,8 +142,9 @@ class Orchestrator:
             with worker.busy():
                 return await asyncio.shield(call)
         except asyncio.CancelledError:
-            if not call.cancel():  # it had already answered: its session has no taker now
-                self._pool.spawn(self._release_answered(call))
+            # Not call.cancel(): a cancel that races the answer loses the session ref on the wire while the
+            # worker has already exported it (it held blocks until its TTL). Let the prefill answer, then release.
+            self._pool.spawn(self._release_answered(call))
             raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.UNAVAILABLE:
