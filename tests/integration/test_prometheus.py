@@ -1,0 +1,126 @@
+"""The real Prometheus server (Debian package `prometheus`, installed by deploy/install.sh) scrapes router,
+prefill and decode; after some requests the TTFT histogram count and the KV pull bytes read back through
+Prometheus' HTTP query API match what was sent and what the decode worker counted."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.observed import metrics_url, scrape, wait_for
+from tests.integration.processes import ServiceProcess, start_service, start_services
+from tests.integration.test_router import make_text_model
+
+PROMETHEUS = shutil.which("prometheus")
+NUM_REQUESTS = 4
+MAX_TOKENS = 4
+
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed "
+                                                           "(deploy/install.sh installs the Debian package)")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory) -> Iterator[list[ServiceProcess]]:
+    model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
+    env = {"OMP_NUM_THREADS": "1"}
+    processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
+    try:
+        prefill, decode = processes
+        processes.append(start_service("router", "--model", model, "--prefill-workers", prefill.address,
+                                       "--decode-workers", decode.address, env=env))
+        yield processes
+    finally:
+        codes = [p.stop() for p in processes]
+        assert codes == [0] * len(codes), [p.log() for p in processes]
+
+
+@pytest.fixture(scope="module")
+def prometheus(services, tmp_path_factory) -> Iterator[str]:
+    """A Prometheus server scraping every service each 0.5 s; yields its base URL."""
+    root = tmp_path_factory.mktemp("prometheus")
+    targets = [urllib.parse.urlparse(metrics_url(p)).netloc for p in services]
+    config = {"global": {"scrape_interval": "500ms", "scrape_timeout": "400ms"},
+              "scrape_configs": [{"job_name": "disagg", "static_configs": [{"targets": targets}]}]}
+    (root / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = _free_port()
+    process = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _ready(url) or process.poll() is not None, 30, "prometheus to be ready")
+        assert process.poll() is None, process.stderr.read().decode()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(15)
+        process.stderr.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _query(url: str, promql: str) -> list[dict]:
+    with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}",
+                                timeout=5) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _scalar(url: str, promql: str) -> float | None:
+    result = _query(url, promql)
+    return float(result[0]["value"][1]) if result else None
+
+
+def _generate(router: ServiceProcess, prompt: str) -> None:
+    request = generation_pb2.GenerateRequest(
+        prompt=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        stop=common_pb2.StopConditions(ignore_eos=True))
+    with grpc.insecure_channel(router.address) as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
+    assert responses[-1].finished.usage.completion_tokens == MAX_TOKENS
+
+
+def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
+    prefill, decode, router = services
+    wait_for(lambda: _scalar(prometheus, 'count(up{job="disagg"} == 1)') == 3, 20, "every target to be up")
+    for i in range(NUM_REQUESTS):
+        _generate(router, f"Request number {i} asks about the sea and")
+
+    ttft = 'disagg_time_to_first_token_seconds_count{role="router",model="tiny-text"}'
+    wait_for(lambda: _scalar(prometheus, ttft) == NUM_REQUESTS, 20, "the TTFT count to reach Prometheus")
+    pulled = scrape(decode)["disagg_kv_pull_bytes_total"]
+    assert pulled > 0
+    wait_for(lambda: _scalar(prometheus, 'disagg_kv_pull_bytes_total{role="decode"}') == pulled, 20,
+             "the KV pull bytes to reach Prometheus")
+    assert _scalar(prometheus, 'disagg_kv_pull_seconds_count{role="decode"}') == NUM_REQUESTS
+    assert _scalar(prometheus, 'disagg_requests_total{role="router",status="OK"}') == NUM_REQUESTS
+    assert _scalar(prometheus, 'disagg_generation_tokens_total{role="router"}') == NUM_REQUESTS * MAX_TOKENS
+    assert _scalar(prometheus, 'disagg_kv_sessions_exported_total{role="prefill"}') == NUM_REQUESTS
+    assert _scalar(prometheus, 'disagg_kv_sessions_pulled_total{role="prefill"}') == NUM_REQUESTS
+    median = _scalar(prometheus, f"histogram_quantile(0.5, {ttft.replace('_count', '_bucket')})")
+    assert median is not None and 0 < median < 30
+    # the workers' engine gauges, refreshed from GetLoad: idle again after the requests
+    wait_for(lambda: _scalar(prometheus, 'disagg_kv_cache_usage_ratio{role="decode"}') == 0, 20, "an idle KV cache")
+    assert _scalar(prometheus, 'disagg_kv_cache_free_blocks{role="decode"}') > 0
