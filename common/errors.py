@@ -25,6 +25,10 @@ class LayoutMismatch(DisaggError):
     """Exported KV does not fit the importer's cache (maps to FAILED_PRECONDITION)."""
 
 
+class FailedPrecondition(DisaggError):
+    """The deployment cannot serve this kind of request (e.g. images without an encode worker)."""
+
+
 class ResourceExhausted(DisaggError):
     """A queue or the KV pool is full (maps to RESOURCE_EXHAUSTED)."""
 

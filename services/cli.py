@@ -8,6 +8,7 @@ import sys
 SUBCOMMANDS = {
     "run": ("services.run_local", "generate from a prompt with the engine in this process"),
     "prefill": ("services.prefill.__main__", "the prefill worker: context phase, exports KV sessions"),
+    "encode": ("services.encode.__main__", "the encode worker: images → embeddings for a LLaVA-style model"),
     "decode": ("services.decode.__main__", "the decode worker: pulls KV, generates, streams tokens"),
     "router": ("services.router.__main__", "the router: tokenise, pick workers, orchestrate prefill → decode"),
     "up": ("services.up", "start router + prefill + decode on this machine, until Ctrl-C"),

@@ -26,6 +26,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.InvalidConfig, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -71,7 +71,7 @@ class LLMEngine:
     ) -> Request:
         sampling = sampling or SamplingParams()
         self._validate(request_id, prompt_token_ids, request_type, kv_import, first_token)
-        mm = self._multimodal(prompt_token_ids, images)
+        mm = self._multimodal(prompt_token_ids, images, kv_import is not None)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(f"the engine queue is full: {self.config.max_waiting} requests waiting, its limit "
                                     "(--max-waiting); retry later or add workers")
@@ -120,10 +120,14 @@ class LLMEngine:
         elif kv_import is not None or first_token is not None:
             raise InvalidRequest(f"{request_type.value} takes no imported KV or first token")
 
-    def _multimodal(self, prompt: list[int], images: list[ImageEmbedding] | None) -> MultiModalInputs | None:
+    def _multimodal(self, prompt: list[int], images: list[ImageEmbedding] | None,
+                    imported: bool) -> MultiModalInputs | None:
+        hidden = self.runner.hf_config.hidden_size
         if images:
-            return MultiModalInputs.build(prompt, self.image_token_id, images, self.runner.hf_config.hidden_size)
+            return MultiModalInputs.build(prompt, self.image_token_id, images, hidden)
         if self.image_token_id is not None and self.image_token_id in prompt:
+            if imported:  # the context phase ran the images; its KV comes with the request
+                return MultiModalInputs.imported(prompt, self.image_token_id, hidden)
             raise InvalidRequest(f"the prompt has image placeholder tokens (id {self.image_token_id}) but no images")
         return None
 

@@ -7,6 +7,7 @@ share cached KV and the same image does.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,14 @@ class MultiModalInputs:
             spans.append(ImageSpan(placeholders[start : start + n], im.content_hash))
             start += n
         return cls(torch.cat([im.embedding for im in images]), torch.tensor(placeholders, dtype=torch.long), spans)
+
+    @classmethod
+    def imported(cls, prompt: list[int], image_token_id: int, hidden_size: int) -> "MultiModalInputs":
+        """For a prompt whose KV was imported (generation_only): no embeddings, and a key of its own for the
+        image blocks, so they never enter the prefix cache under their bare token ids."""
+        placeholders = [i for i, t in enumerate(prompt) if t == image_token_id]
+        return cls(torch.empty(0, hidden_size), torch.empty(0, dtype=torch.long),
+                   [ImageSpan(placeholders, f"imported-{uuid.uuid4().hex}")])
 
     def block_key(self, start: int, end: int) -> bytes:
         """Extra hash input of the block covering prompt positions [start, end): the images it overlaps."""

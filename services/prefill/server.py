@@ -11,7 +11,9 @@ from common.engine.async_engine import AsyncLLMEngine
 from common.engine.engine import LLMEngine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest, Unavailable
-from common.kv.transfer import session_ref
+from common.engine.multimodal import ImageEmbedding
+from common.kv.embeddings import pull_and_release_embeddings
+from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import logprob_to_proto, sampling_from_proto
 from services.serving import abort_with
@@ -23,13 +25,16 @@ _CONTEXT_ONLY = (common_pb2.REQUEST_TYPE_UNSPECIFIED, common_pb2.REQUEST_TYPE_CO
 
 
 def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
-    worker_pb2_grpc.add_PrefillerServicer_to_server(PrefillServicer(state), server)
+    channels = ChannelCache()  # to encode workers' TensorStores, for image embeddings
+    state.closers.append(channels.close)
+    worker_pb2_grpc.add_PrefillerServicer_to_server(PrefillServicer(state, channels), server)
     worker_pb2_grpc.add_TensorStoreServicer_to_server(TensorStoreServicer(state), server)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
-    def __init__(self, state: WorkerState):
+    def __init__(self, state: WorkerState, channels: ChannelCache):
         self.state = state
+        self.channels = channels
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
@@ -37,7 +42,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         engine_id = f"{request.request_id or 'prefill'}-{uuid.uuid4().hex[:8]}"
         try:
             engine = self.state.require_engine()
-            output = await _context_only(engine, engine_id, request, _sampling(request))
+            sampling = _sampling(request)
+            # Pulled and released before the engine sees the request: a cancel here leaves nothing held.
+            images = await pull_and_release_embeddings(self.channels.get, request.embeddings,
+                                                       context.time_remaining())
+            output = await _context_only(engine, engine_id, request, sampling, images)
             response = await self._response(engine, output, request.request_id)
         except asyncio.CancelledError:
             self._release_sessions_of(engine_id)  # the caller left; a session made meanwhile must not wait for its TTL
@@ -74,15 +83,13 @@ def _sampling(request: worker_pb2.PrefillRequest) -> SamplingParams:
     if request.request_type not in _CONTEXT_ONLY:
         raise InvalidRequest(f"Prefill runs CONTEXT_ONLY requests, got "
                              f"{common_pb2.RequestType.Name(request.request_type)}")
-    if request.embeddings:
-        raise InvalidRequest("this prefill worker takes no image embeddings (a text-only model)")
     return sampling_from_proto(request.sampling, None, request.output)
 
 
 async def _context_only(engine: AsyncLLMEngine, engine_id: str, request: worker_pb2.PrefillRequest,
-                        sampling: SamplingParams) -> RequestOutput:
+                        sampling: SamplingParams, images: list[ImageEmbedding]) -> RequestOutput:
     outputs = [out async for out in engine.generate(engine_id, list(request.token_ids), sampling,
-                                                    RequestType.CONTEXT_ONLY)]
+                                                    RequestType.CONTEXT_ONLY, images=images or None)]
     return outputs[-1]
 
 

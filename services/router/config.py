@@ -58,6 +58,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="host:port,... of prefill workers (env DISAGG_PREFILL_WORKERS)")
     parser.add_argument("--decode-workers", default=None,
                         help="host:port,... of decode workers (env DISAGG_DECODE_WORKERS)")
+    parser.add_argument("--encode-workers", default=None,
+                        help="host:port,... of encode workers, for requests with images (env DISAGG_ENCODE_WORKERS)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="round_robin")
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
                         help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
@@ -82,4 +84,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def discovery_from_args(args: argparse.Namespace) -> StaticDiscovery:
-    return StaticDiscovery.from_flags({Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers})
+    return StaticDiscovery.from_flags({Role.PREFILL: args.prefill_workers, Role.DECODE: args.decode_workers,
+                                       Role.ENCODE: args.encode_workers})

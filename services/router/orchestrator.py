@@ -17,7 +17,7 @@ import grpc
 from opentelemetry import trace
 
 from common.discovery import Role
-from common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from common.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
 from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
@@ -41,7 +41,7 @@ class Orchestrator:
         self._pool = pool
         self._preparer = preparer
         self._config = config
-        self._policies = {role: make_policy(config.policy) for role in (Role.PREFILL, Role.DECODE)}
+        self._policies = {role: make_policy(config.policy) for role in (Role.PREFILL, Role.DECODE, Role.ENCODE)}
         # One thread: HF tokenizers are not meant to be driven from several threads at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0
@@ -105,8 +105,11 @@ class Orchestrator:
             raise Unavailable("no decode worker is available")
         with decode.busy():
             prefill = await self._pick(Role.PREFILL) if len(req.prompt) >= self._config.min_remote_prefill_tokens else None
-            flow = (self._disaggregated(prefill, decode, req, out, deadline) if prefill is not None
-                    else self._decode(decode, req, out, _aggregated_start(req), deadline))
+            if req.images:
+                flow = self._with_images(prefill, decode, req, out, deadline)
+            else:
+                flow = (self._disaggregated(prefill, decode, req, out, deadline) if prefill is not None
+                        else self._decode(decode, req, out, _aggregated_start(req), deadline))
             async with contextlib.aclosing(flow) as responses:
                 async for response in responses:
                     yield response
@@ -126,11 +129,65 @@ class Orchestrator:
             async for response in responses:
                 yield response
 
-    async def _prefill(self, worker: WorkerClient, req: PreparedRequest,
-                       deadline: Deadline) -> worker_pb2.PrefillResponse | None:
+    async def _with_images(self, prefill: WorkerClient | None, decode: WorkerClient, req: PreparedRequest,
+                           out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
+        """encode → prefill (pulls and releases the embeddings) → decode with the KV session."""
+        if prefill is None:
+            prefill = await self._pick(Role.PREFILL)
+        if prefill is None:
+            raise FailedPrecondition(f"the request has {len(req.images)} images, which need a prefill worker to "
+                                     "run them; none is available")
+        refs = await self._encode(req, deadline)
+        ready = None
+        try:
+            ready = await self._prefill(prefill, req, deadline, refs)
+        finally:
+            if ready is None:  # prefill failed or the client left: nobody else frees the embeddings now
+                self._release_embeddings(refs)
+        if ready is None:
+            raise Unavailable(f"prefill worker {prefill.endpoint} became unavailable during an image request; retry")
+        async with contextlib.aclosing(self._after_prefill(ready, decode, req, out, deadline)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _encode(self, req: PreparedRequest, deadline: Deadline) -> list[common_pb2.EmbeddingRef]:
+        worker = await self._pick(Role.ENCODE)
+        if worker is None:
+            raise FailedPrecondition(f"the request has {len(req.images)} images but no encode worker is available; "
+                                     "start one (disagg encode) and list it in --encode-workers")
+        request = worker_pb2.EncodeRequest(request_id=req.worker_request_id, images=req.images)
+        call = worker.encoder.Encode(request, timeout=deadline.remaining_s())
+        with tracing.tracer().start_as_current_span("encode", attributes={
+                "disagg.worker": worker.endpoint, "disagg.images": len(req.images)}):
+            try:
+                with worker.busy():
+                    return list((await asyncio.shield(call)).embeddings)
+            except asyncio.CancelledError:
+                if not call.cancel():  # it had already answered: free what it stored
+                    self._pool.spawn(self._release_encoded(call))
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._pool.mark_down(worker, exc.details())
+                raise
+
+    async def _release_encoded(self, call: grpc.aio.UnaryUnaryCall) -> None:
+        try:
+            response = await call
+        except grpc.aio.AioRpcError:
+            return
+        self._release_embeddings(list(response.embeddings))
+
+    def _release_embeddings(self, refs: list[common_pb2.EmbeddingRef]) -> None:
+        """Free embeddings no prefill worker took; in the background, so a cancelled request still does it."""
+        for ref in refs:
+            self._release_handle(ref.endpoint, ref.handle, "embedding")
+
+    async def _prefill(self, worker: WorkerClient, req: PreparedRequest, deadline: Deadline,
+                       embeddings: list[common_pb2.EmbeddingRef] = ()) -> worker_pb2.PrefillResponse | None:
         """The prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
         request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
-                                            sampling=req.sampling, output=req.output)
+                                            sampling=req.sampling, output=req.output, embeddings=embeddings)
         with tracing.tracer().start_as_current_span("prefill", attributes={
                 "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
             return await self._prefill_call(worker, req, request, deadline)
@@ -269,13 +326,15 @@ class Orchestrator:
 
     def _release(self, session: common_pb2.KvSessionRef) -> None:
         """Free a KV session no decode worker took over; in the background, so a cancelled request still does it."""
+        self._release_handle(session.endpoint, session.session_id, "KV session")
+
+    def _release_handle(self, endpoint: str, handle: str, what: str) -> None:
         async def release() -> None:
             try:
-                await self._pool.tensor_store(session.endpoint).Release(
-                    worker_pb2.ReleaseRequest(handle=session.session_id), timeout=_RELEASE_TIMEOUT_S)
+                await self._pool.tensor_store(endpoint).Release(worker_pb2.ReleaseRequest(handle=handle),
+                                                                timeout=_RELEASE_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                log.warning("releasing KV session %s on %s failed: %s", session.session_id, session.endpoint,
-                            exc.code().name)
+                log.warning("releasing %s %s on %s failed: %s", what, handle, endpoint, exc.code().name)
 
         self._pool.spawn(release())
 

@@ -8,10 +8,13 @@ from pathlib import Path
 
 from common.engine.request import SamplingParams
 from common.engine.stopping import load_tokenizer
+from common.engine.models.llava import image_token_id, num_image_tokens, text_config_of
+from common.engine.models.loader import load_config
 from common.engine.tokenizer import Tokenizer
 from common.errors import InvalidRequest, NotFound
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from services.convert import sampling_from_proto
+from services.router.images import ImageTokens
 
 
 @dataclass(frozen=True)
@@ -20,17 +23,28 @@ class ModelFacts:
 
     vocab_size: int
     eos_token_ids: frozenset[int]
+    image_tokens: ImageTokens | None = None  # None: the model takes no images
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, tokenizer: Tokenizer | None) -> "ModelFacts":
         root = Path(model_dir)
-        config = json.loads((root / "config.json").read_text())
+        full = load_config(root)
+        config = text_config_of(full).to_dict()
         eos: set[int] = set(tokenizer.eos_token_ids) if tokenizer else set()
         for name in ("config.json", "generation_config.json"):
             path = root / name
             value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
             eos.update([value] if isinstance(value, int) else (value or []))
-        return cls(vocab_size=int(config["vocab_size"]), eos_token_ids=frozenset(eos))
+        return cls(vocab_size=int(config["vocab_size"]), eos_token_ids=frozenset(eos),
+                   image_tokens=_image_tokens(full, tokenizer))
+
+
+def _image_tokens(config, tokenizer: Tokenizer | None) -> ImageTokens | None:
+    token_id = image_token_id(config)
+    if token_id is None:
+        return None
+    token = tokenizer.hf.convert_ids_to_tokens(token_id) if tokenizer else "<image>"
+    return ImageTokens(token_id, token, num_image_tokens(config))
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class PreparedRequest:
     sampling: common_pb2.SamplingParams
     stop: common_pb2.StopConditions
     output: common_pb2.OutputOptions
+    images: tuple[common_pb2.Image, ...] = ()
 
 
 class RequestPreparer:
@@ -70,16 +85,22 @@ class RequestPreparer:
         if request.model and request.model != model.name:
             raise NotFound(f"unknown model {request.model!r}; this router serves {model.name!r} "
                            "(or leave model empty for the default)")
-        if request.images:
+        if request.images and self.facts.image_tokens is None:
             raise InvalidRequest(f"model {model.name!r} does not accept images")
         params = sampling_from_proto(request.sampling, request.stop, request.output)
+        bad_stops = [t for t in params.stop_token_ids if t >= self.facts.vocab_size]
+        if bad_stops:  # the engine would never match them; say so instead of silently ignoring
+            raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {self.facts.vocab_size}): {bad_stops[:5]}")
         prompt = self._tokens(request)
+        if self.facts.image_tokens is not None and (request.images or self.facts.image_tokens.token_id in prompt):
+            prompt = self.facts.image_tokens.expand(prompt, len(request.images))
         if len(prompt) >= model.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {model.max_model_len} "
                                  "tokens, which must also hold at least one generated token")
         return PreparedRequest(request_id=request_id, worker_request_id=f"{request_id}-{secrets.token_hex(4)}",
                                prompt=prompt, max_model_len=model.max_model_len, params=params,
-                               sampling=request.sampling, stop=request.stop, output=request.output)
+                               sampling=request.sampling, stop=request.stop, output=request.output,
+                               images=tuple(request.images))
 
     def _tokens(self, request: generation_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -91,12 +112,22 @@ class RequestPreparer:
         if kind == "prompt":
             if not request.prompt:
                 raise InvalidRequest("prompt is empty")
-            return tokenizer.encode(request.prompt)
+            return tokenizer.encode(self._marked(request.prompt, len(request.images)))
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        for i, message in enumerate(messages):
+            if not message["role"]:  # the template would render a turn nobody said
+                raise InvalidRequest(f"chat: messages[{i}] needs a role (system, user, assistant, ...)")
+        if request.images and self.facts.image_tokens is not None:
+            messages = self.facts.image_tokens.mark_messages(messages, len(request.images))
         try:
             return tokenizer.apply_chat_template(messages)
         except ValueError as exc:
             raise InvalidRequest(f"chat: {exc}") from exc
+
+    def _marked(self, text: str, num_images: int) -> str:
+        if not num_images or self.facts.image_tokens is None:
+            return text
+        return self.facts.image_tokens.mark_text(text, num_images)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         if not ids:

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 _ACCEPTED_ROLES = {
     Role.PREFILL: {worker_pb2.WORKER_ROLE_PREFILL},
     Role.DECODE: {worker_pb2.WORKER_ROLE_DECODE, worker_pb2.WORKER_ROLE_AGGREGATED},
+    Role.ENCODE: {worker_pb2.WORKER_ROLE_ENCODE},
 }
 _GET_INFO_TIMEOUT_S = 5.0
 _MAX_RETRY_S = 5.0
@@ -37,11 +38,13 @@ class WorkerClient:
     worker: worker_pb2_grpc.WorkerStub = field(init=False)
     prefiller: worker_pb2_grpc.PrefillerStub = field(init=False)
     decoder: worker_pb2_grpc.DecoderStub = field(init=False)
+    encoder: worker_pb2_grpc.EncoderStub = field(init=False)
 
     def __post_init__(self) -> None:
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
         self.prefiller = worker_pb2_grpc.PrefillerStub(self.channel)
         self.decoder = worker_pb2_grpc.DecoderStub(self.channel)
+        self.encoder = worker_pb2_grpc.EncoderStub(self.channel)
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -92,7 +95,7 @@ class WorkerPool:
         decoders = self.ready(Role.DECODE)
         if not decoders:
             return None
-        infos = [c.info for role in _ACCEPTED_ROLES for c in self.ready(role) if c.info is not None]
+        infos = [c.info for role in (Role.PREFILL, Role.DECODE) for c in self.ready(role) if c.info is not None]
         return ServedModel(name=decoders[0].info.model, max_model_len=min(i.max_model_len for i in infos))
 
     def tensor_store(self, endpoint: str) -> worker_pb2_grpc.TensorStoreStub:
@@ -159,7 +162,9 @@ class WorkerPool:
             log.error("worker %s is listed as %s but serves role %s; not using it", client.endpoint,
                       client.role.value, worker_pb2.WorkerRole.Name(info.role))
             return
-        for other in self.ready(client.role) + self.ready(Role.DECODE if client.role is Role.PREFILL else Role.PREFILL):
+        kv_roles = [] if client.role is Role.ENCODE else [client.role, Role.DECODE if client.role is Role.PREFILL
+                                                         else Role.PREFILL]  # encode holds no KV
+        for other in [c for role in kv_roles for c in self.ready(role)]:
             if other is not client and other.info.fingerprint != info.fingerprint:
                 log.warning("%s worker %s serves fingerprint %s (model %s) but %s worker %s serves %s (model %s); "
                             "their KV is not interchangeable", client.role.value, client.endpoint, info.fingerprint,

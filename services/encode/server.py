@@ -1,0 +1,156 @@
+"""Encoder servicer: images → embeddings kept in this worker's TensorStore under handles with a TTL."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Sequence
+
+import grpc
+
+from common.engine.image_encoder import ImageEncoder
+from common.errors import DisaggError, InvalidRequest, ResourceExhausted, Unavailable
+from common.kv.chunks import tensor_to_bytes
+from common.kv.embeddings import EmbeddingTable, embedding_header, embedding_ref
+from common.media import MediaConfig, load_image
+from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
+from common.telemetry.metrics import Metrics
+from services.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
+from services.tensor_store import TensorStoreServicer
+
+SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name
+                 for name in ("Encoder", "TensorStore", "Worker")]
+
+
+@dataclass
+class EncodeState:
+    model_name: str
+    table: EmbeddingTable
+    media: MediaConfig
+    max_images_per_request: int
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    endpoint: str = ""
+    encoder: ImageEncoder | None = None
+    tensor_source: "EmbeddingSource | None" = None
+    metrics: Metrics | None = None
+    shutting_down: bool = False
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # One thread: the vision model runs one batch at a time, off the event loop.
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="encode"))
+
+    def require_encoder(self) -> ImageEncoder:
+        if self.shutting_down:
+            raise Unavailable("the encode worker is shutting down")
+        if self.encoder is None:
+            raise Unavailable("the encode worker is still loading its model")
+        return self.encoder
+
+
+class EmbeddingSource:
+    """TensorSource over the embedding table."""
+
+    def __init__(self, table: EmbeddingTable):
+        self.table = table
+
+    async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
+        if block_ids:
+            raise InvalidRequest("block_ids apply to KV sessions; an embedding is pulled whole")
+        entry = self.table.get(handle)
+        return embedding_header(entry.tensor), tensor_to_bytes(entry.tensor)
+
+    async def release(self, handle: str) -> bool:
+        return self.table.release(handle)
+
+    async def stored(self) -> tuple[int, int]:
+        return self.table.stored()
+
+
+def add_servicers(server: grpc.aio.Server, state: EncodeState) -> None:
+    worker_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(state), server)
+    worker_pb2_grpc.add_TensorStoreServicer_to_server(TensorStoreServicer(state), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(EncodeWorkerServicer(state), server)
+
+
+class EncoderServicer(worker_pb2_grpc.EncoderServicer):
+    def __init__(self, state: EncodeState):
+        self.state = state
+
+    async def Encode(self, request: worker_pb2.EncodeRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.EncodeResponse:
+        started = time.perf_counter()
+        try:
+            encoder = self.state.require_encoder()
+            self._check_count(len(request.images))
+            loop = asyncio.get_running_loop()
+            embeddings = await loop.run_in_executor(self.state.executor, _encode, encoder, request, self.state.media)
+            entries = []
+            try:
+                for tensor, content_hash in embeddings:
+                    entries.append(self.state.table.put(tensor, content_hash))
+            except ResourceExhausted:
+                for entry in entries:
+                    self.state.table.release(entry.handle)
+                raise
+        except Exception as exc:
+            await abort_with(context, exc)
+        if self.state.metrics is not None:
+            self.state.metrics.get("disagg_encode_latency_seconds").observe(time.perf_counter() - started)
+        return worker_pb2.EncodeResponse(embeddings=[embedding_ref(e, self.state.endpoint) for e in entries])
+
+    def _check_count(self, count: int) -> None:
+        if count == 0:
+            raise InvalidRequest("EncodeRequest has no images")
+        if count > self.state.max_images_per_request:
+            raise ResourceExhausted(f"the request has {count} images; this worker takes at most "
+                                    f"{self.state.max_images_per_request} (--max-images-per-request)")
+
+
+def _encode(encoder: ImageEncoder, request: worker_pb2.EncodeRequest, media: MediaConfig) -> list[tuple]:
+    """Decode every image first (so a bad one fails the request before any model work), then encode them."""
+    decoded = []
+    for i, image in enumerate(request.images):
+        kind = image.WhichOneof("source")
+        try:
+            decoded.append(load_image(kind, getattr(image, kind) if kind else b"", media))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"image {i}: {exc}") from None
+    tensors = encoder.encode([d.image for d in decoded])
+    return [(t, d.content_hash) for t, d in zip(tensors, decoded)]
+
+
+class EncodeWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, state: EncodeState):
+        self.state = state
+
+    async def GetInfo(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        try:
+            encoder = self.state.require_encoder()
+        except DisaggError as exc:
+            await abort_with(context, exc)
+        text = encoder.config.text_config
+        limits = worker_pb2.WorkerLimits(max_message_bytes=self.state.max_message_bytes,
+                                         session_ttl_ms=int(self.state.table.ttl_s * 1000))
+        return worker_pb2.WorkerInfo(
+            role=worker_pb2.WORKER_ROLE_ENCODE, model=self.state.model_name, dtype=str(encoder.dtype).split(".")[-1],
+            max_model_len=text.max_position_embeddings, limits=limits, worker_id=self.state.worker_id,
+            endpoint=self.state.endpoint, engine="torch", engine_version=_version(), supports_images=True,
+        )
+
+    async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
+        stored, num_bytes = self.state.table.stored()
+        return worker_pb2.Load(stored_tensors=stored, stored_tensor_bytes=num_bytes,
+                               timestamp_unix_ms=int(time.time() * 1000))
+
+    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "an encode worker has no prefix cache, so no KV events")
+        yield  # an async generator, as the streaming RPC requires
+
+
+def _version() -> str:
+    try:
+        return metadata.version("disagg")
+    except metadata.PackageNotFoundError:
+        return "unknown"
