@@ -83,7 +83,8 @@ def consul_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.envir
     if not wanted:
         return None
     return ConsulSettings(address=args.consul_addr, token=args.consul_token,
-                          deregister_after=args.consul_deregister_after, check_interval=args.consul_check_interval)
+                          deregister_after=args.consul_deregister_after, check_interval=args.consul_check_interval,
+                          check_timeout=args.consul_check_interval)
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""common.telemetry.metrics: names follow Prometheus conventions, labels model and role, the HTTP endpoint serves
+them, and a worker's Load becomes its gauges with the expired-sessions counter only ever counting up."""
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.pb.disagg.v1 import worker_pb2
+from common.telemetry.metrics import METRICS, Metrics, observe_engine_load
+
+
+def _samples(metrics: Metrics) -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    found = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            assert sample.labels["model"] == "m" and sample.labels["role"] == "decode"
+            found[sample.name] = sample.value
+    return found
+
+
+def test_names_follow_prometheus_conventions():
+    for name, (kind, help_text, _) in METRICS.items():
+        assert name.startswith("disagg_") and help_text
+        assert name.endswith("_total") == (kind == "counter"), name
+        if kind == "histogram":
+            assert name.endswith("_seconds"), name
+        assert "milliseconds" not in name and "_ms" not in name
+    required = {"disagg_time_to_first_token_seconds", "disagg_inter_token_latency_seconds",
+                "disagg_e2e_request_latency_seconds", "disagg_requests_running", "disagg_requests_waiting",
+                "disagg_prompt_tokens_total", "disagg_generation_tokens_total", "disagg_kv_cache_usage_ratio",
+                "disagg_kv_cache_free_blocks", "disagg_prefix_cache_hit_tokens_total",
+                "disagg_kv_sessions_exported_total", "disagg_kv_sessions_pulled_total",
+                "disagg_kv_sessions_expired_total", "disagg_kv_pull_bytes_total", "disagg_kv_pull_seconds",
+                "disagg_encode_latency_seconds", "disagg_requests_total"}
+    assert required <= set(METRICS)
+
+
+def test_engine_load_becomes_gauges_and_expired_sessions_count_up():
+    metrics = Metrics.create("decode", "m")
+    load = worker_pb2.Load(running_requests=3, waiting_requests=2, kv_blocks_total=10, kv_blocks_free=4,
+                           kv_usage_ratio=0.6, active_kv_sessions=1, expired_kv_sessions=2)
+    observe_engine_load(metrics, load)
+    observe_engine_load(metrics, load)  # the same cumulative count again adds nothing
+    samples = _samples(metrics)
+    assert samples["disagg_requests_running"] == 3 and samples["disagg_requests_waiting"] == 2
+    assert samples["disagg_kv_cache_usage_ratio"] == pytest.approx(0.6) and samples["disagg_kv_cache_free_blocks"] == 4
+    assert samples["disagg_kv_sessions_expired_total"] == 2
+    load.expired_kv_sessions = 5
+    observe_engine_load(metrics, load)
+    assert _samples(metrics)["disagg_kv_sessions_expired_total"] == 5
+
+
+def test_the_endpoint_serves_the_registry_on_a_free_port():
+    metrics = Metrics.create("decode", "m")
+    metrics.get("disagg_kv_pull_bytes_total").inc(1024)
+    metrics.get("disagg_requests_total", status="CANCELLED").inc()
+    with metrics.get("disagg_encode_latency_seconds").time():
+        pass
+    port = metrics.serve("127.0.0.1", 0)
+    assert port > 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    assert 'disagg_kv_pull_bytes_total{model="m",role="decode"} 1024.0' in text
+    assert 'disagg_requests_total{model="m",role="decode",status="CANCELLED"} 1.0' in text
+    assert 'disagg_encode_latency_seconds_count{model="m",role="decode"} 1.0' in text
