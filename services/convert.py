@@ -65,6 +65,13 @@ def request_type_from_proto(value: int, default: RequestType) -> RequestType:
     return _REQUEST_TYPES[value]
 
 
+def request_type_name(value: int) -> str:
+    """The enum's name, or words for a number the proto does not define (for error messages)."""
+    if value in common_pb2.RequestType.values():
+        return common_pb2.RequestType.Name(value)
+    return f"unknown request_type {value}"
+
+
 def finish_reason_to_proto(reason: FinishReason | None) -> int:
     return _FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
 

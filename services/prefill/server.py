@@ -15,7 +15,7 @@ from common.engine.multimodal import ImageEmbedding
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.convert import logprob_to_proto, sampling_from_proto
+from services.convert import logprob_to_proto, request_type_name, sampling_from_proto
 from services.serving import abort_with
 from services.tensor_store import TensorStoreServicer
 from services.worker_service import WorkerState
@@ -81,8 +81,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
 
 def _sampling(request: worker_pb2.PrefillRequest) -> SamplingParams:
     if request.request_type not in _CONTEXT_ONLY:
-        raise InvalidRequest(f"Prefill runs CONTEXT_ONLY requests, got "
-                             f"{common_pb2.RequestType.Name(request.request_type)}")
+        raise InvalidRequest(f"Prefill runs CONTEXT_ONLY requests, got {request_type_name(request.request_type)}")
     return sampling_from_proto(request.sampling, None, request.output)
 
 

@@ -7,6 +7,7 @@ import logging
 from typing import AsyncIterator, Union
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from common.errors import InvalidRequest
 from common.pb.disagg.v1 import generation_pb2
@@ -58,6 +59,8 @@ class Multiplexer:
                 else:
                     self._out.put_nowait(InvalidRequest("a GenerateStreamRequest must set start or cancel"))
                     return
+        except DecodeError as exc:  # bytes that are no GenerateStreamRequest: end the stream, not silently
+            self._out.put_nowait(InvalidRequest(f"could not parse a GenerateStreamRequest: {exc}"))
         finally:
             self._reading = False
             self._end_if_idle()
