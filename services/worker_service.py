@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -220,19 +221,19 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig)
             await obs.start(args.host, state.endpoint.rpartition(":")[0], server.port,
                             meta={"fingerprint": layout.fingerprint, "block_size": str(layout.block_size),
                                   "worker_id": state.worker_id, "dtype": layout.dtype})
-            state.spawn(_publish_load(state))
+            state.spawn(_publish_load(state, stop))
             await stop.wait()
     finally:
         await obs.stop()
         await _shutdown(server, state)
 
 
-async def _publish_load(state: WorkerState, every_s: float = 1.0) -> None:
+async def _publish_load(state: WorkerState, stop: asyncio.Event, every_s: float = 1.0) -> None:
     """Keep the engine gauges (running, waiting, KV usage, sessions) fresh for Prometheus scrapes."""
-    while not state.shutting_down:
-        load = await state.engine.call(_load)
-        observe_engine_load(state.metrics, load)
-        await asyncio.sleep(every_s)
+    while not stop.is_set():
+        observe_engine_load(state.metrics, await state.engine.call(_load))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)  # returns at once on shutdown
 
 
 async def _load_engine(state: WorkerState, config: EngineConfig, stop: asyncio.Event) -> bool:
