@@ -23,6 +23,7 @@ from opentelemetry import trace
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
+from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, pull_and_release, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -64,6 +65,7 @@ class _Plan:
     session: common_pb2.KvSessionRef | None
     first_token: int | None
     time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
+    embeddings: list[common_pb2.EmbeddingRef] | None = None  # aggregated image requests: pulled here
 
 
 def _plan(start: worker_pb2.DecodeStart, layout: KvLayout) -> _Plan:
@@ -75,14 +77,14 @@ def _plan(start: worker_pb2.DecodeStart, layout: KvLayout) -> _Plan:
     if (request_type is RequestType.GENERATION_ONLY) != has_session:
         raise InvalidRequest(f"request_type {request_type.value} contradicts the request: generation_only needs a "
                              "session, context_and_generation takes none")
-    if start.embeddings:
-        raise InvalidRequest("this decode worker takes no image embeddings (a text-only model)")
+    if start.embeddings and has_session:
+        raise InvalidRequest("embeddings go with aggregated requests; with a session the KV already holds the images")
     sampling = sampling_from_proto(start.sampling, start.stop, start.output)
     if has_session:
         _check_session(start, layout)
     return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
                  sampling, request_type, start.session if has_session else None,
-                 start.first_token if has_session else None)
+                 start.first_token if has_session else None, embeddings=list(start.embeddings))
 
 
 def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout) -> None:
@@ -180,9 +182,11 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         try:
             with trace.use_span(span, end_on_exit=False):
                 kv = await self._load_kv(plan) if plan.session is not None else None
+                images = (await pull_and_release_embeddings(self.channels.get, plan.embeddings, plan.time_left_s)
+                          if plan.embeddings else None)
             self.state.require_engine()  # not if shutdown began during the pull
             async for out in engine.generate(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
-                                             plan.first_token):
+                                             plan.first_token, images):
                 if out.finish_reason is FinishReason.ABORT:
                     raise Unavailable("the decode worker is shutting down; the request was aborted")
                 if out.new_token_ids and progress.usage.completion_tokens == 0:

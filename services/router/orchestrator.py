@@ -131,24 +131,25 @@ class Orchestrator:
 
     async def _with_images(self, prefill: WorkerClient | None, decode: WorkerClient, req: PreparedRequest,
                            out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
-        """encode → prefill (pulls and releases the embeddings) → decode with the KV session."""
-        if prefill is None:
-            prefill = await self._pick(Role.PREFILL)
-        if prefill is None:
-            raise FailedPrecondition(f"the request has {len(req.images)} images, which need a prefill worker to "
-                                     "run them; none is available")
+        """encode → prefill (pulls and releases the embeddings) → decode with the KV session; without a
+        prefill worker (or below --min-remote-prefill-tokens) the decode worker pulls them and runs aggregated."""
         refs = await self._encode(req, deadline)
         ready = None
         try:
-            ready = await self._prefill(prefill, req, deadline, refs)
+            if prefill is not None:
+                ready = await self._prefill(prefill, req, deadline, refs)
+            if ready is None:
+                start = _aggregated_start(req)
+                start.embeddings.extend(refs)
+                flow = self._decode(decode, req, out, start, deadline)
+            else:
+                flow = self._after_prefill(ready, decode, req, out, deadline)
+            async with contextlib.aclosing(flow) as responses:
+                async for response in responses:
+                    yield response
         finally:
-            if ready is None:  # prefill failed or the client left: nobody else frees the embeddings now
+            if ready is None:  # whoever pulled them released them; this frees what a failure or cancel left
                 self._release_embeddings(refs)
-        if ready is None:
-            raise Unavailable(f"prefill worker {prefill.endpoint} became unavailable during an image request; retry")
-        async with contextlib.aclosing(self._after_prefill(ready, decode, req, out, deadline)) as responses:
-            async for response in responses:
-                yield response
 
     async def _encode(self, req: PreparedRequest, deadline: Deadline) -> list[common_pb2.EmbeddingRef]:
         worker = await self._pick(Role.ENCODE)

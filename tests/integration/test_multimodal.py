@@ -22,6 +22,8 @@ from tests.tiny_llava import NUM_IMAGE_TOKENS, hf_llava_greedy, make_smollm2_lla
 
 MAX_TOKENS = 8
 ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "128")
+# Short enough for the expiry test, long enough that "released within 3 s" cannot be an expiry.
+EMBEDDING_TTL_S = 5.0
 
 
 def _greedy(max_tokens: int = MAX_TOKENS) -> dict:
@@ -38,16 +40,24 @@ def _collect(responses) -> tuple[list[int], common_pb2.Finished]:
     return tokens, finished
 
 
-def _start(model: str, encode_args: tuple[str, ...] = ()) -> list[ServiceProcess]:
-    """encode, prefill, decode, then the router over them; all stopped if any fails to start."""
+def _start(model: str, encode_args: tuple[str, ...] = (), other_routers: bool = False) -> list[ServiceProcess]:
+    """encode, prefill, decode, then the router over them; all stopped if any fails to start.
+
+    With other_routers, two more routers start beside it: one without an encode worker, and one
+    that runs every prompt aggregated on the decode worker (--min-remote-prefill-tokens).
+    """
     workers = start_services([("encode", ("--model", model, *encode_args)), ("prefill", ("--model", model, *ENGINE_ARGS)),
                               ("decode", ("--model", model, *ENGINE_ARGS))], env=WORKER_ENV)
+    routers = [("router", _router_args(model, *workers))]
+    if other_routers:
+        routers += [("router", _router_args(model, None, *workers[1:])),
+                    ("router", (*_router_args(model, *workers), "--min-remote-prefill-tokens", "100000"))]
     try:
-        router = start_services([("router", _router_args(model, *workers))], env=WORKER_ENV)
+        started = start_services(routers, env=WORKER_ENV)
     except BaseException:
         _stop_all(workers)
         raise
-    return [*workers, *router]
+    return [*workers, *started]
 
 
 def _router_args(model: str, encode: ServiceProcess | None, prefill: ServiceProcess, decode: ServiceProcess):
@@ -79,8 +89,9 @@ def media_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def services(model, media_dir):
-    processes = _start(model, ("--allowed-media-dir", str(media_dir), "--max-image-pixels", "1000000"))
-    yield dict(zip(["encode", "prefill", "decode", "router"], processes))
+    processes = _start(model, ("--allowed-media-dir", str(media_dir), "--max-image-pixels", "1000000",
+                               "--embedding-ttl", str(EMBEDDING_TTL_S)), other_routers=True)
+    yield dict(zip(["encode", "prefill", "decode", "router", "no_encode_router", "aggregated_router"], processes))
     _stop_all(processes)
 
 
@@ -157,7 +168,7 @@ def test_cancelled_requests_release_their_embeddings(model, services):
         call = stub.Generate(_image_request("<image>\nTell a long story.", png_bytes(20), **_greedy(200)))
         time.sleep(delay_s)
         call.cancel()
-    _wait_released(services)  # well within the 60 s TTL: released, not expired
+    _wait_released(services, timeout_s=3.0)  # within the TTL: released, not expired
     _, expected = hf_llava_greedy(model, [png_bytes(21)], "<image>\nStill there?", MAX_TOKENS)
     assert _collect(stub.Generate(_image_request("<image>\nStill there?", png_bytes(21))))[0] == expected
 
@@ -195,39 +206,42 @@ def test_bad_images_are_invalid_argument_and_the_workers_keep_serving(model, ser
     _wait_released(services)
 
 
-def test_encode_handles_expire_and_free_their_memory(model):
-    [encode] = start_services([("encode", ("--model", model, "--embedding-ttl", "1"))], env=WORKER_ENV)
-    try:
-        with grpc.insecure_channel(encode.address) as channel:
-            response = worker_pb2_grpc.EncoderStub(channel).Encode(worker_pb2.EncodeRequest(
-                images=[common_pb2.Image(data=png_bytes(50)), common_pb2.Image(data=png_bytes(50))]))
-            refs = list(response.embeddings)
-            assert [list(r.shape) for r in refs] == [[NUM_IMAGE_TOKENS, 64]] * 2
-            assert refs[0].content_hash == refs[1].content_hash and refs[0].handle != refs[1].handle
-            load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
-            assert (load.stored_tensors, load.stored_tensor_bytes) == (2, 2 * NUM_IMAGE_TOKENS * 64 * 4)
-            time.sleep(1.6)
-            load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
-            assert (load.stored_tensors, load.stored_tensor_bytes) == (0, 0)
-            with pytest.raises(grpc.RpcError) as info:
-                list(worker_pb2_grpc.TensorStoreStub(channel).Pull(worker_pb2.PullRequest(handle=refs[0].handle)))
-            assert info.value.code() is grpc.StatusCode.NOT_FOUND and "expired" in info.value.details()
-    finally:
-        _stop_all([encode])
+def test_encode_handles_expire_and_free_their_memory(services):
+    _wait_released(services)
+    with grpc.insecure_channel(services["encode"].address) as channel:
+        response = worker_pb2_grpc.EncoderStub(channel).Encode(worker_pb2.EncodeRequest(
+            images=[common_pb2.Image(data=png_bytes(50)), common_pb2.Image(data=png_bytes(50))]))
+        refs = list(response.embeddings)
+        assert [list(r.shape) for r in refs] == [[NUM_IMAGE_TOKENS, 64]] * 2
+        assert refs[0].content_hash == refs[1].content_hash and refs[0].handle != refs[1].handle
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
+        assert (load.stored_tensors, load.stored_tensor_bytes) == (2, 2 * NUM_IMAGE_TOKENS * 64 * 4)
+        time.sleep(EMBEDDING_TTL_S + 0.5)
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
+        assert (load.stored_tensors, load.stored_tensor_bytes) == (0, 0)
+        with pytest.raises(grpc.RpcError) as info:
+            list(worker_pb2_grpc.TensorStoreStub(channel).Pull(worker_pb2.PullRequest(handle=refs[0].handle)))
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND and "expired" in info.value.details()
 
 
 def test_images_without_an_encode_worker_are_failed_precondition(model, services):
-    [router] = start_services([("router", _router_args(model, None, services["prefill"], services["decode"]))],
-                              env=WORKER_ENV)
-    try:
-        stub = _stub(router)
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(_image_request("<image> what?", png_bytes(1))))
-        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "no encode worker" in info.value.details()
-        assert _collect(stub.Generate(_image_request("Just text.")))[0]  # text-only requests skip encode
-    finally:
-        _stop_all([router])
+    stub = _stub(services["no_encode_router"])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(_image_request("<image> what?", png_bytes(1))))
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "no encode worker" in info.value.details()
+    _, expected = hf_llava_greedy(model, [], "Just text.", MAX_TOKENS)
+    assert _collect(stub.Generate(_image_request("Just text.")))[0] == expected  # text-only requests skip encode
+
+
+def test_aggregated_decode_pulls_the_embeddings_itself(model, services):
+    stub = _stub(services["aggregated_router"])
+    text = "<image>\nAggregated, please."
+    prompt, expected = hf_llava_greedy(model, [png_bytes(70)], text, MAX_TOKENS)
+    assert _collect(stub.Generate(_image_request(text, png_bytes(70))))[0] == expected
+    tokens, finished = _collect(stub.Generate(_image_request(text, png_bytes(70))))
+    assert tokens == expected and finished.usage.cached_prompt_tokens == (len(prompt) - 1) // 4 * 4
+    _wait_released(services)
 
 
 @pytest.mark.slow
