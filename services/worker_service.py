@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -181,7 +182,7 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
-    g.add_argument("--advertise-host", default=None,
+    g.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
                    help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")

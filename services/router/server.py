@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import uuid
 from typing import AsyncIterator
@@ -71,7 +72,8 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), s),
         [SERVICE_NAME], config.host, config.port)
     await pool.start()
-    advertised = socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host
+    advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
+        socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
     health = asyncio.create_task(_track_health(server, pool, orchestrator, f"{advertised}:{server.port}"))
     try:
         if obs is not None:
