@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "router": ("services.router.__main__", "the router: tokenise, pick workers, orchestrate prefill → decode"),
     "up": ("services.up", "start router + prefill + decode on this machine, until Ctrl-C"),
     "generate": ("services.client", "stream an answer from a running router"),
+    "bench": ("services.bench.main", "load-test a running router: TTFT, ITL, throughput, goodput"),
 }
 
 

@@ -1,0 +1,1 @@
+"""`disagg bench`: a load generator for the Generation API (in the style of vLLM `bench serve`)."""

@@ -1,0 +1,62 @@
+"""The summary as a terminal table, a JSON file and a PNG of the latency distributions."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.bench.stats import RequestRecord, Summary
+
+
+def format_table(summary: Summary, title: str) -> str:
+    s = summary
+    lines = [f"{'=' * 20} {title} {'=' * 20}",
+             f"{'Successful requests:':<40}{s.completed:>12}",
+             f"{'Failed requests:':<40}{s.failed:>12}",
+             f"{'Benchmark duration (s):':<40}{s.duration_s:>12.2f}",
+             f"{'Total input tokens:':<40}{s.input_tokens:>12}",
+             f"{'Total generated tokens:':<40}{s.output_tokens:>12}",
+             f"{'Request throughput (req/s):':<40}{s.request_throughput:>12.2f}",
+             f"{'Output token throughput (tok/s):':<40}{s.output_throughput:>12.2f}",
+             f"{'Total token throughput (tok/s):':<40}{s.total_token_throughput:>12.2f}"]
+    if s.goodput is not None:
+        lines.append(f"{'Request goodput (req/s):':<40}{s.goodput:>12.2f}")
+    for name, dist in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E latency", s.e2e)):
+        lines.append(f"{('-' * 8) + ' ' + name + ' (ms) ' + ('-' * 8):-<52}")
+        for stat in ("mean", "p50", "p90", "p99"):
+            lines.append(f"{stat.upper() if stat != 'mean' else 'Mean':<40}{getattr(dist, stat):>12.2f}")
+    for error in s.errors:
+        lines.append(f"error: {error}")
+    lines.append("=" * 52)
+    return "\n".join(lines)
+
+
+def write_json(path: Path, config: dict, summary: Summary, records: list[RequestRecord]) -> None:
+    per_request = [{"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "output_tokens": r.output_tokens,
+                    "ttft_ms": r.ttft * 1000 if r.ok else None, "e2e_ms": r.e2e * 1000 if r.ok else None,
+                    "itl_ms": [g * 1000 for g in r.itls], "error": r.error} for r in records]
+    path.write_text(json.dumps({"config": config, "summary": summary.to_dict(), "requests": per_request}, indent=1))
+
+
+def write_plot(path: Path, summary: Summary, records: list[RequestRecord], title: str) -> None:
+    """Histograms of TTFT, ITL and end-to-end latency, with p50 and p99 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; only files
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if r.ok]
+    series = (("TTFT", [r.ttft * 1000 for r in done], summary.ttft),
+              ("ITL", [g * 1000 for r in done for g in r.itls], summary.itl),
+              ("End-to-end latency", [r.e2e * 1000 for r in done], summary.e2e))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (name, values, dist) in zip(axes, series):
+        ax.hist(values, bins=50, color="tab:blue", alpha=0.8)
+        for stat, style in (("p50", "--"), ("p99", ":")):
+            if dist.count:
+                ax.axvline(getattr(dist, stat), color="tab:red", linestyle=style, label=f"{stat} {getattr(dist, stat):.1f} ms")
+        ax.set(title=f"{name} (n={len(values)})", xlabel="ms", ylabel="count")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

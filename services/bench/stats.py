@@ -1,0 +1,122 @@
+"""Per-request timings and the summary `disagg bench` reports (vLLM `bench serve` definitions).
+
+TTFT: send → first token. ITL: the gap between successive token arrivals (a delta of k tokens
+counts as one gap). TPOT: (e2e − TTFT) / (output tokens − 1), a request's mean time per
+output token. Goodput: completed requests per second whose TTFT and TPOT are within the limits.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    start: float = 0.0  # time.perf_counter() at send
+    token_times: list[float] = field(default_factory=list)  # arrival of each delta that carried tokens
+    output_tokens: int = 0
+    end: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.output_tokens > 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class Distribution:
+    """Milliseconds."""
+
+    mean: float
+    std: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    count: int
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> "Distribution":
+        if not seconds:
+            return cls(*([float("nan")] * 6), count=0)
+        ms = np.asarray(seconds, dtype=np.float64) * 1000.0
+        p50, p90, p99 = np.percentile(ms, PERCENTILES)
+        return cls(float(ms.mean()), float(ms.std()), float(p50), float(p90), float(p99), float(ms.max()), len(ms))
+
+
+@dataclass
+class SloLimits:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def met_by(self, record: RequestRecord) -> bool:
+        if self.ttft_ms is not None and record.ttft * 1000 > self.ttft_ms:
+            return False
+        tpot = record.tpot
+        return self.tpot_ms is None or tpot is None or tpot * 1000 <= self.tpot_ms
+
+
+@dataclass
+class Summary:
+    completed: int
+    failed: int
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (input + output) tokens / s
+    goodput: float | None  # requests / s within the SLO limits; None when no limit was given
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2e: Distribution
+    errors: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: SloLimits) -> Summary:
+    done = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    has_slo = slo.ttft_ms is not None or slo.tpot_ms is not None
+    rate = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
+    return Summary(
+        completed=len(done), failed=len(failed), duration_s=duration_s,
+        input_tokens=input_tokens, output_tokens=output_tokens,
+        request_throughput=rate(len(done)), output_throughput=rate(output_tokens),
+        total_token_throughput=rate(input_tokens + output_tokens),
+        goodput=rate(sum(slo.met_by(r) for r in done)) if has_slo else None,
+        ttft=Distribution.of([r.ttft for r in done]),
+        tpot=Distribution.of([t for r in done if (t := r.tpot) is not None]),
+        itl=Distribution.of([gap for r in done for gap in r.itls]),
+        e2e=Distribution.of([r.e2e for r in done]),
+        errors=sorted({r.error or "no tokens returned" for r in failed}),
+    )

@@ -1,0 +1,63 @@
+"""`disagg bench` against real router, prefill and decode processes serving a tiny model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.processes import REPO_ROOT, start_service, start_services
+from tests.integration.test_router import assert_idle, make_text_model
+
+WORKER_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
+    workers = start_services([("prefill", ("--model", model, "--num-kv-blocks", "256")),
+                              ("decode", ("--model", model, "--num-kv-blocks", "256"))], env=WORKER_ENV)
+    processes = list(workers)
+    try:
+        processes.append(start_service("router", "--model", model, "--prefill-workers", workers[0].address,
+                                       "--decode-workers", workers[1].address, env=WORKER_ENV))
+        yield processes
+    finally:
+        for process in processes:
+            process.stop()
+
+
+def _bench(router: str, tmp_path, *flags: str) -> dict:
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "services", "bench", "--router", router, "--seed", "1",
+                           "--json", str(out), "--no-progress", *flags],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Serving Benchmark Result" in done.stdout
+    return json.loads(out.read_text())
+
+
+def test_bench_with_fixed_concurrency_reports_every_request_and_its_full_length(stack, tmp_path):
+    router = stack[2]
+    result = _bench(router.address, tmp_path, "--num-prompts", "12", "--input-len", "uniform:8:64",
+                    "--output-len", "uniform:4:16", "--max-concurrency", "4", "--warmup", "1",
+                    "--goodput-ttft-ms", "60000", "--plot", str(tmp_path / "bench.png"))
+    summary, requests = result["summary"], result["requests"]
+    assert summary["completed"] == 12 and summary["failed"] == 0
+    # ignore_eos: every request generates exactly its max_tokens
+    assert [r["output_tokens"] for r in requests] == [r["max_tokens"] for r in requests]
+    assert summary["output_tokens"] == sum(r["max_tokens"] for r in requests)
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])  # a 60 s TTFT limit admits all
+    assert 0 < summary["ttft"]["p50"] <= summary["ttft"]["p99"] <= summary["e2e"]["p99"]
+    assert summary["itl"]["count"] == sum(len(r["itl_ms"]) for r in requests) > 0
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert_idle(stack[:2])
+
+
+def test_bench_with_poisson_arrivals_and_normal_lengths(stack, tmp_path):
+    result = _bench(stack[2].address, tmp_path, "--num-prompts", "8", "--input-len", "normal:32:8",
+                    "--output-len", "fixed:6", "--request-rate", "20", "--warmup", "0")
+    assert result["summary"]["completed"] == 8
+    assert all(r["output_tokens"] == 6 for r in result["requests"])
+    assert result["config"]["request_rate"] == 20

@@ -1,0 +1,103 @@
+"""`disagg bench`'s arithmetic: length distributions, arrivals, per-request timings, the summary and its files."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from services.bench.report import format_table, write_json, write_plot
+from services.bench.stats import Distribution, RequestRecord, SloLimits, summarize
+from services.bench.workload import LengthDist, arrival_gaps, make_requests
+
+
+def _record(index: int, start: float, token_times: list[float], tokens: int | None = None, prompt: int = 10,
+            error: str | None = None) -> RequestRecord:
+    r = RequestRecord(index, prompt, 8, start=start, token_times=token_times,
+                      output_tokens=len(token_times) if tokens is None else tokens, error=error)
+    r.end = token_times[-1] if token_times else start
+    return r
+
+
+def test_length_dist_parses_every_form_and_rejects_bad_ones():
+    assert LengthDist.parse("7") == LengthDist("fixed", 7)
+    assert LengthDist.parse("uniform:100:1024") == LengthDist("uniform", 100, 1024)
+    assert LengthDist.parse("normal:256:32").max == 256 + 4 * 32
+    for bad in ("uniform:10", "uniform:20:10", "fixed:0", "gamma:1:2", "normal:x:1", "normal:10:-1"):
+        with pytest.raises(ValueError):
+            LengthDist.parse(bad)
+
+
+def test_samples_follow_their_distribution():
+    rng = random.Random(0)
+    uniform = [LengthDist.parse("uniform:100:200").sample(rng) for _ in range(5000)]
+    assert min(uniform) >= 100 and max(uniform) <= 200 and abs(np.mean(uniform) - 150) < 3
+    normal = [LengthDist.parse("normal:300:20").sample(rng) for _ in range(5000)]
+    assert abs(np.mean(normal) - 300) < 2 and abs(np.std(normal) - 20) < 2
+    assert {LengthDist.parse("fixed:5").sample(rng) for _ in range(10)} == {5}
+
+
+def test_requests_are_reproducible_and_fit_the_context():
+    a = make_requests(20, LengthDist.parse("uniform:10:300"), LengthDist.parse("uniform:1:100"), (100, 200), seed=3,
+                      max_model_len=256)
+    b = make_requests(20, LengthDist.parse("uniform:10:300"), LengthDist.parse("uniform:1:100"), (100, 200), seed=3,
+                      max_model_len=256)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert all(len(r.prompt_token_ids) + r.max_tokens <= 256 and r.max_tokens >= 1 for r in a)
+    assert all(100 <= t < 200 for r in a for t in r.prompt_token_ids)
+
+
+def test_poisson_gaps_have_the_requested_rate_and_inf_sends_at_once():
+    gaps = list(arrival_gaps(20000, 4.0, seed=0))
+    assert abs(np.mean(gaps) - 0.25) < 0.01 and abs(np.std(gaps) - 0.25) < 0.01  # exponential: mean = std
+    assert set(arrival_gaps(5, float("inf"), seed=0)) == {0.0}
+
+
+def test_record_timings():
+    r = _record(0, 1.0, [1.5, 1.6, 1.8, 2.1], tokens=4)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+    assert r.e2e == pytest.approx(1.1)
+    assert r.tpot == pytest.approx(0.6 / 3)
+    assert _record(1, 0.0, [0.2]).tpot is None
+
+
+def test_distribution_matches_numpy_percentiles():
+    values = [0.001 * i for i in range(1, 101)]
+    d = Distribution.of(values)
+    assert d.mean == pytest.approx(50.5) and d.p50 == pytest.approx(50.5)
+    assert d.p90 == pytest.approx(np.percentile(np.arange(1, 101), 90))
+    assert d.p99 == pytest.approx(np.percentile(np.arange(1, 101), 99)) and d.max == pytest.approx(100) and d.count == 100
+    assert math.isnan(Distribution.of([]).mean)
+
+
+def test_summary_throughput_goodput_and_failures():
+    fast = _record(0, 0.0, [0.1, 0.15, 0.2], prompt=10)  # ttft 100 ms, tpot 50 ms
+    slow_first = _record(1, 0.0, [0.9, 0.95, 1.0], prompt=20)  # ttft 900 ms
+    slow_tokens = _record(2, 0.0, [0.1, 0.6, 1.1], prompt=30)  # tpot 500 ms
+    failed = _record(3, 0.0, [], error="UNAVAILABLE: no decode worker")
+    s = summarize([fast, slow_first, slow_tokens, failed], duration_s=2.0, slo=SloLimits(ttft_ms=200, tpot_ms=100))
+    assert (s.completed, s.failed) == (3, 1)
+    assert s.input_tokens == 60 and s.output_tokens == 9
+    assert s.request_throughput == pytest.approx(1.5)
+    assert s.output_throughput == pytest.approx(4.5) and s.total_token_throughput == pytest.approx(34.5)
+    assert s.goodput == pytest.approx(0.5)  # only `fast` meets both limits
+    assert s.ttft.count == 3 and s.itl.count == 6
+    assert s.errors == ["UNAVAILABLE: no decode worker"]
+    assert summarize([fast], 1.0, SloLimits()).goodput is None
+
+
+def test_table_json_and_plot_are_written(tmp_path):
+    records = [_record(i, 0.0, [0.1 + 0.01 * i, 0.2 + 0.01 * i, 0.25 + 0.02 * i]) for i in range(20)]
+    summary = summarize(records, 1.0, SloLimits(ttft_ms=150))
+    table = format_table(summary, "Serving Benchmark Result")
+    assert "Request goodput (req/s):" in table and "P99" in table
+    write_json(tmp_path / "out.json", {"num_prompts": 20}, summary, records)
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["summary"]["completed"] == 20 and len(data["requests"]) == 20
+    assert data["summary"]["ttft"]["p50"] == pytest.approx(summary.ttft.p50)
+    pytest.importorskip("matplotlib")
+    write_plot(tmp_path / "out.png", summary, records, "test")
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
