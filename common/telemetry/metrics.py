@@ -56,6 +56,7 @@ class Metrics:
     model: str
     registry: CollectorRegistry
     _families: dict = field(default_factory=dict)
+    _expired_seen: int = 0  # the engine's cumulative expired-session count at the last observation
 
     @classmethod
     def create(cls, role: str, model: str) -> "Metrics":
@@ -87,6 +88,6 @@ def observe_engine_load(metrics: Metrics, load) -> None:
     metrics.get("disagg_kv_cache_usage_ratio").set(load.kv_usage_ratio)
     metrics.get("disagg_kv_cache_free_blocks").set(load.kv_blocks_free)
     metrics.get("disagg_kv_sessions_active").set(load.active_kv_sessions)
-    expired = metrics.get("disagg_kv_sessions_expired_total")
-    if load.expired_kv_sessions > expired._value.get():
-        expired.inc(load.expired_kv_sessions - expired._value.get())
+    if load.expired_kv_sessions > metrics._expired_seen:
+        metrics.get("disagg_kv_sessions_expired_total").inc(load.expired_kv_sessions - metrics._expired_seen)
+        metrics._expired_seen = load.expired_kv_sessions
