@@ -88,17 +88,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         try:
-            facts = await self.state.require_engine().call(lambda e: (e.kv_layout, e.max_model_len, e.config))
+            facts = await self.state.require_engine().call(
+                lambda e: (e.kv_layout, e.max_model_len, e.config, e.image_token_id is not None))
         except DisaggError as exc:
             await abort_with(context, exc)
-        layout, max_model_len, config = facts
+        layout, max_model_len, config, supports_images = facts
         return worker_pb2.WorkerInfo(
             role=self.state.role, model=self.state.model_name, fingerprint=layout.fingerprint,
             block_size=layout.block_size, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim, dtype=layout.dtype, max_model_len=max_model_len,
             limits=_limits(config, self.state.max_message_bytes), worker_id=self.state.worker_id,
             endpoint=self.state.endpoint, engine="torch", engine_version=_version(),
-            transfer_backends=[common_pb2.TRANSFER_BACKEND_GRPC],
+            transfer_backends=[common_pb2.TRANSFER_BACKEND_GRPC], supports_images=supports_images,
         )
 
     async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:

@@ -103,6 +103,10 @@ def _load(process: ServiceProcess) -> worker_pb2.Load:
     return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(process.address)).GetLoad(worker_pb2.GetLoadRequest())
 
 
+def _info(process: ServiceProcess) -> worker_pb2.WorkerInfo:
+    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(process.address)).GetInfo(worker_pb2.GetInfoRequest())
+
+
 def _wait_released(services: dict, timeout_s: float = 3.0) -> None:
     """No embedding held by encode, no block or session held by prefill and decode, within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -213,6 +217,7 @@ def test_encode_handles_expire_and_free_their_memory(services):
             images=[common_pb2.Image(data=png_bytes(50)), common_pb2.Image(data=png_bytes(50))]))
         refs = list(response.embeddings)
         assert [list(r.shape) for r in refs] == [[NUM_IMAGE_TOKENS, 64]] * 2
+        assert all(_info(services[role]).supports_images for role in ("encode", "prefill", "decode"))
         assert refs[0].content_hash == refs[1].content_hash and refs[0].handle != refs[1].handle
         load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest())
         assert (load.stored_tensors, load.stored_tensor_bytes) == (2, 2 * NUM_IMAGE_TOKENS * 64 * 4)
