@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg encode", description="The encode worker: images → embeddings.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free one")
-    p.add_argument("--advertise-host", default=None, help="host other processes use to reach this one")
+    p.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
+                   help="host other processes use to reach this one (env DISAGG_ADVERTISE_HOST)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                    help="LLaVA-style Hugging Face model directory (env DISAGG_MODEL)")
