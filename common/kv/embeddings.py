@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 import torch
@@ -19,7 +19,7 @@ import torch
 from common.engine.multimodal import ImageEmbedding
 from common.errors import InvalidRequest, LayoutMismatch, ResourceExhausted, SessionExpired
 from common.kv.chunks import ChunkAssembler, dtype_name
-from common.kv.transfer import _open, release_quietly
+from common.kv.transfer import release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -118,16 +118,16 @@ def check_ref(ref: common_pb2.EmbeddingRef) -> None:
         raise InvalidRequest(f"EmbeddingRef {ref.handle} has no content_hash (the prefix cache keys images by it)")
 
 
-async def pull_embedding(target: grpc.aio.Channel | str, ref: common_pb2.EmbeddingRef,
+async def pull_embedding(channel: grpc.aio.Channel, ref: common_pb2.EmbeddingRef,
                          timeout_s: float | None = None) -> ImageEmbedding:
-    """Pull one embedding (does not release it); the header must describe what the ref says."""
+    """Pull one embedding (does not release it) over a channel from common.kv.transfer.ChannelCache;
+    the header must describe what the ref says."""
     check_ref(ref)
     assembler = ChunkAssembler()
-    async with _open(target) as channel:
-        stream = worker_pb2_grpc.TensorStoreStub(channel).Pull(worker_pb2.PullRequest(handle=ref.handle),
-                                                                timeout=timeout_s)
-        async for chunk in stream:
-            assembler.add(chunk)
+    stream = worker_pb2_grpc.TensorStoreStub(channel).Pull(worker_pb2.PullRequest(handle=ref.handle),
+                                                            timeout=timeout_s)
+    async for chunk in stream:
+        assembler.add(chunk)
     header, tensor = assembler.finish()
     if header.kind != worker_pb2.TENSOR_KIND_EMBEDDING or header.layout != EMBEDDING_DIMS or tensor.dim() != 2:
         raise LayoutMismatch(f"handle {ref.handle} holds a {worker_pb2.TensorKind.Name(header.kind)} tensor "
@@ -137,7 +137,8 @@ async def pull_embedding(target: grpc.aio.Channel | str, ref: common_pb2.Embeddi
     return ImageEmbedding(tensor, ref.content_hash)
 
 
-async def pull_and_release_embeddings(channel_of, refs: Sequence[common_pb2.EmbeddingRef],
+async def pull_and_release_embeddings(channel_of: Callable[[str], grpc.aio.Channel],
+                                      refs: Sequence[common_pb2.EmbeddingRef],
                                       timeout_s: float | None = None) -> list[ImageEmbedding]:
     """Pull every ref, then release each one whatever happened (success, failure or cancellation)."""
     for ref in refs:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from common.engine.default_model import model_label, resolve_model
 from common.engine.image_encoder import ImageEncoder
+from common.engine.models.llava import is_vision_language
+from common.engine.models.loader import load_config
 from common.errors import InvalidConfig
 from common.kv.embeddings import EmbeddingTable
 from common.media import MediaConfig
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for ours in ("common", "services"):
         logging.getLogger(ours).setLevel(args.log_level.upper())
     try:
+        _require_vision_model(args.model)
         config = EncodeConfig(model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device,
                               embedding_ttl_s=args.embedding_ttl, max_stored_bytes=args.max_stored_bytes,
                               max_images_per_request=args.max_images_per_request)
@@ -94,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("the encode worker failed")
         return 1
     return 0
+
+
+def _require_vision_model(model: str | None) -> None:
+    config = load_config(resolve_model(model))
+    if not is_vision_language(config):
+        raise InvalidConfig(f"--model {model or 'default'} is a {config.model_type} model with no vision tower; the "
+                            "encode worker needs a LLaVA-style checkpoint (LlavaForConditionalGeneration)")
 
 
 async def _serve(args: argparse.Namespace, config: EncodeConfig, media: MediaConfig) -> None:
