@@ -71,6 +71,30 @@ def test_compose_config_is_valid_for_every_profile():
     assert broken.returncode != 0
 
 
+def test_dockerfile_is_multi_stage_non_root_and_copies_what_exists():
+    dockerfile = pytest.importorskip("dockerfile")  # the official BuildKit parser, via Go
+    path = REPO_ROOT / "deploy" / "compose" / "Dockerfile"
+    commands = dockerfile.parse_file(str(path))
+    stages = [i for i, c in enumerate(commands) if c.cmd == "FROM"]
+    assert len(stages) == 2 and commands[stages[0]].value[-2:] == ("AS", "build")
+    final = commands[stages[-1]:]
+    users = [c.value[0] for c in final if c.cmd == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    assert any(c.cmd == "COPY" and c.flags == ("--from=build",) and c.value[0] == "/opt/models" for c in final)
+    build_args = {c.value[0].split("=")[0] for c in commands if c.cmd == "ARG"}
+    services = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]
+    for service in services.values():
+        if "build" in service:
+            assert Path(service["build"]["context"], service["build"]["dockerfile"]) == path
+            assert set(service["build"].get("args", {})) <= build_args
+            module = service["command"][service["command"].index("-m") + 1]
+            assert (REPO_ROOT / module.replace(".", "/")).with_suffix("").exists(), module
+    ignore = (path.parent / "Dockerfile.dockerignore").read_text().split()
+    for copy in (c for c in commands if c.cmd == "COPY" and not c.flags):
+        for source in copy.value[:-1]:
+            assert (REPO_ROOT / source).exists() and ({f"!{source}", f"!{source}/"} & set(ignore)), source
+
+
 @pytest.fixture
 def stand_ins() -> Iterator[dict[str, str]]:
     """host:port of each infrastructure container → what stands in for it on this machine."""
