@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import random
 import tempfile
 import time
@@ -32,8 +31,7 @@ from tests.integration.leaks import leaks, load_of
 from tests.integration.processes import ServiceProcess, start_services
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-_WORDS = ("river stone lamp harbour winter orchard copper signal garden thunder paper violin maple tide "
-          "lantern meadow glass falcon ember canyon").split()
+_WORDS = ["river", "stone", "lamp", "harbour", "winter", "orchard", "copper", "signal", "garden", "thunder", "paper", "violin", "maple", "tide", "lantern", "meadow", "glass", "falcon", "ember", "canyon"]
 
 
 def rss_mib(pid: int) -> float:

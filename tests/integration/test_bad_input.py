@@ -15,7 +15,12 @@ import grpc
 import pytest
 
 from common.engine.tokenizer import Tokenizer
-from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
+from common.pb.disagg.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    worker_pb2,
+)
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks

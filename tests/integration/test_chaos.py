@@ -37,7 +37,7 @@ REQUEST_TIMEOUT_S = 60.0  # a request still open after this is a hang
 ENV = {"OMP_NUM_THREADS": "1"}
 WORKER_ARGS = ("--block-size", "16", "--num-kv-blocks", "1024", "--max-num-batched-tokens", "32")
 
-_WORDS = "river stone lamp harbour winter orchard copper signal garden thunder paper violin".split()
+_WORDS = ["river", "stone", "lamp", "harbour", "winter", "orchard", "copper", "signal", "garden", "thunder", "paper", "violin"]
 SHORT_PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "GPUs are fast because",
                  "Bread needs flour, water and"]
 LONG_PROMPTS = [" ".join(_WORDS[(i * seed) % len(_WORDS)] for i in range(190)) for seed in (1, 5, 7)]

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
+from common.pb.disagg.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    worker_pb2,
+)
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.processes import ServiceProcess, start_services
@@ -131,9 +136,8 @@ def test_prefill_killed_between_its_answer_and_the_pull(cluster, tiny_llama):
     start = worker_pb2.DecodeClientMessage(start=worker_pb2.DecodeStart(
         request_id="f", token_ids=PROMPT, first_token=ready.first_token, session=ready.session,
         sampling=sampling, stop=common_pb2.StopConditions(ignore_eos=True)))
-    with strict.channel() as channel:
-        with pytest.raises(grpc.RpcError) as error:
-            list(WorkerClient(channel).decoder.Decode(iter([start]), timeout=30))
+    with strict.channel() as channel, pytest.raises(grpc.RpcError) as error:
+        list(WorkerClient(channel).decoder.Decode(iter([start]), timeout=30))
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"could not pull KV session {ready.session.session_id} at {prefill.address}" in error.value.details()
     with recompute.channel() as channel:
