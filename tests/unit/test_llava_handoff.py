@@ -57,3 +57,25 @@ def test_only_blocks_covering_an_image_carry_its_hash():
     assert offsets.tolist() == [0, 1] and rows.shape == (2, 4)
     other = MultiModalInputs.imported(prompt, IMG, 4)
     assert other.block_key(4, 8) != mm.block_key(4, 8) and other.rows_in(0, 8)[1].shape[0] == 0
+
+
+def test_router_expands_placeholders_for_prompt_chat_and_token_ids(tmp_path):
+    from common.pb.disagg.v1 import common_pb2, generation_pb2
+    from services.router.prepare import RequestPreparer, ServedModel
+    from tests.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
+
+    preparer = RequestPreparer.from_model_dir(make_tiny_llava(tmp_path / "llava"))
+    image_id = preparer.facts.image_tokens.token_id
+    model = ServedModel("tiny-llava", 512)
+    image = [common_pb2.Image(data=b"png")]
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="What is it?")])
+    requests = [generation_pb2.GenerateRequest(prompt="<image> What is it?", images=image),
+                generation_pb2.GenerateRequest(prompt="What is it?", images=image),  # marker added in front
+                generation_pb2.GenerateRequest(chat=chat, images=image),
+                generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, image_id, 6]), images=image)]
+    for request in requests:
+        prepared = preparer.prepare(request, "r", model)
+        assert prepared.prompt.count(image_id) == NUM_IMAGE_TOKENS and len(prepared.images) == 1, request
+    with pytest.raises(InvalidRequest, match="0 image placeholders"):
+        preparer.prepare(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, 6]), images=image),
+                         "r", model)
