@@ -54,7 +54,7 @@ def test_duplicate_request_id_is_refused(engine):
 def test_full_queue_is_resource_exhausted(engine):
     engine.add_request("q1", [3, 4])
     engine.add_request("q2", [3, 4])
-    with pytest.raises(ResourceExhausted, match="queue is full \\(2 waiting requests\\)"):
+    with pytest.raises(ResourceExhausted, match=r"queue is full: 2 requests waiting, its limit \(--max-waiting\)"):
         engine.add_request("q3", [3, 4])
     engine.abort_request("q1"), engine.abort_request("q2")
 
