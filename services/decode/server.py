@@ -214,6 +214,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             self._count_load_failure("recompute" if self.recompute_on_failed_pull else "fail")
             if not self.recompute_on_failed_pull:
                 raise
+            image_token = await self.state.require_engine().call(lambda e: e.image_token_id)
+            if image_token is not None and image_token in plan.prompt:
+                raise Unavailable(f"the KV of image request {plan.request_id} could not be pulled ({exc}) and cannot "
+                                  "be recomputed here without its images; retry the request") from None
             self.num_recomputed += 1
             log.warning("request %s: KV load failed (%s); recomputing its %d prompt tokens here", plan.request_id,
                         exc, len(plan.prompt))
