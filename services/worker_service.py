@@ -35,6 +35,7 @@ from common.tls import configure as configure_tls
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.engine_flags import add_engine_args, engine_config_from_args
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, start_server
+from services.wire import ParseRequests
 from services.observability import Observability, add_observability_args
 from services.tensor_store import KvSessionSource, TensorSource
 
@@ -212,7 +213,8 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig)
         spec.add_servicers(server, state, args)
 
     names = [*spec.service_names, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
-    server = await start_server(add_servicers, names, args.host, args.port, args.max_message_bytes)
+    server = await start_server(add_servicers, names, args.host, args.port, args.max_message_bytes,
+                                interceptors=[ParseRequests()])
     state.endpoint = _advertised(args, server.port)
     try:
         if await _load_engine(state, config, stop):

@@ -21,6 +21,7 @@ from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
 from services.observability import Observability
 from services.serving import Server, abort_with, start_server, status_of, wait_for_signal
+from services.wire import ParseRequests
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)
     server = await start_server(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), s),
-        [SERVICE_NAME], config.host, config.port)
+        [SERVICE_NAME], config.host, config.port, interceptors=[ParseRequests()])
     await pool.start()
     advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
         socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
