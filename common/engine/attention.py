@@ -136,6 +136,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device) -> TorchPagedAttention:
-    """The seam where a GPU paged-attention kernel plugs in; the torch reference serves every device today."""
+def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device):
+    """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else."""
+    if device.type == "cuda":
+        try:
+            from common.engine.attention_triton import TritonPagedAttention
+        except ImportError:
+            return TorchPagedAttention(block_size, windows, device)
+        return TritonPagedAttention(block_size, windows, device)
     return TorchPagedAttention(block_size, windows, device)

@@ -28,6 +28,8 @@ class EngineConfig:
     """How long an exported (context_only) KV session stays pinned waiting for its pull."""
     max_waiting: int = 1024
     """Bound on queued requests; past it add_request raises ResourceExhausted."""
+    enforce_eager: bool = False
+    """On a GPU, run decode steps without CUDA graphs (for debugging and comparison)."""
 
     def __post_init__(self) -> None:
         checks = [

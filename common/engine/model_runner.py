@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.attention import BatchLayout, make_attention_backend
-from common.engine.config import EngineConfig
+from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.models.llama import head_dim_of, sliding_windows
 from common.engine.models.loader import load_model
 from common.engine.request import Request, TokenLogprob
@@ -29,6 +29,17 @@ class ModelRunner:
         )
         self.attention = make_attention_backend(self.block_size, set(sliding_windows(c)), self.device)
         self.sampler = Sampler(seed)
+        self.graphs = self._make_graphs(config)
+
+    def _make_graphs(self, config: EngineConfig):
+        """CUDA graphs for decode steps, when the GPU attention backend runs and eager mode is not forced."""
+        if config.enforce_eager or self.device.type != "cuda" or not hasattr(self.attention, "host_arrays"):
+            return None
+        from common.engine.cuda_graphs import DecodeGraphs
+
+        max_len = resolve_max_model_len(config, self.hf_config.max_position_embeddings)
+        return DecodeGraphs(self.model, self.attention, self.kv_cache, config.max_num_seqs,
+                            -(-max_len // self.block_size), self.device)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, TokenLogprob | None]]:
@@ -39,7 +50,10 @@ class ModelRunner:
         sampled: list[Request] = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
-            input_ids.extend(request.all_token_ids[start : start + n])
+            if n == 1 and start == request.num_tokens - 1:  # a decode: skip copying the whole sequence
+                input_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
+            else:
+                input_ids.extend(request.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             if start + n == request.num_tokens:  # a finished prefill chunk or a decode: sample
                 last_rows.append(len(input_ids) - 1)
@@ -49,6 +63,9 @@ class ModelRunner:
             context_lens=[r.num_computed_tokens for r in batch.requests],
             block_tables=[r.block_table for r in batch.requests],
         )
+        if self.graphs is not None and self.graphs.fits(layout) and all(r.mm is None for r in batch.requests):
+            logits = self.graphs.run(input_ids, positions, layout)
+            return {r.request_id: out for r, out in zip(sampled, self.sampler(logits, sampled))}
         meta = self.attention.prepare(layout)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(

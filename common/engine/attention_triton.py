@@ -1,0 +1,284 @@
+"""Paged attention on the GPU: Triton kernels with the interface of the torch reference (`prepare`, `forward`).
+
+Three kernels over the same cache layout as `TorchPagedAttention` (per layer `[2, N, bs, Hkv, D]`):
+- `_store_kv`: writes each new token's K and V at its slot (slot < 0 = a padded row of a CUDA graph: skipped);
+- `_decode`: one program per (sequence, KV head) computes the whole GQA group of query heads at once,
+  streaming the sequence's blocks with an online softmax (flash-decoding without the split);
+- `_prefill`: one program per (tile of BLOCK_M query tokens of one sequence, query head), causal over the
+  cached context plus the new tokens, so chunked prefill and prefix-cache hits need no special case.
+
+All metadata is built on the host in `prepare` and copied with non-blocking pinned copies: the step loop
+never waits on the GPU here. Decode-only batches keep fixed-shape metadata so a CUDA graph can replay them.
+Importing this module needs triton; `make_attention_backend` only does so on a CUDA device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from common.engine.attention import BatchLayout
+
+PREFILL_BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _store_kv(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_vt, HD: tl.constexpr, HD_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t)
+    if slot >= 0:
+        offs = tl.arange(0, HD_PAD)
+        mask = offs < HD
+        tl.store(k_cache + slot * HD + offs, tl.load(k_ptr + t * stride_kt + offs, mask=mask), mask=mask)
+        tl.store(v_cache + slot * HD + offs, tl.load(v_ptr + t * stride_vt + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _decode(q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, scale, window,
+            stride_qt, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch,
+            GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+            BS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens + b)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    gmask = g < GROUP
+    dmask = d < D
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0) // BLOCK * BLOCK
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, SPLITS), BLOCK) * BLOCK  # flash-decoding: splits of the sequence
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(s_lo + per_split, seq_len)
+    for n0 in range(s_lo, s_hi, BLOCK):
+        pos = n0 + tl.arange(0, BLOCK)
+        valid = pos < s_hi
+        if window > 0:
+            valid = valid & (pos > seq_len - 1 - window)
+        blk = tl.load(block_tables + b * stride_bt + pos // BS, mask=valid, other=0)
+        base = blk.to(tl.int64) * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], (s * scale).to(tl.float32), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out_mask = gmask[:, None] & dmask[None, :]
+    if SPLITS == 1:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows (seq_len 0) give zeros, not NaN
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # partial results [B, Hq, SPLITS, ...]; _merge_splits combines them
+        row = (b * num_kv_heads * GROUP + heads) * SPLITS + split
+        tl.store(part_acc + row[:, None] * D_PAD + d[None, :], acc, mask=out_mask)
+        tl.store(part_ml + row * 2, m_i, mask=gmask)
+        tl.store(part_ml + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_splits(part_acc, part_ml, out_ptr, stride_qt, stride_qh, D: tl.constexpr, D_PAD: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * tl.num_programs(1) + h) * SPLITS + tl.arange(0, SPLITS)
+    m = tl.load(part_ml + row * 2)
+    l = tl.load(part_ml + row * 2 + 1)
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc + row[:, None] * D_PAD + d[None, :])
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_max)
+    denom = tl.sum(w * l, 0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    out = tl.sum(w[:, None] * acc, 0) / denom
+    tl.store(out_ptr + b * stride_qt + h * stride_qh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _prefill(q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx_lens, tile_seq, tile_start,
+             scale, window, stride_qt, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch,
+             GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    s_idx = tl.load(tile_seq + tile)
+    m0 = tl.load(tile_start + tile)
+    q_loc = tl.load(q_locs + s_idx)
+    q_len = tl.load(q_lens + s_idx)
+    ctx = tl.load(ctx_lens + s_idx)
+    seq_len = ctx + q_len
+    m = m0 + tl.arange(0, BLOCK_M)
+    mmask = m < q_len
+    q_pos = ctx + m
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
+    rows = (q_loc + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)  # causal: no key past the tile's last query
+    start = 0
+    if window > 0:
+        start = tl.maximum(ctx + m0 - window + 1, 0) // BLOCK * BLOCK
+    for n0 in range(start, end, BLOCK):
+        pos = n0 + tl.arange(0, BLOCK)
+        kvalid = pos < end
+        blk = tl.load(block_tables + s_idx * stride_bt + pos // BS, mask=kvalid, other=0)
+        base = blk.to(tl.int64) * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
+        kv_mask = kvalid[:, None] & dmask[None, :]
+        k = tl.load(k_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        ok = kvalid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if window > 0:
+            ok = ok & ((q_pos[:, None] - pos[None, :]) < window)
+        s = tl.where(ok, (s * scale).to(tl.float32), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, -1 = skip (padded graph row)
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    decode_only: bool  # every sequence has one new token: rows are sequences
+    seq_lens: torch.Tensor | None = None  # decode: [S] int32 (0 = padded row)
+    q_locs: torch.Tensor | None = None  # prefill: [S] first row of each sequence in the packed batch
+    q_lens: torch.Tensor | None = None
+    ctx_lens: torch.Tensor | None = None
+    tile_seq: torch.Tensor | None = None  # prefill: [tiles] sequence of each BLOCK_M query tile
+    tile_start: torch.Tensor | None = None  # its first query index within the sequence
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+class TritonPagedAttention:
+    def __init__(self, block_size: int, windows: set[int | None], device: torch.device):
+        self.block_size = block_size
+        self.windows = windows
+        self.device = device
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
+
+    def host_arrays(self, layout: BatchLayout) -> dict[str, np.ndarray]:
+        """The metadata as numpy arrays (the CUDA-graph runner copies these into its static buffers)."""
+        bs = self.block_size
+        seq_lens = np.asarray(layout.seq_lens, dtype=np.int64)
+        q_lens = np.asarray(layout.query_lens, dtype=np.int64)
+        ctx = np.asarray(layout.context_lens, dtype=np.int64)
+        width = int(((seq_lens + bs - 1) // bs).max(initial=1))
+        tables = np.zeros((len(seq_lens), width), dtype=np.int32)
+        slots = np.empty(int(q_lens.sum()), dtype=np.int64)
+        row = 0
+        for i, (table, c, q) in enumerate(zip(layout.block_tables, ctx, q_lens)):
+            used = table[: (c + q + bs - 1) // bs]
+            tables[i, : len(used)] = used
+            pos = np.arange(c, c + q)
+            slots[row : row + q] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+            row += q
+        return {"slots": slots, "tables": tables, "seq_lens": seq_lens.astype(np.int32),
+                "q_lens": q_lens.astype(np.int32), "ctx": ctx.astype(np.int32)}
+
+    def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        a = self.host_arrays(layout)
+        decode_only = bool((a["q_lens"] == 1).all())
+        meta = TritonAttentionMetadata(self._upload(a["slots"]), self._upload(a["tables"]), decode_only)
+        if decode_only:
+            meta.seq_lens = self._upload(a["seq_lens"])
+            return meta
+        q_lens = a["q_lens"]
+        q_locs = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+        tiles = [(s, m) for s, q in enumerate(q_lens) for m in range(0, int(q), PREFILL_BLOCK_M)]
+        meta.q_locs, meta.q_lens, meta.ctx_lens = self._upload(q_locs), self._upload(q_lens), self._upload(a["ctx"])
+        meta.tile_seq = self._upload(np.asarray([s for s, _ in tiles], dtype=np.int32))
+        meta.tile_start = self._upload(np.asarray([m for _, m in tiles], dtype=np.int32))
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TritonAttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [N, bs, Hkv, D], contiguous
+        T, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        k, v = k.reshape(T, -1), v.reshape(T, -1)
+        hd = num_kv_heads * head_dim
+        _store_kv[(T,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), v.stride(0), hd, _pow2(hd))
+        out = torch.empty_like(q)
+        group = num_heads // num_kv_heads
+        common = dict(D=head_dim, D_PAD=_pow2(head_dim, 16), BS=self.block_size, BLOCK=BLOCK_N,
+                      IEEE=q.dtype == torch.float32)
+        strides = (q.stride(0), q.stride(1), meta.block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+                   k_cache.stride(2))
+        if meta.decode_only:
+            self._decode(q, k_cache, v_cache, out, meta, scale, window, strides, group, common)
+        else:
+            _prefill[(meta.tile_seq.shape[0], num_heads)](
+                q, k_cache, v_cache, out, meta.block_tables, meta.q_locs, meta.q_lens, meta.ctx_lens, meta.tile_seq,
+                meta.tile_start, scale, window or 0, *strides, GROUP=group, BLOCK_M=PREFILL_BLOCK_M, **common)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, out, meta, scale, window, strides, group, common) -> None:
+        batch, num_heads = q.shape[0], q.shape[1]
+        num_kv_heads = k_cache.shape[2]
+        splits = decode_splits(batch, num_kv_heads)
+        d_pad = common["D_PAD"]
+        part_acc = q.new_empty((batch * num_heads * splits, d_pad), dtype=torch.float32) if splits > 1 else out
+        part_ml = q.new_empty((batch * num_heads * splits, 2), dtype=torch.float32) if splits > 1 else out
+        _decode[(batch, num_kv_heads, splits)](q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables,
+                                               meta.seq_lens, scale, window or 0, *strides, GROUP=group,
+                                               G_PAD=_pow2(group, 16), SPLITS=splits, **common)
+        if splits > 1:
+            _merge_splits[(batch, num_heads)](part_acc, part_ml, out, strides[0], strides[1], D=common["D"],
+                                              D_PAD=d_pad, SPLITS=splits)
+
+
+def decode_splits(batch: int, num_kv_heads: int, target_programs: int = 256) -> int:
+    """Splits of each sequence so that small batches still fill the GPU (a power of two, at most 32).
+    A function of shapes only, so a CUDA graph captured for a batch size stays valid."""
+    return min(32, _pow2(max(1, target_programs // (batch * num_kv_heads))))

@@ -1,0 +1,80 @@
+"""CUDA graphs for decode-only steps: one graph per batch-size bucket, captured once, replayed every step.
+
+A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python
+costs more than running them. Each graph runs embed → layers → norm → lm head for `bucket` rows over
+static input buffers; a step of B < bucket sequences pads with rows whose slot is -1 (no KV written)
+and whose sequence length is 0 (attention gives zeros). Only the Triton backend's fixed-shape decode
+metadata is graph-safe, so graphs exist only with it.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from common.engine.attention import BatchLayout
+from common.engine.attention_triton import TritonAttentionMetadata, TritonPagedAttention
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, model, attention: TritonPagedAttention, kv_cache: torch.Tensor, max_batch: int,
+                 max_blocks_per_seq: int, device: torch.device):
+        self.model, self.attention, self.kv_cache, self.device = model, attention, kv_cache, device
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        n, width = self.buckets[-1], max_blocks_per_seq
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # Pinned staging: one host array per step goes up in one non-blocking copy.
+        self._host = torch.zeros((3, n), dtype=torch.long).pin_memory()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        meta = TritonAttentionMetadata(self.slots[:bs], self.tables[:bs], True, seq_lens=self.seq_lens[:bs])
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache, meta, self.attention)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
+            self._forward(bs)  # compile kernels and settle allocations outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def fits(self, layout: BatchLayout) -> bool:
+        return (len(layout.query_lens) <= self.buckets[-1] and all(q == 1 for q in layout.query_lens)
+                and max(layout.seq_lens) <= self.tables.shape[1] * self.attention.block_size)
+
+    def run(self, input_ids: list[int], positions: list[int], layout: BatchLayout) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only step of B sequences."""
+        b = len(input_ids)
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
+        a = self.attention.host_arrays(layout)
+        host = self._host[:, :bs].numpy()
+        host[0, :b], host[1, :b], host[2, :b] = input_ids, positions, a["slots"]
+        host[0, b:], host[1, b:], host[2, b:] = 0, 0, -1
+        staged = self._host[:, :bs].to(self.device, non_blocking=True)
+        self.input_ids[:bs].copy_(staged[0])
+        self.positions[:bs].copy_(staged[1])
+        self.slots[:bs].copy_(staged[2])
+        tables = np.zeros((bs, a["tables"].shape[1]), dtype=np.int32)
+        tables[:b] = a["tables"]
+        self.tables[:bs, : tables.shape[1]].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
+        lens = np.zeros(bs, dtype=np.int32)
+        lens[:b] = a["seq_lens"]
+        self.seq_lens[:bs].copy_(torch.from_numpy(lens).pin_memory(), non_blocking=True)
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]

@@ -1,0 +1,246 @@
+"""Our engine on a GPU vs Hugging Face transformers on the same work, next to the HBM roofline.
+
+    python -m tests.bench.gpu_engine_vs_hf --model qwen2.5-0.5b     # or llama-3.2-1b; --quick for a smoke run
+
+Random-weight models with the shapes of Qwen2.5-0.5B / Llama-3.2-1B in bf16 (configs built here, no
+download). Work: N requests (default 256) with input and output lengths uniform in [100, 1024], random
+token ids, ignore_eos. Prints, as one JSON line per figure and a table at the end:
+- our engine's output-token throughput on all N requests, and on the first `--hf-requests` of them
+  next to HF `generate` (static batches of `--hf-batch`, left padded, each batch run to its longest
+  output; only each request's own output tokens are counted) and HF continuous batching (`generate_batch`);
+- batch-1 inter-token latency (engine step and bare CUDA-graph replay) next to weight bytes / HBM bandwidth;
+- decode-step bandwidth at batch `--decode-batch`: (weights + KV read) / step time, as a fraction of HBM bandwidth.
+HBM bandwidth is measured here: a device-to-device copy, bytes read + written per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+
+SHAPES = {
+    "qwen2.5-0.5b": lambda: Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "llama-3.2-1b": lambda: LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+}
+
+
+def emit(name: str, **fields) -> dict:
+    record = {"figure": name, **fields}
+    print(json.dumps(record), flush=True)
+    return record
+
+
+def hbm_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (best of 10)."""
+    src = torch.empty(2**30, dtype=torch.uint16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(12):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def make_model(shape: str, directory: str) -> tuple[int, int]:
+    """Saves a random bf16 model; returns (weight bytes read per decode step, KV bytes per token)."""
+    config = SHAPES[shape]()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding counted once
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    del model
+    torch.cuda.empty_cache()
+    return weight_bytes, kv_per_token
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
+            for _ in range(n)]
+
+
+def engine_for(model_dir: str, max_num_seqs: int, num_blocks: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
+                                  num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                                  max_model_len=4096, enable_prefix_caching=False))
+
+
+def run_engine(engine: LLMEngine, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+    """All requests at once; returns (seconds, output tokens)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(work):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt,
+                           SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens
+
+
+def batch1_itl(engine: LLMEngine, prompt_len: int, steps: int) -> dict:
+    """Mean engine step time of one decoding request, and the bare graph replay of batch 1."""
+    engine.add_request("itl", list(range(1000, 1000 + prompt_len)),
+                       SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    engine.step()  # prefill
+    engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()  # the sampled token is read back: a full step, synchronised
+        times.append(time.perf_counter() - t)
+    graphs = engine.runner.graphs
+    replay = None
+    if graphs is not None:
+        graph = graphs.graphs[1]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        replay = (time.perf_counter() - t) / steps
+    return {"engine_step_s": sum(times) / len(times), "graph_replay_s": replay}
+
+
+def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int) -> dict:
+    for i in range(batch):
+        engine.add_request(f"dec{i}", list(range(1000 + i, 1000 + i + ctx)),
+                           SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    engine.step()
+    times, kv_read = [], []
+    while engine.has_unfinished_requests():
+        live = sum(r.num_tokens for r in engine.requests.values())
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        kv_read.append(live * kv_per_token)
+    times, kv_read = times[:-1], kv_read[:-1]  # the last step finishes every request
+    step = sum(times) / len(times)
+    return {"step_s": step, "bytes_per_step": weight_bytes + sum(kv_read) / len(kv_read)}
+
+
+@torch.inference_mode()
+def hf_static(model, work: list[tuple[list[int], int]], batch: int) -> tuple[float, int]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        longest = max(n for _, n in chunk)
+        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=longest,
+                       min_new_tokens=longest, do_sample=False, pad_token_id=0)
+        tokens += sum(n for _, n in chunk)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens
+
+
+@torch.no_grad()  # generate_batch updates its own buffers in place: inference tensors refuse that
+def hf_continuous(model, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+    """generate_batch takes one max_new_tokens: the longest output, counted for every request (its own work)."""
+    longest = max(n for _, n in work)
+    config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=[p for p, _ in work], generation_config=config)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.generated_tokens) for o in outputs.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--hf-requests", type=int, default=32, help="the subset HF runs (it is slow)")
+    parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-hf-continuous", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few requests")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.hf_requests, args.hf_batch, args.decode_batch = 16, 8, 8, 8
+    bw = hbm_bandwidth()
+    emit("hbm_copy_bandwidth", bytes_per_s=bw, device=torch.cuda.get_device_name())
+    with tempfile.TemporaryDirectory() as model_dir:
+        weight_bytes, kv_per_token = make_model(args.model, model_dir)
+        roofline = weight_bytes / bw
+        emit("model", model=args.model, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
+             batch1_roofline_s=roofline)
+        vocab = SHAPES[args.model]().vocab_size
+        work = workload(args.requests, 0, vocab)
+        t = time.perf_counter()
+        engine = engine_for(model_dir, max_num_seqs=256, num_blocks=256 * 2048 // 16 + 64)
+        emit("engine_startup", seconds=time.perf_counter() - t, cuda_graph_buckets=engine.runner.graphs.buckets)
+        run_engine(engine, workload(4, 99, vocab))  # warm-up: prefill kernel shapes, allocator
+        seconds, tokens = run_engine(engine, work)
+        ours_all = emit("ours_throughput", requests=len(work), seconds=seconds, output_tokens=tokens,
+                        tok_per_s=tokens / seconds)
+        subset = work[: args.hf_requests]
+        seconds, tokens = run_engine(engine, subset)
+        ours_sub = emit("ours_throughput_hf_subset", requests=len(subset), seconds=seconds, output_tokens=tokens,
+                        tok_per_s=tokens / seconds)
+        itl = batch1_itl(engine, 512, 128)
+        emit("batch1_itl", **itl, roofline_s=roofline, engine_vs_roofline=itl["engine_step_s"] / roofline,
+             graph_vs_roofline=(itl["graph_replay_s"] or float("nan")) / roofline)
+        dec = decode_bandwidth(engine, args.decode_batch, 1000, 64, weight_bytes, kv_per_token)
+        emit("decode_step_bandwidth", batch=args.decode_batch, context=1000, **dec,
+             fraction_of_hbm=dec["bytes_per_step"] / dec["step_s"] / bw)
+        del engine
+        torch.cuda.empty_cache()
+        if args.skip_hf:
+            return
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+        hf_static(model, workload(2, 98, vocab), 2)  # warm-up
+        seconds, tokens = hf_static(model, subset, args.hf_batch)
+        hf = emit("hf_generate_static", requests=len(subset), batch=args.hf_batch, seconds=seconds,
+                  output_tokens=tokens, tok_per_s=tokens / seconds)
+        emit("ratio_ours_vs_hf_generate", value=ours_sub["tok_per_s"] / hf["tok_per_s"],
+             ours_all_vs_hf=ours_all["tok_per_s"] / hf["tok_per_s"])
+        if args.skip_hf_continuous:
+            return
+        try:
+            seconds, tokens = hf_continuous(model, subset)
+        except Exception as exc:  # report, not crash: the API moves between transformers versions
+            emit("hf_generate_batch", error=f"{type(exc).__name__}: {exc}"[:500])
+            return
+        cb = emit("hf_generate_batch", requests=len(subset), seconds=seconds, output_tokens=tokens,
+                  tok_per_s=tokens / seconds)
+        emit("ratio_ours_vs_hf_generate_batch", value=ours_sub["tok_per_s"] / cb["tok_per_s"])
+
+
+if __name__ == "__main__":
+    main()
