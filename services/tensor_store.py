@@ -5,6 +5,7 @@ the same servicer by providing its own source.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol, Sequence
 
 import grpc
@@ -12,6 +13,7 @@ import grpc
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.engine import LLMEngine
 from common.errors import InvalidRequest, NotFound
+from common.kv import shm
 from common.kv.chunks import chunk_size, chunk_tensor, tensor_to_bytes
 from common.kv.transfer import HEADER_ROOM, kv_header
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
@@ -91,10 +93,15 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
                 raise InvalidRequest("PullRequest.handle is empty")
             header, data = await source.export(request.handle, request.block_ids)
             size = chunk_size(request.max_chunk_bytes, self.holder.max_message_bytes, HEADER_ROOM)
+            if request.shm_path:  # same host: the bytes go through the caller's /dev/shm file
+                await asyncio.to_thread(shm.write_into, request.shm_path, data)
         except Exception as exc:
             await abort_with(context, exc)
-        for chunk in chunk_tensor(header, data, size):
-            yield chunk
+        if request.shm_path:
+            yield worker_pb2.TensorChunk(offset=0, total_bytes=len(data), header=header)
+        else:
+            for chunk in chunk_tensor(header, data, size):
+                yield chunk
         if self.holder.metrics is not None and header.kind == worker_pb2.TENSOR_KIND_KV_CACHE:
             self.holder.metrics.get("disagg_kv_sessions_pulled_total").inc()
 

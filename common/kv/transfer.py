@@ -17,7 +17,8 @@ import torch
 
 from common import channels
 from common.errors import InvalidRequest, LayoutMismatch
-from common.kv.chunks import MAX_CHUNK_BYTES, ChunkAssembler, dtype_name
+from common.kv import shm
+from common.kv.chunks import MAX_CHUNK_BYTES, ChunkAssembler, dtype_name, tensor_from_bytes
 from common.kv.layout import KvExport, KvLayout
 from common.kv.session import KvSession
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -36,6 +37,7 @@ class PulledKv(NamedTuple):
     export: KvExport
     num_bytes: int
     seconds: float
+    backend: str = "grpc"  # or "shm": how the bytes came
 
 
 def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) -> worker_pb2.TensorHeader:
@@ -54,6 +56,7 @@ def session_ref(layout: KvLayout, session: KvSession, endpoint: str) -> common_p
         dtype=layout.dtype, num_tokens=session.num_tokens, block_ids=session.block_ids,
         fingerprint=layout.fingerprint, first_token=session.first_token,
         expires_at_unix_ms=int(session.expires_at_unix * 1000),
+        attributes={shm.HOST_ID_ATTRIBUTE: shm.host_id()},  # an importer on this host may pull through shm
     )
 
 
@@ -113,6 +116,13 @@ async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, 
     from the exporter (NOT_FOUND when expired), LayoutMismatch / InvalidRequest on a bad stream."""
     check_pullable(ref)
     start = time.perf_counter()
+    if shm.same_host(ref.attributes):
+        try:
+            return await _pull_shm(target, ref, start, timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.info("shm pull of KV session %s refused (%s); pulling over gRPC", ref.session_id, exc.details())
     assembler = ChunkAssembler()
     async with _open(target) as channel:
         request = worker_pb2.PullRequest(handle=ref.session_id, max_chunk_bytes=max_chunk_bytes)
@@ -121,6 +131,22 @@ async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, 
     header, blocks = assembler.finish()
     export = kv_from_pull(header, blocks, ref)
     return PulledKv(export, len(assembler.buffer), time.perf_counter() - start)
+
+
+async def _pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, start: float,
+                    timeout_s: float | None) -> PulledKv:
+    """The exporter writes into a /dev/shm file of ours and answers just the header."""
+    with shm.shm_file() as path:
+        async with _open(target) as channel:
+            request = worker_pb2.PullRequest(handle=ref.session_id, shm_path=str(path))
+            chunks = [c async for c in worker_pb2_grpc.TensorStoreStub(channel).Pull(request, timeout=timeout_s)]
+        if len(chunks) != 1 or not chunks[0].HasField("header") or chunks[0].data:
+            raise InvalidRequest(f"an shm pull of session {ref.session_id} must answer one header-only chunk, "
+                                 f"got {len(chunks)} chunks")
+        header, total = chunks[0].header, chunks[0].total_bytes
+        data = await asyncio.to_thread(shm.read_back, path, total)
+    export = kv_from_pull(header, tensor_from_bytes(data, header.shape, header.dtype), ref)
+    return PulledKv(export, total, time.perf_counter() - start, "shm")
 
 
 async def release_session(target: grpc.aio.Channel | str, handle: str,

@@ -5,7 +5,7 @@
 Starts a real prefill worker, prefills one random prompt per size, pulls its session
 `--repeats` times over gRPC (export on the engine thread, chunking, protobuf, reassembly and
 header checks included) and copies the same number of bytes over a loopback socket in this
-run. Prints the median MB/s of both and their ratio.
+run, and pulls it through the same-host `shm` fast path. Prints the median MB/s of each.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from common.kv import shm  # noqa: E402
 from common.kv.transfer import ChannelCache, pull_kv, release_session  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.integration.processes import start_service  # noqa: E402
@@ -46,19 +47,25 @@ def prefill_session(address: str, num_tokens: int, seed: int) -> common_pb2.KvSe
     raise RuntimeError("no session after 5 prompts")
 
 
-async def grpc_pulls(ref: common_pb2.KvSessionRef, repeats: int) -> tuple[int, list[float]]:
+async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int) -> tuple[int, list[float], list[float]]:
+    """Times of pulls over the gRPC stream and through the same-host shm fast path (common.kv.shm)."""
+    over_grpc = common_pb2.KvSessionRef()
+    over_grpc.CopyFrom(ref)
+    del over_grpc.attributes[shm.HOST_ID_ATTRIBUTE]  # an importer on another host sees no shared host
     channels = ChannelCache()
     try:
         channel = channels.get(ref.endpoint)
-        await pull_kv(channel, ref)  # warm-up: connection, allocator
-        times, size = [], 0
+        await pull_kv(channel, over_grpc)  # warm-up: connection, allocator
+        times = {"grpc": [], "shm": []}
+        size = 0
         for _ in range(repeats):
-            start = time.perf_counter()
-            pulled = await pull_kv(channel, ref)
-            times.append(time.perf_counter() - start)
-            size = pulled.num_bytes
+            for target in (over_grpc, ref):
+                start = time.perf_counter()
+                pulled = await pull_kv(channel, target)
+                times[pulled.backend].append(time.perf_counter() - start)
+                size = pulled.num_bytes
         await release_session(channel, ref.session_id)
-        return size, times
+        return size, times["grpc"], times["shm"]
     finally:
         await channels.close()
 
@@ -103,14 +110,16 @@ def main() -> int:
     try:
         print(f"prefill worker {prefill.address}, model {args.model}, dtype {args.dtype}, "
               f"{args.repeats} pulls per size, {os.cpu_count()} CPUs")
-        print(f"{'tokens':>7} {'KV MB':>8} {'gRPC MB/s':>10} {'TCP MB/s':>10} {'gRPC/TCP':>9} {'pull ms':>8}")
+        print(f"{'tokens':>7} {'KV MB':>8} {'gRPC MB/s':>10} {'TCP MB/s':>10} {'gRPC/TCP':>9} {'pull ms':>8} "
+              f"{'shm MB/s':>9} {'shm ms':>7}")
         for num_tokens in args.tokens:
             ref = prefill_session(prefill.address, num_tokens, seed=num_tokens)
-            size, pulls = asyncio.run(grpc_pulls(ref, args.repeats))
+            size, pulls, shm_pulls = asyncio.run(timed_pulls(ref, args.repeats))
             copies = tcp_copies(size, args.repeats)
             grpc_rate, tcp_rate = size / statistics.median(pulls) / MB, size / statistics.median(copies) / MB
             print(f"{num_tokens:>7} {size / MB:>8.1f} {grpc_rate:>10.0f} {tcp_rate:>10.0f} {grpc_rate / tcp_rate:>9.2f} "
-                  f"{statistics.median(pulls) * 1000:>8.1f}")
+                  f"{statistics.median(pulls) * 1000:>8.1f} {size / statistics.median(shm_pulls) / MB:>9.0f} "
+                  f"{statistics.median(shm_pulls) * 1000:>7.1f}")
     finally:
         code = prefill.stop()
     return 0 if code == 0 else 1

@@ -115,14 +115,16 @@ class DecodeServerMessage(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.Delta, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("handle", "max_chunk_bytes", "block_ids")
+    __slots__ = ("handle", "max_chunk_bytes", "block_ids", "shm_path")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     handle: str
     max_chunk_bytes: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    shm_path: str
+    def __init__(self, handle: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("kind", "shape", "dtype", "layout", "block_ids", "fingerprint")

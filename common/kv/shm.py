@@ -1,0 +1,83 @@
+"""The `shm` KV fast path: when prefill and decode share a host, the bytes go through /dev/shm, not the stream.
+
+The importer (decode) creates an empty file /dev/shm/disagg-kv-<random> and sends its path in
+PullRequest.shm_path; the exporter writes the session's bytes into it and answers only the header;
+the importer reads the file and deletes it. The file is the importer's from creation to deletion,
+so the exporter holds nothing that an expiry or a crash could leak. Whether to try is decided by the
+host id that the exporter puts in the KvSessionRef's attributes; if the exporter cannot open the file
+(another mount namespace), the pull falls back to the gRPC stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+from common.errors import FailedPrecondition, InvalidRequest
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "disagg-kv-"
+HOST_ID_ATTRIBUTE = "host_id"
+
+
+class ShmUnavailable(FailedPrecondition):
+    """The exporter cannot open the importer's file: not the same host (or /dev/shm) after all."""
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    """Machine id + boot id: equal only for processes of one running host ('' when unknown)."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        with contextlib.suppress(OSError):
+            parts.append(Path(path).read_text().strip())
+    return ":".join(parts) if len(parts) == 2 and SHM_DIR.is_dir() else ""
+
+
+def same_host(attributes) -> bool:
+    mine = host_id()
+    return bool(mine) and attributes.get(HOST_ID_ATTRIBUTE, "") == mine
+
+
+@contextlib.contextmanager
+def shm_file() -> Iterator[Path]:
+    """A new empty file under /dev/shm for one pull, deleted when the block ends."""
+    path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def write_into(path_text: str, data: memoryview) -> None:
+    """Exporter side: write `data` into the importer's existing file; never creates or follows links."""
+    path = Path(path_text)
+    if path.parent != SHM_DIR or not path.name.startswith(PREFIX) or "/" in path.name:
+        raise InvalidRequest(f"shm_path must be a file {SHM_DIR}/{PREFIX}*, got {path_text!r}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot open {path_text} on this host: {exc.strerror}") from exc
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def read_back(path: Path, total_bytes: int) -> bytearray:
+    """The file's bytes, read once into the buffer the tensor will share."""
+    size = path.stat().st_size
+    if size != total_bytes:
+        raise InvalidRequest(f"shm file {path} has {size} bytes, the exporter said {total_bytes}")
+    data = bytearray(total_bytes)
+    with path.open("rb", buffering=0) as f:
+        view, done = memoryview(data), 0
+        while done < total_bytes:
+            n = f.readinto(view[done:])
+            if not n:
+                raise InvalidRequest(f"shm file {path} ended at byte {done} of {total_bytes}")
+            done += n
+    return data
