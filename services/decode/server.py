@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from common.engine.async_engine import AsyncLLMEngine
@@ -248,7 +249,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
 
 
 async def _read_start(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage]) -> worker_pb2.DecodeStart:
-    message = await anext(aiter(request_iterator), None)
+    try:
+        message = await anext(aiter(request_iterator), None)
+    except DecodeError as exc:
+        raise InvalidRequest(f"could not parse a DecodeClientMessage: {exc}") from None
     if message is None:
         raise InvalidRequest("the Decode stream closed before its `start` message")
     if message.WhichOneof("kind") != "start":
@@ -259,9 +263,12 @@ async def _read_start(request_iterator: AsyncIterator[worker_pb2.DecodeClientMes
 async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage], work: asyncio.Task,
                  outbox: asyncio.Queue) -> None:
     """Reads the rest of the stream: `cancel` cancels the request; a half-close changes nothing."""
-    async for message in request_iterator:
-        if message.WhichOneof("kind") == "cancel":
-            work.cancel()
-        else:
-            outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only `cancel`"))
-        return
+    try:
+        async for message in request_iterator:
+            if message.WhichOneof("kind") == "cancel":
+                work.cancel()
+            else:
+                outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only `cancel`"))
+            return
+    except DecodeError as exc:
+        outbox.put_nowait(InvalidRequest(f"could not parse a DecodeClientMessage: {exc}"))

@@ -275,6 +275,13 @@ def test_garbage_bytes_to_a_worker(cluster, clients, method, unary):
     assert f"the {method} request is not a valid message: Error parsing message" in error.details(), error.details()
 
 
+def test_garbage_bytes_on_a_decode_stream(cluster):
+    with cluster[1].channel() as channel:
+        call = channel.stream_stream("/disagg.v1.Decoder/Decode")(iter([b"\x0a\xff\xff\xff\xff\x0f"]), timeout=10)
+        error = _raises(lambda: list(call))
+    assert error.code() == INVALID and "could not parse a DecodeClientMessage" in error.details(), error.details()
+
+
 def test_prefill_with_no_tokens(clients):
     error = _raises(lambda: clients[0].prefiller.Prefill(worker_pb2.PrefillRequest(request_id="x"), timeout=30))
     assert error.code() == INVALID and "prompt is empty" in error.details()
