@@ -1,9 +1,11 @@
 """Proto ↔ engine types, in one place for every service."""
 from __future__ import annotations
 
+import time
+
 from common.engine.request import FinishReason, RequestType, SamplingParams, TokenLogprob
 from common.errors import InvalidRequest
-from common.pb.disagg.v1 import common_pb2
+from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 _FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -81,3 +83,20 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
         token_id=lp.token_id, logprob=lp.logprob,
         top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
+
+
+def kv_event_to_proto(sequence: int, body: tuple, worker_id: str) -> worker_pb2.KvEvent:
+    """One common.kv.events body as a disagg.v1.KvEvent."""
+    event = worker_pb2.KvEvent(sequence=sequence, timestamp_unix_ms=int(time.time() * 1000), worker_id=worker_id)
+    kind = body[0]
+    if kind == "stored":
+        _, hashes, parent, num_tokens = body
+        event.stored.block_hashes.extend(hashes)
+        event.stored.num_tokens = num_tokens
+        if parent is not None:
+            event.stored.parent_hash = parent
+    elif kind == "removed":
+        event.removed.block_hashes.extend(body[1])
+    else:
+        event.cleared.SetInParent()
+    return event

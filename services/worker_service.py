@@ -33,6 +33,7 @@ from common.telemetry.metrics import Metrics, observe_engine_load
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.convert import kv_event_to_proto
 from services.engine_flags import add_engine_args, engine_config_from_args
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, start_server
 from services.wire import ParseRequests
@@ -113,9 +114,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return load
 
     async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "KV events are not implemented yet (a later issue adds them for kv_aware routing)")
-        yield  # an async generator, as the streaming RPC requires
+        """A snapshot of the prefix cache, then live events, numbered per subscription (a gap: resubscribe)."""
+        try:
+            engine = self.state.require_engine()
+        except DisaggError as exc:
+            await abort_with(context, exc)
+        loop = asyncio.get_running_loop()
+        subscriber = await engine.call(lambda e: e.kv_events.subscribe(loop) if e.kv_events else None)
+        if subscriber is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker runs without a prefix cache "
+                                "(--no-prefix-caching), so it has no KV events")
+        try:
+            while True:
+                sequence, body = await subscriber.queue.get()
+                yield kv_event_to_proto(sequence, body, self.state.worker_id)
+        finally:
+            engine.engine.kv_events.unsubscribe(subscriber)
 
 
 def _limits(config: EngineConfig, max_message_bytes: int) -> worker_pb2.WorkerLimits:

@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from common.engine.request import Request
+from common.kv.events import KvEventLog
 
 ROOT_HASH = 0
 
@@ -51,6 +52,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_hit_tokens = 0
+        self.events: KvEventLog | None = None  # told what enters and leaves the prefix cache (KV-aware routing)
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +103,7 @@ class BlockManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         tokens = request.all_token_ids
+        stored: list[int] = []  # newly cached, consecutive: one BlockStored event per run
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
             h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size],
@@ -110,6 +113,16 @@ class BlockManager:
             if h not in self.cached and block.hash is None:
                 block.hash = h
                 self.cached[h] = block.block_id
+                stored.append(h)
+            elif stored:
+                self._announce(stored, i - len(stored), request)
+                stored = []
+        if stored:
+            self._announce(stored, num_full - len(stored), request)
+
+    def _announce(self, hashes: list[int], first_index: int, request: Request) -> None:
+        if self.events is not None:
+            self.events.stored(hashes, request.block_hashes[first_index - 1] if first_index else None)
 
     def _image_key(self, request: Request, i: int) -> bytes:
         """Block i's extra key: the content hashes of the images whose placeholders it covers."""
@@ -148,6 +161,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
+            if self.events is not None:
+                self.events.removed([block.hash])
         block.hash = None
 
     def reset_prefix_cache(self) -> None:

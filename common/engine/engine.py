@@ -18,6 +18,7 @@ from common.engine.request import (FinishReason, Request, RequestOutput, Request
 from common.engine.scheduler import Scheduler
 from common.engine.stopping import StopChecker, load_tokenizer
 from common.errors import InvalidRequest, ResourceExhausted
+from common.kv.events import KvEventLog
 from common.kv.layout import KvExport, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
 
@@ -51,6 +52,9 @@ class LLMEngine:
         self.image_token_id = image_token_id(load_config(config.model))
         self.tokenizer = load_tokenizer(config.model)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
+        self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
+        self.block_manager.events = self.kv_events
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = KvSessionTable(config.session_ttl_s)
         self.requests: dict[str, Request] = {}

@@ -41,6 +41,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_kv_pull_seconds": ("histogram", "Duration of one KV pull.", ()),
     "disagg_kv_load_failures_total": ("counter", "KV pulls that failed, by what decode did next.", ("action",)),
     "disagg_encode_latency_seconds": ("histogram", "Duration of one Encode call (all its images).", ()),
+    "disagg_routing_decisions_total": ("counter", "Prefill workers picked by the router, by policy.", ("policy",)),
+    "disagg_routing_cached_tokens_total": ("counter", "Prompt tokens found in the picked prefill worker's cache: "
+                                           "as the kv_aware policy predicted, and as the worker reported.",
+                                           ("source",)),
 }
 _BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
             "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,

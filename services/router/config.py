@@ -29,6 +29,10 @@ class RouterConfig:
     """How long a newly discovered worker may stay silent before the router serves without it."""
     drain_timeout_s: float = 30.0
     migration_limit: int = 0
+    kv_overlap_weight: float = 1.0
+    """kv_aware: cost of one prompt block a prefill worker must compute (not cached there)."""
+    kv_load_weight: float = 1.0
+    """kv_aware: cost of one block of prefill this router already has queued on the worker."""
     """How many times a request may move to another decode worker when its worker is lost mid-stream."""
 
     def __post_init__(self) -> None:
@@ -41,6 +45,9 @@ class RouterConfig:
             (self.worker_wait_s > 0, f"--worker-wait must be > 0, got {self.worker_wait_s}"),
             (self.drain_timeout_s >= 0, f"--drain-timeout must be >= 0, got {self.drain_timeout_s}"),
             (self.migration_limit >= 0, f"--migration-limit must be >= 0, got {self.migration_limit}"),
+            (self.kv_overlap_weight >= 0 and self.kv_load_weight >= 0,
+             f"--kv-overlap-weight and --kv-load-weight must be >= 0, got {self.kv_overlap_weight}, "
+             f"{self.kv_load_weight}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -69,6 +76,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a listed worker may stay silent before the router serves without it")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
+                        help="kv_aware: cost per prompt block a prefill worker does not hold in its prefix cache")
+    parser.add_argument("--kv-load-weight", type=float, default=1.0,
+                        help="kv_aware: cost per block of prefill already queued on a worker")
     parser.add_argument("--migration-limit", type=int, default=0,
                         help="times a request may move to another decode worker when its worker is lost mid-stream "
                              "(0: it ends with UNAVAILABLE)")
@@ -80,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         model=str(resolve_model(args.model)), host=args.host, port=args.port, model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
         worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,
+        kv_overlap_weight=args.kv_overlap_weight, kv_load_weight=args.kv_load_weight,
     )
 
 

@@ -22,7 +22,8 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
 from services.router.config import RouterConfig
-from services.router.policies import make_policy
+from services.router.kv_index import KvIndex
+from services.router.policies import KvAware, KvAwareWeights, make_policy
 from services.router.prepare import PreparedRequest, RequestPreparer, ServedModel
 from services.router.streaming import Response, ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
@@ -41,7 +42,10 @@ class Orchestrator:
         self._pool = pool
         self._preparer = preparer
         self._config = config
-        self._policies = {role: make_policy(config.policy) for role in (Role.PREFILL, Role.DECODE, Role.ENCODE)}
+        self.kv_index = KvIndex() if config.policy == "kv_aware" else None
+        weights = KvAwareWeights(config.kv_overlap_weight, config.kv_load_weight)
+        self._policies = {role: make_policy(config.policy, role, self.kv_index, weights)
+                          for role in (Role.PREFILL, Role.DECODE, Role.ENCODE)}
         # One thread: HF tokenizers are not meant to be driven from several threads at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0
@@ -56,8 +60,10 @@ class Orchestrator:
             raise Unavailable("no decode worker is ready; the router cannot serve yet")
         return ServedModel(self._config.model_name or model.name, model.max_model_len)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        if self.kv_index is not None:
+            await self.kv_index.close()
 
     async def generate(self, request: generation_pb2.GenerateRequest, out: ResponseBuilder,
                        rpc_time_remaining_s: float | None = None) -> AsyncIterator[Response]:
@@ -104,7 +110,8 @@ class Orchestrator:
         if decode is None:
             raise Unavailable("no decode worker is available")
         with decode.busy():
-            prefill = await self._pick(Role.PREFILL) if len(req.prompt) >= self._config.min_remote_prefill_tokens else None
+            prefill = (await self._pick(Role.PREFILL, req.prompt)
+                       if len(req.prompt) >= self._config.min_remote_prefill_tokens else None)
             if req.images:
                 flow = self._with_images(prefill, decode, req, out, deadline)
             else:
@@ -114,9 +121,9 @@ class Orchestrator:
                 async for response in responses:
                     yield response
 
-    async def _pick(self, role: Role) -> WorkerClient | None:
+    async def _pick(self, role: Role, prompt: list[int] | None = None) -> WorkerClient | None:
         workers = self._pool.ready(role)
-        return await self._policies[role].pick(workers) if workers else None
+        return await self._policies[role].pick(workers, prompt) if workers else None
 
     async def _disaggregated(self, prefill: WorkerClient, decode: WorkerClient, req: PreparedRequest,
                              out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
@@ -189,9 +196,23 @@ class Orchestrator:
         """The prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
         request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
                                             sampling=req.sampling, output=req.output, embeddings=embeddings)
+        policy = self._policies[Role.PREFILL]
+        predicted = policy.cached_tokens(worker, req.prompt) if isinstance(policy, KvAware) else None
         with tracing.tracer().start_as_current_span("prefill", attributes={
                 "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
-            return await self._prefill_call(worker, req, request, deadline)
+            with worker.prefilling(len(req.prompt)):
+                ready = await self._prefill_call(worker, req, request, deadline)
+        self._count_routing(predicted, ready)
+        return ready
+
+    def _count_routing(self, predicted_cached: int | None, ready: worker_pb2.PrefillResponse | None) -> None:
+        """Routing decisions, and the cache hit the policy predicted next to the one the worker reported."""
+        if self._metrics is None:
+            return
+        self._metrics.get("disagg_routing_decisions_total", policy=self._config.policy).inc()
+        if predicted_cached is not None and ready is not None:
+            self._metrics.get("disagg_routing_cached_tokens_total", source="predicted").inc(predicted_cached)
+            self._metrics.get("disagg_routing_cached_tokens_total", source="actual").inc(ready.cached_tokens)
 
     async def _prefill_call(self, worker: WorkerClient, req: PreparedRequest, request: worker_pb2.PrefillRequest,
                             deadline: Deadline) -> worker_pb2.PrefillResponse | None:

@@ -1,14 +1,19 @@
-"""How the router picks one worker of a role: round_robin or least_loaded (Worker.GetLoad)."""
+"""How the router picks one worker of a role: round_robin, least_loaded (Worker.GetLoad), or kv_aware
+(prefill workers by cached prefix against load, from their KV events; decode workers by load)."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
+from common.discovery import Role
+from common.engine.block_manager import hash_blocks
 from common.pb.disagg.v1 import worker_pb2
+from services.router.kv_index import KvIndex
 from services.router.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -17,15 +22,15 @@ _GET_LOAD_TIMEOUT_S = 0.5
 
 
 class Policy(Protocol):
-    async def pick(self, workers: list[WorkerClient]) -> WorkerClient:
-        """One of `workers` (never empty)."""
+    async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
+        """One of `workers` (never empty); `prompt` is the request's token ids, for policies that use it."""
 
 
 class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    async def pick(self, workers: list[WorkerClient]) -> WorkerClient:
+    async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
         ordered = sorted(workers, key=lambda w: w.endpoint)
         return ordered[next(self._counter) % len(ordered)]
 
@@ -43,7 +48,7 @@ def load_score(load: worker_pb2.Load, inflight: int) -> float:
 class LeastLoaded:
     """Asks every candidate for its load; a worker that does not answer in time is passed over."""
 
-    async def pick(self, workers: list[WorkerClient]) -> WorkerClient:
+    async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
         loads = await asyncio.gather(*(self._load(w) for w in workers))
         scored = [(load_score(load, w.inflight), w.endpoint, w) for w, load in zip(workers, loads)
                   if load is not None]
@@ -59,8 +64,52 @@ class LeastLoaded:
             return None
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+@dataclass(frozen=True)
+class KvAwareWeights:
+    overlap: float = 1.0
+    """Cost of one prompt block the worker must compute (Dynamo's prefill_load_scale)."""
+    load: float = 1.0
+    """Cost of one block of prefill already queued on the worker by this router."""
 
 
-def make_policy(name: str) -> Policy:
-    return POLICIES[name]()
+class KvAware:
+    """Prefill worker with the lowest cost = overlap·max(new_blocks − cached_blocks, 0) + load·queued_blocks.
+
+    cached_blocks comes from the worker's KV events (KvIndex); queued_blocks is the prefill work this
+    router has in flight there, so a popular prefix cannot pile every request onto one worker.
+    """
+
+    def __init__(self, index: KvIndex, weights: KvAwareWeights = KvAwareWeights()):
+        self.index = index
+        self.weights = weights
+
+    def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
+        """The prompt tokens the worker's prefix cache holds, as far as its events tell."""
+        block_size = worker.info.block_size
+        return self.index.overlap_blocks(worker.endpoint, hash_blocks(prompt, block_size)) * block_size
+
+    def cost(self, worker: WorkerClient, prompt: list[int]) -> float:
+        block_size = worker.info.block_size
+        new_blocks = max(-(-len(prompt) // block_size) - self.cached_tokens(worker, prompt) // block_size, 0)
+        queued_blocks = worker.pending_prefill_tokens / block_size
+        return self.weights.overlap * new_blocks + self.weights.load * queued_blocks
+
+    async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
+        for worker in workers:
+            self.index.follow(worker)
+        if prompt is None:
+            return min(workers, key=lambda w: (w.pending_prefill_tokens, w.endpoint))
+        return min(workers, key=lambda w: (self.cost(w, prompt), w.endpoint))
+
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware")
+
+
+def make_policy(name: str, role: Role, index: KvIndex | None = None,
+                weights: KvAwareWeights = KvAwareWeights()) -> Policy:
+    """kv_aware routes prefill (and encode-less aggregated requests go by load); other roles go by load."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded" or role is not Role.PREFILL:
+        return LeastLoaded()
+    return KvAware(index if index is not None else KvIndex(), weights)

@@ -90,7 +90,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         health.cancel()
         await pool.close()
         await discovery.close()
-        orchestrator.close()
+        await orchestrator.close()
 
 
 async def _track_health(server: Server, pool: WorkerPool, orchestrator: Orchestrator, endpoint: str) -> None:

@@ -35,6 +35,8 @@ class WorkerClient:
     healthy: bool = False
     # Requests this router has on the worker right now (a tie-breaker for least_loaded).
     inflight: int = 0
+    # Prompt tokens this router has sent the worker to prefill and not had answered yet (kv_aware's load).
+    pending_prefill_tokens: int = 0
     worker: worker_pb2_grpc.WorkerStub = field(init=False)
     prefiller: worker_pb2_grpc.PrefillerStub = field(init=False)
     decoder: worker_pb2_grpc.DecoderStub = field(init=False)
@@ -45,6 +47,14 @@ class WorkerClient:
         self.prefiller = worker_pb2_grpc.PrefillerStub(self.channel)
         self.decoder = worker_pb2_grpc.DecoderStub(self.channel)
         self.encoder = worker_pb2_grpc.EncoderStub(self.channel)
+
+    @contextlib.contextmanager
+    def prefilling(self, num_tokens: int) -> Iterator[None]:
+        self.pending_prefill_tokens += num_tokens
+        try:
+            yield
+        finally:
+            self.pending_prefill_tokens -= num_tokens
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
