@@ -70,7 +70,8 @@ class KvEventLog:
 
     def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscriber:
         """Call on the engine thread (AsyncLLMEngine.call), so no event slips between snapshot and live."""
-        subscriber = Subscriber(loop)
+        # Room for the whole snapshot on top of the live bound: a big cache must not gap by itself.
+        subscriber = Subscriber(loop, asyncio.Queue(QUEUE_LIMIT + len(self._parents) + 1))
         subscriber.offer(("cleared",))
         for h, parent in self._parents.items():
             subscriber.offer(("stored", [h], parent, self.block_size))

@@ -50,7 +50,7 @@ def test_snapshot_then_live_stored_and_removed_events(tiny_llama):
 
 
 def test_a_full_queue_drops_events_and_leaves_a_gap(tiny_llama, monkeypatch):
-    monkeypatch.setattr(kv_events, "QUEUE_LIMIT", 2)
+    monkeypatch.setattr(kv_events, "QUEUE_LIMIT", 1)  # room: the (1-message) snapshot + 1 live event
     engine = _engine(tiny_llama, blocks=64)
 
     async def main():
