@@ -200,7 +200,7 @@ class Orchestrator:
         predicted = policy.cached_tokens(worker, req.prompt) if isinstance(policy, KvAware) else None
         with tracing.tracer().start_as_current_span("prefill", attributes={
                 "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
-            with worker.prefilling(len(req.prompt)):
+            with worker.prefilling(len(req.prompt) - (predicted or 0)):  # the tokens it must compute
                 ready = await self._prefill_call(worker, req, request, deadline)
         self._count_routing(predicted, ready)
         return ready

@@ -35,7 +35,7 @@ class WorkerClient:
     healthy: bool = False
     # Requests this router has on the worker right now (a tie-breaker for least_loaded).
     inflight: int = 0
-    # Prompt tokens this router has sent the worker to prefill and not had answered yet (kv_aware's load).
+    # Uncached prompt tokens this router has sent the worker to prefill, not answered yet (kv_aware's load).
     pending_prefill_tokens: int = 0
     worker: worker_pb2_grpc.WorkerStub = field(init=False)
     prefiller: worker_pb2_grpc.PrefillerStub = field(init=False)

@@ -3,7 +3,7 @@
     python -m tests.bench.prefix_routing [--prefixes 4] [--questions 8] [--prefix-len 384] [--concurrency 4]
 
 Like SGLang's generated-shared-prefix dataset: a few long system prompts, many short questions
-after each, sent in an interleaved order. Each policy gets fresh workers (cold caches) and the
+after each, sent in a shuffled order. Each policy gets fresh workers (cold caches) and the
 same requests. Prints, per policy: TTFT (client-side, mean / p50 / p90), prompt tokens the prefill
 workers actually computed (prompt − cached_prompt_tokens from Finished.usage), and the ratios.
 """
@@ -26,7 +26,8 @@ def make_requests(prefixes: int, questions: int, prefix_len: int, seed: int = 0)
     rng = random.Random(seed)
     systems = [[rng.randrange(100, 40_000) for _ in range(prefix_len)] for _ in range(prefixes)]
     requests = [systems[p] + [rng.randrange(100, 40_000) for _ in range(rng.randrange(8, 32))]
-                for q in range(questions) for p in range(prefixes)]  # interleaved: p0 q0, p1 q0, ...
+                for q in range(questions) for p in range(prefixes)]
+    rng.shuffle(requests)  # arrival order does not follow the prefixes
     return requests
 
 
