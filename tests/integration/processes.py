@@ -142,6 +142,14 @@ def start_services(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str, s
     return processes
 
 
+def stop_cleanly(processes: list[ServiceProcess]) -> None:
+    """Stop every process (all of them, before any assertion), then assert each exited 0 without a traceback."""
+    codes = [process.stop() for process in processes]
+    for process, code in zip(processes, codes):
+        assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
+        assert "Traceback" not in process.log(), process.log()
+
+
 @contextlib.contextmanager
 def running_service(role: str, *args: str, env: Mapping[str, str] | None = None) -> Iterator[ServiceProcess]:
     """A started service for the block; its log goes to stderr if the block raises."""

@@ -24,7 +24,7 @@ from common.pb.disagg.v1 import (
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.processes import ServiceProcess, start_services
+from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
 from tests.integration.test_router import make_text_model
 from tests.integration.worker_client import WorkerClient, split
 
@@ -55,10 +55,7 @@ def cluster(text_model):
                                                  "--decode-workers", workers[1].address))], env=ENV)
         yield processes
     finally:
-        codes = [p.stop() for p in processes]
-        for process, code in zip(processes, codes):
-            assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
-            assert "Traceback" not in process.log(), process.log()
+        stop_cleanly(processes)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from common.engine.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks, load_of
-from tests.integration.processes import start_services
+from tests.integration.processes import start_services, stop_cleanly
 from tests.integration.test_router import make_text_model
 
 NUM_REQUESTS = int(os.environ.get("DISAGG_CHAOS_REQUESTS", "300"))
@@ -229,10 +229,7 @@ def cluster(text_model):
                                                  "--decode-workers", workers[1].address))], env=ENV)
         yield processes
     finally:
-        codes = [p.stop() for p in processes]
-        for process, code in zip(processes, codes):
-            assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
-            assert "Traceback" not in process.log(), process.log()
+        stop_cleanly(processes)
 
 
 def test_chaos_cancels_and_disconnects_leave_no_leak_and_correct_tokens(cluster, text_model):

@@ -17,7 +17,7 @@ from PIL import Image
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import WORKER_ENV
-from tests.integration.processes import ServiceProcess, start_services
+from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
 from tests.tiny_llava import NUM_IMAGE_TOKENS, hf_llava_greedy, make_smollm2_llava, make_tiny_llava, png_bytes
 
 MAX_TOKENS = 8
@@ -55,7 +55,7 @@ def _start(model: str, encode_args: tuple[str, ...] = (), other_routers: bool = 
     try:
         started = start_services(routers, env=WORKER_ENV)
     except BaseException:
-        _stop_all(workers)
+        stop_cleanly(workers)
         raise
     return [*workers, *started]
 
@@ -63,13 +63,6 @@ def _start(model: str, encode_args: tuple[str, ...] = (), other_routers: bool = 
 def _router_args(model: str, encode: ServiceProcess | None, prefill: ServiceProcess, decode: ServiceProcess):
     args = ("--model", model, "--prefill-workers", prefill.address, "--decode-workers", decode.address)
     return args + (("--encode-workers", encode.address) if encode else ())
-
-
-def _stop_all(processes: list[ServiceProcess]) -> None:
-    codes = [process.stop() for process in processes]
-    for process, code in zip(processes, codes):
-        assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
-        assert "Traceback" not in process.log(), process.log()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +85,7 @@ def services(model, media_dir):
     processes = _start(model, ("--allowed-media-dir", str(media_dir), "--max-image-pixels", "1000000",
                                "--embedding-ttl", str(EMBEDDING_TTL_S)), other_routers=True)
     yield dict(zip(["encode", "prefill", "decode", "router", "no_encode_router", "aggregated_router"], processes))
-    _stop_all(processes)
+    stop_cleanly(processes)
 
 
 def _stub(process: ServiceProcess) -> generation_pb2_grpc.GenerationStub:
@@ -261,4 +254,4 @@ def test_smollm2_under_a_random_vision_tower_matches_hf_generate(tmp_path):
         tokens, finished = _collect(stub.Generate(_image_request("<image>\nWhat do you see?", png_bytes(60))))
         assert finished.usage.cached_prompt_tokens > 0
     finally:
-        _stop_all(processes)
+        stop_cleanly(processes)

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from typing import Iterator
 
 import grpc

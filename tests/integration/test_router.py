@@ -20,7 +20,7 @@ from common.engine.default_model import default_model_dir
 from common.engine.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.hf_reference import hf_greedy
-from tests.integration.processes import ServiceProcess, start_service, start_services
+from tests.integration.processes import ServiceProcess, start_service, start_services, stop_cleanly
 
 PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "GPUs are fast because",
            "Bread needs flour, water and"]
@@ -54,7 +54,7 @@ def workers(text_model):
     processes = start_services([("prefill", ("--model", text_model, "--num-kv-blocks", "256")),
                                 ("decode", ("--model", text_model, "--num-kv-blocks", "256"))])
     yield processes
-    _stop_all(processes)
+    stop_cleanly(processes)
 
 
 def _router(model: str, prefill: list[ServiceProcess], decode: list[ServiceProcess], *flags: str) -> ServiceProcess:
@@ -64,19 +64,12 @@ def _router(model: str, prefill: list[ServiceProcess], decode: list[ServiceProce
     return start_service("router", *args)
 
 
-def _stop_all(processes: list[ServiceProcess]) -> None:
-    codes = [process.stop() for process in processes]  # every one, before any assertion
-    for process, code in zip(processes, codes):
-        assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
-        assert "Traceback" not in process.log(), process.log()
-
-
 @pytest.fixture(scope="module")
 def router(text_model, workers):
     """Every prompt goes prefill → decode."""
     process = _router(text_model, workers[:1], workers[1:])
     yield process
-    _stop_all([process])
+    stop_cleanly([process])
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +78,7 @@ def aggregated_router(text_model, workers):
     process = _router(text_model, workers[:1], workers[1:], "--min-remote-prefill-tokens", "100000",
                       "--max-inflight-requests", "4", "--policy", "least_loaded")
     yield process
-    _stop_all([process])
+    stop_cleanly([process])
 
 
 def _stub(process: ServiceProcess) -> generation_pb2_grpc.GenerationStub:
@@ -328,12 +321,12 @@ def test_fingerprint_mismatch_reaches_the_client_naming_both_sides(text_model, w
                 list(_stub(router).Generate(generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy())))
             assert "fingerprint" in router.log() and "not interchangeable" in router.log()
         finally:
-            _stop_all([router])
+            stop_cleanly([router])
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "exporter='float32' importer='bfloat16'" in info.value.details()
         assert_idle([workers[0], decode_bf16])
     finally:
-        _stop_all([decode_bf16])
+        stop_cleanly([decode_bf16])
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(text_model, workers):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.processes import start_services
+from tests.integration.processes import start_services, stop_cleanly
 from tests.integration.test_router import make_text_model
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -94,9 +94,7 @@ def cluster(tmp_path_factory):
                                                  "--decode-workers", workers[1].address))], env=ENV)
         yield processes
     finally:
-        codes = [p.stop() for p in processes]
-        for process, code in zip(processes, codes):
-            assert code == 0 and "Traceback" not in process.log(), f"{process.name} exited {code}:\n{process.log()}"
+        stop_cleanly(processes)
 
 
 def _check_stream(responses: list[generation_pb2.GenerateResponse], request_id: str | None = None) -> str:
