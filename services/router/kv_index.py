@@ -15,7 +15,7 @@ import grpc
 from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
-_RETRY_S = (0.2, 5.0)
+_RETRY_S = (0.2, 1.0)  # a restarted worker is followed again within a second of serving
 
 
 class KvIndex:

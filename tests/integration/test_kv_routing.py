@@ -114,7 +114,7 @@ def test_a_restarted_worker_is_re_synced(cluster, tiny_llama):
     assert index == 0 and finished.usage.cached_prompt_tokens == 0, "stale entries of the restarted worker"
     _evict_everything(prefills[0])  # worker 0 now holds the prefix too: take it away again
     _prefill_directly(prefills[1], SYSTEM + [9, 9, 9])
-    time.sleep(SETTLE_S)
+    time.sleep(2 * SETTLE_S)  # past the router's resubscription back-off (at most 1 s)
     index, finished = _served_by(cluster, SYSTEM + _question(7))
     assert index == 1 and finished.usage.cached_prompt_tokens == len(SYSTEM), "the new subscription is not live"
 

@@ -109,17 +109,23 @@ def test_first_token_that_ends_the_request_leaves_no_session(prefill):
 
 
 def test_cancel_during_decode_frees_every_block(prefill, decode):
-    stream = DecodeStream(decode, decode_start(run_prefill(prefill, **LONG), **LONG))
-    try:
-        deltas = [next(stream.responses) for _ in range(3)]
-        stream.cancel()
-        tokens, finished = split(list(stream.responses))
-    finally:
-        stream.close()
-    assert all(m.HasField("delta") for m in deltas) and len(tokens) < 390
-    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED
-    assert finished.usage.completion_tokens == 3 + len(tokens)
-    assert is_idle(prefill.load()) and is_idle(decode.load())  # by the time `finished` arrives
+    # The tiny model can finish all ~240 tokens its 64 blocks allow before a cancel arrives (a few
+    # hundred ms); try again until the cancel lands mid-decode, which on a loaded machine is at once.
+    for _ in range(5):
+        stream = DecodeStream(decode, decode_start(run_prefill(prefill, **LONG), **LONG))
+        try:
+            deltas = [next(stream.responses) for _ in range(3)]
+            stream.cancel()
+            tokens, finished = split(list(stream.responses))
+        finally:
+            stream.close()
+        assert all(m.HasField("delta") for m in deltas)
+        assert finished.usage.completion_tokens == 3 + len(tokens)
+        assert is_idle(prefill.load()) and is_idle(decode.load())  # by the time `finished` arrives
+        if finished.reason == common_pb2.FINISH_REASON_CANCELLED:
+            break
+        assert finished.reason == common_pb2.FINISH_REASON_LENGTH  # it outran the cancel
+    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED, "no cancel landed mid-decode in 5 tries"
 
 
 def test_cancel_right_after_start_releases_the_session(prefill, decode):
@@ -318,9 +324,10 @@ def test_worker_info_describes_matching_layouts(prefill, decode, worker_pair):
     assert [i.role for i in infos] == [worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE]
     assert infos[0].fingerprint == infos[1].fingerprint and infos[0].block_size == 4
     assert infos[0].limits.session_ttl_ms == 60_000 and infos[0].endpoint == worker_pair.prefill.address
-    with pytest.raises(grpc.RpcError) as error:
-        list(decode.worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(), timeout=10))
-    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    events = decode.worker.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(), timeout=10)
+    first = next(events)  # the snapshot starts with AllCleared, numbered 1
+    events.cancel()
+    assert first.sequence == 1 and first.WhichOneof("event") == "cleared" and first.worker_id == infos[1].worker_id
 
 
 def test_caller_leaving_mid_prefill_aborts_it_and_leaves_no_session(service_factory, tiny_worker_args):
