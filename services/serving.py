@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
@@ -110,6 +111,15 @@ async def start_server(
     result = Server(server, health_servicer, names, bound)
     await result.set_serving(False)
     return result
+
+
+def setup_logging(process_name: str, level: str) -> None:
+    """Warnings from everything; `level` for our own loggers only (--log-level debug should not turn
+    on grpc's and asyncio's)."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s {process_name} %(levelname)s %(name)s: %(message)s")
+    for ours in ("common", "services"):
+        logging.getLogger(ours).setLevel(level.upper())
 
 
 async def wait_for_signal() -> None:

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from common.tls import configure as configure_tls
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import kv_event_to_proto
 from services.engine_flags import add_engine_args, engine_config_from_args
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, start_server
+from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, setup_logging, start_server
 from services.wire import ParseRequests
 from services.observability import Observability, add_observability_args
 from services.tensor_store import KvSessionSource, TensorSource
@@ -177,10 +176,7 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
     add_tls_args(parser)
     add_observability_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    for ours in ("common", "services"):  # --log-level debug should not turn on grpc's and asyncio's
-        logging.getLogger(ours).setLevel(args.log_level.upper())
+    setup_logging(name, args.log_level)
     try:
         config = engine_config_from_args(args)
         configure_tls(tls_from_args(args))

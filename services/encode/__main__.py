@@ -21,7 +21,7 @@ from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
 from services.encode.server import SERVICE_NAMES, EmbeddingSource, EncodeState, add_servicers
 from services.observability import Observability, add_observability_args
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, start_server
+from services.serving import DEFAULT_MAX_MESSAGE_BYTES, setup_logging, start_server
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
@@ -77,10 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s encode %(levelname)s %(name)s: %(message)s")
-    for ours in ("common", "services"):
-        logging.getLogger(ours).setLevel(args.log_level.upper())
+    setup_logging("encode", args.log_level)
     try:
         _require_vision_model(args.model)
         config = EncodeConfig(model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device,
