@@ -141,7 +141,6 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         self.channels = channels
         self.pull_timeout_s = pull_timeout_s
         self.recompute_on_failed_pull = kv_load_failure_policy == "recompute"
-        self.num_recomputed = 0
 
     async def Decode(self, request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage],
                      context: grpc.aio.ServicerContext):
@@ -219,7 +218,6 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             if image_token is not None and image_token in plan.prompt:
                 raise Unavailable(f"the KV of image request {plan.request_id} could not be pulled ({exc}) and cannot "
                                   "be recomputed here without its images; retry the request") from None
-            self.num_recomputed += 1
             log.warning("request %s: KV load failed (%s); recomputing its %d prompt tokens here", plan.request_id,
                         exc, len(plan.prompt))
             return None

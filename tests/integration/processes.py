@@ -10,13 +10,11 @@
 `start_service(role, *args, env=None)` runs `python -m services.<role> --port 0 *args`,
 reads the `disagg-<role> serving on HOST:PORT` line from its stdout and waits until
 grpc.health.v1 says SERVING. `ServiceProcess.spawn` + `wait_ready` start several at once.
-`with running_service(...) as proc:` prints the process log if the block raises.
 Every process is stopped by whoever started it; nothing here outlives a `finally`.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import signal
@@ -24,7 +22,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -148,16 +146,3 @@ def stop_cleanly(processes: list[ServiceProcess]) -> None:
     for process, code in zip(processes, codes):
         assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
         assert "Traceback" not in process.log(), process.log()
-
-
-@contextlib.contextmanager
-def running_service(role: str, *args: str, env: Mapping[str, str] | None = None) -> Iterator[ServiceProcess]:
-    """A started service for the block; its log goes to stderr if the block raises."""
-    process = start_service(role, *args, env=env)
-    try:
-        yield process
-    except BaseException:
-        print(f"--- log of {process.name} ---\n{process.log()}", file=sys.stderr)
-        raise
-    finally:
-        process.stop()
