@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tests.integration.processes import REPO_ROOT, start_service, start_services
-from tests.integration.test_router import assert_idle, make_text_model
+from tests.integration.leaks import assert_no_leaks
+from tests.integration.test_router import make_text_model
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -52,7 +53,7 @@ def test_bench_with_fixed_concurrency_reports_every_request_and_its_full_length(
     assert 0 < summary["ttft"]["p50"] <= summary["ttft"]["p99"] <= summary["e2e"]["p99"]
     assert summary["itl"]["count"] == sum(len(r["itl_ms"]) for r in requests) > 0
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert_idle(stack[:2])
+    assert_no_leaks(stack[:2])
 
 
 def test_bench_with_poisson_arrivals_and_normal_lengths(stack, tmp_path):

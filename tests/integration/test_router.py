@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -18,8 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.engine.default_model import default_model_dir
 from common.engine.tokenizer import Tokenizer
-from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
+from tests.integration.leaks import assert_no_leaks
 from tests.integration.processes import ServiceProcess, start_service, start_services, stop_cleanly
 
 PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "GPUs are fast because",
@@ -105,25 +105,6 @@ def _reference(model: str, tokenizer: Tokenizer, prompt: str, max_tokens: int = 
     return hf_greedy(model, tokenizer.encode(prompt), max_tokens, stop_at_eos=True)[0]
 
 
-def wait_until_idle(processes: list[ServiceProcess], timeout_s: float = 10.0) -> list[worker_pb2.Load]:
-    """Poll GetLoad until every worker has all its KV blocks free and no requests or sessions."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = [worker_pb2_grpc.WorkerStub(grpc.insecure_channel(p.address)).GetLoad(worker_pb2.GetLoadRequest())
-                 for p in processes]
-        idle = all(load.kv_blocks_free == load.kv_blocks_total and not load.running_requests
-                   and not load.waiting_requests and not load.active_kv_sessions for load in loads)
-        if idle or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.05)
-
-
-def assert_idle(processes: list[ServiceProcess]) -> None:
-    for process, load in zip(processes, wait_until_idle(processes)):
-        assert load.kv_blocks_free == load.kv_blocks_total, f"{process.name} leaked blocks: {load}"
-        assert not (load.running_requests or load.waiting_requests or load.active_kv_sessions), load
-
-
 @pytest.mark.parametrize("which", ["router", "aggregated_router"])
 def test_greedy_text_matches_hf_generate(request, which, text_model, tokenizer, workers):
     stub = _stub(request.getfixturevalue(which))
@@ -136,7 +117,7 @@ def test_greedy_text_matches_hf_generate(request, which, text_model, tokenizer, 
         usage = finished.usage
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(tokenizer.encode(prompt)), MAX_TOKENS)
         assert 0 < usage.ttft_ms <= usage.e2e_ms
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_chat_input_uses_the_chat_template(router, text_model, tokenizer):
@@ -155,7 +136,7 @@ def test_stop_string_finishes_stop_and_frees_the_decode(router, text_model, toke
     assert finished.reason == common_pb2.FINISH_REASON_STOP and finished.matched_stop == stop
     assert text == full[: full.index(stop)]
     assert tokens == expected[: len(tokens)] and len(tokens) < MAX_TOKENS
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_first_token_that_ends_the_request_skips_decode_and_frees_the_session(router, text_model, tokenizer,
@@ -169,7 +150,7 @@ def test_first_token_that_ends_the_request_skips_decode_and_frees_the_session(ro
     tokens, _, finished = _collect(stub.Generate(request))
     assert tokens == [first] and finished.reason == common_pb2.FINISH_REASON_STOP
     assert finished.matched_stop_token_id == first
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_token_ids_input_with_logprobs_and_echo(router, text_model, workers):
@@ -237,7 +218,7 @@ def test_many_requests_on_one_stream_with_cancels_all_finish_and_free_every_bloc
         else:
             assert tokens == references[request.prompt], request.request_id
             assert text == tokenizer.decode(tokens)
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_client_disconnect_mid_stream_frees_every_block(router, workers):
@@ -245,7 +226,7 @@ def test_client_disconnect_mid_stream_frees_every_block(router, workers):
     call = _stub(router).Generate(request)
     assert next(call).HasField("delta") and next(call).HasField("delta")
     call.cancel()
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_bad_requests_get_clear_statuses_and_the_router_keeps_serving(router, workers):
@@ -272,7 +253,7 @@ def test_bad_requests_get_clear_statuses_and_the_router_keeps_serving(router, wo
     tokens, _, _ = _collect(stub.Generate(generation_pb2.GenerateRequest(prompt="x", model="tiny-text", **_greedy(3))))
     assert len(tokens) == 3
     assert [m.id for m in stub.ListModels(generation_pb2.ListModelsRequest()).models] == ["tiny-text"]
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_one_bad_request_on_a_stream_does_not_disturb_the_others(router):
@@ -309,7 +290,7 @@ def test_requests_beyond_the_inflight_limit_are_resource_exhausted(aggregated_ro
     error = asyncio.run(main())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-inflight-requests=4" in error.details()
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_fingerprint_mismatch_reaches_the_client_naming_both_sides(text_model, workers):
@@ -324,7 +305,7 @@ def test_fingerprint_mismatch_reaches_the_client_naming_both_sides(text_model, w
             stop_cleanly([router])
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "exporter='float32' importer='bfloat16'" in info.value.details()
-        assert_idle([workers[0], decode_bf16])
+        assert_no_leaks([workers[0], decode_bf16])
     finally:
         stop_cleanly([decode_bf16])
 
@@ -339,7 +320,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(text_model, workers):
         assert len(tokens) == 60 and finished.reason == common_pb2.FINISH_REASON_LENGTH
     finally:
         assert router.stop() == 0, router.log()
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_the_rpc_deadline_reaches_the_workers_and_frees_their_blocks(router, workers):
@@ -350,7 +331,7 @@ def test_the_rpc_deadline_reaches_the_workers_and_frees_their_blocks(router, wor
         for response in stub.Generate(request, timeout=0.4):
             tokens += len(response.delta.token_ids)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and tokens > 0
-    assert_idle(workers)
+    assert_no_leaks(workers)
 
 
 def test_timeout_ms_ends_one_request_on_a_stream_and_the_others_finish(router, workers):
@@ -364,4 +345,4 @@ def test_timeout_ms_ends_one_request_on_a_stream_and_the_others_finish(router, w
     assert f"passed its deadline of 300 ms after {len(tokens)} tokens were delivered" in finished.error.message
     assert 0 < len(tokens) == finished.usage.completion_tokens
     assert _collect(responses["quick"])[2].reason == common_pb2.FINISH_REASON_LENGTH
-    assert_idle(workers)
+    assert_no_leaks(workers)
