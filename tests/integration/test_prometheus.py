@@ -116,8 +116,10 @@ def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
     assert _scalar(prometheus, 'disagg_kv_pull_seconds_count{role="decode"}') == NUM_REQUESTS
     assert _scalar(prometheus, 'disagg_requests_total{role="router",status="OK"}') == NUM_REQUESTS
     assert _scalar(prometheus, 'disagg_generation_tokens_total{role="router"}') == NUM_REQUESTS * MAX_TOKENS
-    assert _scalar(prometheus, 'disagg_kv_sessions_exported_total{role="prefill"}') == NUM_REQUESTS
-    assert _scalar(prometheus, 'disagg_kv_sessions_pulled_total{role="prefill"}') == NUM_REQUESTS
+    # The prefill worker is scraped on its own schedule: wait for its scrape after the requests too.
+    wait_for(lambda: [_scalar(prometheus, f'disagg_kv_sessions_{what}_total{{role="prefill"}}')
+                      for what in ("exported", "pulled")] == [NUM_REQUESTS, NUM_REQUESTS], 20,
+             "the exported and pulled sessions to reach Prometheus")
     median = _scalar(prometheus, f"histogram_quantile(0.5, {ttft.replace('_count', '_bucket')})")
     assert median is not None and 0 < median < 30
     # the workers' engine gauges, refreshed from GetLoad: idle again after the requests
