@@ -29,6 +29,7 @@ class TransferBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_BACKEND_SHM: _ClassVar[TransferBackend]
     TRANSFER_BACKEND_CUDA_IPC: _ClassVar[TransferBackend]
     TRANSFER_BACKEND_TRTLLM: _ClassVar[TransferBackend]
+    TRANSFER_BACKEND_NIXL: _ClassVar[TransferBackend]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -43,6 +44,7 @@ TRANSFER_BACKEND_GRPC: TransferBackend
 TRANSFER_BACKEND_SHM: TransferBackend
 TRANSFER_BACKEND_CUDA_IPC: TransferBackend
 TRANSFER_BACKEND_TRTLLM: TransferBackend
+TRANSFER_BACKEND_NIXL: TransferBackend
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens")
@@ -105,18 +107,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_ms", "e2e_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_ms", "e2e_ms", "kv_transfer_backend", "kv_transfer_bytes", "kv_transfer_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     ttft_ms: float
     e2e_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ...) -> None: ...
+    kv_transfer_backend: TransferBackend
+    kv_transfer_bytes: int
+    kv_transfer_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., kv_transfer_backend: _Optional[_Union[TransferBackend, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class ErrorStatus(_message.Message):
     __slots__ = ("code", "message")

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from common.pb.disagg.v1 import common_pb2 as disagg_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/worker.proto\x12\tdisagg.v1\x1a\x16\x64isagg/v1/common.proto\"E\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.disagg.v1.Image\"=\n\x0e\x45ncodeResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.disagg.v1.EmbeddingRef\"\xe9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12+\n\nembeddings\x18\x04 \x03(\x0b\x32\x17.disagg.v1.EmbeddingRef\x12(\n\x06output\x18\x05 \x01(\x0b\x32\x18.disagg.v1.OutputOptions\x12,\n\x0crequest_type\x18\x06 \x01(\x0e\x32\x16.disagg.v1.RequestType\"\xbd\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x37\n\x18\x66irst_token_top_logprobs\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\x12(\n\x07session\x18\x04 \x01(\x0b\x32\x17.disagg.v1.KvSessionRef\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\xe3\x02\n\x0b\x44\x65\x63odeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x0b\x66irst_token\x18\x03 \x01(\rH\x00\x88\x01\x01\x12(\n\x07session\x18\x04 \x01(\x0b\x32\x17.disagg.v1.KvSessionRef\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\'\n\x04stop\x18\x06 \x01(\x0b\x32\x19.disagg.v1.StopConditions\x12(\n\x06output\x18\x07 \x01(\x0b\x32\x18.disagg.v1.OutputOptions\x12,\n\x0crequest_type\x18\x08 \x01(\x0e\x32\x16.disagg.v1.RequestType\x12+\n\nembeddings\x18\t \x03(\x0b\x32\x17.disagg.v1.EmbeddingRefB\x0e\n\x0c_first_token\"k\n\x13\x44\x65\x63odeClientMessage\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.disagg.v1.DecodeStartH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.disagg.v1.CancelH\x00\x42\x06\n\x04kind\"}\n\x13\x44\x65\x63odeServerMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.disagg.v1.DeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.disagg.v1.FinishedH\x00\x42\x06\n\x04kind\"[\n\x0bPullRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x10\n\x08shm_path\x18\x04 \x01(\t\"\x89\x01\n\x0cTensorHeader\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.disagg.v1.TensorKind\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"i\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\'\n\x06header\x18\x04 \x01(\x0b\x32\x17.disagg.v1.TensorHeader\" \n\x0eReleaseRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xaf\x01\n\x0cWorkerLimits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x05 \x01(\r\x12\x16\n\x0esession_ttl_ms\x18\x06 \x01(\r\"\x91\x03\n\nWorkerInfo\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.disagg.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\'\n\x06limits\x18\n \x01(\x0b\x32\x17.disagg.v1.WorkerLimits\x12\x11\n\tworker_id\x18\x0b \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x0c \x01(\t\x12\x0e\n\x06\x65ngine\x18\r \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x0e \x01(\t\x12\x35\n\x11transfer_backends\x18\x0f \x03(\x0e\x32\x1a.disagg.v1.TransferBackend\x12\x17\n\x0fsupports_images\x18\x10 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x8c\x02\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x16\n\x0ekv_usage_ratio\x18\x05 \x01(\x02\x12\x1a\n\x12\x61\x63tive_kv_sessions\x18\x06 \x01(\r\x12\x16\n\x0estored_tensors\x18\x07 \x01(\r\x12\x1b\n\x13stored_tensor_bytes\x18\x08 \x01(\x04\x12\x19\n\x11timestamp_unix_ms\x18\t \x01(\x03\x12\x1b\n\x13\x65xpired_kv_sessions\x18\n \x01(\x04\"\x1a\n\x18SubscribeKvEventsRequest\"a\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\rB\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x0c\n\nAllCleared\"\xd2\x01\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x19\n\x11timestamp_unix_ms\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12(\n\x06stored\x18\x04 \x01(\x0b\x32\x16.disagg.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x05 \x01(\x0b\x32\x17.disagg.v1.BlockRemovedH\x00\x12(\n\x07\x63leared\x18\x06 \x01(\x0b\x32\x15.disagg.v1.AllClearedH\x00\x42\x07\n\x05\x65vent*\x8e\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_ROLE_AGGREGATED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x12\x16\n\x12WORKER_ROLE_ENCODE\x10\x04*^\n\nTensorKind\x12\x1b\n\x17TENSOR_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14TENSOR_KIND_KV_CACHE\x10\x01\x12\x19\n\x15TENSOR_KIND_EMBEDDING\x10\x02\x32H\n\x07\x45ncoder\x12=\n\x06\x45ncode\x12\x18.disagg.v1.EncodeRequest\x1a\x19.disagg.v1.EncodeResponse2M\n\tPrefiller\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x1a.disagg.v1.PrefillResponse2W\n\x07\x44\x65\x63oder\x12L\n\x06\x44\x65\x63ode\x12\x1e.disagg.v1.DecodeClientMessage\x1a\x1e.disagg.v1.DecodeServerMessage(\x01\x30\x01\x32\x89\x01\n\x0bTensorStore\x12\x38\n\x04Pull\x12\x16.disagg.v1.PullRequest\x1a\x16.disagg.v1.TensorChunk0\x01\x12@\n\x07Release\x12\x19.disagg.v1.ReleaseRequest\x1a\x1a.disagg.v1.ReleaseResponse2\xcc\x01\n\x06Worker\x12;\n\x07GetInfo\x12\x19.disagg.v1.GetInfoRequest\x1a\x15.disagg.v1.WorkerInfo\x12\x35\n\x07GetLoad\x12\x19.disagg.v1.GetLoadRequest\x1a\x0f.disagg.v1.Load\x12N\n\x11SubscribeKvEvents\x12#.disagg.v1.SubscribeKvEventsRequest\x1a\x12.disagg.v1.KvEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/worker.proto\x12\tdisagg.v1\x1a\x16\x64isagg/v1/common.proto\"E\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.disagg.v1.Image\"=\n\x0e\x45ncodeResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.disagg.v1.EmbeddingRef\"\xe9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12+\n\nembeddings\x18\x04 \x03(\x0b\x32\x17.disagg.v1.EmbeddingRef\x12(\n\x06output\x18\x05 \x01(\x0b\x32\x18.disagg.v1.OutputOptions\x12,\n\x0crequest_type\x18\x06 \x01(\x0e\x32\x16.disagg.v1.RequestType\"\xbd\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x37\n\x18\x66irst_token_top_logprobs\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\x12(\n\x07session\x18\x04 \x01(\x0b\x32\x17.disagg.v1.KvSessionRef\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\xe3\x02\n\x0b\x44\x65\x63odeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x0b\x66irst_token\x18\x03 \x01(\rH\x00\x88\x01\x01\x12(\n\x07session\x18\x04 \x01(\x0b\x32\x17.disagg.v1.KvSessionRef\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\'\n\x04stop\x18\x06 \x01(\x0b\x32\x19.disagg.v1.StopConditions\x12(\n\x06output\x18\x07 \x01(\x0b\x32\x18.disagg.v1.OutputOptions\x12,\n\x0crequest_type\x18\x08 \x01(\x0e\x32\x16.disagg.v1.RequestType\x12+\n\nembeddings\x18\t \x03(\x0b\x32\x17.disagg.v1.EmbeddingRefB\x0e\n\x0c_first_token\"k\n\x13\x44\x65\x63odeClientMessage\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.disagg.v1.DecodeStartH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.disagg.v1.CancelH\x00\x42\x06\n\x04kind\"}\n\x13\x44\x65\x63odeServerMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x10.disagg.v1.DeltaH\x00\x12\'\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x13.disagg.v1.FinishedH\x00\x42\x06\n\x04kind\"A\n\x12OpenKvCacheRequest\x12+\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1a.disagg.v1.TransferBackend\"\xca\x01\n\x0cKvCacheShare\x12+\n\x07\x62\x61\x63kend\x18\x01 \x01(\x0e\x32\x1a.disagg.v1.TransferBackend\x12\x13\n\x0bkv_cache_id\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12+\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x17.disagg.v1.CudaIpcShareH\x00\x12$\n\x04nixl\x18\x06 \x01(\x0b\x32\x14.disagg.v1.NixlShareH\x00\x42\x07\n\x05share\"\x83\x02\n\x0c\x43udaIpcShare\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06stride\x18\t \x03(\x03\x12\x15\n\rtensor_offset\x18\n \x01(\x03\"\xad\x01\n\tNixlShare\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x14\n\x0cregion_bytes\x18\x06 \x01(\x04\x12\x10\n\x08mem_type\x18\x07 \x01(\t\x12\x11\n\tdevice_id\x18\x08 \x01(\r\"[\n\x0bPullRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x10\n\x08shm_path\x18\x04 \x01(\t\"\x89\x01\n\x0cTensorHeader\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.disagg.v1.TensorKind\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"i\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\'\n\x06header\x18\x04 \x01(\x0b\x32\x17.disagg.v1.TensorHeader\" \n\x0eReleaseRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xaf\x01\n\x0cWorkerLimits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x05 \x01(\r\x12\x16\n\x0esession_ttl_ms\x18\x06 \x01(\r\"\x91\x03\n\nWorkerInfo\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.disagg.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\'\n\x06limits\x18\n \x01(\x0b\x32\x17.disagg.v1.WorkerLimits\x12\x11\n\tworker_id\x18\x0b \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x0c \x01(\t\x12\x0e\n\x06\x65ngine\x18\r \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x0e \x01(\t\x12\x35\n\x11transfer_backends\x18\x0f \x03(\x0e\x32\x1a.disagg.v1.TransferBackend\x12\x17\n\x0fsupports_images\x18\x10 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x8c\x02\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x16\n\x0ekv_usage_ratio\x18\x05 \x01(\x02\x12\x1a\n\x12\x61\x63tive_kv_sessions\x18\x06 \x01(\r\x12\x16\n\x0estored_tensors\x18\x07 \x01(\r\x12\x1b\n\x13stored_tensor_bytes\x18\x08 \x01(\x04\x12\x19\n\x11timestamp_unix_ms\x18\t \x01(\x03\x12\x1b\n\x13\x65xpired_kv_sessions\x18\n \x01(\x04\"\x1a\n\x18SubscribeKvEventsRequest\"a\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x18\n\x0bparent_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\rB\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x0c\n\nAllCleared\"\xd2\x01\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x19\n\x11timestamp_unix_ms\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12(\n\x06stored\x18\x04 \x01(\x0b\x32\x16.disagg.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x05 \x01(\x0b\x32\x17.disagg.v1.BlockRemovedH\x00\x12(\n\x07\x63leared\x18\x06 \x01(\x0b\x32\x15.disagg.v1.AllClearedH\x00\x42\x07\n\x05\x65vent*\x8e\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WORKER_ROLE_AGGREGATED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x12\x16\n\x12WORKER_ROLE_ENCODE\x10\x04*^\n\nTensorKind\x12\x1b\n\x17TENSOR_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14TENSOR_KIND_KV_CACHE\x10\x01\x12\x19\n\x15TENSOR_KIND_EMBEDDING\x10\x02\x32H\n\x07\x45ncoder\x12=\n\x06\x45ncode\x12\x18.disagg.v1.EncodeRequest\x1a\x19.disagg.v1.EncodeResponse2M\n\tPrefiller\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x1a.disagg.v1.PrefillResponse2W\n\x07\x44\x65\x63oder\x12L\n\x06\x44\x65\x63ode\x12\x1e.disagg.v1.DecodeClientMessage\x1a\x1e.disagg.v1.DecodeServerMessage(\x01\x30\x01\x32\xd0\x01\n\x0bTensorStore\x12\x38\n\x04Pull\x12\x16.disagg.v1.PullRequest\x1a\x16.disagg.v1.TensorChunk0\x01\x12@\n\x07Release\x12\x19.disagg.v1.ReleaseRequest\x1a\x1a.disagg.v1.ReleaseResponse\x12\x45\n\x0bOpenKvCache\x12\x1d.disagg.v1.OpenKvCacheRequest\x1a\x17.disagg.v1.KvCacheShare2\xcc\x01\n\x06Worker\x12;\n\x07GetInfo\x12\x19.disagg.v1.GetInfoRequest\x1a\x15.disagg.v1.WorkerInfo\x12\x35\n\x07GetLoad\x12\x19.disagg.v1.GetLoadRequest\x1a\x0f.disagg.v1.Load\x12N\n\x11SubscribeKvEvents\x12#.disagg.v1.SubscribeKvEventsRequest\x1a\x12.disagg.v1.KvEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common.pb.disagg.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2910
-  _globals['_WORKERROLE']._serialized_end=3052
-  _globals['_TENSORKIND']._serialized_start=3054
-  _globals['_TENSORKIND']._serialized_end=3148
+  _globals['_WORKERROLE']._serialized_start=3620
+  _globals['_WORKERROLE']._serialized_end=3762
+  _globals['_TENSORKIND']._serialized_start=3764
+  _globals['_TENSORKIND']._serialized_end=3858
   _globals['_ENCODEREQUEST']._serialized_start=61
   _globals['_ENCODEREQUEST']._serialized_end=130
   _globals['_ENCODERESPONSE']._serialized_start=132
@@ -50,44 +50,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODECLIENTMESSAGE']._serialized_end=1088
   _globals['_DECODESERVERMESSAGE']._serialized_start=1090
   _globals['_DECODESERVERMESSAGE']._serialized_end=1215
-  _globals['_PULLREQUEST']._serialized_start=1217
-  _globals['_PULLREQUEST']._serialized_end=1308
-  _globals['_TENSORHEADER']._serialized_start=1311
-  _globals['_TENSORHEADER']._serialized_end=1448
-  _globals['_TENSORCHUNK']._serialized_start=1450
-  _globals['_TENSORCHUNK']._serialized_end=1555
-  _globals['_RELEASEREQUEST']._serialized_start=1557
-  _globals['_RELEASEREQUEST']._serialized_end=1589
-  _globals['_RELEASERESPONSE']._serialized_start=1591
-  _globals['_RELEASERESPONSE']._serialized_end=1626
-  _globals['_GETINFOREQUEST']._serialized_start=1628
-  _globals['_GETINFOREQUEST']._serialized_end=1644
-  _globals['_WORKERLIMITS']._serialized_start=1647
-  _globals['_WORKERLIMITS']._serialized_end=1822
-  _globals['_WORKERINFO']._serialized_start=1825
-  _globals['_WORKERINFO']._serialized_end=2226
-  _globals['_GETLOADREQUEST']._serialized_start=2228
-  _globals['_GETLOADREQUEST']._serialized_end=2244
-  _globals['_LOAD']._serialized_start=2247
-  _globals['_LOAD']._serialized_end=2515
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=2517
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=2543
-  _globals['_BLOCKSTORED']._serialized_start=2545
-  _globals['_BLOCKSTORED']._serialized_end=2642
-  _globals['_BLOCKREMOVED']._serialized_start=2644
-  _globals['_BLOCKREMOVED']._serialized_end=2680
-  _globals['_ALLCLEARED']._serialized_start=2682
-  _globals['_ALLCLEARED']._serialized_end=2694
-  _globals['_KVEVENT']._serialized_start=2697
-  _globals['_KVEVENT']._serialized_end=2907
-  _globals['_ENCODER']._serialized_start=3150
-  _globals['_ENCODER']._serialized_end=3222
-  _globals['_PREFILLER']._serialized_start=3224
-  _globals['_PREFILLER']._serialized_end=3301
-  _globals['_DECODER']._serialized_start=3303
-  _globals['_DECODER']._serialized_end=3390
-  _globals['_TENSORSTORE']._serialized_start=3393
-  _globals['_TENSORSTORE']._serialized_end=3530
-  _globals['_WORKER']._serialized_start=3533
-  _globals['_WORKER']._serialized_end=3737
+  _globals['_OPENKVCACHEREQUEST']._serialized_start=1217
+  _globals['_OPENKVCACHEREQUEST']._serialized_end=1282
+  _globals['_KVCACHESHARE']._serialized_start=1285
+  _globals['_KVCACHESHARE']._serialized_end=1487
+  _globals['_CUDAIPCSHARE']._serialized_start=1490
+  _globals['_CUDAIPCSHARE']._serialized_end=1749
+  _globals['_NIXLSHARE']._serialized_start=1752
+  _globals['_NIXLSHARE']._serialized_end=1925
+  _globals['_PULLREQUEST']._serialized_start=1927
+  _globals['_PULLREQUEST']._serialized_end=2018
+  _globals['_TENSORHEADER']._serialized_start=2021
+  _globals['_TENSORHEADER']._serialized_end=2158
+  _globals['_TENSORCHUNK']._serialized_start=2160
+  _globals['_TENSORCHUNK']._serialized_end=2265
+  _globals['_RELEASEREQUEST']._serialized_start=2267
+  _globals['_RELEASEREQUEST']._serialized_end=2299
+  _globals['_RELEASERESPONSE']._serialized_start=2301
+  _globals['_RELEASERESPONSE']._serialized_end=2336
+  _globals['_GETINFOREQUEST']._serialized_start=2338
+  _globals['_GETINFOREQUEST']._serialized_end=2354
+  _globals['_WORKERLIMITS']._serialized_start=2357
+  _globals['_WORKERLIMITS']._serialized_end=2532
+  _globals['_WORKERINFO']._serialized_start=2535
+  _globals['_WORKERINFO']._serialized_end=2936
+  _globals['_GETLOADREQUEST']._serialized_start=2938
+  _globals['_GETLOADREQUEST']._serialized_end=2954
+  _globals['_LOAD']._serialized_start=2957
+  _globals['_LOAD']._serialized_end=3225
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=3227
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=3253
+  _globals['_BLOCKSTORED']._serialized_start=3255
+  _globals['_BLOCKSTORED']._serialized_end=3352
+  _globals['_BLOCKREMOVED']._serialized_start=3354
+  _globals['_BLOCKREMOVED']._serialized_end=3390
+  _globals['_ALLCLEARED']._serialized_start=3392
+  _globals['_ALLCLEARED']._serialized_end=3404
+  _globals['_KVEVENT']._serialized_start=3407
+  _globals['_KVEVENT']._serialized_end=3617
+  _globals['_ENCODER']._serialized_start=3860
+  _globals['_ENCODER']._serialized_end=3932
+  _globals['_PREFILLER']._serialized_start=3934
+  _globals['_PREFILLER']._serialized_end=4011
+  _globals['_DECODER']._serialized_start=4013
+  _globals['_DECODER']._serialized_end=4100
+  _globals['_TENSORSTORE']._serialized_start=4103
+  _globals['_TENSORSTORE']._serialized_end=4311
+  _globals['_WORKER']._serialized_start=4314
+  _globals['_WORKER']._serialized_end=4518
 # @@protoc_insertion_point(module_scope)

@@ -114,6 +114,72 @@ class DecodeServerMessage(_message.Message):
     finished: _common_pb2.Finished
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.Delta, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
+class OpenKvCacheRequest(_message.Message):
+    __slots__ = ("backend",)
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    backend: _common_pb2.TransferBackend
+    def __init__(self, backend: _Optional[_Union[_common_pb2.TransferBackend, str]] = ...) -> None: ...
+
+class KvCacheShare(_message.Message):
+    __slots__ = ("backend", "kv_cache_id", "shape", "dtype", "cuda_ipc", "nixl")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    backend: _common_pb2.TransferBackend
+    kv_cache_id: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    cuda_ipc: CudaIpcShare
+    nixl: NixlShare
+    def __init__(self, backend: _Optional[_Union[_common_pb2.TransferBackend, str]] = ..., kv_cache_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcShare, _Mapping]] = ..., nixl: _Optional[_Union[NixlShare, _Mapping]] = ...) -> None: ...
+
+class CudaIpcShare(_message.Message):
+    __slots__ = ("device_uuid", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "stride", "tensor_offset")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    ipc_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    tensor_offset: int
+    def __init__(self, device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., stride: _Optional[_Iterable[int]] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
+
+class NixlShare(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "base_addr", "num_layers", "num_blocks", "region_bytes", "mem_type", "device_id")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_layers: int
+    num_blocks: int
+    region_bytes: int
+    mem_type: str
+    device_id: int
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., region_bytes: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("handle", "max_chunk_bytes", "block_ids", "shm_path")
     HANDLE_FIELD_NUMBER: _ClassVar[int]

@@ -292,6 +292,11 @@ class TensorStoreStub:
                 request_serializer=disagg_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=disagg_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.OpenKvCache = channel.unary_unary(
+                '/disagg.v1.TensorStore/OpenKvCache',
+                request_serializer=disagg_dot_v1_dot_worker__pb2.OpenKvCacheRequest.SerializeToString,
+                response_deserializer=disagg_dot_v1_dot_worker__pb2.KvCacheShare.FromString,
+                _registered_method=True)
 
 
 class TensorStoreServicer:
@@ -310,7 +315,18 @@ class TensorStoreServicer:
 
     def Release(self, request, context):
         """Frees the tensor behind a handle (its KV blocks return to the pool). Idempotent: an
-        unknown or already released handle is OK with released = false.
+        unknown or already released handle is OK with released = false. For one-sided backends
+        (cuda_ipc, nixl) the importer reads the blocks itself, then releases: released = true
+        proves the session held its blocks throughout the read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenKvCache(self, request, context):
+        """Shares this worker's whole KV cache once with an importer, for one-sided block reads by
+        session block ids: a CUDA IPC handle (same host, GPU) or a NIXL agent's metadata.
+        FAILED_PRECONDITION with the reason when this worker cannot offer the backend asked for.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -328,6 +344,11 @@ def add_TensorStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=disagg_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=disagg_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'OpenKvCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenKvCache,
+                    request_deserializer=disagg_dot_v1_dot_worker__pb2.OpenKvCacheRequest.FromString,
+                    response_serializer=disagg_dot_v1_dot_worker__pb2.KvCacheShare.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -385,6 +406,33 @@ class TensorStore:
             '/disagg.v1.TensorStore/Release',
             disagg_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
             disagg_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenKvCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disagg.v1.TensorStore/OpenKvCache',
+            disagg_dot_v1_dot_worker__pb2.OpenKvCacheRequest.SerializeToString,
+            disagg_dot_v1_dot_worker__pb2.KvCacheShare.FromString,
             options,
             channel_credentials,
             insecure,
