@@ -45,6 +45,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_routing_cached_tokens_total": ("counter", "Prompt tokens found in the picked prefill worker's cache: "
                                            "as the kv_aware policy predicted, and as the worker reported.",
                                            ("source",)),
+    "disagg_routing_prefill_decisions_total": ("counter", "Where the router ran a request's prefill (a prefill "
+                                               "worker, or locally on the decode worker) and why.",
+                                               ("where", "reason")),
 }
 _BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
             "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,

@@ -24,6 +24,10 @@ class RouterConfig:
     policy: str = "round_robin"
     min_remote_prefill_tokens: int = 0
     """Prompts shorter than this run aggregated on a decode worker instead of on a prefill worker."""
+    max_local_prefill_tokens: int = 0
+    """Prompts with at most this many tokens uncached on the decode worker prefill there (disagg_decision)."""
+    max_prefill_queue_tokens: int = 0
+    """A prefill worker with this many queued prefill tokens is saturated (prefill goes local); 0: no limit."""
     max_inflight_requests: int = 256
     worker_wait_s: float = 60.0
     """How long a newly discovered worker may stay silent before the router serves without it."""
@@ -41,6 +45,10 @@ class RouterConfig:
             (self.policy in POLICIES, f"--policy must be one of {sorted(POLICIES)}, got {self.policy!r}"),
             (self.min_remote_prefill_tokens >= 0,
              f"--min-remote-prefill-tokens must be >= 0, got {self.min_remote_prefill_tokens}"),
+            (self.max_local_prefill_tokens >= 0,
+             f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}"),
+            (self.max_prefill_queue_tokens >= 0,
+             f"--max-prefill-queue-tokens must be >= 0, got {self.max_prefill_queue_tokens}"),
             (self.max_inflight_requests >= 1, f"--max-inflight-requests must be >= 1, got {self.max_inflight_requests}"),
             (self.worker_wait_s > 0, f"--worker-wait must be > 0, got {self.worker_wait_s}"),
             (self.drain_timeout_s >= 0, f"--drain-timeout must be >= 0, got {self.drain_timeout_s}"),
@@ -70,6 +78,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=sorted(POLICIES), default="round_robin")
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
                         help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=0,
+                        help="prompts with at most this many tokens uncached on the decode worker prefill there")
+    parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
+                        help="prefill tokens queued on a prefill worker at which new prompts prefill on the decode "
+                             "worker instead, while it has room (0: no limit)")
     parser.add_argument("--max-inflight-requests", type=int, default=256,
                         help="requests in flight before new ones get RESOURCE_EXHAUSTED")
     parser.add_argument("--worker-wait", type=float, default=60.0,
@@ -90,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model=str(resolve_model(args.model)), host=args.host, port=args.port, model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
+        max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,
         kv_overlap_weight=args.kv_overlap_weight, kv_load_weight=args.kv_load_weight,
     )

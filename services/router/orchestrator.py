@@ -22,6 +22,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
 from services.router.config import RouterConfig
+from services.router.disagg_decision import DisaggConfig, PrefillPlacement
 from services.router.kv_index import KvIndex
 from services.router.policies import KvAware, KvAwareWeights, make_policy
 from services.router.prepare import PreparedRequest, RequestPreparer, ServedModel
@@ -46,6 +47,10 @@ class Orchestrator:
         weights = KvAwareWeights(config.kv_overlap_weight, config.kv_load_weight)
         self._policies = {role: make_policy(config.policy, role, self.kv_index, weights)
                           for role in (Role.PREFILL, Role.DECODE, Role.ENCODE)}
+        kv = self._policies[Role.PREFILL]
+        self._placement = PrefillPlacement(
+            DisaggConfig(config.min_remote_prefill_tokens, config.max_local_prefill_tokens,
+                         config.max_prefill_queue_tokens), kv if isinstance(kv, KvAware) else None, metrics)
         # One thread: HF tokenizers are not meant to be driven from several threads at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0
@@ -110,8 +115,8 @@ class Orchestrator:
         if decode is None:
             raise Unavailable("no decode worker is available")
         with decode.busy():
-            prefill = (await self._pick(Role.PREFILL, req.prompt)
-                       if len(req.prompt) >= self._config.min_remote_prefill_tokens else None)
+            # Nothing may be awaited between the placement and the prefill call: see PrefillPlacement.
+            prefill = await self._placement.place(req.prompt, decode, lambda: self._pick(Role.PREFILL, req.prompt))
             if req.images:
                 flow = self._with_images(prefill, decode, req, out, deadline)
             else:

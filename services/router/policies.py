@@ -49,19 +49,21 @@ class LeastLoaded:
     """Asks every candidate for its load; a worker that does not answer in time is passed over."""
 
     async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
-        loads = await asyncio.gather(*(self._load(w) for w in workers))
+        loads = await asyncio.gather(*(fetch_load(w) for w in workers))
         scored = [(load_score(load, w.inflight), w.endpoint, w) for w, load in zip(workers, loads)
                   if load is not None]
         if not scored:
             return min(workers, key=lambda w: (w.inflight, w.endpoint))
         return min(scored, key=lambda s: s[:2])[2]
 
-    async def _load(self, worker: WorkerClient) -> worker_pb2.Load | None:
-        try:
-            return await worker.worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=_GET_LOAD_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            log.debug("GetLoad on %s failed: %s", worker.endpoint, exc.code().name)
-            return None
+
+async def fetch_load(worker: WorkerClient) -> worker_pb2.Load | None:
+    """The worker's GetLoad, or None when it does not answer in time."""
+    try:
+        return await worker.worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=_GET_LOAD_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        log.debug("GetLoad on %s failed: %s", worker.endpoint, exc.code().name)
+        return None
 
 
 @dataclass(frozen=True)
