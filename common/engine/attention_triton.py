@@ -199,6 +199,8 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 class TritonPagedAttention:
+    fused_rope_store = True  # the model writes roped K/V with kernels.rope_store_kv and calls `attend`
+
     def __init__(self, block_size: int, windows: set[int | None], device: torch.device):
         self.block_size = block_size
         self.windows = windows
@@ -243,12 +245,20 @@ class TritonPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        """Stores the new tokens' K and V, then attends (the model's fused path stores them itself: `attend`)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [N, bs, Hkv, D], contiguous
-        T, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
+        T = q.shape[0]
         k, v = k.reshape(T, -1), v.reshape(T, -1)
-        hd = num_kv_heads * head_dim
+        hd = k.shape[1]
         _store_kv[(T,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), v.stride(0), hd, _pow2(hd))
+        return self.attend(q, kv_cache, meta, scale, window)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, where this step's K and V already are."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[2]
         out = torch.empty_like(q)
         group = num_heads // num_kv_heads
         common = dict(D=head_dim, D_PAD=_pow2(head_dim, 16), BS=self.block_size, BLOCK=BLOCK_N,

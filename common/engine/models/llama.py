@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) on a paged KV cache.
 
-Module names mirror Hugging Face's, so a checkpoint's state dict loads without a rename table.
-embed → N × (norm, attention, norm, MLP) → norm → lm head.
+Module names mirror Hugging Face's, except two fused projections: `qkv_proj` (q ‖ k ‖ v rows, one GEMM)
+and `gate_up_proj` (gate ‖ up rows); the loader concatenates the checkpoint's tensors into them.
+embed → N × (norm, attention, norm, MLP) → norm → lm head, with each residual add fused into the next norm.
+On CUDA the norms, SiLU-and-mul and RoPE run as Triton kernels (common/engine/kernels); elsewhere in torch.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.engine.attention import TorchAttentionMetadata, TorchPagedAttention
+from common.engine.kernels import add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
 from common.errors import InvalidConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -22,11 +25,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual: (norm(x + residual), x + residual), the add fused into the norm."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,11 +49,22 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = float(scaling)
+        self.max_positions = int(config.max_position_embeddings)
+        self._caches: dict[torch.dtype, torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def cos_sin_cache(self, dtype: torch.dtype) -> torch.Tensor:
+        """[max_positions, head_dim]: cos of the first half-frequencies ‖ their sin, the values forward() gives.
+        Built once (outside any CUDA-graph capture: the warm-up forward builds it)."""
+        if dtype not in self._caches:
+            cos, sin = self.forward(torch.arange(self.max_positions, device=self.inv_freq.device), dtype)
+            half = cos.shape[-1] // 2
+            self._caches[dtype] = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).contiguous()
+        return self._caches[dtype]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -80,9 +94,8 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.window = window
         qkv_bias, o_bias = _attention_biases(config)
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, config.hidden_size, bias=o_bias)
         if config.model_type == "qwen3":  # per-head RMSNorm on q and k, before RoPE
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -90,13 +103,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend: TorchPagedAttention) -> torch.Tensor:
+    def forward(self, x, positions: torch.Tensor, rope, kv_cache, meta, backend: TorchPagedAttention) -> torch.Tensor:
+        """rope: (cos, sin) [T, D] for a backend that stores K/V itself; else the rotary cos_sin_cache
+        [max_positions, D], and one kernel applies q/k norms and RoPE while it writes K and V into the cache."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if getattr(backend, "fused_rope_store", False):
+            q = rope_store_kv(qkv, positions, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+                              self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
+            out = backend.attend(q, kv_cache, meta, self.scale, self.window)
+            return self.o_proj(out.reshape(T, -1))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(T, -1))
@@ -106,12 +129,11 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -122,9 +144,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the caller's next norm adds the two."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -173,10 +201,15 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces the token embeddings (images spliced in)
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        rotary = self.model.rotary_emb
+        if getattr(backend, "fused_rope_store", False):
+            rope = rotary.cos_sin_cache(x.dtype)
+        else:
+            rope = rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta, backend)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -14,6 +14,11 @@ from common.errors import InvalidConfig
 
 # Checkpoint entries that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Our fused projections and the checkpoint's projections whose rows they hold, in order (weights and biases).
+FUSED_PROJECTIONS = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
 
 
 def load_config(model_dir: str | Path) -> PretrainedConfig:
@@ -38,6 +43,22 @@ def load_state(model_dir: str | Path, device: torch.device | str) -> dict[str, t
     return state
 
 
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's q/k/v and gate/up tensors of every layer concatenated into our fused ones (others kept)."""
+    out = dict(state)
+    for key in state:
+        for fused, parts in FUSED_PROJECTIONS:
+            prefix, dot, param = key.rpartition(".")
+            if not prefix.endswith("." + parts[0]):
+                continue
+            layer = prefix.removesuffix(parts[0])
+            names = [f"{layer}{part}.{param}" for part in parts]
+            if not all(n in out for n in names):
+                continue  # an incomplete set: left for the strict key check to report
+            out[f"{layer}{fused}.{param}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Our language model and its config (a vision-language checkpoint's text half; the vision half is llava.py's)."""
     model_dir = Path(model_dir)
@@ -48,7 +69,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     state = load_state(model_dir, device)
     if is_vision_language(full_config):
         state = language_state(state)
-    state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    state = fuse_projections({k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)})
     tied = getattr(config, "tie_word_embeddings", False)
     if tied:
         state.pop("lm_head.weight", None)

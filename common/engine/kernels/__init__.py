@@ -1,0 +1,60 @@
+"""Fused kernels of the decoder layer: Triton on CUDA, the torch reference (reference.py) everywhere else.
+
+- `rms_norm`, `add_rms_norm`: RMSNorm, with the residual add fused in (one pass over the row);
+- `silu_and_mul`: the MLP's activation over the fused gate ‖ up output;
+- `rope_store_kv`: per-head q/k norms (Qwen3), RoPE, and the K/V cache write in one kernel.
+A Triton kernel is used only for CUDA tensors with triton installed, so the CPU path never imports it.
+"""
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+
+import torch
+from torch import nn
+
+from common.engine.kernels import reference
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@cache
+def _triton():
+    from common.engine.kernels import triton_ops
+
+    return triton_ops
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda and _HAS_TRITON
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _on_gpu(x):
+        return _triton().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if _on_gpu(x):
+        return _triton().add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _on_gpu(x):
+        return _triton().silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
+    """q [T, Hq, D] after norm + RoPE; K (normed, roped) and V written at `slots` of the caches [N, bs, Hkv, D].
+    q_norm / k_norm: the RMSNorm modules of Qwen3 (weight [D], eps), or None."""
+    norms = tuple(None if m is None else (m.weight, m.eps) for m in (q_norm, k_norm))
+    impl = _triton() if _on_gpu(qkv) else reference
+    return impl.rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim,
+                              *norms)
