@@ -11,20 +11,21 @@ from common import channels, tls
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import DEFAULT_PORT
+from services.sampling_flags import add_sampling_args, sampling_from_args
 
 DEFAULT_ROUTER = os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}")
 
 
 def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    sampling = sampling_from_args(args)
     request = generation_pb2.GenerateRequest(
         model=args.model,
-        sampling=common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature),
+        sampling=common_pb2.SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                           top_p=sampling.top_p, repetition_penalty=sampling.repetition_penalty),
         stop=common_pb2.StopConditions(stop=args.stop),
     )
-    if args.top_p is not None:
-        request.sampling.top_p = args.top_p
-    if args.seed is not None:
-        request.sampling.seed = args.seed
+    if sampling.seed is not None:
+        request.sampling.seed = sampling.seed
     if args.raw:
         request.prompt = args.prompt
     else:
@@ -42,20 +43,22 @@ def _summary(finished: common_pb2.Finished) -> str:
             f"ttft {usage.ttft_ms:.0f} ms, {usage.e2e_ms / 1000:.2f} s, {rate:.1f} tokens/s]")
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg generate", description=__doc__)
     parser.add_argument("prompt")
     parser.add_argument("--router", default=DEFAULT_ROUTER, help="host:port of the router (env DISAGG_ROUTER)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--system", default=None, help="a system message (chat only)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--model", default="", help="model name (default: the router's)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    add_sampling_args(parser)
     tls.add_tls_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     try:
         tls.configure(tls.tls_from_args(args))

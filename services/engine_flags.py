@@ -1,4 +1,5 @@
-"""Engine flags shared by every process that runs an engine (run, prefill, decode)."""
+"""Engine flags shared by every process that runs an engine (run, prefill, decode, and `disagg up`,
+which passes them on to its workers)."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,12 @@ import os
 
 from common.engine.config import EngineConfig
 from common.engine.default_model import resolve_model
+
+# (flag, attribute) of every valued engine flag, in the order `engine_argv` writes them.
+_VALUED = (("--model", "model"), ("--dtype", "dtype"), ("--device", "device"), ("--block-size", "block_size"),
+           ("--num-kv-blocks", "num_kv_blocks"), ("--gpu-memory-utilization", "gpu_memory_utilization"),
+           ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
+           ("--max-model-len", "max_model_len"), ("--max-waiting", "max_waiting"), ("--session-ttl", "session_ttl"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +23,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["float32", "float16", "bfloat16"])
     g.add_argument("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"))
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=int(os.environ.get("DISAGG_NUM_KV_BLOCKS", 1024)))
+    g.add_argument("--num-kv-blocks", type=int, default=int(os.environ.get("DISAGG_NUM_KV_BLOCKS", 1024)),
+                   help="KV cache blocks (ignored with --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA only: size the KV cache to fill this fraction of the GPU's memory after the weights "
+                        "are loaded (e.g. 0.9), instead of --num-kv-blocks")
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -29,8 +40,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        session_ttl_s=args.session_ttl,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+        enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl,
     )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags as a command line, so that a child process gets the same engine settings."""
+    out: list[str] = []
+    for flag, name in _VALUED:
+        value = getattr(args, name)
+        if value is not None:
+            out += [flag, str(value)]
+    return out + (["--no-prefix-caching"] if args.no_prefix_caching else [])

@@ -7,25 +7,34 @@ import time
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
+from common.errors import InvalidConfig
 from services.engine_flags import add_engine_args, engine_config_from_args
+from services.sampling_flags import add_sampling_args, sampling_from_args
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    s = sampling_from_args(args)
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, repetition_penalty=s.repetition_penalty,
+                          max_tokens=s.max_tokens, seed=s.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg run", description=__doc__)
     parser.add_argument("prompt")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    add_sampling_args(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    engine = LLMEngine(engine_config_from_args(args))
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
+        print(f"disagg run: {exc}", file=sys.stderr)
+        return 2
     if engine.tokenizer is None:
         parser.error(f"{engine.config.model} has no tokenizer; `disagg run` needs text")
     tok = engine.tokenizer
     prompt = tok.encode(args.prompt) if args.raw else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    engine.add_request("run", prompt, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                                     seed=args.seed))
+    engine.add_request("run", prompt, sampling_params(args))
     start, count = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,116 +1,51 @@
 """`disagg up`: router + prefill + decode workers on this machine, as child processes, until Ctrl-C.
 
 Workers bind free ports; the router binds --router-port (50051, what `disagg generate` expects).
-Each child's log lines are echoed with its name; if one exits, or on Ctrl-C / SIGTERM, all of
-them are stopped (SIGTERM, then SIGKILL after a grace period).
+Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-memory-utilization,
+--max-num-seqs, ...) go to every worker. Each child's log lines are echoed with its name; a child
+that dies is restarted on its port with a back-off, so the cluster keeps serving. Ctrl-C or SIGTERM
+stops them all (SIGTERM, then SIGKILL after a grace period).
 """
 from __future__ import annotations
 
 import argparse
-import collections
-import re
+import errno
 import signal
-import subprocess
+import socket
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from common import channels, tls
-from services.router.config import DEFAULT_PORT
-
-_READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)")
-_STOP_GRACE_S = 15.0
+from common import tls
+from common.errors import InvalidConfig
+from services.engine_flags import add_engine_args, engine_argv, engine_config_from_args
+from services.router.config import DEFAULT_PORT, POLICY_NAMES
+from services.supervise import Child, log, stop_all, wait_ready
 
 
-@dataclass
-class Child:
-    """One service process; a thread echoes its output and notes the address it announces."""
-
-    name: str
-    process: subprocess.Popen
-    echo: bool = True
-    address: str | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
-
-    @classmethod
-    def start(cls, name: str, module: str, args: list[str], echo: bool = True) -> "Child":
-        process = subprocess.Popen([sys.executable, "-u", "-m", module, *args], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        child = cls(name, process, echo)
-        threading.Thread(target=child._pump, name=f"{name}-output", daemon=True).start()
-        return child
-
-    def _pump(self) -> None:
-        for line in self.process.stdout:
-            self.tail.append(line)
-            match = _READY_LINE.search(line)
-            if match and not self.ready.is_set():
-                self.address = match.group(2)
-                self.ready.set()
-            elif self.echo:
-                sys.stderr.write(f"[{self.name}] {line}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-
-def wait_ready(children: list[Child], timeout_s: float) -> None:
-    """Until every child announced its address and answers health SERVING; RuntimeError if one dies."""
-    deadline = time.monotonic() + timeout_s
-    for child in children:
-        while not child.ready.wait(0.1):
-            if child.process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with code {child.process.returncode}:\n"
-                                   + "".join(child.tail))
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{child.name} did not start within {timeout_s:.0f}s:\n" + "".join(child.tail))
-        _check_health(child, deadline)
-
-
-def _check_health(child: Child, deadline: float) -> None:
-    with channels.sync_channel(child.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{child.name} at {child.address} is not SERVING")
-            time.sleep(0.1)
-
-
-def stop_all(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None:
-    for child in children:
-        child.stop()
-    deadline = time.monotonic() + grace_s
-    for child in children:
+def check_port_free(host: str, port: int) -> str | None:
+    """None if host:port can be bound now, else a one-line reason naming --router-port."""
+    if port == 0:
+        return None
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         try:
-            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-            child.process.wait()
-
-
-def _engine_args(args: argparse.Namespace) -> list[str]:
-    out = ["--host", args.host, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-           "--log-level", args.log_level]
-    if args.num_kv_blocks is not None:
-        out += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    return out
+            sock.bind((host, port))
+        except OSError as exc:
+            what = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            return f"{host}:{port} {what}; choose another port with --router-port (0 picks a free one)"
+    return None
 
 
 def start_cluster(args: argparse.Namespace) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
-    workers = [Child.start(f"{role}-{i}", f"services.{role}", _engine_args(args))
+    worker_args = ["--host", args.host, "--log-level", args.log_level, *engine_argv(args)]
+    workers = [Child.start(f"{role}-{i}", f"services.{role}", worker_args)
                for role, count in (("prefill", args.prefill), ("decode", args.decode)) for i in range(count)]
     children = list(workers)
     try:
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        router_args = ["--host", args.host, "--port", str(args.router_port), "--model", args.model,
+        router_args = ["--host", args.host, "--port", str(args.router_port), "--model", args.model or "default",
                        "--decode-workers", addresses["decode"], "--policy", args.policy,
                        "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens), "--log-level", args.log_level]
         if addresses["prefill"]:
@@ -123,16 +58,19 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
     return children
 
 
-def _banner(router: str) -> str:
+def _banner(children: list[Child]) -> str:
+    router = children[0].address
+    workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)" for c in children[1:])
     return f"""
 disagg is up: router on {router}
+{workers}
 
   disagg generate "Tell me about the sea" --router {router}
   grpcurl -plaintext {router} list
   grpcurl -plaintext -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate
 
-Ctrl-C stops everything.
+A process that dies is restarted. Ctrl-C stops everything.
 """
 
 
@@ -140,40 +78,58 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops everything the way Ctrl-C does
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="disagg up", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="model directory or 'default' (SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--router-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated on decode)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--policy", default="round_robin", choices=["round_robin", "least_loaded"])
+    parser.add_argument("--policy", default="round_robin", choices=POLICY_NAMES)
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each process may take to start")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.decode < 1 or args.prefill < 0:
         parser.error("--decode must be >= 1 and --prefill >= 0")
-    tls.configure(tls.tls_from_args(argparse.Namespace()))  # DISAGG_TLS_*, which the children inherit too
+    return args
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """What would stop the cluster, found before any process loads a model: one line, or None."""
+    busy = check_port_free(args.host, args.router_port)
+    if busy:
+        return busy
+    try:
+        engine_config_from_args(args)  # the model resolves (the default one is converted once, here) and flags hold
+        tls.configure(tls.tls_from_args(argparse.Namespace()))  # DISAGG_TLS_*, which the children inherit too
+    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
+        return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    problem = preflight(args)
+    if problem:
+        log(problem)
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)
     children: list[Child] = []
     try:
         children = start_cluster(args)
-        print(_banner(children[0].address), flush=True)
-        while all(c.process.poll() is None for c in children):
+        print(_banner(children), flush=True)
+        while True:
+            now = time.monotonic()
+            for child in children:
+                child.supervise(now)
             time.sleep(0.2)
-        dead = next(c for c in children if c.process.poll() is not None)
-        print(f"{dead.name} exited with code {dead.process.returncode}; stopping the others", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\nstopping...", file=sys.stderr)
         return 0
     except RuntimeError as exc:
-        print(f"disagg up failed: {exc}", file=sys.stderr)
+        log(f"failed: {exc}")
         return 1
     finally:
         stop_all(children)

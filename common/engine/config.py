@@ -19,6 +19,8 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int = 1024
+    gpu_memory_utilization: float | None = None
+    """CUDA only: size the KV cache from free GPU memory after loading the weights (replaces num_kv_blocks)."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -41,6 +43,11 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
             (self.session_ttl_s > 0, f"session_ttl_s must be > 0, got {self.session_ttl_s}"),
             (self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}"),
+            (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
+             f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
+             "(use --num-kv-blocks there)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -63,3 +70,29 @@ def resolve_max_model_len(config: EngineConfig, model_max_positions: int) -> int
             f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max_positions}"
         )
     return config.max_model_len
+
+
+def kv_blocks_for_memory(utilization: float, free_bytes: int, total_bytes: int, block_bytes: int,
+                         reserve_bytes: int) -> int:
+    """KV blocks that fit in `utilization` of the device once what is already used (the weights) and a
+    reserve for one step's activations are taken out; InvalidConfig if not even one fits."""
+    budget = int(total_bytes * utilization) - (total_bytes - free_bytes) - reserve_bytes
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise InvalidConfig(
+            f"--gpu-memory-utilization {utilization}: {total_bytes - free_bytes} of {total_bytes} bytes are used "
+            f"after loading the weights and a step needs ~{reserve_bytes} more, which leaves no room for a KV "
+            f"block of {block_bytes} bytes; raise it or use a smaller --max-num-batched-tokens")
+    return blocks
+
+
+def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int) -> int:
+    """--num-kv-blocks, or with --gpu-memory-utilization what fits in the GPU once the weights are loaded
+    (call it after loading them), less a reserve for one step: its MLP activations and its logits."""
+    if config.gpu_memory_utilization is None:
+        return config.num_kv_blocks
+    free, total = torch.cuda.mem_get_info(torch.device(config.device))
+    text = getattr(hf_config, "text_config", None) or hf_config
+    reserve = (config.max_num_batched_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
+               * config.torch_dtype.itemsize + config.max_num_seqs * text.vocab_size * 4)
+    return kv_blocks_for_memory(config.gpu_memory_utilization, free, total, block_bytes, reserve)

@@ -51,7 +51,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.model, hf)
         self.image_token_id = image_token_id(load_config(config.model))
         self.tokenizer = load_tokenizer(config.model)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
         self.block_manager.events = self.kv_events

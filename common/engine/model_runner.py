@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.attention import BatchLayout, make_attention_backend
-from common.engine.config import EngineConfig, resolve_max_model_len
+from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
 from common.engine.models.llama import head_dim_of, sliding_windows
 from common.engine.models.loader import load_model
 from common.engine.request import Request, TokenLogprob
@@ -23,8 +23,10 @@ class ModelRunner:
         self.num_layers = c.num_hidden_layers
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = head_dim_of(c)
+        block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
         self.kv_cache = torch.zeros(
-            (self.num_layers, 2, config.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim),
+            (self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim),
             dtype=self.dtype, device=self.device,
         )
         self.attention = make_attention_backend(self.block_size, set(sliding_windows(c)), self.device)

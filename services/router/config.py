@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from common.discovery import Role, StaticDiscovery
 from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
-from services.router.policies import POLICIES
 
 DEFAULT_PORT = 50051
+# The names services.router.policies implements; spelled out here so that clients and `disagg up`, which
+# import this module, load no torch (a unit test keeps the two in step).
+POLICY_NAMES = ("round_robin", "least_loaded", "kv_aware")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}"),
-            (self.policy in POLICIES, f"--policy must be one of {sorted(POLICIES)}, got {self.policy!r}"),
+            (self.policy in POLICY_NAMES, f"--policy must be one of {list(POLICY_NAMES)}, got {self.policy!r}"),
             (self.min_remote_prefill_tokens >= 0,
              f"--min-remote-prefill-tokens must be >= 0, got {self.min_remote_prefill_tokens}"),
             (self.max_local_prefill_tokens >= 0,
@@ -75,7 +77,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="host:port,... of decode workers (env DISAGG_DECODE_WORKERS)")
     parser.add_argument("--encode-workers", default=None,
                         help="host:port,... of encode workers, for requests with images (env DISAGG_ENCODE_WORKERS)")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="round_robin")
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="round_robin")
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
                         help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
     parser.add_argument("--max-local-prefill-tokens", type=int, default=0,

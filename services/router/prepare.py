@@ -97,6 +97,12 @@ class RequestPreparer:
         if len(prompt) >= model.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {model.max_model_len} "
                                  "tokens, which must also hold at least one generated token")
+        room = model.max_model_len - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            # Refused up front (as vLLM and OpenAI do) rather than capped: an unreachable max_tokens is a
+            # client mistake, and on a long context it would run until the client's deadline.
+            raise InvalidRequest(f"max_tokens={params.max_tokens} with a {len(prompt)}-token prompt exceeds the "
+                                 f"model's context of {model.max_model_len} tokens; ask for at most {room}")
         return PreparedRequest(request_id=request_id, worker_request_id=f"{request_id}-{secrets.token_hex(4)}",
                                prompt=prompt, max_model_len=model.max_model_len, params=params,
                                sampling=request.sampling, stop=request.stop, output=request.output,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Coroutine, Iterator
 
@@ -11,6 +12,7 @@ import grpc
 
 from common import channels
 from common.discovery import Discovery, Role
+from common.errors import Unavailable
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.router.prepare import ServedModel
 from services.serving import channel_options
@@ -37,6 +39,9 @@ class WorkerClient:
     inflight: int = 0
     # Uncached prompt tokens this router has sent the worker to prefill, not answered yet (kv_aware's load).
     pending_prefill_tokens: int = 0
+    # Since when (wall clock) the worker has not been usable, and why: for the error a client gets.
+    down_since: float = field(default_factory=time.time)
+    down_reason: str = "has not answered GetInfo yet"
     worker: worker_pb2_grpc.WorkerStub = field(init=False)
     prefiller: worker_pb2_grpc.PrefillerStub = field(init=False)
     decoder: worker_pb2_grpc.DecoderStub = field(init=False)
@@ -100,13 +105,23 @@ class WorkerPool:
     def settled(self) -> bool:
         return not self._pending
 
-    def model(self) -> ServedModel | None:
-        """Name and context length as the ready workers announce them (the smallest context wins)."""
+    def model(self) -> ServedModel:
+        """Name and context length as the ready workers announce them (the smallest context wins);
+        Unavailable, naming each decode worker that is down and since when, while none is ready."""
         decoders = self.ready(Role.DECODE)
         if not decoders:
-            return None
+            raise Unavailable(f"no decode worker is ready; the router cannot serve yet: {self._describe_down(Role.DECODE)}")
         infos = [c.info for role in (Role.PREFILL, Role.DECODE) for c in self.ready(role) if c.info is not None]
         return ServedModel(name=decoders[0].info.model, max_model_len=min(i.max_model_len for i in infos))
+
+    def _describe_down(self, role: Role) -> str:
+        clients = list(self._clients[role].values())
+        if not clients:
+            return f"discovery lists no {role.value} worker"
+        now = time.time()
+        return "; ".join(f"{role.value} worker {c.endpoint} {c.down_reason} since "
+                         f"{time.strftime('%H:%M:%S', time.localtime(c.down_since))} ({now - c.down_since:.0f}s ago)"
+                         for c in clients)
 
     def tensor_store(self, endpoint: str) -> worker_pb2_grpc.TensorStoreStub:
         if endpoint not in self._stores:
@@ -116,6 +131,7 @@ class WorkerPool:
     def mark_down(self, client: WorkerClient, reason: str) -> None:
         if client.healthy:
             client.healthy = False
+            client.down_since, client.down_reason = time.time(), f"is down ({reason})"
             log.warning("%s worker %s is down (%s); probing it until it answers", client.role.value,
                         client.endpoint, reason)
             self.spawn(self._contact(client))

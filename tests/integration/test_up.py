@@ -72,7 +72,7 @@ def test_up_then_generate_streams_the_hf_answer(text_model):
         router = up.wait()
         children = _child_pids(up.popen.pid)
         assert len(children) == 3, "".join(up.lines)  # router, prefill, decode
-        result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--raw",
+        result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--raw", "--greedy",
                                  "--max-tokens", "10", "The sea is"], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0, result.stderr

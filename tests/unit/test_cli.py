@@ -1,0 +1,105 @@
+"""The `disagg` commands as a new user meets them: readable default sampling with greedy one flag away,
+a client that loads no torch, engine flags `disagg up` passes on, and one-line errors before any model loads."""
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services import client, run_local
+from services.engine_flags import add_engine_args, engine_argv
+from services.router.config import POLICY_NAMES
+from services.router.policies import POLICIES
+from services.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
+                                     add_sampling_args)
+from services.up import parse_args
+from tests.integration.processes import REPO_ROOT
+
+
+def _generate_request(*flags: str):
+    return client.build_request(client.make_parser().parse_args(["hi", *flags]))
+
+
+def test_generate_defaults_to_the_models_recommended_sampling():
+    sampling = _generate_request().sampling
+    assert (sampling.temperature, sampling.top_p, sampling.repetition_penalty, sampling.max_tokens) == pytest.approx(
+        (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_REPETITION_PENALTY, 128))
+    assert DEFAULT_TEMPERATURE > 0 and DEFAULT_REPETITION_PENALTY > 1
+
+
+@pytest.mark.parametrize("flags", [("--greedy",), ("--temperature", "0")])
+def test_greedy_is_one_flag_away_and_drops_the_penalty(flags):
+    sampling = _generate_request(*flags).sampling
+    assert sampling.HasField("temperature") and sampling.temperature == 0
+    assert (sampling.top_p, sampling.repetition_penalty) == (1.0, 1.0)
+
+
+def test_explicit_sampling_flags_win_over_the_defaults():
+    sampling = _generate_request("--temperature", "0.7", "--repetition-penalty", "1.0", "--seed", "3").sampling
+    assert (sampling.temperature, sampling.top_p, sampling.repetition_penalty, sampling.seed) == pytest.approx(
+        (0.7, DEFAULT_TOP_P, 1.0, 3))
+
+
+def test_run_applies_the_same_defaults_to_the_engine():
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    params = run_local.sampling_params(parser.parse_args([]))
+    assert (params.temperature, params.top_p, params.repetition_penalty) == pytest.approx(
+        (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_REPETITION_PENALTY))
+    assert run_local.sampling_params(parser.parse_args(["--greedy"])).greedy
+
+
+def test_generate_help_imports_no_torch():
+    script = ("import sys\nfrom services.cli import main\ntry:\n    main(['generate', '--help'])\n"
+              "except SystemExit:\n    pass\n"
+              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+              "print('HEAVY', len(heavy), heavy[:3])")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert "--greedy" in result.stdout and "HEAVY 0 []" in result.stdout, result.stdout + result.stderr
+
+
+def test_router_policy_names_are_the_implemented_policies():
+    assert set(POLICY_NAMES) == set(POLICIES)
+
+
+def test_up_takes_kv_aware_and_the_workers_engine_flags():
+    args = parse_args(["--policy", "kv_aware", "--max-num-seqs", "4", "--block-size", "8", "--no-prefix-caching",
+                       "--max-num-batched-tokens", "256", "--model", "/m"])
+    assert args.policy == "kv_aware"
+    forwarded = engine_argv(args)
+    worker = argparse.ArgumentParser()
+    add_engine_args(worker)
+    again = worker.parse_args(forwarded)
+    assert (again.max_num_seqs, again.block_size, again.max_num_batched_tokens, again.model) == (4, 8, 256, "/m")
+    assert again.no_prefix_caching and engine_argv(again) == forwarded
+
+
+def _up(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services", "up", *flags], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_up_refuses_a_busy_router_port_in_one_line_before_starting_anything():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        result = _up("--router-port", str(port), "--model", "/does/not/matter")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"127.0.0.1:{port} is already in use" in result.stderr and "--router-port" in result.stderr
+    assert time.monotonic() - started < 60  # no model was loaded
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--model", "/does/not/exist"), "unknown model '/does/not/exist'"),
+    (("--gpu-memory-utilization", "0.9", "--device", "cpu"), "--gpu-memory-utilization sizes the KV cache on a CUDA"),
+])
+def test_up_reports_a_bad_setting_in_one_line(flags, message):
+    result = _up("--router-port", "0", *flags)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert "usage:" not in result.stderr
