@@ -136,10 +136,12 @@ class PrefillPlacement:
         return prefill if remote else None
 
     def _uncached(self, worker: WorkerClient, prompt: list[int]) -> int:
+        """Prompt tokens the worker would compute: beyond what its KV events say it caches (kv_aware)."""
         if self._kv is None:
             return len(prompt)
         self._kv.index.follow(worker)
-        return len(prompt) - self._kv.cached_tokens(worker, prompt)
+        # at least one: a fully cached prompt still computes its last token to sample the first output
+        return max(len(prompt) - self._kv.cached_tokens(worker, prompt), 1)
 
     def _record(self, remote: bool, reason: str, demand: Demand) -> None:
         where = "remote" if remote else "local"

@@ -5,13 +5,17 @@ import grpc
 import pytest
 
 from common.discovery import Role
+from common.engine.block_manager import hash_blocks
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2
 from common.telemetry.metrics import Metrics
+from services.convert import kv_event_to_proto
+from services.router.config import RouterConfig
 from services.router.disagg_decision import (
     LOCAL_REASONS, REMOTE_REASONS, DecodeLoad, Demand, DisaggConfig, PrefillPlacement, PrefillQueue, decide,
 )
-from services.router.config import RouterConfig
+from services.router.kv_index import KvIndex
+from services.router.policies import KvAware
 from services.router.workers import WorkerClient
 
 CONFIG = DisaggConfig(min_remote_prefill_tokens=16, max_local_prefill_tokens=64, max_prefill_queue_tokens=1000)
@@ -94,6 +98,10 @@ class _FakeWorkerStub:
             raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, None, None, "stopped")
         return self.load
 
+    async def SubscribeKvEvents(self, request):  # a live stream with nothing new: the test fills the index
+        await asyncio.Event().wait()
+        yield
+
 
 def _worker(role: Role, endpoint: str, load: worker_pb2.Load | None) -> WorkerClient:
     info = worker_pb2.WorkerInfo(block_size=4, limits=worker_pb2.WorkerLimits(max_num_seqs=8))
@@ -135,6 +143,48 @@ def test_placement_counts_the_router_queue_and_asks_load_only_when_it_matters():
     assert asyncio.run(run()) == [False, True, False, True]
     assert _decisions(metrics) == {("local", "short_uncached"): 1, ("remote", "long_uncached"): 1,
                                    ("local", "prefill_queue_full"): 1, ("remote", "decode_busy"): 1}
+
+
+def test_under_kv_aware_the_decode_workers_cached_prefix_is_not_counted_as_uncached():
+    kv = KvAware(KvIndex())
+    placement = PrefillPlacement(DisaggConfig(max_local_prefill_tokens=8), kv)
+    prompt = list(range(100, 140))  # 10 blocks of 4
+
+    async def run() -> list[bool]:
+        decode = _worker(Role.DECODE, "d:1", worker_pb2.Load())
+        prefill = _worker(Role.PREFILL, "p:1", worker_pb2.Load())
+
+        async def remote(tokens: list[int]) -> bool:
+            async def pick() -> WorkerClient:
+                return prefill
+
+            return await placement.place(tokens, decode, pick) is prefill
+
+        placed = [await remote(prompt)]  # nothing cached on decode: 40 uncached tokens
+        kv.index.apply("d:1", kv_event_to_proto(1, ("stored", hash_blocks(prompt[:32], 4), None, 32), "d"))
+        placed.append(await remote(prompt))  # 8 uncached: local
+        placed.append(await remote(prompt[:32] + list(range(300, 309))))  # 9 uncached: remote
+        return placed
+
+    assert asyncio.run(run()) == [True, False, True]
+
+
+def test_a_fully_cached_prompt_still_counts_its_last_token_so_the_defaults_stay_remote():
+    kv = KvAware(KvIndex())
+    placement = PrefillPlacement(DisaggConfig(), kv)
+    prompt = list(range(100, 116))
+
+    async def run() -> bool:
+        decode = _worker(Role.DECODE, "d:1", worker_pb2.Load())
+        prefill = _worker(Role.PREFILL, "p:1", worker_pb2.Load())
+        kv.index.apply("d:1", kv_event_to_proto(1, ("stored", hash_blocks(prompt, 4), None, 16), "d"))
+
+        async def pick() -> WorkerClient:
+            return prefill
+
+        return await placement.place(prompt, decode, pick) is prefill
+
+    assert asyncio.run(run())
 
 
 def test_every_reason_is_a_known_label_value():
