@@ -13,12 +13,17 @@ import grpc
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.engine import LLMEngine
 from common.errors import InvalidRequest, NotFound
-from common.kv import shm
-from common.kv.chunks import chunk_size, chunk_tensor, tensor_to_bytes
+from common.kv import gather, shm
+from common.kv.backends import BackendUnavailable
+from common.kv.chunks import chunk_size, encoded_chunks, tensor_to_bytes
+from common.kv.layout import KvLayout
+from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import HEADER_ROOM, kv_header
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.telemetry.metrics import Metrics
 from services.serving import abort_with
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["TensorStore"].full_name
 
 
 class TensorSource(Protocol):
@@ -35,14 +40,24 @@ class TensorSource(Protocol):
 
 
 class KvSessionSource:
-    """Exported KV sessions of the engine; every access runs on the engine thread."""
+    """Exported KV sessions of the engine. The engine thread only leases a session (its blocks stay
+    pinned through a release or the TTL until the lease ends); the gather runs on a side stream into
+    pinned host memory, off the engine thread, which keeps stepping other requests meanwhile."""
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: AsyncLLMEngine, layout: KvLayout, exporter: KvCacheExporter | None = None):
         self.engine = engine
+        self.layout = layout
+        self.exporter = exporter  # the cache and its shares; None on workers that export nothing
 
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
-        layout, ids, blocks = await self.engine.call(lambda e: _export(e, handle, list(block_ids)))
-        return kv_header(layout, ids, blocks), tensor_to_bytes(blocks)
+        if self.exporter is None:
+            raise NotFound(f"this worker exports no KV sessions (no {handle})")
+        ids = await self.engine.call(lambda e: e.lease_session(handle, list(block_ids)))
+        try:
+            blocks = await gather.gather_to_host(self.exporter.kv_cache, ids)
+        finally:  # shielded: a cancelled pull must still end its lease
+            await asyncio.shield(self.engine.call(lambda e: e.end_lease(handle)))
+        return kv_header(self.layout, ids, blocks), tensor_to_bytes(blocks)
 
     async def release(self, handle: str) -> bool:
         return await self.engine.call(lambda e: _release(e, handle))
@@ -50,15 +65,10 @@ class KvSessionSource:
     async def stored(self) -> tuple[int, int]:
         return await self.engine.call(_stored)
 
-
-def _export(engine: LLMEngine, handle: str, wanted: list[int]):
-    session = engine.sessions.get(handle)
-    if not wanted:
-        return engine.kv_layout, session.block_ids, engine.export_session(handle).blocks
-    foreign = sorted(set(wanted) - set(session.block_ids))
-    if foreign:
-        raise InvalidRequest(f"block ids {foreign[:8]} are not in KV session {handle}")
-    return engine.kv_layout, wanted, engine.runner.export_blocks(wanted)
+    def share(self, backend: int) -> worker_pb2.KvCacheShare:
+        if self.exporter is None:
+            raise BackendUnavailable("this worker exports no KV cache")
+        return self.exporter.share(backend)
 
 
 def _release(engine: LLMEngine, handle: str) -> bool:
@@ -82,6 +92,26 @@ class TensorHolder(Protocol):
     metrics: Metrics | None
 
 
+def _serialize(message: bytes | worker_pb2.TensorChunk) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_tensor_store(servicer: "TensorStoreServicer", server: grpc.aio.Server) -> None:
+    """add_TensorStoreServicer_to_server, but Pull may yield chunks serialized already (encoded_chunks)."""
+    handlers = {
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=worker_pb2.PullRequest.FromString, response_serializer=_serialize),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release, request_deserializer=worker_pb2.ReleaseRequest.FromString,
+            response_serializer=worker_pb2.ReleaseResponse.SerializeToString),
+        "OpenKvCache": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenKvCache, request_deserializer=worker_pb2.OpenKvCacheRequest.FromString,
+            response_serializer=worker_pb2.KvCacheShare.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
     def __init__(self, holder: TensorHolder):
         self.holder = holder
@@ -100,7 +130,7 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
         if request.shm_path:
             yield worker_pb2.TensorChunk(offset=0, total_bytes=len(data), header=header)
         else:
-            for chunk in chunk_tensor(header, data, size):
+            for chunk in encoded_chunks(header, data, size):  # serialized already: one copy of the data
                 yield chunk
         if self.holder.metrics is not None and header.kind == worker_pb2.TENSOR_KIND_KV_CACHE:
             self.holder.metrics.get("disagg_kv_sessions_pulled_total").inc()
@@ -109,6 +139,16 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
         source = await self._source(context)
         return worker_pb2.ReleaseResponse(released=await source.release(request.handle))
+
+    async def OpenKvCache(self, request: worker_pb2.OpenKvCacheRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.KvCacheShare:
+        source = await self._source(context)
+        try:
+            if not isinstance(source, KvSessionSource):
+                raise BackendUnavailable("this worker's TensorStore holds embeddings, not a KV cache")
+            return await asyncio.to_thread(source.share, request.backend)
+        except Exception as exc:
+            await abort_with(context, exc)
 
     async def _source(self, context: grpc.aio.ServicerContext) -> TensorSource:
         if self.holder.tensor_source is None:

@@ -27,7 +27,9 @@ from common.engine.default_model import model_label
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, InvalidConfig, Unavailable
+from common.kv.backends import BACKENDS, PREFERENCE, parse_backends
 from common.kv.layout import KvLayout
+from common.kv.sharing import KvCacheExporter
 from common.telemetry.metrics import Metrics, observe_engine_load
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
@@ -59,6 +61,8 @@ class WorkerState:
     metrics: Metrics | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    kv_transfer_backends: tuple[str, ...] = PREFERENCE  # offered (prefill) or accepted (decode)
+    kv_exporter: KvCacheExporter | None = None  # prefill: the cache shared with importers
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property
@@ -100,8 +104,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             head_dim=layout.head_dim, dtype=layout.dtype, max_model_len=max_model_len,
             limits=_limits(config, self.state.max_message_bytes), worker_id=self.state.worker_id,
             endpoint=self.state.endpoint, engine="torch", engine_version=_version(),
-            transfer_backends=[common_pb2.TRANSFER_BACKEND_GRPC], supports_images=supports_images,
+            transfer_backends=self._transfer_backends(), supports_images=supports_images,
         )
+
+    def _transfer_backends(self) -> list[int]:
+        exporter = self.state.kv_exporter
+        names = exporter.offered if exporter is not None else self.state.kv_transfer_backends
+        return [BACKENDS[name] for name in names]
 
     async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
         try:
@@ -179,6 +188,7 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
     setup_logging(name, args.log_level)
     try:
         config = engine_config_from_args(args)
+        args.kv_transfer_backends = parse_backends(args.kv_transfer_backends)
         configure_tls(tls_from_args(args))
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
@@ -199,6 +209,9 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--kv-transfer-backends", default=os.environ.get("DISAGG_KV_TRANSFER_BACKENDS", "auto"),
+                   help="KV transfer backends this worker offers (prefill) or accepts (decode), best first: "
+                        "'auto' or a subset of cuda_ipc,nixl,shm,grpc (grpc is always kept as the fallback)")
 
 
 def _advertised(args: argparse.Namespace, port: int) -> str:
@@ -214,7 +227,8 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    state = WorkerState(spec.role, _model_name(args), args.max_message_bytes)
+    state = WorkerState(spec.role, _model_name(args), args.max_message_bytes,
+                        kv_transfer_backends=args.kv_transfer_backends)
     obs = Observability.from_args(state.role_name, state.model_name, args)  # before the server: tracing
     state.metrics = obs.metrics
 
@@ -259,9 +273,18 @@ async def _load_engine(state: WorkerState, config: EngineConfig, stop: asyncio.E
     if not loading.done():
         return False
     engine = AsyncLLMEngine(loading.result())
-    state.kv_layout = await engine.call(lambda e: e.kv_layout)
-    state.engine, state.tensor_source = engine, KvSessionSource(engine)
+    state.kv_layout, kv_cache = await engine.call(lambda e: (e.kv_layout, e.kv_cache))
+    if state.role == worker_pb2.WORKER_ROLE_PREFILL:
+        state.kv_exporter = KvCacheExporter(kv_cache, state.kv_transfer_backends, state.worker_id)
+        state.closers.append(_closer(state.kv_exporter))
+    state.engine, state.tensor_source = engine, KvSessionSource(engine, state.kv_layout, state.kv_exporter)
     return True
+
+
+def _closer(exporter: KvCacheExporter) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        exporter.close()
+    return close
 
 
 async def _shutdown(server: Server, state: WorkerState) -> None:

@@ -57,6 +57,8 @@ class LLMEngine:
         self.block_manager.events = self.kv_events
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sessions = KvSessionTable(config.session_ttl_s)
+        # Released while an export was still reading them: freed when the last lease ends.
+        self._released_leased: dict[str, KvSession] = {}
         self.requests: dict[str, Request] = {}
         self._stop_checkers: dict[str, StopChecker] = {}
         self.num_preemptions = 0
@@ -215,8 +217,40 @@ class LLMEngine:
         session = self.sessions.get(session_id)
         return KvExport(self.kv_layout, session.num_tokens, self.runner.export_blocks(session.block_ids))
 
+    @property
+    def kv_cache(self):
+        """The whole paged cache tensor [layers, 2, blocks, block_size, kv_heads, head_dim], for the KV data plane."""
+        return self.runner.kv_cache
+
+    def lease_session(self, session_id: str, block_ids: list[int] | None = None) -> list[int]:
+        """Start an export: the session's blocks (or `block_ids`, a subset) stay pinned, also through a
+        release or the TTL, until `end_lease`; the gather itself runs off the engine thread."""
+        session = self.sessions.get(session_id)
+        if block_ids:
+            foreign = sorted(set(block_ids) - set(session.block_ids))
+            if foreign:
+                raise InvalidRequest(f"block ids {foreign[:8]} are not in KV session {session_id}")
+        session.leases += 1
+        return list(block_ids) if block_ids else list(session.block_ids)
+
+    def end_lease(self, session_id: str) -> None:
+        session = self.sessions.sessions.get(session_id) or self._released_leased.get(session_id)
+        if session is None or session.leases <= 0:
+            return
+        session.leases -= 1
+        if not session.leases and self._released_leased.pop(session_id, None) is not None:
+            self.block_manager.free_block_ids(session.block_ids)
+
     def release_session(self, session_id: str) -> None:
-        self.block_manager.free_block_ids(self.sessions.release(session_id).block_ids)
+        session = self.sessions.release(session_id)
+        if session.leases:  # an export is still reading: end_lease frees them
+            self._released_leased[session_id] = session
+        else:
+            self.block_manager.free_block_ids(session.block_ids)
+
+    @property
+    def num_leased_released(self) -> int:
+        return len(self._released_leased)
 
     def expire_sessions(self) -> int:
         expired = self.sessions.pop_expired()

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from common.errors import InvalidRequest, LayoutMismatch
 from common.pb.disagg.v1 import worker_pb2
@@ -65,6 +66,70 @@ def chunk_size(requested: int, max_message_bytes: int, header_room: int) -> int:
     return size
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits, value = value & 0x7F, value >> 7
+        out.append(bits | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+_DATA_TAG = bytes([(3 << 3) | 2])  # TensorChunk.data: field 3, length-delimited
+
+
+def encoded_chunks(header: worker_pb2.TensorHeader, data: memoryview,
+                   max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+    """The same chunks as chunk_tensor, already serialized, each built with one copy of its data
+    (protobuf would make two); sent through a serializer that passes bytes through."""
+    total = len(data)
+    for offset in range(0, max(total, 1), max_chunk_bytes):
+        piece = data[offset : offset + max_chunk_bytes]
+        fields = worker_pb2.TensorChunk(offset=offset, total_bytes=total)
+        if offset == 0:
+            fields.header.CopyFrom(header)
+        yield b"".join((fields.SerializeToString(), _DATA_TAG, _varint(len(piece)), piece))
+
+
+def _read_varint(raw: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw):
+            raise InvalidRequest("a tensor chunk ends inside a varint")
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def parse_chunk(raw: bytes) -> tuple[worker_pb2.TensorChunk, memoryview]:
+    """A serialized TensorChunk as its small fields plus a view of its data (no copy of the data)."""
+    view, pos, small, data = memoryview(raw), 0, bytearray(), memoryview(b"")
+    while pos < len(view):
+        start = pos
+        key, pos = _read_varint(view, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise InvalidRequest("a tensor chunk's field runs past the message")
+            if key >> 3 == 3:
+                data, pos = view[pos : pos + length], pos + length
+                continue
+            pos += length
+        else:
+            raise InvalidRequest(f"unexpected wire type {wire} in a tensor chunk")
+        small += view[start:pos]
+    try:
+        return worker_pb2.TensorChunk.FromString(bytes(small)), data
+    except DecodeError as exc:
+        raise InvalidRequest(f"could not parse a tensor chunk: {exc}") from None
+
+
 def chunk_tensor(header: worker_pb2.TensorHeader, data: memoryview,
                  max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[worker_pb2.TensorChunk]:
     """Chunks of at most `max_chunk_bytes`, in order; the header rides on the first (an empty tensor is one chunk)."""
@@ -78,14 +143,20 @@ def chunk_tensor(header: worker_pb2.TensorHeader, data: memoryview,
 
 
 class ChunkAssembler:
-    """Collects a Pull stream into one buffer, refusing gaps, reordering, overruns and short streams."""
+    """Collects a Pull stream into one buffer, refusing gaps, reordering, overruns and short streams.
 
-    def __init__(self) -> None:
+    The buffer is a uint8 tensor from `allocate` (pinned memory when the KV goes on to a GPU)."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.header: worker_pb2.TensorHeader | None = None
-        self.buffer = bytearray()
+        self.buffer = memoryview(bytearray())
         self.received = 0
+        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        self._bytes = torch.empty(0, dtype=torch.uint8)
 
-    def add(self, chunk: worker_pb2.TensorChunk) -> None:
+    def add(self, chunk: worker_pb2.TensorChunk, data: memoryview | bytes | None = None) -> None:
+        """Take one chunk; `data` is its payload when parse_chunk split it off (else chunk.data)."""
+        data = chunk.data if data is None else data
         if self.header is None:
             self._start(chunk)
         elif chunk.HasField("header"):
@@ -95,10 +166,10 @@ class ChunkAssembler:
                                  "(a chunk is missing or out of order)")
         if chunk.total_bytes != len(self.buffer):
             raise InvalidRequest(f"chunk says the tensor has {chunk.total_bytes} bytes, the first said {len(self.buffer)}")
-        end = self.received + len(chunk.data)
+        end = self.received + len(data)
         if end > len(self.buffer):
             raise InvalidRequest(f"chunk at offset {chunk.offset} runs to byte {end}, past the tensor's {len(self.buffer)}")
-        self.buffer[self.received : end] = chunk.data
+        self.buffer[self.received : end] = data
         self.received = end
 
     def _start(self, chunk: worker_pb2.TensorChunk) -> None:
@@ -110,14 +181,17 @@ class ChunkAssembler:
             raise LayoutMismatch(f"tensor of shape {list(header.shape)} and dtype {header.dtype} has {expected} bytes, "
                                  f"the stream says {chunk.total_bytes}")
         self.header = header
-        self.buffer = bytearray(expected)
+        self._bytes = self._allocate(expected)
+        self.buffer = memoryview(self._bytes.numpy()).cast("B") if expected else memoryview(bytearray())
 
     def finish(self) -> tuple[worker_pb2.TensorHeader, torch.Tensor]:
         if self.header is None:
             raise InvalidRequest("the tensor stream was empty (no header)")
         if self.received != len(self.buffer):
             raise InvalidRequest(f"the tensor stream ended at byte {self.received} of {len(self.buffer)}")
-        return self.header, tensor_from_bytes(self.buffer, self.header.shape, self.header.dtype)
+        if _LITTLE and len(self.buffer):  # a view of the (pinned) buffer itself
+            return self.header, self._bytes.view(torch_dtype(self.header.dtype)).reshape(tuple(self.header.shape))
+        return self.header, tensor_from_bytes(bytearray(self.buffer), self.header.shape, self.header.dtype)
 
 
 def assemble(chunks: Iterable[worker_pb2.TensorChunk]) -> tuple[worker_pb2.TensorHeader, torch.Tensor]:

@@ -18,6 +18,8 @@ class KvSession:
     expires_at: float  # time.monotonic() deadline
     expires_at_unix: float  # the same deadline on the wall clock, for the handoff metadata
     block_hashes: list[int] = field(default_factory=list)
+    # Exports in flight (a gather still reading the blocks): the blocks stay out of the pool until 0.
+    leases: int = 0
 
 
 class KvSessionTable:
@@ -54,8 +56,9 @@ class KvSessionTable:
         return session
 
     def pop_expired(self, now: float | None = None) -> list[KvSession]:
+        """Sessions past their TTL; one being exported now waits for its export to end."""
         now = time.monotonic() if now is None else now
-        expired = [s for s in self.sessions.values() if s.expires_at <= now]
+        expired = [s for s in self.sessions.values() if s.expires_at <= now and not s.leases]
         for s in expired:
             del self.sessions[s.session_id]
             self._recently_expired[s.session_id] = now

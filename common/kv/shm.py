@@ -16,14 +16,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from common.errors import FailedPrecondition, InvalidRequest
+from common.errors import InvalidRequest
+from common.kv.backends import BackendUnavailable
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "disagg-kv-"
 HOST_ID_ATTRIBUTE = "host_id"
 
 
-class ShmUnavailable(FailedPrecondition):
+class ShmUnavailable(BackendUnavailable):
     """The exporter cannot open the importer's file: not the same host (or /dev/shm) after all."""
 
 
@@ -67,17 +68,16 @@ def write_into(path_text: str, data: memoryview) -> None:
         f.write(data)
 
 
-def read_back(path: Path, total_bytes: int) -> bytearray:
-    """The file's bytes, read once into the buffer the tensor will share."""
+def read_into(path: Path, buffer) -> None:
+    """Read the whole file into `buffer` (a uint8 tensor, pinned when it goes on to a GPU)."""
+    total_bytes = buffer.numel()
     size = path.stat().st_size
     if size != total_bytes:
         raise InvalidRequest(f"shm file {path} has {size} bytes, the exporter said {total_bytes}")
-    data = bytearray(total_bytes)
+    view, done = memoryview(buffer.numpy()).cast("B"), 0
     with path.open("rb", buffering=0) as f:
-        view, done = memoryview(data), 0
         while done < total_bytes:
             n = f.readinto(view[done:])
             if not n:
                 raise InvalidRequest(f"shm file {path} ended at byte {done} of {total_bytes}")
             done += n
-    return data

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, NamedTuple, Sequence
+from typing import AsyncIterator, Callable, NamedTuple, Sequence
 
 import grpc
 import torch
@@ -18,7 +18,8 @@ import torch
 from common import channels
 from common.errors import InvalidRequest, LayoutMismatch
 from common.kv import shm
-from common.kv.chunks import MAX_CHUNK_BYTES, ChunkAssembler, dtype_name, tensor_from_bytes
+from common.kv.chunks import (MAX_CHUNK_BYTES, ChunkAssembler, dtype_name, parse_chunk, tensor_from_bytes,
+                              torch_dtype)
 from common.kv.layout import KvExport, KvLayout
 from common.kv.session import KvSession
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -30,14 +31,15 @@ KV_DIMS = "layer,kv,block,slot,kv_head,head_dim"
 HEADER_ROOM = 1024 * 1024
 RELEASE_TIMEOUT_S = 5.0
 _PULL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + HEADER_ROOM)]
-_GRPC_BACKENDS = (common_pb2.TRANSFER_BACKEND_UNSPECIFIED, common_pb2.TRANSFER_BACKEND_GRPC)
+_PULLABLE = (common_pb2.TRANSFER_BACKEND_UNSPECIFIED, common_pb2.TRANSFER_BACKEND_GRPC, common_pb2.TRANSFER_BACKEND_SHM,
+             common_pb2.TRANSFER_BACKEND_CUDA_IPC, common_pb2.TRANSFER_BACKEND_NIXL)
 
 
 class PulledKv(NamedTuple):
     export: KvExport
     num_bytes: int
     seconds: float
-    backend: str = "grpc"  # or "shm": how the bytes came
+    backend: str = "grpc"  # how the bytes came: a name of common.kv.backends
 
 
 def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) -> worker_pb2.TensorHeader:
@@ -47,16 +49,20 @@ def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) 
     )
 
 
-def session_ref(layout: KvLayout, session: KvSession, endpoint: str) -> common_pb2.KvSessionRef:
-    """The handoff metadata of a pinned session, served by the TensorStore at `endpoint`."""
+def session_ref(layout: KvLayout, session: KvSession, endpoint: str,
+                transfer_backend: int = common_pb2.TRANSFER_BACKEND_GRPC,
+                attributes: dict[str, str] | None = None) -> common_pb2.KvSessionRef:
+    """The handoff metadata of a pinned session, served by the TensorStore at `endpoint`; `attributes`
+    carry the exporter's offer of backends (common.kv.sharing.KvCacheExporter.attributes)."""
+    if attributes is None:  # an importer on this host may pull through shm
+        attributes = {shm.HOST_ID_ATTRIBUTE: shm.host_id()}
     return common_pb2.KvSessionRef(
         session_id=session.session_id, request_id=session.request_id, endpoint=endpoint,
-        transfer_backend=common_pb2.TRANSFER_BACKEND_GRPC, num_layers=layout.num_layers,
+        transfer_backend=transfer_backend, num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, block_size=layout.block_size,
         dtype=layout.dtype, num_tokens=session.num_tokens, block_ids=session.block_ids,
         fingerprint=layout.fingerprint, first_token=session.first_token,
-        expires_at_unix_ms=int(session.expires_at_unix * 1000),
-        attributes={shm.HOST_ID_ATTRIBUTE: shm.host_id()},  # an importer on this host may pull through shm
+        expires_at_unix_ms=int(session.expires_at_unix * 1000), attributes=attributes,
     )
 
 
@@ -67,9 +73,11 @@ def layout_of(ref: common_pb2.KvSessionRef) -> KvLayout:
 
 def check_pullable(ref: common_pb2.KvSessionRef) -> None:
     """Refuse a ref this client cannot pull, before any bytes move."""
-    if ref.transfer_backend not in _GRPC_BACKENDS:
-        raise InvalidRequest(f"transfer backend {common_pb2.TransferBackend.Name(ref.transfer_backend)} is not "
-                             "supported here; this worker pulls over TRANSFER_BACKEND_GRPC")
+    if ref.transfer_backend not in _PULLABLE:
+        name = common_pb2.TransferBackend.Name(ref.transfer_backend) if ref.transfer_backend in \
+            common_pb2.TransferBackend.values() else str(ref.transfer_backend)
+        raise InvalidRequest(f"transfer backend {name} is not supported here; this worker pulls over "
+                             "TRANSFER_BACKEND_CUDA_IPC, _NIXL, _SHM or _GRPC")
     if not ref.session_id or not ref.endpoint:
         raise InvalidRequest("the KV session ref needs a session_id and an endpoint")
     num_blocks = -(-ref.num_tokens // ref.block_size) if ref.block_size else -1
@@ -109,32 +117,47 @@ async def _open(target: grpc.aio.Channel | str) -> AsyncIterator[grpc.aio.Channe
         await channel.close()
 
 
+_PULL_METHOD = "/disagg.v1.TensorStore/Pull"
+
+
+def _raw_pull(channel: grpc.aio.Channel, request: worker_pb2.PullRequest, timeout_s: float | None):
+    """TensorStore.Pull answering serialized chunks, which parse_chunk splits without copying the data."""
+    call = channel.unary_stream(_PULL_METHOD, request_serializer=worker_pb2.PullRequest.SerializeToString,
+                                response_deserializer=None)
+    return call(request, timeout=timeout_s)
+
+
 async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, max_chunk_bytes: int = 0,
-                  timeout_s: float | None = None) -> PulledKv:
+                  timeout_s: float | None = None, backend: str | None = None,
+                  allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
     """Pull a session's blocks (does not release it). `target` is a channel that accepts messages
-    of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint. Raises grpc.aio.AioRpcError
-    from the exporter (NOT_FOUND when expired), LayoutMismatch / InvalidRequest on a bad stream."""
+    of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint. `backend` "shm" or "grpc"
+    (None: shm when the exporter is on this host, else grpc); `allocate` gives the receive buffer.
+    Raises grpc.aio.AioRpcError from the exporter (NOT_FOUND when expired), LayoutMismatch /
+    InvalidRequest on a bad stream, ShmUnavailable when an explicit shm pull cannot be made."""
     check_pullable(ref)
     start = time.perf_counter()
-    if shm.same_host(ref.attributes):
+    if backend == "shm" or (backend is None and shm.same_host(ref.attributes)):
         try:
-            return await _pull_shm(target, ref, start, timeout_s)
+            return await _pull_shm(target, ref, start, timeout_s, allocate)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
+            if backend == "shm":
+                raise shm.ShmUnavailable(f"the exporter cannot write into this host's /dev/shm: {exc.details()}") from None
             log.info("shm pull of KV session %s refused (%s); pulling over gRPC", ref.session_id, exc.details())
-    assembler = ChunkAssembler()
+    assembler = ChunkAssembler(allocate)
     async with _open(target) as channel:
         request = worker_pb2.PullRequest(handle=ref.session_id, max_chunk_bytes=max_chunk_bytes)
-        async for chunk in worker_pb2_grpc.TensorStoreStub(channel).Pull(request, timeout=timeout_s):
-            assembler.add(chunk)
+        async for raw in _raw_pull(channel, request, timeout_s):
+            assembler.add(*parse_chunk(raw))
     header, blocks = assembler.finish()
     export = kv_from_pull(header, blocks, ref)
     return PulledKv(export, len(assembler.buffer), time.perf_counter() - start)
 
 
 async def _pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, start: float,
-                    timeout_s: float | None) -> PulledKv:
+                    timeout_s: float | None, allocate: Callable[[int], torch.Tensor] | None) -> PulledKv:
     """The exporter writes into a /dev/shm file of ours and answers just the header."""
     with shm.shm_file() as path:
         async with _open(target) as channel:
@@ -144,8 +167,11 @@ async def _pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef
             raise InvalidRequest(f"an shm pull of session {ref.session_id} must answer one header-only chunk, "
                                  f"got {len(chunks)} chunks")
         header, total = chunks[0].header, chunks[0].total_bytes
-        data = await asyncio.to_thread(shm.read_back, path, total)
-    export = kv_from_pull(header, tensor_from_bytes(data, header.shape, header.dtype), ref)
+        buffer = (allocate or (lambda n: torch.empty(n, dtype=torch.uint8)))(total)
+        await asyncio.to_thread(shm.read_into, path, buffer)
+    blocks = buffer.view(torch_dtype(header.dtype)).reshape(tuple(header.shape)) if total else \
+        tensor_from_bytes(bytearray(), header.shape, header.dtype)
+    export = kv_from_pull(header, blocks, ref)
     return PulledKv(export, total, time.perf_counter() - start, "shm")
 
 

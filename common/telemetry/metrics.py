@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
-_PULL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_PULL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # name → (kind, help, extra label names); the one table of every metric disagg exports.
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -37,8 +37,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_kv_sessions_exported_total": ("counter", "KV sessions exported by prefill.", ()),
     "disagg_kv_sessions_pulled_total": ("counter", "KV sessions whose blocks were pulled from this worker.", ()),
     "disagg_kv_sessions_expired_total": ("counter", "KV sessions that reached their TTL unpulled.", ()),
-    "disagg_kv_pull_bytes_total": ("counter", "KV bytes pulled by decode from prefill workers.", ()),
-    "disagg_kv_pull_seconds": ("histogram", "Duration of one KV pull.", ()),
+    "disagg_kv_pull_bytes_total": ("counter", "KV bytes pulled by decode from prefill workers, by transfer backend.",
+                                   ("backend",)),
+    "disagg_kv_pull_seconds": ("histogram", "Duration of one KV pull, by transfer backend.", ("backend",)),
+    "disagg_kv_pull_fallbacks_total": ("counter", "KV pulls that could not use a backend and fell back to the next, "
+                                       "by the backend that failed.", ("backend",)),
     "disagg_kv_load_failures_total": ("counter", "KV pulls that failed, by what decode did next.", ("action",)),
     "disagg_encode_latency_seconds": ("histogram", "Duration of one Encode call (all its images).", ()),
     "disagg_routing_decisions_total": ("counter", "Prefill workers picked by the router, by policy.", ("policy",)),

@@ -26,7 +26,9 @@ from common.engine.request import FinishReason, RequestOutput, RequestType, Samp
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout
-from common.kv.transfer import ChannelCache, check_pullable, layout_of, pull_and_release, release_quietly
+from common.kv.backends import BACKENDS
+from common.kv.pull import KvPuller
+from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import finish_reason_to_proto, logprob_to_proto, request_type_from_proto, sampling_from_proto
 from common.telemetry import tracing
@@ -49,8 +51,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
     channels = ChannelCache()
-    state.closers.append(channels.close)
     servicer = DecodeServicer(state, channels, args.kv_pull_timeout, args.kv_load_failure_policy)
+    state.closers.append(servicer.close)
+    state.closers.append(channels.close)
     worker_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
 
 
@@ -141,6 +144,21 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         self.channels = channels
         self.pull_timeout_s = pull_timeout_s
         self.recompute_on_failed_pull = kv_load_failure_policy == "recompute"
+        self._puller: KvPuller | None = None  # made once the engine is loaded (it needs the KV device)
+
+    async def puller(self) -> KvPuller:
+        if self._puller is None:
+            device = await self.state.require_engine().call(lambda e: e.kv_cache.device)
+            self._puller = KvPuller(self.channels, device, self.state.kv_transfer_backends, self._count_fallback)
+        return self._puller
+
+    def _count_fallback(self, backend: str, reason: str) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.get("disagg_kv_pull_fallbacks_total", backend=backend).inc()
+
+    async def close(self) -> None:
+        if self._puller is not None:
+            await self._puller.close()
 
     async def Decode(self, request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage],
                      context: grpc.aio.ServicerContext):
@@ -181,7 +199,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                                                                  "disagg.request_type": plan.request_type.value})
         try:
             with trace.use_span(span, end_on_exit=False):
-                kv = await self._load_kv(plan) if plan.session is not None else None
+                kv = await self._load_kv(plan, progress) if plan.session is not None else None
                 images = (await pull_and_release_embeddings(self.channels.get, plan.embeddings, plan.time_left_s)
                           if plan.embeddings else None)
             self.state.require_engine()  # not if shutdown began during the pull
@@ -204,12 +222,12 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             span.set_attribute("disagg.decode.tokens", progress.usage.completion_tokens)
             span.end()
 
-    async def _load_kv(self, plan: _Plan) -> KvExport | None:
+    async def _load_kv(self, plan: _Plan, progress: _Progress) -> KvExport | None:
         """The session's KV, or None to recompute the prompt here when the pull failed and the policy allows it."""
         try:
             with tracing.tracer().start_as_current_span("kv_pull", attributes={
                     "disagg.session_id": plan.session.session_id, "disagg.exporter": plan.session.endpoint}):
-                return await self._pull(plan.session, plan.time_left_s)
+                return await self._pull(plan.session, plan.time_left_s, progress.usage)
         except (NotFound, Unavailable, InvalidRequest) as exc:  # InvalidRequest: a broken chunk stream
             self._count_load_failure("recompute" if self.recompute_on_failed_pull else "fail")
             if not self.recompute_on_failed_pull:
@@ -226,23 +244,26 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_kv_load_failures_total", action=action).inc()
 
-    async def _pull(self, ref: common_pb2.KvSessionRef, time_left_s: float | None) -> KvExport:
+    async def _pull(self, ref: common_pb2.KvSessionRef, time_left_s: float | None, usage: common_pb2.Usage) -> KvExport:
         timeout_s = self.pull_timeout_s if time_left_s is None else min(self.pull_timeout_s, time_left_s)
         try:
-            pulled = await pull_and_release(self.channels.get(ref.endpoint), ref, timeout_s=timeout_s)
+            pulled = await (await self.puller()).pull_and_release(ref, timeout_s=timeout_s)
         except grpc.aio.AioRpcError as exc:
             what = f"KV session {ref.session_id} at {ref.endpoint}: {exc.code().name}: {exc.details()}"
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 raise NotFound(what) from None
             raise Unavailable(f"could not pull {what}") from None
-        log.debug("pulled %d KV bytes of session %s in %.1f ms", pulled.num_bytes, ref.session_id,
-                  pulled.seconds * 1000)
+        log.debug("pulled %d KV bytes of session %s through %s in %.2f ms", pulled.num_bytes, ref.session_id,
+                  pulled.backend, pulled.seconds * 1000)
         span = trace.get_current_span()
         span.set_attribute("disagg.kv_pull.bytes", pulled.num_bytes)
         span.set_attribute("disagg.kv_pull.seconds", pulled.seconds)
+        span.set_attribute("disagg.kv_pull.backend", pulled.backend)
+        usage.kv_transfer_backend = BACKENDS[pulled.backend]
+        usage.kv_transfer_bytes, usage.kv_transfer_ms = pulled.num_bytes, pulled.seconds * 1000
         if self.state.metrics is not None:
-            self.state.metrics.get("disagg_kv_pull_bytes_total").inc(pulled.num_bytes)
-            self.state.metrics.get("disagg_kv_pull_seconds").observe(pulled.seconds)
+            self.state.metrics.get("disagg_kv_pull_bytes_total", backend=pulled.backend).inc(pulled.num_bytes)
+            self.state.metrics.get("disagg_kv_pull_seconds", backend=pulled.backend).observe(pulled.seconds)
         return pulled.export
 
 

@@ -19,7 +19,7 @@ from common.media import MediaConfig, load_image
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.telemetry.metrics import Metrics
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
-from services.tensor_store import TensorStoreServicer
+from services.tensor_store import TensorStoreServicer, add_tensor_store
 
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name
                  for name in ("Encoder", "TensorStore", "Worker")]
@@ -70,7 +70,7 @@ class EmbeddingSource:
 
 def add_servicers(server: grpc.aio.Server, state: EncodeState) -> None:
     worker_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(state), server)
-    worker_pb2_grpc.add_TensorStoreServicer_to_server(TensorStoreServicer(state), server)
+    add_tensor_store(TensorStoreServicer(state), server)
     worker_pb2_grpc.add_WorkerServicer_to_server(EncodeWorkerServicer(state), server)
 
 

@@ -17,7 +17,7 @@ from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import logprob_to_proto, request_type_name, sampling_from_proto
 from services.serving import abort_with
-from services.tensor_store import TensorStoreServicer
+from services.tensor_store import TensorStoreServicer, add_tensor_store
 from services.worker_service import WorkerState
 
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Prefiller", "TensorStore")]
@@ -28,7 +28,7 @@ def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Na
     channels = ChannelCache()  # to encode workers' TensorStores, for image embeddings
     state.closers.append(channels.close)
     worker_pb2_grpc.add_PrefillerServicer_to_server(PrefillServicer(state, channels), server)
-    worker_pb2_grpc.add_TensorStoreServicer_to_server(TensorStoreServicer(state), server)
+    add_tensor_store(TensorStoreServicer(state), server)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
@@ -66,8 +66,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             response.first_token_logprob = logprob.logprob
             response.first_token_top_logprobs.extend(logprob.top_logprobs)
         if output.session_id is not None:
-            session_id, endpoint = output.session_id, self.state.endpoint
-            ref = await engine.call(lambda e: session_ref(e.kv_layout, e.sessions.get(session_id), endpoint))
+            session_id, endpoint, exporter = output.session_id, self.state.endpoint, self.state.kv_exporter
+            ref = await engine.call(lambda e: session_ref(e.kv_layout, e.sessions.get(session_id), endpoint,
+                                                          exporter.best_backend, exporter.attributes()))
             ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
             response.session.CopyFrom(ref)
             if self.state.metrics is not None:

@@ -109,11 +109,11 @@ def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
 
     ttft = 'disagg_time_to_first_token_seconds_count{role="router",model="tiny-text"}'
     wait_for(lambda: _scalar(prometheus, ttft) == NUM_REQUESTS, 20, "the TTFT count to reach Prometheus")
-    pulled = scrape(decode)["disagg_kv_pull_bytes_total"]
+    pulled = sum(v for k, v in scrape(decode).items() if k.startswith("disagg_kv_pull_bytes_total{backend="))
     assert pulled > 0
-    wait_for(lambda: _scalar(prometheus, 'disagg_kv_pull_bytes_total{role="decode"}') == pulled, 20,
+    wait_for(lambda: _scalar(prometheus, 'sum(disagg_kv_pull_bytes_total{role="decode"})') == pulled, 20,
              "the KV pull bytes to reach Prometheus")
-    assert _scalar(prometheus, 'disagg_kv_pull_seconds_count{role="decode"}') == NUM_REQUESTS
+    assert _scalar(prometheus, 'sum(disagg_kv_pull_seconds_count{role="decode"})') == NUM_REQUESTS
     assert _scalar(prometheus, 'disagg_requests_total{role="router",status="OK"}') == NUM_REQUESTS
     assert _scalar(prometheus, 'disagg_generation_tokens_total{role="router"}') == NUM_REQUESTS * MAX_TOKENS
     # The prefill worker is scraped on its own schedule: wait for its scrape after the requests too.

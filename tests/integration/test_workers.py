@@ -18,6 +18,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
+from common.kv.backends import BACKENDS
 from common.kv.transfer import pull_kv, release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, is_idle, split
@@ -77,7 +78,9 @@ def test_prefill_then_decode_matches_the_in_process_engine(prefill, decode, refe
     prefilled = run_prefill(prefill, **sampling)
     ref = prefilled.session
     assert (ref.num_tokens, len(ref.block_ids), ref.dtype, ref.first_token) == (19, 5, "float32", expected[0])
-    assert ref.transfer_backend == common_pb2.TRANSFER_BACKEND_GRPC and ref.expires_at_unix_ms > time.time() * 1000
+    offered = ref.attributes["transfer_backends"].split(",")  # the exporter's best backend first, grpc last
+    assert ref.transfer_backend == BACKENDS[offered[0]] and offered[-1] == "grpc"
+    assert ref.expires_at_unix_ms > time.time() * 1000
     tokens, finished = split(decode.decoder.Decode(iter([decode_start(prefilled, **sampling)]), timeout=30))
     assert [prefilled.first_token, *tokens] == expected
     assert finished.reason == common_pb2.FINISH_REASON_LENGTH
@@ -283,7 +286,7 @@ def test_bad_prefill_request_is_invalid_argument_and_the_worker_keeps_serving(pr
     (lambda s: setattr(s, "first_token", s.first_token + 1), "differs from the session's"),
     (lambda s: s.token_ids.append(5), "the session holds KV for 19 tokens, the prompt has 20"),
     (lambda s: setattr(s, "request_type", common_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION), "contradicts"),
-    (lambda s: setattr(s.session, "transfer_backend", common_pb2.TRANSFER_BACKEND_SHM), "is not supported here"),
+    (lambda s: setattr(s.session, "transfer_backend", common_pb2.TRANSFER_BACKEND_TRTLLM), "is not supported here"),
 ])
 def test_bad_decode_start_is_invalid_argument_and_releases_the_session(prefill, decode, mutate, message):
     start = decode_start(run_prefill(prefill, **GREEDY), **GREEDY)

@@ -122,8 +122,8 @@ def test_pulled_block_ids_must_be_the_sessions():
 
 def test_unpullable_refs_are_refused_before_any_transfer():
     ref, _ = _session()
-    ref.transfer_backend = common_pb2.TRANSFER_BACKEND_SHM
-    with pytest.raises(InvalidRequest, match="TRANSFER_BACKEND_SHM is not supported"):
+    ref.transfer_backend = common_pb2.TRANSFER_BACKEND_TRTLLM  # TensorRT-LLM's transceiver moves its own KV
+    with pytest.raises(InvalidRequest, match="TRANSFER_BACKEND_TRTLLM is not supported"):
         check_pullable(ref)
     ref, _ = _session(num_tokens=13)
     with pytest.raises(InvalidRequest, match="lists 3 blocks for 13 tokens of block size 4"):

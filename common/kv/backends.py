@@ -1,0 +1,49 @@
+"""KV transfer backends: their names, the order we prefer them in, and the session-ref attributes
+through which an exporter offers them and an importer picks one.
+
+Best first: `cuda_ipc` (same host, GPU memory read GPU-side), `nixl` (one-sided reads by descriptor,
+any host NIXL reaches), `shm` (same host, through /dev/shm), `grpc` (TensorStore.Pull chunks: any
+host, always works). A worker's `--kv-transfer-backends` narrows what it offers (prefill) or accepts
+(decode); `grpc` is always kept as the last resort.
+"""
+from __future__ import annotations
+
+from common.errors import FailedPrecondition, InvalidConfig
+from common.pb.disagg.v1 import common_pb2
+
+BACKENDS = {"cuda_ipc": common_pb2.TRANSFER_BACKEND_CUDA_IPC, "nixl": common_pb2.TRANSFER_BACKEND_NIXL,
+            "shm": common_pb2.TRANSFER_BACKEND_SHM, "grpc": common_pb2.TRANSFER_BACKEND_GRPC}
+PREFERENCE = tuple(BACKENDS)
+NAMES = {number: name for name, number in BACKENDS.items()}
+# Session-ref attributes.
+OFFERED_ATTRIBUTE = "transfer_backends"  # what the exporter offers, best first, comma separated
+KV_CACHE_ID_ATTRIBUTE = "kv_cache_id"  # which cache allocation the session's block ids index
+
+
+class BackendUnavailable(FailedPrecondition):
+    """This backend cannot move KV between these two workers; the importer tries the next one."""
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """`auto` (every backend) or a comma-separated subset, kept in preference order, grpc always included."""
+    if text.strip() in ("", "auto"):
+        return PREFERENCE
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise InvalidConfig(f"--kv-transfer-backends: unknown backend(s) {unknown}; choose from {list(PREFERENCE)} "
+                            "or 'auto'")
+    return tuple(n for n in PREFERENCE if n in names or n == "grpc")
+
+
+def name_of(number: int) -> str:
+    return NAMES.get(number, common_pb2.TransferBackend.Name(number).removeprefix("TRANSFER_BACKEND_").lower())
+
+
+def offered(attributes, transfer_backend: int) -> list[str]:
+    """What an exporter offers for a session: its list attribute, else the ref's one backend, else grpc."""
+    listed = [n for n in attributes.get(OFFERED_ATTRIBUTE, "").split(",") if n in BACKENDS]
+    if listed:
+        return listed
+    single = NAMES.get(transfer_backend)
+    return [single] if single and single != "grpc" else ["grpc"]

@@ -1,0 +1,115 @@
+"""The `cuda_ipc` KV backend: same host, GPU memory read GPU-side by the importer, no host copy.
+
+The exporter shares its whole KV cache tensor once per importer with torch's CUDA IPC sharing
+(the storage's cudaIpcMemHandle, its offset, and torch's IPC reference counter); the importer maps
+it once per exporter cache (`kv_cache_id`) and gathers each session's blocks on its own side stream
+straight from the exporter's memory into its own GPU memory (a peer copy when the caches live on
+two GPUs of the host). The importer then releases the session; `released = true` proves that the
+exporter held the blocks throughout the read.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
+
+from common.kv.backends import BackendUnavailable
+from common.kv.chunks import dtype_name, torch_dtype
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+DEVICE_UUID_ATTRIBUTE = "cuda_device_uuid"
+
+
+class CudaIpcUnavailable(BackendUnavailable):
+    """This pair of processes cannot share GPU memory (no GPU, another host or container, no peer access)."""
+
+
+def device_uuid(device: torch.device) -> str:
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+@lru_cache(maxsize=1)
+def _visible_uuids() -> dict[str, int]:
+    if not torch.cuda.is_available():
+        return {}
+    return {device_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
+
+
+def local_index_of(uuid: str) -> int | None:
+    """This process's index of the GPU with `uuid` (CUDA_VISIBLE_DEVICES may number it differently), or None."""
+    return _visible_uuids().get(uuid)
+
+
+def share_cache(kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
+    """The exporter's side: a CUDA IPC handle of the whole cache, valid while this process keeps it."""
+    if kv_cache.device.type != "cuda":
+        raise CudaIpcUnavailable("this worker's KV cache is in host memory; cuda_ipc needs it on a GPU")
+    _, args = reduce_tensor(kv_cache)
+    (_cls, size, stride, tensor_offset, _storage_cls, dtype, _device, handle, storage_size_bytes,
+     storage_offset_bytes, _requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = args
+    share = worker_pb2.CudaIpcShare(
+        device_uuid=device_uuid(kv_cache.device), ipc_handle=handle, storage_size_bytes=storage_size_bytes,
+        storage_offset_bytes=storage_offset_bytes, ref_counter_handle=ref_counter_handle,
+        ref_counter_offset=ref_counter_offset, event_handle=event_handle or b"",
+        event_sync_required=bool(event_sync_required), stride=list(stride), tensor_offset=tensor_offset,
+    )
+    return worker_pb2.KvCacheShare(backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC, kv_cache_id=kv_cache_id,
+                                   shape=list(size), dtype=dtype_name(dtype), cuda_ipc=share)
+
+
+def open_cache(share: worker_pb2.KvCacheShare) -> torch.Tensor:
+    """The importer's side: the exporter's cache tensor, mapped into this process (no copy)."""
+    ipc = share.cuda_ipc
+    index = local_index_of(ipc.device_uuid)
+    if index is None:
+        raise CudaIpcUnavailable(f"the exporter's GPU {ipc.device_uuid} is not visible to this process")
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(share.shape), tuple(ipc.stride), ipc.tensor_offset, torch.storage.TypedStorage,
+            torch_dtype(share.dtype), index, ipc.ipc_handle, ipc.storage_size_bytes, ipc.storage_offset_bytes, False,
+            ipc.ref_counter_handle, ipc.ref_counter_offset, ipc.event_handle or None, ipc.event_sync_required,
+        )
+    except (RuntimeError, OSError) as exc:  # e.g. another container's IPC namespace, or /dev/shm not shared
+        raise CudaIpcUnavailable(f"cannot map the exporter's KV cache: {str(exc).splitlines()[0]}") from None
+
+
+@dataclass
+class _Mapped:
+    kv_cache_id: str
+    tensor: torch.Tensor
+
+
+class CudaIpcMappings:
+    """The exporters' caches this importer has mapped, one per exporter endpoint, re-mapped when the
+    exporter's cache changes (a restarted worker)."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, _Mapped] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str, kv_cache_id: str) -> torch.Tensor | None:
+        with self._lock:
+            mapped = self._mapped.get(endpoint)
+        return mapped.tensor if mapped is not None and mapped.kv_cache_id == kv_cache_id else None
+
+    def put(self, endpoint: str, share: worker_pb2.KvCacheShare) -> torch.Tensor:
+        tensor = open_cache(share)
+        with self._lock:
+            self._mapped[endpoint] = _Mapped(share.kv_cache_id, tensor)
+        log.info("mapped the KV cache %s of %s through CUDA IPC (%s %s, %.1f GB)", share.kv_cache_id, endpoint,
+                 list(share.shape), share.dtype, tensor.numel() * tensor.element_size() / 1e9)
+        return tensor
+
+    def forget(self, endpoint: str) -> None:
+        with self._lock:
+            self._mapped.pop(endpoint, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._mapped.clear()

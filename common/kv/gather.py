@@ -1,0 +1,102 @@
+"""KV block gathers and uploads that never run on the engine thread.
+
+On a GPU every copy is enqueued on a side stream of its device (one per device, per process) and
+awaited through a CUDA event from a worker thread, so neither the engine loop nor the gRPC event
+loop waits for bytes to move. A session's blocks need no ordering against the engine's compute
+stream: the session exists only after its first token was read back on the host, which ordered
+every KV write of its prompt before it; its blocks are leased (LLMEngine.lease_session) so nothing
+overwrites them while a gather reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Sequence
+
+import torch
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The data plane's own stream on `device` (created once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _streams_lock:
+        if index not in _streams:
+            _streams[index] = torch.cuda.Stream(device=index)
+        return _streams[index]
+
+
+async def wait_event(event: torch.cuda.Event) -> None:
+    if not event.query():
+        await asyncio.to_thread(event.synchronize)
+
+
+def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+
+
+def _launch_gather_to_host(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
+    stream = side_stream(kv_cache.device)
+    with torch.cuda.device(kv_cache.device), torch.cuda.stream(stream):
+        # Allocated on the side stream: freeing them is ordered after these copies.
+        on_device = kv_cache.index_select(2, _index(block_ids, kv_cache.device))
+        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+        host.copy_(on_device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return host, event
+
+
+async def gather_to_host(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """kv_cache[:, :, block_ids] as a contiguous host tensor (pinned when the cache is on a GPU)."""
+    if kv_cache.device.type != "cuda":
+        return await asyncio.to_thread(lambda: kv_cache.index_select(2, _index(block_ids, kv_cache.device)))
+    host, event = await asyncio.to_thread(_launch_gather_to_host, kv_cache, block_ids)
+    await wait_event(event)
+    return host
+
+
+def _launch_gather_on_device(source: torch.Tensor, block_ids: Sequence[int],
+                             device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    stream = side_stream(source.device)
+    with torch.cuda.device(source.device), torch.cuda.stream(stream):
+        gathered = source.index_select(2, _index(block_ids, source.device))
+        if gathered.device != device:  # another GPU of this host: one peer copy
+            gathered = gathered.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return gathered, event
+
+
+async def gather_on_device(source: torch.Tensor, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """source[:, :, block_ids] gathered GPU-side (source may be another process's cache mapped through
+    CUDA IPC) into a new tensor on `device`; no host copy."""
+    gathered, event = await asyncio.to_thread(_launch_gather_on_device, source, block_ids, device)
+    await wait_event(event)
+    return gathered
+
+
+def _launch_upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    stream = side_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        on_device = torch.empty(host.shape, dtype=host.dtype, device=device)
+        on_device.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return on_device, event
+
+
+async def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Upload pulled blocks on the side stream, so the engine's import is a device-side scatter only."""
+    if device.type != "cuda" or host.device == device:
+        return host
+    on_device, event = await asyncio.to_thread(_launch_upload, host, device)
+    await wait_event(event)
+    return on_device
+
+
+def pinned_empty(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A byte buffer to receive pulled KV into: pinned when it will go on to a GPU."""
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")

@@ -1,0 +1,119 @@
+"""The KV data plane's pieces that need no second process: export leases, backend offers and choice."""
+import asyncio
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import RequestType, SamplingParams
+from common.errors import InvalidConfig, InvalidRequest
+from common.kv import gather, shm
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_backends
+from common.kv.pull import KvPuller
+from common.kv.sharing import KvCacheExporter
+from common.kv.transfer import ChannelCache
+from common.pb.disagg.v1 import common_pb2
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _session(engine: LLMEngine, prompt: list[int]) -> str:
+    engine.add_request("p", prompt, GREEDY, RequestType.CONTEXT_ONLY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs[-1].session_id
+
+
+@pytest.fixture
+def engine(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=32))
+
+
+def test_release_during_an_export_frees_the_blocks_when_the_lease_ends(engine):
+    session_id = _session(engine, list(range(10, 27)))  # 17 tokens: 5 blocks
+    assert engine.block_manager.num_free_blocks == 27
+    ids = engine.lease_session(session_id)
+    assert len(ids) == 5
+    engine.release_session(session_id)  # the importer released while the gather still reads
+    assert engine.block_manager.num_free_blocks == 27 and engine.num_leased_released == 1
+    engine.end_lease(session_id)
+    assert engine.block_manager.num_free_blocks == 32 and engine.num_leased_released == 0
+    engine.end_lease(session_id)  # a second end is harmless
+    assert engine.block_manager.num_free_blocks == 32
+
+
+def test_a_leased_session_outlives_its_ttl_until_the_export_ends(engine):
+    session_id = _session(engine, list(range(10, 20)))
+    engine.lease_session(session_id)
+    engine.sessions.sessions[session_id].expires_at = 0.0
+    assert engine.expire_sessions() == 0
+    engine.end_lease(session_id)
+    assert engine.expire_sessions() == 1
+    assert engine.block_manager.num_free_blocks == 32
+
+
+def test_a_lease_of_foreign_block_ids_is_refused(engine):
+    session_id = _session(engine, list(range(10, 20)))
+    with pytest.raises(InvalidRequest, match="are not in KV session"):
+        engine.lease_session(session_id, [31])
+    assert engine.sessions.sessions[session_id].leases == 0
+
+
+def test_gather_to_host_equals_index_select(engine):
+    session_id = _session(engine, list(range(10, 27)))
+    ids = engine.lease_session(session_id)
+    blocks = asyncio.run(gather.gather_to_host(engine.kv_cache, ids))
+    assert torch.equal(blocks, engine.export_session(session_id).blocks)
+    engine.end_lease(session_id)
+
+
+def test_backend_lists_keep_preference_order_and_grpc():
+    assert parse_backends("auto") == ("cuda_ipc", "nixl", "shm", "grpc")
+    assert parse_backends("grpc,shm") == ("shm", "grpc")
+    assert parse_backends("cuda_ipc") == ("cuda_ipc", "grpc")
+    with pytest.raises(InvalidConfig, match="unknown backend.*'rdma'"):
+        parse_backends("rdma,grpc")
+
+
+def test_a_cpu_exporter_offers_no_cuda_ipc_and_says_what_it_offers(engine):
+    exporter = KvCacheExporter(engine.kv_cache, parse_backends("cuda_ipc,shm,grpc"), "w1")
+    assert exporter.offered == (["shm", "grpc"] if shm.host_id() else ["grpc"])
+    attributes = exporter.attributes()
+    assert attributes[OFFERED_ATTRIBUTE] == ",".join(exporter.offered)
+    assert attributes[KV_CACHE_ID_ATTRIBUTE].startswith("w1-")
+    with pytest.raises(Exception, match="does not offer cuda_ipc: the KV cache is in host memory"):
+        exporter.share(common_pb2.TRANSFER_BACKEND_CUDA_IPC)
+
+
+def _ref(offer: str, **attributes) -> common_pb2.KvSessionRef:
+    return common_pb2.KvSessionRef(session_id="s", endpoint="127.0.0.1:1", transfer_backend=common_pb2.TRANSFER_BACKEND_SHM,
+                                   attributes={OFFERED_ATTRIBUTE: offer, **attributes})
+
+
+def test_the_importer_takes_offered_backends_it_can_use_with_grpc_last():
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"))
+    here = {shm.HOST_ID_ATTRIBUTE: shm.host_id()}
+    # No GPU here: cuda_ipc is never tried; shm only for an exporter on this host.
+    assert puller.candidates(_ref("cuda_ipc,shm,grpc", **here, cuda_device_uuid="GPU-x")) == \
+        (["shm", "grpc"] if shm.host_id() else ["grpc"])
+    assert puller.candidates(_ref("shm,grpc", host_id="another-host")) == ["grpc"]
+    assert puller.candidates(_ref("grpc")) == ["grpc"]
+    grpc_only = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("grpc"))
+    assert grpc_only.candidates(_ref("shm,grpc", **here)) == ["grpc"]
+
+
+def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(caplog):
+    failures = []
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"),
+                      on_fallback=lambda backend, reason: failures.append(backend))
+    ref = _ref("shm,grpc", host_id=shm.host_id())
+    if not shm.host_id():
+        pytest.skip("no /dev/shm host id here")
+    for _ in range(2):
+        puller._fall_back(ref.endpoint, "shm", "the exporter cannot open the file")
+    assert puller.candidates(ref) == ["grpc"]
+    assert failures == ["shm", "shm"]
+    warnings = [r for r in caplog.records if "KV transfer backend shm unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "cannot open the file" in warnings[0].getMessage()
