@@ -106,6 +106,9 @@ class ModelRunner:
         return self.kv_cache.index_select(2, index).cpu()
 
     def import_blocks(self, block_ids: list[int], kv: KvExport) -> None:
+        """Scatter imported blocks into ours; the KV plane already put them on this device (a side stream)."""
         blocks = kv.blocks.to(device=self.device, dtype=self.dtype)
+        if blocks.is_cuda:  # allocated on the plane's stream: keep it alive until this stream's scatter ran
+            blocks.record_stream(torch.cuda.current_stream(blocks.device))
         index = torch.tensor(block_ids[: blocks.shape[2]], dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(2, index, blocks)
