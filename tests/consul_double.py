@@ -82,14 +82,14 @@ class Check:
 class ConsulDouble:
     """Start with `start()`, point clients at `address`, `stop()` at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.services: dict[str, dict] = {}
         self.checks: dict[str, Check] = {}
         self.index = 1
         self.requests: list[tuple[str, str, str]] = []  # (method, path, query) seen, for tests
         self._changed = threading.Condition()
         self._stopping = threading.Event()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self._threads = [threading.Thread(target=self._server.serve_forever, daemon=True),
                          threading.Thread(target=self._run_checks, daemon=True)]

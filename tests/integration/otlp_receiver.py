@@ -28,12 +28,12 @@ def _value(any_value):
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """`start()`, export to `endpoint`, read `spans`, `stop()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
 
     @property
     def endpoint(self) -> str:

@@ -2,12 +2,14 @@
 and the real SmolLM2-135M through router → prefill → decode, token for token against HF."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -87,6 +89,52 @@ def test_up_then_generate_streams_the_hf_answer(text_model):
         while subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0:
             assert time.monotonic() < deadline, f"child {pid} outlived disagg up"
             time.sleep(0.1)
+
+
+def _wait_line(up: Up, needle: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = next((line for line in list(up.lines) if needle in line), None)
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"no line with {needle!r} within {timeout_s}s:\n" + "".join(up.lines))
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+@pytest.mark.slow
+def test_up_restarts_a_killed_worker_on_its_address_and_serves_again(text_model):
+    up = Up("--model", text_model, "--router-port", "0", "--policy", "kv_aware", "--max-num-seqs", "4",
+            "--block-size", "8")
+    try:
+        router = up.wait()
+        _wait_line(up, "A process that dies is restarted", 10)
+        addresses = {m.group(1): m.group(2) for m in (re.search(r"^\s+(prefill-0|decode-0)\s+(\S+)", line)
+                                                     for line in up.lines) if m}
+        assert set(addresses) == {"prefill-0", "decode-0"}, "".join(up.lines)  # the banner names the workers
+        decode = next(pid for pid in _child_pids(up.popen.pid) if "services.decode" in _cmdline(pid))
+        command = _cmdline(decode)
+        assert command[command.index("--max-num-seqs") + 1] == "4" and "--block-size" in command  # engine flags go on
+
+        os.kill(decode, signal.SIGKILL)
+        assert "restarting it in 1s" in _wait_line(up, "decode-0 exited with code -9", 10)
+        back = _wait_line(up, "decode-0 is back on", 120)
+        assert back.strip().endswith(f"on {addresses['decode-0']} (restart 1)"), back
+        deadline = time.monotonic() + 60
+        while True:  # the router probes the worker it marked down until it answers again
+            result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--greedy",
+                                     "--max-tokens", "4", "--timeout", "20", "The sea is"], cwd=REPO_ROOT,
+                                    capture_output=True, text=True, timeout=60)
+            if result.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert result.returncode == 0, result.stderr + "".join(up.lines)
+        assert up.popen.poll() is None  # nothing else was torn down
+    finally:
+        assert up.stop() == 0, "".join(up.lines)
 
 
 def test_generate_reports_an_unreachable_router():
