@@ -1,0 +1,70 @@
+"""Checks every KV transfer backend must pass, shared by the CPU integration tests and the GPU tests:
+the handed-off request gives the aggregated engine's tokens, Usage says which backend moved how many
+bytes, and a cancel at any point leaves every block free on both workers."""
+from __future__ import annotations
+
+import time
+
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from common.kv.backends import BACKENDS
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, split
+
+NO_EOS = common_pb2.StopConditions(ignore_eos=True)
+
+
+def prefill(client: WorkerClient, prompt: list[int], max_tokens: int) -> worker_pb2.PrefillResponse:
+    request = worker_pb2.PrefillRequest(request_id="r", token_ids=prompt,
+                                        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    return client.prefiller.Prefill(request, timeout=60)
+
+
+def decode_start(prefilled: worker_pb2.PrefillResponse, prompt: list[int], max_tokens: int,
+                 offer: str | None = None) -> worker_pb2.DecodeClientMessage:
+    start = worker_pb2.DecodeStart(request_id="r", token_ids=prompt, first_token=prefilled.first_token, stop=NO_EOS,
+                                   sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    start.session.CopyFrom(prefilled.session)
+    if offer is not None:  # what a (stale or foreign) exporter might offer
+        start.session.attributes["transfer_backends"] = offer
+    return worker_pb2.DecodeClientMessage(start=start)
+
+
+def check_handoff(prefill_client: WorkerClient, decode_client: WorkerClient, reference: LLMEngine,
+                  prompt: list[int], backend: str, max_tokens: int = 12, offer: str | None = None) -> common_pb2.Usage:
+    """prefill → decode through `backend`: HF-identical greedy tokens (the reference engine matches HF),
+    Usage names the backend and the bytes of every layer's K and V of the prompt's blocks."""
+    expected = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    prefilled = prefill(prefill_client, prompt, max_tokens)
+    assert prefilled.first_token == expected[0]
+    messages = decode_client.decoder.Decode(iter([decode_start(prefilled, prompt, max_tokens, offer)]), timeout=60)
+    tokens, finished = split(messages)
+    assert [prefilled.first_token, *tokens] == expected
+    usage = finished.usage
+    assert usage.kv_transfer_backend == BACKENDS[backend], common_pb2.TransferBackend.Name(usage.kv_transfer_backend)
+    assert usage.kv_transfer_bytes == len(prefilled.session.block_ids) * reference.kv_layout.block_bytes()
+    assert usage.kv_transfer_ms > 0
+    for client in (prefill_client, decode_client):
+        assert_pool_full(client)
+    return usage
+
+
+def check_cancels_free_everything(prefill_client: WorkerClient, decode_client: WorkerClient,
+                                  prompt: list[int]) -> None:
+    """Cancel at once (often during the pull), and after the first delta (during decode); also a session
+    whose decode never starts is released by prefill's abandoned-request path only through its TTL, so
+    every case here goes through Decode, which owns the session once it has the start."""
+    for wait_for_delta in (False, True):
+        prefilled = prefill(prefill_client, prompt, 400)
+        stream = DecodeStream(decode_client, decode_start(prefilled, prompt, 400), timeout_s=60)
+        try:
+            if wait_for_delta:
+                assert next(iter(stream.responses)).HasField("delta")
+            stream.cancel()
+            for _ in stream.responses:
+                pass
+        finally:
+            stream.close()
+        deadline = time.monotonic() + 10
+        for client in (prefill_client, decode_client):
+            assert_pool_full(client, max(0.1, deadline - time.monotonic()))

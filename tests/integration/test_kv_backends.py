@@ -1,0 +1,73 @@
+"""Every KV transfer backend this machine can run, between real prefill and decode processes on CPU:
+nixl (over DRAM, when NIXL runs here), shm and grpc; and a fallback when an offer cannot be served.
+cuda_ipc needs a GPU: tests/gpu/test_kv_plane_gpu.py runs the same checks there."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.kv import shm
+from common.kv.sharing import nixl_unavailable_reason
+from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
+from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff
+from tests.integration.observed import scrape
+from tests.integration.processes import start_services, stop_cleanly
+from tests.integration.worker_client import WorkerClient
+
+PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
+BACKENDS_HERE = [b for b, ok in (("nixl", nixl_unavailable_reason() is None), ("shm", bool(shm.host_id())),
+                                 ("grpc", True)) if ok]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama) -> Iterator[dict]:
+    """One prefill offering every backend, one decode per backend accepting only it, and a prefill that
+    offers shm,grpc only (for the fallback)."""
+    args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
+    specs = [("prefill", args), ("prefill", (*args, "--kv-transfer-backends", "shm,grpc")), ("decode", args)]
+    specs += [("decode", (*args, "--kv-transfer-backends", b)) for b in BACKENDS_HERE]
+    processes = start_services(specs, env=WORKER_ENV)
+    clients = [WorkerClient.connect(p) for p in processes]
+    try:
+        yield {"prefill": clients[0], "prefill_no_nixl": clients[1], "decode_any": clients[2],
+               "decode_any_process": processes[2], **dict(zip(BACKENDS_HERE, clients[3:])), "processes": processes}
+    finally:
+        for client in clients:
+            client.channel.close()
+        stop_cleanly(processes)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_each_backend_hands_off_the_aggregated_tokens(cluster, reference, backend):
+    check_handoff(cluster["prefill"], cluster[backend], reference, PROMPT, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_cancels_free_every_block_on_both_workers(cluster, backend):
+    check_cancels_free_everything(cluster["prefill"], cluster[backend], PROMPT)
+
+
+def test_the_decode_worker_takes_the_best_backend_offered(cluster, reference):
+    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, BACKENDS_HERE[0])
+
+
+@pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
+def test_an_offer_the_exporter_cannot_serve_falls_back_logged_once_and_counted(cluster, reference):
+    """A ref offering nixl from a worker that does not serve it (a stale or foreign offer): decode's
+    OpenKvCache is refused, the pull goes through the next backend, and the fallback is not silent."""
+    decode = cluster["decode_any_process"]
+    for _ in range(2):
+        check_handoff(cluster["prefill_no_nixl"], cluster["decode_any"], reference, PROMPT,
+                      "shm" if shm.host_id() else "grpc", offer="nixl,shm,grpc")
+    log = decode.log()
+    assert log.count("KV transfer backend nixl unavailable") == 1, log
+    assert "does not offer nixl" in log
+    assert scrape(decode)['disagg_kv_pull_fallbacks_total{backend="nixl"}'] >= 1
