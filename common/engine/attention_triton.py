@@ -14,6 +14,7 @@ Importing this module needs triton; `make_attention_backend` only does so on a C
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -194,6 +195,17 @@ class TritonAttentionMetadata:
     tile_start: torch.Tensor | None = None  # its first query index within the sequence
 
 
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch shape of the decode kernel (tests/gpu/sweep_decode_attention.py measures the choices)."""
+
+    block_n: int = 64  # keys per loop iteration
+    num_warps: int = 4
+    num_stages: int = 3
+    target_programs: int = 256  # split sequences until batch × KV heads × splits reaches this
+    max_splits: int = 32
+
+
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -201,30 +213,33 @@ def _pow2(n: int, least: int = 1) -> int:
 class TritonPagedAttention:
     fused_rope_store = True  # the model writes roped K/V with kernels.rope_store_kv and calls `attend`
 
-    def __init__(self, block_size: int, windows: set[int | None], device: torch.device):
+    def __init__(self, block_size: int, windows: set[int | None], device: torch.device,
+                 tuning: DecodeTuning = DecodeTuning()):
         self.block_size = block_size
         self.windows = windows
         self.device = device
+        self.tuning = tuning
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
 
     def host_arrays(self, layout: BatchLayout) -> dict[str, np.ndarray]:
-        """The metadata as numpy arrays (the CUDA-graph runner copies these into its static buffers)."""
+        """The metadata as numpy arrays (the CUDA-graph runner copies these into its static buffers).
+        Vectorised over the batch: a per-request loop of small numpy ops cost ~1 ms a step at batch 64."""
         bs = self.block_size
-        seq_lens = np.asarray(layout.seq_lens, dtype=np.int64)
         q_lens = np.asarray(layout.query_lens, dtype=np.int64)
         ctx = np.asarray(layout.context_lens, dtype=np.int64)
-        width = int(((seq_lens + bs - 1) // bs).max(initial=1))
-        tables = np.zeros((len(seq_lens), width), dtype=np.int32)
-        slots = np.empty(int(q_lens.sum()), dtype=np.int64)
-        row = 0
-        for i, (table, c, q) in enumerate(zip(layout.block_tables, ctx, q_lens)):
-            used = table[: (c + q + bs - 1) // bs]
-            tables[i, : len(used)] = used
-            pos = np.arange(c, c + q)
-            slots[row : row + q] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
-            row += q
+        seq_lens = ctx + q_lens
+        counts = (seq_lens + bs - 1) // bs  # blocks each sequence uses
+        used = chain.from_iterable(t[:n] for t, n in zip(layout.block_tables, counts.tolist()))
+        flat = np.fromiter(used, dtype=np.int32, count=int(counts.sum()))
+        tables = np.zeros((len(counts), int(counts.max(initial=1))), dtype=np.int32)
+        tables[np.repeat(np.arange(len(counts)), counts), np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts,
+                                                                                          counts)] = flat
+        num_tokens = int(q_lens.sum())
+        rows = np.repeat(np.arange(len(q_lens)), q_lens)
+        pos = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + np.repeat(ctx, q_lens)
+        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         return {"slots": slots, "tables": tables, "seq_lens": seq_lens.astype(np.int32),
                 "q_lens": q_lens.astype(np.int32), "ctx": ctx.astype(np.int32)}
 
@@ -276,19 +291,22 @@ class TritonPagedAttention:
     def _decode(self, q, k_cache, v_cache, out, meta, scale, window, strides, group, common) -> None:
         batch, num_heads = q.shape[0], q.shape[1]
         num_kv_heads = k_cache.shape[2]
-        splits = decode_splits(batch, num_kv_heads)
+        t = self.tuning
+        splits = decode_splits(batch, num_kv_heads, t.target_programs, t.max_splits)
         d_pad = common["D_PAD"]
         part_acc = q.new_empty((batch * num_heads * splits, d_pad), dtype=torch.float32) if splits > 1 else out
         part_ml = q.new_empty((batch * num_heads * splits, 2), dtype=torch.float32) if splits > 1 else out
         _decode[(batch, num_kv_heads, splits)](q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables,
                                                meta.seq_lens, scale, window or 0, *strides, GROUP=group,
-                                               G_PAD=_pow2(group, 16), SPLITS=splits, **common)
+                                               G_PAD=_pow2(group, 16), SPLITS=splits,
+                                               **{**common, "BLOCK": t.block_n},
+                                               num_warps=t.num_warps, num_stages=t.num_stages)
         if splits > 1:
             _merge_splits[(batch, num_heads)](part_acc, part_ml, out, strides[0], strides[1], D=common["D"],
                                               D_PAD=d_pad, SPLITS=splits)
 
 
-def decode_splits(batch: int, num_kv_heads: int, target_programs: int = 256) -> int:
-    """Splits of each sequence so that small batches still fill the GPU (a power of two, at most 32).
+def decode_splits(batch: int, num_kv_heads: int, target_programs: int = 256, max_splits: int = 32) -> int:
+    """Splits of each sequence so that small batches still fill the GPU (a power of two, at most max_splits).
     A function of shapes only, so a CUDA graph captured for a batch size stays valid."""
-    return min(32, _pow2(max(1, target_programs // (batch * num_kv_heads))))
+    return min(max_splits, _pow2(max(1, target_programs // (batch * num_kv_heads))))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
 from common.engine.attention import BatchLayout
@@ -30,8 +29,10 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        # Pinned staging: one host array per step goes up in one non-blocking copy.
+        # Pinned staging, allocated once: each step's metadata goes up in three non-blocking copies.
         self._host = torch.zeros((3, n), dtype=torch.long).pin_memory()
+        self._host_tables = torch.zeros(n * width, dtype=torch.int32).pin_memory()
+        self._host_lens = torch.zeros(n, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture()
@@ -59,7 +60,8 @@ class DecodeGraphs:
                 and max(layout.seq_lens) <= self.tables.shape[1] * self.attention.block_size)
 
     def run(self, input_ids: list[int], positions: list[int], layout: BatchLayout) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only step of B sequences."""
+        """Logits [B, vocab] of a decode-only step of B sequences. The pinned staging buffers are rewritten
+        each step: the previous step's copies are done, since its tokens were read back before this one."""
         b = len(input_ids)
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         a = self.attention.host_arrays(layout)
@@ -70,11 +72,12 @@ class DecodeGraphs:
         self.input_ids[:bs].copy_(staged[0])
         self.positions[:bs].copy_(staged[1])
         self.slots[:bs].copy_(staged[2])
-        tables = np.zeros((bs, a["tables"].shape[1]), dtype=np.int32)
-        tables[:b] = a["tables"]
-        self.tables[:bs, : tables.shape[1]].copy_(torch.from_numpy(tables).pin_memory(), non_blocking=True)
-        lens = np.zeros(bs, dtype=np.int32)
-        lens[:b] = a["seq_lens"]
-        self.seq_lens[:bs].copy_(torch.from_numpy(lens).pin_memory(), non_blocking=True)
+        width = a["tables"].shape[1]
+        tables = self._host_tables[: bs * width].view(bs, width)  # padded rows: table entries never read
+        tables.numpy()[:b] = a["tables"]
+        self.tables[:bs, :width].copy_(tables, non_blocking=True)
+        lens = self._host_lens[:bs].numpy()
+        lens[:b], lens[b:] = a["seq_lens"], 0
+        self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
         self.graphs[bs].replay()
         return self.logits[bs][:b]

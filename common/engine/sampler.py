@@ -51,29 +51,45 @@ class Sampler:
         self._unseeded.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
-        """logits [B, V] float32, raw from the model. Logprobs are of the raw distribution, as HF's output_logits."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.sampling.logprobs for r in requests) else None
+        """logits [B, V] float32, raw from the model. Logprobs are of the raw distribution, as HF's output_logits.
+        Host syncs: one for the tokens (plus one per sampled row), one for all the logprobs asked for."""
         argmax = logits.argmax(dim=-1).tolist()  # one call serves every plain greedy row
-        results = []
+        tokens = []
         for i, req in enumerate(requests):
             s = req.sampling
+            if s.greedy and s.repetition_penalty == 1.0:
+                tokens.append(argmax[i])
+                continue
             row = logits[i]
             if s.repetition_penalty != 1.0:
                 row = row.clone()
                 _apply_repetition_penalty(row, req.all_token_ids, s.repetition_penalty)
             if s.greedy:
-                token = argmax[i] if s.repetition_penalty == 1.0 else int(torch.argmax(row).item())
+                tokens.append(int(torch.argmax(row).item()))
             else:
                 gen = _row_generator(s.seed, len(req.output_token_ids)) if s.seed is not None else self._unseeded
-                token = _sample_row(row, req, gen)
-            logprob = None
-            if raw_logprobs is not None and s.logprobs:
-                lp = raw_logprobs[i]
-                top = torch.topk(lp, s.top_logprobs) if s.top_logprobs else None
-                logprob = TokenLogprob(
-                    token_id=token,
-                    logprob=float(lp[token]),
-                    top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
-                )
-            results.append((token, logprob))
-        return results
+                tokens.append(_sample_row(row, req, gen))
+        want = [i for i, r in enumerate(requests) if r.sampling.logprobs]
+        if not want:
+            return [(t, None) for t in tokens]
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        for i, lp in zip(want, _logprobs(logits, want, tokens, [requests[i].sampling.top_logprobs for i in want])):
+            logprobs[i] = lp
+        return list(zip(tokens, logprobs))
+
+
+def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Raw-distribution logprobs of the chosen tokens and each row's top-n, brought to the host in one copy."""
+    index = torch.tensor(rows, device=logits.device)
+    lp = torch.log_softmax(logits[index], dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=logits.device)[:, None])[:, 0]
+    k = max(tops)
+    top = torch.topk(lp, k) if k else None
+    parts = [chosen] + ([top.values.flatten(), top.indices.flatten().to(lp.dtype)] if top is not None else [])
+    host = torch.cat(parts).cpu().tolist()  # indices < 2**24 are exact in float32
+    n = len(rows)
+    out = []
+    for j, (row, want) in enumerate(zip(rows, tops)):
+        values, ids = host[n + j * k: n + j * k + want], host[n + n * k + j * k: n + n * k + j * k + want]
+        out.append(TokenLogprob(token_id=tokens[row], logprob=host[j], top=[(int(t), v) for t, v in zip(ids, values)]))
+    return out

@@ -1,6 +1,7 @@
 """Our engine on a GPU vs Hugging Face transformers on the same work, next to the HBM roofline.
 
     python -m tests.bench.gpu_engine_vs_hf --model qwen2.5-0.5b     # or llama-3.2-1b; --quick for a smoke run
+    python -m tests.bench.gpu_engine_vs_hf --model llama-3.2-1b --skip-hf --skip-hf-continuous   # roofline figures
 
 Random-weight models with the shapes of Qwen2.5-0.5B / Llama-3.2-1B in bf16 (configs built here, no
 download). Work: N requests (default 256) with input and output lengths uniform in [100, 1024], random
@@ -8,7 +9,8 @@ token ids, ignore_eos. Prints, as one JSON line per figure and a table at the en
 - our engine's output-token throughput on all N requests, and on the first `--hf-requests` of them
   next to HF `generate` (static batches of `--hf-batch`, left padded, each batch run to its longest
   output; only each request's own output tokens are counted) and HF continuous batching (`generate_batch`);
-- batch-1 inter-token latency (engine step and bare CUDA-graph replay) next to weight bytes / HBM bandwidth;
+- batch-1 inter-token latency (engine step and bare CUDA-graph replay) next to weight bytes / HBM bandwidth,
+  for the model and for each of `--itl-shapes` (default the Llama-3.2-3B shape);
 - decode-step bandwidth at batch `--decode-batch`: (weights + KV read) / step time, as a fraction of HBM bandwidth.
 HBM bandwidth is measured here: a device-to-device copy, bytes read + written per second.
 """
@@ -38,7 +40,15 @@ SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+    "llama-3.2-3b": lambda: LlamaConfig(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
 }
+TARGETS = {"llama-3.2-1b": 1.5, "llama-3.2-3b": 1.3}  # batch-1 ITL / roofline, at most
+DECODE_TARGET = 0.60  # batch-64 decode step: fraction of HBM bandwidth, at least
 
 
 def emit(name: str, **fields) -> dict:
@@ -113,17 +123,22 @@ def batch1_itl(engine: LLMEngine, prompt_len: int, steps: int) -> dict:
         t = time.perf_counter()
         engine.step()  # the sampled token is read back: a full step, synchronised
         times.append(time.perf_counter() - t)
+    return {"engine_step_s": sum(times) / len(times), "graph_replay_s": graph_replay_s(engine, 1, steps)}
+
+
+def graph_replay_s(engine: LLMEngine, bucket: int, steps: int) -> float | None:
+    """Mean time of the bucket's CUDA graph replayed back to back over the metadata of the last step run."""
     graphs = engine.runner.graphs
-    replay = None
-    if graphs is not None:
-        graph = graphs.graphs[1]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-        replay = (time.perf_counter() - t) / steps
-    return {"engine_step_s": sum(times) / len(times), "graph_replay_s": replay}
+    if graphs is None or bucket not in graphs.graphs:
+        return None
+    graph = graphs.graphs[bucket]
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
 
 
 def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int) -> dict:
@@ -134,6 +149,7 @@ def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight
         engine.step()
     engine.step()
     times, kv_read = [], []
+    breakdown = emit("step_breakdown", **step_breakdown(engine, batch, 8))
     while engine.has_unfinished_requests():
         live = sum(r.num_tokens for r in engine.requests.values())
         t = time.perf_counter()
@@ -142,7 +158,92 @@ def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight
         kv_read.append(live * kv_per_token)
     times, kv_read = times[:-1], kv_read[:-1]  # the last step finishes every request
     step = sum(times) / len(times)
-    return {"step_s": step, "bytes_per_step": weight_bytes + sum(kv_read) / len(kv_read)}
+    return {"step_s": step, "bytes_per_step": weight_bytes + sum(kv_read) / len(kv_read),
+            "graph_replay_s": graph_replay_s(engine, batch, steps), "breakdown": breakdown}
+
+
+def step_breakdown(engine: LLMEngine, batch: int, steps: int) -> dict:
+    """Where a decode step's wall time goes, at `batch` running requests (call while they decode): the
+    scheduler, the runner up to the graph launch (host metadata and copies), the sampler (which waits for the
+    GPU), and the engine's own bookkeeping (the rest)."""
+    runner, scheduler = engine.runner, engine.scheduler
+    spent = {"schedule": 0.0, "prepare_and_launch": 0.0, "gpu_wait_and_sample": 0.0}
+
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return wrapper
+
+    originals = scheduler.schedule, runner.graphs.run, runner.sampler
+    scheduler.schedule = timed("schedule", scheduler.schedule)
+    runner.graphs.run = timed("prepare_and_launch", runner.graphs.run)
+    runner.sampler = timed("gpu_wait_and_sample", runner.sampler)
+    total = 0.0
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            total += time.perf_counter() - t
+    finally:
+        scheduler.schedule, runner.graphs.run, runner.sampler = originals
+    parts = {k: v / steps for k, v in spent.items()}
+    return {"batch": batch, "step_s": total / steps, **{f"{k}_s": v for k, v in parts.items()},
+            "engine_rest_s": total / steps - sum(parts.values())}
+
+
+def kernel_profile(engine: LLMEngine, bucket: int, path: str) -> None:
+    """Per-kernel GPU time of a few eager decode forwards over the bucket's static buffers (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graphs._forward(bucket)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(table)
+    print(f"kernel profile, batch {bucket} (5 forwards):\n" + "\n".join(table.splitlines()[:16]), flush=True)
+
+
+def itl_of_shape(shape: str, bw: float, steps: int) -> dict:
+    """Batch-1 ITL of another model shape (its own random checkpoint and engine), next to its roofline."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        weight_bytes, _ = make_model(shape, model_dir)
+        engine = engine_for(model_dir, max_num_seqs=1, num_blocks=4096 // 16 + 8)
+        batch1_itl(engine, 64, 8)  # warm-up
+        itl = batch1_itl(engine, 512, steps)
+        del engine
+    torch.cuda.empty_cache()
+    roofline = weight_bytes / bw
+    return emit("batch1_itl", model=shape, weight_bytes=weight_bytes, **itl, roofline_s=roofline,
+                engine_vs_roofline=itl["engine_step_s"] / roofline,
+                graph_vs_roofline=(itl["graph_replay_s"] or float("nan")) / roofline)
+
+
+def summary(itls: list[dict], dec: dict) -> None:
+    """The roofline figures against their targets, as a table (printed last)."""
+    print("\n| figure | measured | roofline / HBM | ratio | target |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in itls:
+        target = TARGETS.get(r["model"])
+        ok = "" if target is None else f"≤ {target}× {'✓' if r['engine_vs_roofline'] <= target else '✗'}"
+        print(f"| {r['model']} batch-1 ITL, engine step | {r['engine_step_s'] * 1e3:.3f} ms | "
+              f"{r['roofline_s'] * 1e3:.3f} ms | {r['engine_vs_roofline']:.2f}× | {ok} |")
+        if r["graph_replay_s"] is not None:
+            print(f"| {r['model']} batch-1 CUDA graph replay | {r['graph_replay_s'] * 1e3:.3f} ms | "
+                  f"{r['roofline_s'] * 1e3:.3f} ms | {r['graph_vs_roofline']:.2f}× | |")
+    frac = dec["fraction_of_hbm"]
+    print(f"| {dec['model']} decode step, batch {dec['batch']} × {dec['context']} ctx | {dec['step_s'] * 1e3:.3f} ms |"
+          f" {dec['bytes_per_step'] / 1e9:.2f} GB | {frac:.1%} of HBM bw | ≥ {DECODE_TARGET:.0%} "
+          f"{'✓' if frac >= DECODE_TARGET else '✗'} |")
+    if dec.get("graph_fraction_of_hbm"):
+        print(f"| {dec['model']} same step, CUDA graph replay | {dec['graph_replay_s'] * 1e3:.3f} ms | | "
+              f"{dec['graph_fraction_of_hbm']:.1%} of HBM bw | |")
 
 
 @torch.inference_mode()
@@ -190,6 +291,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-hf-continuous", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few requests")
+    parser.add_argument("--profile-dir", help="write per-kernel GPU time tables (torch.profiler) here")
+    parser.add_argument("--itl-shapes", default="llama-3.2-3b",
+                        help="comma-separated other shapes whose batch-1 ITL is measured too ('' for none)")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.hf_requests, args.hf_batch, args.decode_batch = 16, 8, 8, 8
@@ -214,13 +318,28 @@ def main() -> None:
         ours_sub = emit("ours_throughput_hf_subset", requests=len(subset), seconds=seconds, output_tokens=tokens,
                         tok_per_s=tokens / seconds)
         itl = batch1_itl(engine, 512, 128)
-        emit("batch1_itl", **itl, roofline_s=roofline, engine_vs_roofline=itl["engine_step_s"] / roofline,
-             graph_vs_roofline=(itl["graph_replay_s"] or float("nan")) / roofline)
+        engine.add_request("breakdown", list(range(1000, 1512)), SamplingParams(temperature=0, max_tokens=20,
+                                                                              ignore_eos=True))
+        engine.step()
+        emit("step_breakdown", **step_breakdown(engine, 1, 16))
+        while engine.has_unfinished_requests():
+            engine.step()
+        if args.profile_dir:
+            kernel_profile(engine, 1, f"{args.profile_dir}/kernels_batch1.txt")
+        itls = [emit("batch1_itl", model=args.model, **itl, roofline_s=roofline,
+                     engine_vs_roofline=itl["engine_step_s"] / roofline,
+                     graph_vs_roofline=(itl["graph_replay_s"] or float("nan")) / roofline)]
         dec = decode_bandwidth(engine, args.decode_batch, 1000, 64, weight_bytes, kv_per_token)
-        emit("decode_step_bandwidth", batch=args.decode_batch, context=1000, **dec,
-             fraction_of_hbm=dec["bytes_per_step"] / dec["step_s"] / bw)
+        graph_fraction = dec["bytes_per_step"] / dec["graph_replay_s"] / bw if dec["graph_replay_s"] else None
+        dec = emit("decode_step_bandwidth", model=args.model, batch=args.decode_batch, context=1000, **dec,
+                   fraction_of_hbm=dec["bytes_per_step"] / dec["step_s"] / bw, graph_fraction_of_hbm=graph_fraction)
+        if args.profile_dir:
+            kernel_profile(engine, args.decode_batch, f"{args.profile_dir}/kernels_batch{args.decode_batch}.txt")
         del engine
         torch.cuda.empty_cache()
+        for shape in filter(None, args.itl_shapes.split(",")):
+            itls.append(itl_of_shape(shape, bw, 128))
+        summary(itls, dec)
         if args.skip_hf:
             return
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks for the engine, in one call: the roofline bench, the GPU tests, the decode
+# attention sweep. Logs under $OUT (or ./gpu-logs). Usage: bash tests/gpu/run_all.sh [bench args...]
+#   BENCH_S / TESTS_S / SWEEP_S: time limits of each part (seconds); 0 skips the part. TESTS_K: a pytest -k filter.
+set -o pipefail
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
+if [ "${BENCH_S:-240}" != 0 ]; then
+  echo "== bench"; timeout "${BENCH_S:-240}" python3 -m tests.bench.gpu_engine_vs_hf --model llama-3.2-1b --skip-hf \
+    --skip-hf-continuous --profile-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"; echo "bench rc=$?"
+fi
+if [ "${TESTS_S:-150}" != 0 ]; then
+  echo "== gpu tests"; timeout "${TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu \
+    ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
+  grep -E "passed|failed|error|Error|assert" "$OUT/gpu_tests.log" | tail -25
+fi
+if [ "${SWEEP_S:-0}" != 0 ]; then
+  echo "== decode attention sweep"; timeout $((SWEEP_S + 60)) python3 -m tests.gpu.sweep_decode_attention \
+    --budget-s "$SWEEP_S" > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?"; tail -8 "$OUT/sweep.log"
+fi
