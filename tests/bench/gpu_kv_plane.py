@@ -1,0 +1,186 @@
+"""The GPU KV data plane on one GPU: KV pull GB/s per backend next to the physical peers, then
+`disagg bench` of prefill→decode (1P1D) against one aggregated worker on the same GPU and workload.
+
+    python -m tests.bench.gpu_kv_plane --tokenizer-from DIR [--shape llama-3.2-3b] [--tokens 1500]
+
+DIR holds a tokenizer (tokenizer.json, tokenizer_config.json, ...: SmolLM2's is enough); the model is
+a random bf16 model of a real shape (tests.bench.gpu_engine_vs_hf.SHAPES). Part 1 starts a real prefill
+worker and pulls sessions of `--tokens` tokens from this process through each backend (KvPuller, the
+decode worker's own code: negotiation, the read, the release that proves the blocks were held), next
+to a plain cross-process CUDA IPC copy of the same bytes, a device→pinned-host copy and HBM bandwidth.
+Part 2 runs `disagg up` twice (--prefill 1 and --prefill 0) and `disagg bench` against each.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common.kv import cuda_ipc  # noqa: E402
+from common.kv.pull import KvPuller  # noqa: E402
+from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
+from common.kv.transfer import ChannelCache  # noqa: E402
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, make_model  # noqa: E402
+from tests.integration.processes import start_service  # noqa: E402
+
+GB = 1e9
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TARGETS = {"cuda_ipc_gbps": 100.0, "grpc_gbps": 5.0, "throughput_ratio": 0.9, "ttft_ratio": 1.3}
+
+
+def model_dir(shape: str, tokenizer_from: Path, root: Path) -> Path:
+    directory = root / shape
+    if not (directory / "config.json").exists():
+        make_model(shape, str(directory))
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).exists():
+                shutil.copy(tokenizer_from / name, directory / name)
+    return directory
+
+
+def prefill_session(stub: worker_pb2_grpc.PrefillerStub, tokens: int, rng: random.Random) -> common_pb2.KvSessionRef:
+    prompt = [rng.randrange(1000, 100_000) for _ in range(tokens)]
+    response = stub.Prefill(worker_pb2.PrefillRequest(
+        token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=2)), timeout=120)
+    return response.session
+
+
+async def pull_backend(address: str, backend: str, tokens: int, repeats: int) -> dict:
+    device = torch.device("cuda")
+    puller = KvPuller(ChannelCache(), device, (backend,))
+    rng = random.Random(0)
+    times, used, size = [], set(), 0
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.PrefillerStub(channel)
+        for i in range(repeats + 1):  # the first pull maps / connects: reported apart
+            ref = await asyncio.to_thread(prefill_session, stub, tokens, rng)
+            pulled = await puller.pull_and_release(ref, timeout_s=60)
+            used.add(pulled.backend)
+            size = pulled.num_bytes
+            if i == 0:
+                first = pulled.seconds
+            else:
+                times.append(pulled.seconds)
+    await puller.close()
+    median = statistics.median(times)
+    return emit("kv_pull", backend=backend, used=sorted(used), tokens=tokens, bytes=size,
+                median_ms=round(median * 1e3, 3), first_ms=round(first * 1e3, 3), gbps=round(size / median / GB, 2))
+
+
+def _time_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int = 20) -> float:
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def peer_copies(address: str, num_bytes: int) -> dict:
+    """A contiguous copy of the pull's bytes out of the prefill worker's cache mapped through CUDA IPC,
+    and a device→pinned-host copy of the same bytes: what the two kinds of backend could reach."""
+    with grpc.insecure_channel(address) as channel:
+        share = worker_pb2_grpc.TensorStoreStub(channel).OpenKvCache(
+            worker_pb2.OpenKvCacheRequest(backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC), timeout=30)
+    mapped = cuda_ipc.open_cache(share).view(-1).view(torch.uint8)[:num_bytes]
+    local = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    ipc_s, host_s = _time_copy(local, mapped), _time_copy(pinned, local)
+    return emit("peer_copies", bytes=num_bytes, cuda_ipc_copy_gbps=round(num_bytes / ipc_s / GB, 1),
+                pinned_d2h_gbps=round(num_bytes / host_s / GB, 1))
+
+
+def kv_pulls(model: Path, tokens: int, repeats: int) -> dict:
+    engine = ("--model", str(model), "--device", "cuda", "--dtype", "bfloat16", "--num-kv-blocks", "2048",
+              "--max-model-len", "4096", "--session-ttl", "120")
+    prefill = start_service("prefill", *engine, timeout_s=600)
+    try:
+        backends = ["cuda_ipc", *(["nixl"] if nixl_unavailable_reason() is None else []), "shm", "grpc"]
+        results = {b: asyncio.run(pull_backend(prefill.address, b, tokens, repeats)) for b in backends}
+        peers = peer_copies(prefill.address, results["cuda_ipc"]["bytes"])
+    finally:
+        prefill.stop()
+    return {"pulls": results, "peers": peers}
+
+
+def serve_and_bench(model: Path, prefill_workers: int, args: argparse.Namespace, out: Path) -> dict:
+    port = 50177 + prefill_workers
+    up = [sys.executable, "-m", "services", "up", "--model", str(model), "--device", "cuda", "--dtype", "bfloat16",
+          "--num-kv-blocks", "4096", "--max-model-len", "4096", "--router-port", str(port),
+          "--prefill", str(prefill_workers), "--decode", "1"]
+    log = open(out / f"up_{prefill_workers}p.log", "w")
+    cluster = subprocess.Popen(up, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "disagg is up" not in (out / f"up_{prefill_workers}p.log").read_text():
+            if cluster.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"disagg up failed:\n{(out / f'up_{prefill_workers}p.log').read_text()[-3000:]}")
+            time.sleep(1)
+        result = out / f"bench_{prefill_workers}p.json"
+        subprocess.run([sys.executable, "-m", "services", "bench", "--router", f"127.0.0.1:{port}",
+                        "--num-prompts", str(args.num_prompts), "--input-len", args.input_len,
+                        "--output-len", args.output_len, "--max-concurrency", str(args.concurrency),
+                        "--json", str(result)], check=True, timeout=900)
+        summary = json.loads(result.read_text())["summary"]
+    finally:
+        cluster.terminate()
+        cluster.wait(timeout=60)
+        log.close()
+    mode = "1P1D" if prefill_workers else "aggregated"
+    return emit("serving", mode=mode, completed=summary["completed"], failed=summary["failed"],
+                output_tok_s=round(summary["output_throughput"], 1),
+                ttft_mean_ms=round(summary["ttft"]["mean"] * 1e3, 1), ttft_p99_ms=round(summary["ttft"]["p99"] * 1e3, 1),
+                tpot_mean_ms=round(summary["tpot"]["mean"] * 1e3, 2), itl_p99_ms=round(summary["itl"]["p99"] * 1e3, 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer-from", type=Path, required=True)
+    parser.add_argument("--shape", default="llama-3.2-3b")
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "disagg-bench-models")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--tokens", type=int, default=1500)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", default="uniform:512:2048")
+    parser.add_argument("--output-len", default="fixed:128")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--skip-pulls", action="store_true")
+    parser.add_argument("--skip-serving", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = model_dir(args.shape, args.tokenizer_from, args.models)
+    emit("hbm", gbps=round(hbm_bandwidth() / GB, 1), device=torch.cuda.get_device_name())
+    if not args.skip_pulls:
+        figures = kv_pulls(model, args.tokens, args.repeats)
+        emit("targets", cuda_ipc_gbps=figures["pulls"]["cuda_ipc"]["gbps"], cuda_ipc_target=TARGETS["cuda_ipc_gbps"],
+             grpc_gbps=figures["pulls"]["grpc"]["gbps"], grpc_target=TARGETS["grpc_gbps"])
+    if not args.skip_serving:
+        torch.cuda.empty_cache()
+        disagg = serve_and_bench(model, 1, args, args.out)
+        aggregated = serve_and_bench(model, 0, args, args.out)
+        emit("serving_ratio", throughput=round(disagg["output_tok_s"] / aggregated["output_tok_s"], 3),
+             throughput_target=TARGETS["throughput_ratio"],
+             ttft=round(disagg["ttft_mean_ms"] / aggregated["ttft_mean_ms"], 3), ttft_target=TARGETS["ttft_ratio"])
+
+
+if __name__ == "__main__":
+    main()

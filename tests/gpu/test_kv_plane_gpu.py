@@ -1,0 +1,61 @@
+"""The KV data plane on a GPU, between real prefill and decode processes: cuda_ipc (GPU→GPU, no host
+copy), nixl (VRAM, when NIXL runs) and grpc (side-stream gather into pinned memory) each give the
+aggregated engine's greedy tokens, and cancels leave no block held on either worker. Skipped without CUDA.
+
+    python -m pytest -q -s tests/gpu/test_kv_plane_gpu.py      # on the GPU machine
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import LLMEngine  # noqa: E402
+from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
+from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff  # noqa: E402
+from tests.integration.processes import start_services, stop_cleanly  # noqa: E402
+from tests.integration.worker_client import WorkerClient  # noqa: E402
+
+ENGINE_ARGS = ("--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64")
+PROMPT = list(range(3, 40))  # 37 tokens: ten blocks of 4, the last partial
+BACKENDS_HERE = ["cuda_ipc", *(["nixl"] if nixl_unavailable_reason() is None else []), "grpc"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama) -> Iterator[dict]:
+    args = ("--model", tiny_llama, *ENGINE_ARGS)
+    specs = [("prefill", args), ("decode", args)] + [("decode", (*args, "--kv-transfer-backends", b))
+                                                     for b in BACKENDS_HERE]
+    processes = start_services(specs)
+    clients = [WorkerClient.connect(p) for p in processes]
+    try:
+        yield {"prefill": clients[0], "decode_any": clients[1], **dict(zip(BACKENDS_HERE, clients[2:]))}
+    finally:
+        for client in clients:
+            client.channel.close()
+        stop_cleanly(processes)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_llama, device="cuda", block_size=4, num_kv_blocks=64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_each_backend_on_the_gpu_hands_off_the_aggregated_tokens(cluster, reference, backend):
+    usage = check_handoff(cluster["prefill"], cluster[backend], reference, PROMPT, backend, max_tokens=24)
+    print(f"{backend}: {usage.kv_transfer_bytes} bytes in {usage.kv_transfer_ms:.3f} ms")
+
+
+def test_cuda_ipc_is_chosen_when_both_workers_share_the_gpu(cluster, reference):
+    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, "cuda_ipc")
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_cancels_on_the_gpu_free_every_block_on_both_workers(cluster, backend):
+    check_cancels_free_everything(cluster["prefill"], cluster[backend], PROMPT)
