@@ -1,0 +1,331 @@
+"""The NIXL KV data plane: the importer reads a session's blocks straight out of the exporter's cache.
+
+The exporter (prefill) registers its whole KV cache tensor once with a UCX-backed NIXL agent and
+publishes a NixlCacheInfo (agent name + metadata, base address, geometry). The importer (decode)
+adds the exporter's agent once (cached by name, re-added when its metadata changes), registers the
+destination tensor for the read, and issues one READ of every (layer, k|v, block) region with
+no copy on the exporter's side. Over DRAM on a CPU-only host UCX uses shared memory or TCP; on a
+GPU host the same code reads VRAM (cuda_ipc / RDMA transports).
+
+Cache layout (common/engine/model_runner.py): kv_cache is one contiguous tensor
+[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], so the region of block b of
+(layer l, k|v) is `region_bytes` long at byte offset ((l * 2 + kv) * num_blocks + b) * region_bytes.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from types import ModuleType
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from common.errors import FailedPrecondition, InvalidRequest, LayoutMismatch, Unavailable
+
+log = logging.getLogger(__name__)
+
+# `nixl` is the meta package (it picks nixl_cu13 / nixl_cu12 by torch's CUDA version); a bare
+# nixl-cu13 or nixl-cu12 wheel is enough on its own.
+_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+MEM_TYPES = ("DRAM", "VRAM")
+DEFAULT_TIMEOUT_S = 30.0
+_FIRST_POLL_S = 0.00005
+_MAX_POLL_S = 0.002
+
+
+class NixlUnavailable(FailedPrecondition):
+    """NIXL (with its UCX backend) cannot be used in this process."""
+
+
+class TransferFailed(Unavailable):
+    """A NIXL read did not complete: the peer went away, refused the descriptors, or timed out."""
+
+
+@lru_cache(maxsize=1)
+def _api() -> ModuleType:
+    failures = []
+    for name in _API_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            failures.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+        return module
+    raise NixlUnavailable("NIXL is not installed (pip install 'disagg[nixl]'): " + "; ".join(failures))
+
+
+def _new_agent(prefix: str) -> Any:
+    api = _api()
+    name = f"disagg-{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    config = api.nixl_agent_config(
+        enable_prog_thread=True,  # the exporter's UCX worker must progress reads while it is idle
+        backends=["UCX"],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    try:
+        agent = api.nixl_agent(name, config)
+    except Exception as exc:
+        raise NixlUnavailable(f"cannot create a NIXL agent: {_one_line(exc)}") from exc
+    if "UCX" not in agent.backends:
+        raise NixlUnavailable(f"NIXL has no UCX backend here (plugins: {', '.join(agent.get_plugin_list())})")
+    return agent
+
+
+@lru_cache(maxsize=1)
+def nixl_unavailable_reason() -> str | None:
+    """None when NIXL with its UCX backend works in this process, else a one-line reason. Never raises."""
+    try:
+        agent = _new_agent("probe")
+        if "DRAM_SEG" not in agent.get_backend_mem_types("UCX"):
+            return "NIXL's UCX backend cannot register host memory (DRAM)"
+        return None
+    except Exception as exc:  # the probe reports every failure as a reason, whatever its type
+        return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _mem_type(tensor: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", tensor.get_device()) if tensor.is_cuda else ("DRAM", 0)
+
+
+@dataclass(frozen=True)
+class NixlCacheInfo:
+    """What an exporter publishes about its registered cache; the importer needs nothing else to read it."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_layers: int
+    num_blocks: int
+    region_bytes: int
+    mem_type: str
+    device_id: int
+
+    def to_fields(self) -> dict[str, int | str | bytes]:
+        """Plain values (str, bytes, ints) keyed by field name, for a protobuf message of the same fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> NixlCacheInfo:
+        """The inverse of to_fields (also takes a protobuf message's fields); InvalidRequest when malformed."""
+        try:
+            info = cls(
+                agent_name=str(fields["agent_name"]), agent_metadata=bytes(fields["agent_metadata"]),
+                base_addr=int(fields["base_addr"]), num_layers=int(fields["num_layers"]),
+                num_blocks=int(fields["num_blocks"]), region_bytes=int(fields["region_bytes"]),
+                mem_type=str(fields["mem_type"]), device_id=int(fields["device_id"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"malformed NIXL cache info: {_one_line(exc)}") from None
+        info.validate()
+        return info
+
+    def validate(self) -> None:
+        if not self.agent_name or not self.agent_metadata:
+            raise InvalidRequest("NIXL cache info needs an agent name and its metadata")
+        if self.mem_type not in MEM_TYPES:
+            raise InvalidRequest(f"NIXL cache info mem_type {self.mem_type!r} is not one of {MEM_TYPES}")
+        if min(self.base_addr, self.num_layers, self.num_blocks, self.region_bytes) <= 0 or self.device_id < 0:
+            raise InvalidRequest(f"NIXL cache info has a non-positive address or size: {self.geometry()}")
+
+    def geometry(self) -> str:
+        return f"{self.num_layers} layers x 2 x {self.num_blocks} blocks x {self.region_bytes} B"
+
+
+class NixlExporter:
+    """Registers one worker's whole KV cache with a NIXL agent once; peers read blocks out of it."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
+            raise LayoutMismatch(f"NIXL export needs a contiguous [L, 2, blocks, bs, H, D] cache, got {tuple(kv_cache.shape)}")
+        self._cache = kv_cache
+        self._agent = _new_agent("export")
+        try:
+            self._registration = self._agent.register_memory(kv_cache, backends=["UCX"])
+        except Exception as exc:
+            raise NixlUnavailable(f"cannot register the KV cache with NIXL: {_one_line(exc)}") from exc
+        mem_type, device_id = _mem_type(kv_cache)
+        self._info = NixlCacheInfo(
+            agent_name=self._agent.name, agent_metadata=self._agent.get_agent_metadata(),
+            base_addr=kv_cache.data_ptr(), num_layers=kv_cache.shape[0], num_blocks=kv_cache.shape[2],
+            region_bytes=kv_cache[0, 0, 0].numel() * kv_cache.element_size(),
+            mem_type=mem_type, device_id=device_id,
+        )
+
+    def info(self) -> NixlCacheInfo:
+        return self._info
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._agent.deregister_memory(self._registration, backends=["UCX"])
+            self._registration = None
+
+
+def _read_descs(peer: NixlCacheInfo, block_ids: np.ndarray, out: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) Nx3 descriptor arrays (address, length, device), one row per (layer, k|v, block)."""
+    region = np.uint64(peer.region_bytes)
+    planes = np.arange(peer.num_layers * 2, dtype=np.uint64)[:, None]
+    remote_addr = np.uint64(peer.base_addr) + (planes * np.uint64(peer.num_blocks) + block_ids[None, :]) * region
+    local_addr = np.uint64(out.data_ptr()) + np.arange(remote_addr.size, dtype=np.uint64) * region
+    local_device = _mem_type(out)[1]
+    rows = remote_addr.size
+    local = np.stack([local_addr, np.full(rows, region), np.full(rows, local_device, dtype=np.uint64)], axis=1)
+    remote = np.stack([remote_addr.ravel(), np.full(rows, region), np.full(rows, peer.device_id, dtype=np.uint64)], axis=1)
+    return local, remote
+
+
+def validate_read(peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor) -> np.ndarray:
+    """Refuse a read that does not fit, before any byte moves; returns the block ids as uint64."""
+    peer.validate()
+    ids = np.asarray(list(block_ids), dtype=np.int64)
+    if ids.size == 0:
+        raise InvalidRequest("a NIXL read needs at least one block id")
+    bad = ids[(ids < 0) | (ids >= peer.num_blocks)]
+    if bad.size:
+        raise InvalidRequest(f"block ids {bad[:8].tolist()} are outside the peer's cache of {peer.num_blocks} blocks")
+    if out.dim() != 6 or out.shape[1] != 2 or out.shape[2] != ids.size or not out.is_contiguous():
+        raise LayoutMismatch(f"NIXL read target must be a contiguous [L, 2, {ids.size}, bs, H, D] tensor, got {tuple(out.shape)}")
+    if out.shape[0] != peer.num_layers:
+        raise LayoutMismatch(f"layer count: exporter={peer.num_layers} importer={out.shape[0]}")
+    expected = peer.num_layers * 2 * ids.size * peer.region_bytes
+    if out.numel() * out.element_size() != expected:
+        raise LayoutMismatch(f"NIXL read target holds {out.numel() * out.element_size()} bytes, the peer's "
+                             f"{ids.size} blocks are {expected} ({peer.geometry()})")
+    return ids.astype(np.uint64)
+
+
+class _Read:
+    """One posted READ: its transfer handle and the registration of its target, released exactly once."""
+
+    def __init__(self, agent: Any, peer: NixlCacheInfo, ids: np.ndarray, out: torch.Tensor) -> None:
+        self.agent, self.peer = agent, peer
+        self.handle = None
+        self.registration = agent.register_memory(out, backends=["UCX"])
+        try:
+            local, remote = _read_descs(peer, ids, out)
+            self.handle = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(local, _mem_type(out)[0]),
+                agent.get_xfer_descs(remote, peer.mem_type), peer.agent_name, backends=["UCX"])
+            self.state = agent.transfer(self.handle)
+        except BaseException:
+            self.release()
+            raise
+
+    def poll(self) -> str:
+        if self.state == "PROC":
+            self.state = self.agent.check_xfer_state(self.handle)
+        return self.state
+
+    def release(self) -> None:
+        try:
+            if self.handle is not None:
+                self.agent.release_xfer_handle(self.handle)
+        except Exception as exc:  # an active transfer NIXL could not cancel: do not free its target
+            log.error("NIXL read from %s could not be released: %s", self.peer.agent_name, _one_line(exc))
+            return
+        finally:
+            self.handle = None
+        if self.registration is not None:
+            self.agent.deregister_memory(self.registration, backends=["UCX"])
+            self.registration = None
+
+
+class NixlImporter:
+    """Reads sessions' blocks from peers' registered caches; one per worker, peers added once and cached."""
+
+    def __init__(self) -> None:
+        self._agent = _new_agent("import")
+        self._peers: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def read_blocks(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Blocking read of `block_ids` of every layer and k/v from `peer` into `out` [L, 2, n, bs, H, D]."""
+        read = self._start(peer, block_ids, out)
+        deadline, pause = time.monotonic() + timeout_s, _FIRST_POLL_S
+        try:
+            while read.poll() == "PROC" and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, _MAX_POLL_S)
+            self._check(read, timeout_s)
+        finally:
+            read.release()
+
+    async def read_blocks_async(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor,
+                                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """read_blocks for an event loop: posts the READ, then polls its state between short sleeps."""
+        read = self._start(peer, block_ids, out)
+        deadline, pause = time.monotonic() + timeout_s, _FIRST_POLL_S
+        try:
+            while read.poll() == "PROC" and time.monotonic() < deadline:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _MAX_POLL_S)
+            self._check(read, timeout_s)
+        finally:
+            read.release()
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._peers)
+
+    def forget_peer(self, agent_name: str) -> None:
+        """Drop a peer's metadata and connection (its worker restarted or left)."""
+        with self._lock:
+            if self._peers.pop(agent_name, None) is not None:
+                try:
+                    self._agent.remove_remote_agent(agent_name)
+                except Exception as exc:
+                    log.warning("NIXL could not remove peer %s: %s", agent_name, _one_line(exc))
+
+    def close(self) -> None:
+        for name in self.peers():
+            self.forget_peer(name)
+
+    def _start(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor) -> _Read:
+        ids = validate_read(peer, block_ids, out)
+        self._add_peer(peer)
+        try:
+            return _Read(self._agent, peer, ids, out)
+        except Exception as exc:
+            self.forget_peer(peer.agent_name)
+            raise TransferFailed(f"NIXL read from {peer.agent_name} could not start: {_one_line(exc)}") from exc
+
+    def _check(self, read: _Read, timeout_s: float) -> None:
+        state = read.state
+        if state == "DONE":
+            return
+        self.forget_peer(read.peer.agent_name)  # a fresh connection (or fresh metadata) next time
+        why = f"timed out after {timeout_s:g} s" if state == "PROC" else "failed (the peer is gone or refused the read)"
+        raise TransferFailed(f"NIXL read of {read.peer.geometry()} from {read.peer.agent_name} {why}")
+
+    def _add_peer(self, peer: NixlCacheInfo) -> None:
+        with self._lock:
+            known = self._peers.get(peer.agent_name)
+            if known == peer.agent_metadata:
+                return
+            if known is not None:
+                self._agent.remove_remote_agent(peer.agent_name)
+                del self._peers[peer.agent_name]
+            try:
+                added = self._agent.add_remote_agent(peer.agent_metadata)
+                added = added.decode() if isinstance(added, bytes) else added
+            except Exception as exc:
+                raise TransferFailed(f"cannot add NIXL peer {peer.agent_name}: {_one_line(exc)}") from exc
+            if added != peer.agent_name:
+                self._agent.remove_remote_agent(added)
+                raise InvalidRequest(f"NIXL metadata names agent {added!r}, the cache info names {peer.agent_name!r}")
+            self._peers[peer.agent_name] = peer.agent_metadata

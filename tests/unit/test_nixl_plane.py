@@ -1,0 +1,203 @@
+"""The NIXL KV data plane over DRAM: an exporter process publishes its caches, this process reads blocks."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from common.errors import InvalidRequest, LayoutMismatch, Unavailable
+from common.kv.nixl_plane import (
+    NixlCacheInfo,
+    NixlExporter,
+    NixlImporter,
+    TransferFailed,
+    nixl_unavailable_reason,
+    validate_read,
+)
+
+SHAPE = (3, 2, 16, 4, 2, 8)  # layers, k|v, blocks, block size, kv heads, head dim
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+START_TIMEOUT_S = 120.0
+
+needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
+                                reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
+
+
+def fill_cache(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """The same known values in every process."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _serve_caches(conn: Connection, shape: tuple[int, ...], dtypes: dict[str, torch.dtype]) -> None:
+    exporters = {name: NixlExporter(fill_cache(shape, dtype)) for name, dtype in dtypes.items()}
+    conn.send({name: exporter.info().to_fields() for name, exporter in exporters.items()})
+    conn.recv()  # until told to stop (or the parent goes away)
+    for exporter in exporters.values():
+        exporter.close()
+
+
+class ExporterProcess:
+    """A spawned process holding one NixlExporter per dtype over caches filled by fill_cache."""
+
+    def __init__(self, shape: tuple[int, ...] = SHAPE, dtypes: dict[str, torch.dtype] = DTYPES) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_serve_caches, args=(child_conn, shape, dtypes), daemon=True)
+        self.process.start()
+        child_conn.close()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError(f"the exporter process did not publish its caches (exit code {self.process.exitcode})")
+        self.infos = {name: NixlCacheInfo.from_fields(fields) for name, fields in self._conn.recv().items()}
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send("stop")
+            except OSError:
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def exporter_process():
+    process = ExporterProcess()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def importer():
+    importer = NixlImporter()
+    try:
+        yield importer
+    finally:
+        importer.close()
+
+
+def _count_calls(monkeypatch, target, name: str) -> list[int]:
+    calls: list[int] = []
+    original = getattr(target, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, counted)
+    return calls
+
+
+def _out(dtype: torch.dtype, num_blocks: int) -> torch.Tensor:
+    return torch.zeros(SHAPE[0], 2, num_blocks, *SHAPE[3:], dtype=dtype)
+
+
+def _info(**changes) -> NixlCacheInfo:
+    info = NixlCacheInfo(agent_name="disagg-export-1-abc", agent_metadata=b"not a real agent", base_addr=4096,
+                         num_layers=SHAPE[0], num_blocks=SHAPE[2], region_bytes=4 * 2 * 8 * 4,
+                         mem_type="DRAM", device_id=0)
+    return dataclasses.replace(info, **changes)
+
+
+def test_cache_info_round_trips_through_plain_fields():
+    info = _info()
+    fields = info.to_fields()
+    assert all(isinstance(value, (int, str, bytes)) for value in fields.values())
+    assert NixlCacheInfo.from_fields(fields) == info
+
+
+@pytest.mark.parametrize("changes", [{"mem_type": "HBM"}, {"num_blocks": 0}, {"agent_metadata": b""}])
+def test_cache_info_from_fields_refuses_malformed_values(changes):
+    with pytest.raises(InvalidRequest):
+        NixlCacheInfo.from_fields({**_info().to_fields(), **changes})
+    with pytest.raises(InvalidRequest, match="malformed"):
+        NixlCacheInfo.from_fields({key: value for key, value in _info().to_fields().items() if key != "base_addr"})
+
+
+def test_read_validation_refuses_layouts_that_do_not_fit():
+    peer = _info()
+    validate_read(peer, [0, 15], _out(torch.float32, 2))
+    with pytest.raises(LayoutMismatch, match="layer count"):
+        validate_read(dataclasses.replace(peer, num_layers=4), [0, 15], _out(torch.float32, 2))
+    with pytest.raises(LayoutMismatch, match="bytes"):
+        validate_read(peer, [0, 15], _out(torch.bfloat16, 2))
+    with pytest.raises(LayoutMismatch, match=r"\[L, 2, 3"):
+        validate_read(peer, [0, 1, 2], _out(torch.float32, 2))
+    with pytest.raises(InvalidRequest, match="at least one"):
+        validate_read(peer, [], _out(torch.float32, 0))
+
+
+@needs_nixl
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_read_blocks_copies_scattered_blocks_byte_for_byte(exporter_process, importer, dtype_name):
+    dtype = DTYPES[dtype_name]
+    ids = [13, 2, 7, 0, 15, 7]
+    out = _out(dtype, len(ids))
+    importer.read_blocks(exporter_process.infos[dtype_name], ids, out)
+    expected = fill_cache(SHAPE, dtype)[:, :, ids]
+    assert torch.equal(out.view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+
+@needs_nixl
+def test_async_read_polls_without_blocking_the_loop(exporter_process, importer):
+    ids = [3, 9, 4]
+    out = _out(torch.float32, len(ids))
+
+    async def read_while_ticking() -> None:
+        ticker = asyncio.create_task(asyncio.sleep(0))
+        await importer.read_blocks_async(exporter_process.infos["float32"], ids, out)
+        assert ticker.done()  # the loop ran other tasks while the read was in flight
+
+    asyncio.run(read_while_ticking())
+    assert torch.equal(out, fill_cache(SHAPE, torch.float32)[:, :, ids])
+
+
+@needs_nixl
+def test_repeated_reads_reuse_the_added_peer(exporter_process, importer, monkeypatch):
+    adds = _count_calls(monkeypatch, importer._agent, "add_remote_agent")
+    info = exporter_process.infos["float32"]
+    for ids in ([1], [5, 6], [1]):
+        importer.read_blocks(info, ids, _out(torch.float32, len(ids)))
+    assert len(adds) == 1 and importer.peers() == [info.agent_name]
+    importer.forget_peer(info.agent_name)
+    importer.read_blocks(info, [8], _out(torch.float32, 1))
+    assert len(adds) == 2
+
+
+@needs_nixl
+def test_out_of_range_block_ids_are_refused_before_any_transfer(exporter_process, importer, monkeypatch):
+    transfers = _count_calls(monkeypatch, importer._agent, "transfer")
+    info = exporter_process.infos["float32"]
+    for ids in ([0, SHAPE[2]], [-1]):
+        with pytest.raises(InvalidRequest, match="outside the peer's cache of 16 blocks"):
+            importer.read_blocks(info, ids, _out(torch.float32, len(ids)))
+    assert transfers == [] and importer.peers() == []
+
+
+@needs_nixl
+def test_read_from_an_exporter_that_went_away_raises_transfer_failed(importer):
+    process = ExporterProcess()
+    try:
+        connected, never_added = process.infos["float32"], process.infos["bfloat16"]
+        importer.read_blocks(connected, [1], _out(torch.float32, 1))
+    finally:
+        process.kill()
+    for info, dtype in ((connected, torch.float32), (never_added, torch.bfloat16)):
+        started = time.monotonic()
+        with pytest.raises(TransferFailed) as raised:
+            importer.read_blocks(info, [1, 2], _out(dtype, 2), timeout_s=20)
+        assert isinstance(raised.value, Unavailable) and info.agent_name in str(raised.value)
+        assert time.monotonic() - started < 15, "a dead exporter must fail the read, not hang it"
+    assert importer.peers() == []
