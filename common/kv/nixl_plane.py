@@ -23,7 +23,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from types import ModuleType
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -208,6 +208,23 @@ def validate_read(peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tens
     return ids.astype(np.uint64)
 
 
+def _queued_work(out: torch.Tensor) -> torch.cuda.Event | None:
+    """An event after the work queued on out's CUDA stream: NIXL must not write into memory still in use."""
+    if not out.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(out.device))
+    return event
+
+
+def _pauses(deadline: float) -> Iterator[float]:
+    """Sleeps between polls: from 50 us doubling to 2 ms, until the deadline."""
+    pause = _FIRST_POLL_S
+    while time.monotonic() < deadline:
+        yield pause
+        pause = min(pause * 2, _MAX_POLL_S)
+
+
 class _Read:
     """One posted READ: its transfer handle and the registration of its target, released exactly once."""
 
@@ -255,12 +272,17 @@ class NixlImporter:
     def read_blocks(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Blocking read of `block_ids` of every layer and k/v from `peer` into `out` [L, 2, n, bs, H, D]."""
-        read = self._start(peer, block_ids, out)
-        deadline, pause = time.monotonic() + timeout_s, _FIRST_POLL_S
+        ids = validate_read(peer, block_ids, out)
+        deadline = time.monotonic() + timeout_s
+        queued = _queued_work(out)
+        if queued is not None:
+            queued.synchronize()
+        read = self._start(peer, ids, out)
         try:
-            while read.poll() == "PROC" and time.monotonic() < deadline:
+            for pause in _pauses(deadline):
+                if read.poll() != "PROC":
+                    break
                 time.sleep(pause)
-                pause = min(pause * 2, _MAX_POLL_S)
             self._check(read, timeout_s)
         finally:
             read.release()
@@ -268,12 +290,17 @@ class NixlImporter:
     async def read_blocks_async(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor,
                                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """read_blocks for an event loop: posts the READ, then polls its state between short sleeps."""
-        read = self._start(peer, block_ids, out)
-        deadline, pause = time.monotonic() + timeout_s, _FIRST_POLL_S
+        ids = validate_read(peer, block_ids, out)
+        deadline = time.monotonic() + timeout_s
+        queued = _queued_work(out)
+        while queued is not None and not queued.query():
+            await asyncio.sleep(_MAX_POLL_S)
+        read = self._start(peer, ids, out)
         try:
-            while read.poll() == "PROC" and time.monotonic() < deadline:
+            for pause in _pauses(deadline):
+                if read.poll() != "PROC":
+                    break
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, _MAX_POLL_S)
             self._check(read, timeout_s)
         finally:
             read.release()
@@ -295,8 +322,7 @@ class NixlImporter:
         for name in self.peers():
             self.forget_peer(name)
 
-    def _start(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor) -> _Read:
-        ids = validate_read(peer, block_ids, out)
+    def _start(self, peer: NixlCacheInfo, ids: np.ndarray, out: torch.Tensor) -> _Read:
         self._add_peer(peer)
         try:
             return _Read(self._agent, peer, ids, out)
