@@ -210,12 +210,21 @@ def kernel_profile(engine: LLMEngine, bucket: int, path: str) -> None:
     print(f"kernel profile, batch {bucket} (5 forwards):\n" + "\n".join(table.splitlines()[:16]), flush=True)
 
 
+def gemv_choices() -> list[dict]:
+    """What the batch-1 linear layers run: the Triton GEMV where it timed no slower than cuBLAS (+2 µs)."""
+    from common.engine.kernels import gemv
+
+    return [{"n": k[0], "k": k[1], "gemv_us": round(t[0], 2), "cublas_us": round(t[1], 2),
+             "uses_gemv": t[0] <= t[1] + 2.0} for k, t in gemv.timings_us.items()]
+
+
 def itl_of_shape(shape: str, bw: float, steps: int) -> dict:
     """Batch-1 ITL of another model shape (its own random checkpoint and engine), next to its roofline."""
     with tempfile.TemporaryDirectory() as model_dir:
         weight_bytes, _ = make_model(shape, model_dir)
         engine = engine_for(model_dir, max_num_seqs=1, num_blocks=4096 // 16 + 8)
         batch1_itl(engine, 64, 8)  # warm-up
+        emit("gemv_choices", model=shape, shapes=gemv_choices())
         itl = batch1_itl(engine, 512, steps)
         del engine
     torch.cuda.empty_cache()
@@ -309,6 +318,7 @@ def main() -> None:
         t = time.perf_counter()
         engine = engine_for(model_dir, max_num_seqs=256, num_blocks=256 * 2048 // 16 + 64)
         emit("engine_startup", seconds=time.perf_counter() - t, cuda_graph_buckets=engine.runner.graphs.buckets)
+        emit("gemv_choices", model=args.model, shapes=gemv_choices())
         run_engine(engine, workload(4, 99, vocab))  # warm-up: prefill kernel shapes, allocator
         seconds, tokens = run_engine(engine, work)
         ours_all = emit("ours_throughput", requests=len(work), seconds=seconds, output_tokens=tokens,

@@ -2,7 +2,9 @@
 
 - `rms_norm`, `add_rms_norm`: RMSNorm, with the residual add fused in (one pass over the row);
 - `silu_and_mul`: the MLP's activation over the fused gate ‖ up output;
-- `rope_store_kv`: per-head q/k norms (Qwen3), RoPE, and the K/V cache write in one kernel.
+- `rope_store_kv`: per-head q/k norms (Qwen3), RoPE, and the K/V cache write in one kernel;
+- `norm_linear`, `silu_linear`, `linear`: a linear layer with the op before it; at one row on CUDA a Triton
+  GEMV with that op fused in (gemv.py), where it measured no slower than cuBLAS for the weight's shape.
 A Triton kernel is used only for CUDA tensors with triton installed, so the CPU path never imports it.
 """
 from __future__ import annotations
@@ -23,6 +25,17 @@ def _triton():
     from common.engine.kernels import triton_ops
 
     return triton_ops
+
+
+@cache
+def _gemv():
+    from common.engine.kernels import gemv
+
+    return gemv
+
+
+def _gemv_applies(x: torch.Tensor, layer: nn.Linear) -> bool:
+    return _on_gpu(x) and x.dim() == 2 and x.shape[0] == 1 and _gemv().applies(x, layer.weight, layer.bias)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -58,3 +71,27 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     impl = _triton() if _on_gpu(qkv) else reference
     return impl.rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim,
                               *norms)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(x + residual)), x + residual); without a residual, (layer(norm(x)), x)."""
+    if residual is not None and _gemv_applies(x, layer):
+        return _gemv().gemv(x, layer.weight, layer.bias, "add_norm", residual, (norm.weight, norm.eps))
+    if residual is None:
+        return linear(rms_norm(x, norm.weight, norm.eps), layer), x
+    h, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+    return linear(h, layer), residual
+
+
+def silu_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(silu(gate) · up) of gate_up = gate ‖ up."""
+    if _gemv_applies(gate_up, layer):
+        return _gemv().gemv(gate_up, layer.weight, layer.bias, "silu_mul")
+    return layer(silu_and_mul(gate_up))
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    if _gemv_applies(x, layer):
+        return _gemv().gemv(x, layer.weight, layer.bias)
+    return layer(x)

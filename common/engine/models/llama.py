@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.engine.attention import TorchAttentionMetadata, TorchPagedAttention
-from common.engine.kernels import add_rms_norm, rms_norm, rope_store_kv, silu_and_mul
+from common.engine.kernels import add_rms_norm, linear, norm_linear, rms_norm, rope_store_kv, silu_linear
 from common.errors import InvalidConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -103,16 +103,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, positions: torch.Tensor, rope, kv_cache, meta, backend: TorchPagedAttention) -> torch.Tensor:
-        """rope: (cos, sin) [T, D] for a backend that stores K/V itself; else the rotary cos_sin_cache
+    def forward(self, qkv, positions: torch.Tensor, rope, kv_cache, meta, backend: TorchPagedAttention) -> torch.Tensor:
+        """qkv: this layer's qkv_proj output (the decoder layer runs it, fused with the norm before it).
+        rope: (cos, sin) [T, D] for a backend that stores K/V itself; else the rotary cos_sin_cache
         [max_positions, D], and one kernel applies q/k norms and RoPE while it writes K and V into the cache."""
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        T = qkv.shape[0]
         if getattr(backend, "fused_rope_store", False):
             q = rope_store_kv(qkv, positions, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
                               self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
             out = backend.attend(q, kv_cache, meta, self.scale, self.window)
-            return self.o_proj(out.reshape(T, -1))
+            return linear(out.reshape(T, -1), self.o_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(T, -1))
+        return linear(out.reshape(T, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -132,8 +132,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: this layer's gate_up_proj output (the decoder layer runs it, fused with the norm before it)."""
+        return silu_linear(gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -146,13 +147,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rope, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller's next norm adds the two."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+        h = self.self_attn(qkv, positions, rope, kv_cache, meta, backend)
+        gate_up, residual = norm_linear(h, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -212,4 +210,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head).float()
