@@ -96,13 +96,18 @@ class Child:
             self.restart_at = None
             self.restarts += 1
             if self.address:  # the same port: the router (or the workers' clients) keep their address
-                self.args = [*self.args, "--port", self.address.rsplit(":", 1)[1]]
+                self.args = _with_port(self.args, self.address.rsplit(":", 1)[1])
             self._spawn()
 
     def stop(self) -> None:
         self.restart_at = None
         if self.alive:
             self.process.send_signal(signal.SIGTERM)
+
+
+def _with_port(args: list[str], port: str) -> list[str]:
+    kept = [a for i, a in enumerate(args) if a != "--port" and (i == 0 or args[i - 1] != "--port")]
+    return [*kept, "--port", port]
 
 
 def wait_ready(children: list[Child], timeout_s: float) -> None:
