@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from common.errors import FailedPrecondition, InvalidRequest, LayoutMismatch, Unavailable
+from common.errors import DisaggError, FailedPrecondition, InvalidRequest, LayoutMismatch, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def nixl_unavailable_reason() -> str | None:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text if isinstance(exc, DisaggError) else f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
 def _mem_type(tensor: torch.Tensor) -> tuple[str, int]:
@@ -176,16 +176,21 @@ class NixlExporter:
 
 
 def _read_descs(peer: NixlCacheInfo, block_ids: np.ndarray, out: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(local, remote) Nx3 descriptor arrays (address, length, device), one row per (layer, k|v, block)."""
-    region = np.uint64(peer.region_bytes)
+    """(local, remote) Nx3 descriptor arrays (address, length, device): one row per (layer, k|v, run of
+    consecutive block ids), since a run is contiguous on both sides and one descriptor costs one copy."""
+    region, n = np.uint64(peer.region_bytes), block_ids.size
+    starts = np.flatnonzero(np.diff(block_ids.astype(np.int64), prepend=-2) != 1).astype(np.uint64)
+    lengths = np.diff(starts, append=np.uint64(n)) * region
     planes = np.arange(peer.num_layers * 2, dtype=np.uint64)[:, None]
-    remote_addr = np.uint64(peer.base_addr) + (planes * np.uint64(peer.num_blocks) + block_ids[None, :]) * region
-    local_addr = np.uint64(out.data_ptr()) + np.arange(remote_addr.size, dtype=np.uint64) * region
-    local_device = _mem_type(out)[1]
+    remote_addr = np.uint64(peer.base_addr) + (planes * np.uint64(peer.num_blocks) + block_ids[starts][None, :]) * region
+    local_addr = np.uint64(out.data_ptr()) + (planes * np.uint64(n) + starts[None, :]) * region
     rows = remote_addr.size
-    local = np.stack([local_addr, np.full(rows, region), np.full(rows, local_device, dtype=np.uint64)], axis=1)
-    remote = np.stack([remote_addr.ravel(), np.full(rows, region), np.full(rows, peer.device_id, dtype=np.uint64)], axis=1)
-    return local, remote
+    length = np.broadcast_to(lengths[None, :], remote_addr.shape).ravel()
+
+    def descs(addr: np.ndarray, device: int) -> np.ndarray:
+        return np.stack([addr.ravel(), length, np.full(rows, device, dtype=np.uint64)], axis=1)
+
+    return descs(local_addr, _mem_type(out)[1]), descs(remote_addr, peer.device_id)
 
 
 def validate_read(peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor) -> np.ndarray:

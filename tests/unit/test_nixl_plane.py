@@ -28,13 +28,13 @@ needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
                                 reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
 
 
-def fill_cache(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+def fill_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """The same known values in every process."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
 
 
-def _serve_caches(conn: Connection, shape: tuple[int, ...], dtypes: dict[str, torch.dtype]) -> None:
-    exporters = {name: NixlExporter(fill_cache(shape, dtype)) for name, dtype in dtypes.items()}
+def _serve_caches(conn: Connection, shape: tuple[int, ...], dtypes: dict[str, torch.dtype], device: str) -> None:
+    exporters = {name: NixlExporter(fill_cache(shape, dtype, device)) for name, dtype in dtypes.items()}
     conn.send({name: exporter.info().to_fields() for name, exporter in exporters.items()})
     conn.recv()  # until told to stop (or the parent goes away)
     for exporter in exporters.values():
@@ -44,10 +44,11 @@ def _serve_caches(conn: Connection, shape: tuple[int, ...], dtypes: dict[str, to
 class ExporterProcess:
     """A spawned process holding one NixlExporter per dtype over caches filled by fill_cache."""
 
-    def __init__(self, shape: tuple[int, ...] = SHAPE, dtypes: dict[str, torch.dtype] = DTYPES) -> None:
+    def __init__(self, shape: tuple[int, ...] = SHAPE, dtypes: dict[str, torch.dtype] = DTYPES,
+                 device: str = "cpu") -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_serve_caches, args=(child_conn, shape, dtypes), daemon=True)
+        self.process = context.Process(target=_serve_caches, args=(child_conn, shape, dtypes, device), daemon=True)
         self.process.start()
         child_conn.close()
         if not self._conn.poll(START_TIMEOUT_S):
@@ -141,9 +142,9 @@ def test_read_validation_refuses_layouts_that_do_not_fit():
 
 @needs_nixl
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
-def test_read_blocks_copies_scattered_blocks_byte_for_byte(exporter_process, importer, dtype_name):
+@pytest.mark.parametrize("ids", [[13, 2, 7, 0, 15, 7], [4, 5, 6, 10, 11, 3, 15]], ids=["scattered", "runs"])
+def test_read_blocks_copies_scattered_blocks_byte_for_byte(exporter_process, importer, dtype_name, ids):
     dtype = DTYPES[dtype_name]
-    ids = [13, 2, 7, 0, 15, 7]
     out = _out(dtype, len(ids))
     importer.read_blocks(exporter_process.infos[dtype_name], ids, out)
     expected = fill_cache(SHAPE, dtype)[:, :, ids]
@@ -174,6 +175,19 @@ def test_repeated_reads_reuse_the_added_peer(exporter_process, importer, monkeyp
     importer.forget_peer(info.agent_name)
     importer.read_blocks(info, [8], _out(torch.float32, 1))
     assert len(adds) == 2
+
+
+@needs_nixl
+def test_changed_peer_metadata_replaces_the_added_peer(exporter_process, importer, monkeypatch):
+    removes = _count_calls(monkeypatch, importer._agent, "remove_remote_agent")
+    info = exporter_process.infos["float32"]
+    importer.read_blocks(info, [1], _out(torch.float32, 1))
+    with pytest.raises(TransferFailed, match="cannot add NIXL peer"):
+        importer.read_blocks(dataclasses.replace(info, agent_metadata=b"garbled"), [1], _out(torch.float32, 1))
+    assert len(removes) == 1 and importer.peers() == []
+    out = _out(torch.float32, 1)
+    importer.read_blocks(info, [1], out)
+    assert torch.equal(out, fill_cache(SHAPE, torch.float32)[:, :, [1]])
 
 
 @needs_nixl
