@@ -340,6 +340,9 @@ class Orchestrator:
                          out: ResponseBuilder) -> list[Response]:
         if session is None:
             out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
+        else:  # how the KV came to decode, for the client's Finished.usage
+            out.kv_transfer = (finished.usage.kv_transfer_backend, finished.usage.kv_transfer_bytes,
+                               finished.usage.kv_transfer_ms)
         stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
         return out.finish(finished.reason, stop_id)
 

@@ -38,6 +38,7 @@ class ResponseBuilder:
         self.completion_tokens = 0
         self.token_ids: list[int] = []  # every token sent to the client, in order
         self.cached_prompt_tokens = 0
+        self.kv_transfer: tuple[int, int, float] = (0, 0, 0.0)  # backend, bytes, ms of the KV handoff
         self.matched_stop: str | None = None
         self.finished = False
 
@@ -132,7 +133,8 @@ class ResponseBuilder:
         ttft = (self._first_token_at - self._started) * 1000 if self._first_token_at is not None else 0.0
         return common_pb2.Usage(prompt_tokens=len(self._prompt), completion_tokens=self.completion_tokens,
                                 cached_prompt_tokens=self.cached_prompt_tokens, ttft_ms=ttft,
-                                e2e_ms=(now - self._started) * 1000)
+                                e2e_ms=(now - self._started) * 1000, kv_transfer_backend=self.kv_transfer[0],
+                                kv_transfer_bytes=self.kv_transfer[1], kv_transfer_ms=self.kv_transfer[2])
 
     def _finished(self, finished: common_pb2.Finished) -> Response:
         self.finished = True

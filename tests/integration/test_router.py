@@ -117,6 +117,10 @@ def test_greedy_text_matches_hf_generate(request, which, text_model, tokenizer, 
         usage = finished.usage
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(tokenizer.encode(prompt)), MAX_TOKENS)
         assert 0 < usage.ttft_ms <= usage.e2e_ms
+        # The client sees how the prompt's KV reached decode (none moved when aggregated).
+        handed_off = which == "router"
+        assert (usage.kv_transfer_backend != common_pb2.TRANSFER_BACKEND_UNSPECIFIED) == handed_off
+        assert (usage.kv_transfer_bytes > 0) == handed_off
     assert_no_leaks(workers)
 
 

@@ -57,7 +57,7 @@ def test_engine_load_becomes_gauges_and_expired_sessions_count_up():
 
 def test_the_endpoint_serves_the_registry_on_a_free_port():
     metrics = Metrics.create("decode", "m")
-    metrics.get("disagg_kv_pull_bytes_total").inc(1024)
+    metrics.get("disagg_kv_pull_bytes_total", backend="cuda_ipc").inc(1024)
     metrics.get("disagg_requests_total", status="CANCELLED").inc()
     with metrics.get("disagg_encode_latency_seconds").time():
         pass
@@ -65,6 +65,6 @@ def test_the_endpoint_serves_the_registry_on_a_free_port():
     assert port > 0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    assert 'disagg_kv_pull_bytes_total{model="m",role="decode"} 1024.0' in text
+    assert 'disagg_kv_pull_bytes_total{backend="cuda_ipc",model="m",role="decode"} 1024.0' in text
     assert 'disagg_requests_total{model="m",role="decode",status="CANCELLED"} 1.0' in text
     assert 'disagg_encode_latency_seconds_count{model="m",role="decode"} 1.0' in text
