@@ -200,11 +200,15 @@ def kernel_profile(engine: LLMEngine, bucket: int, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.runner.graphs
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graphs._forward(bucket)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graphs._forward(bucket)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+    except Exception as exc:  # a diagnostic: report, never lose the figures after it
+        print(f"kernel profile failed: {type(exc).__name__}: {exc}", flush=True)
+        return
     with open(path, "w") as f:
         f.write(table)
     print(f"kernel profile, batch {bucket} (5 forwards):\n" + "\n".join(table.splitlines()[:16]), flush=True)

@@ -91,7 +91,7 @@ def _time(fn, reps: int = 30) -> float:
 
 def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float]:
     """Microseconds of this GEMV and of cuBLAS on this shape."""
-    probe = torch.randn_like(x)
+    probe = torch.randn((1, weight.shape[1]), dtype=x.dtype, device=x.device)  # x may be gate ‖ up: 2K wide
     return _time(lambda: gemv(probe, weight, bias)), _time(lambda: torch.nn.functional.linear(probe, weight, bias))
 
 
