@@ -157,8 +157,9 @@ class NixlExporter:
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
-            raise LayoutMismatch(f"NIXL export needs a contiguous [L, 2, blocks, bs, H, D] cache, got {tuple(kv_cache.shape)}")
-        self._cache = kv_cache
+            raise LayoutMismatch("NIXL export needs a contiguous [L, 2, blocks, bs, H, D] cache, "
+                                 f"got {tuple(kv_cache.shape)}")
+        self._cache = kv_cache  # registered memory must outlive the registration
         self._agent = _new_agent("export")
         try:
             self._registration = self._agent.register_memory(kv_cache, backends=["UCX"])
@@ -188,7 +189,8 @@ def _read_descs(peer: NixlCacheInfo, block_ids: np.ndarray, out: torch.Tensor) -
     starts = np.flatnonzero(np.diff(block_ids.astype(np.int64), prepend=-2) != 1).astype(np.uint64)
     lengths = np.diff(starts, append=np.uint64(n)) * region
     planes = np.arange(peer.num_layers * 2, dtype=np.uint64)[:, None]
-    remote_addr = np.uint64(peer.base_addr) + (planes * np.uint64(peer.num_blocks) + block_ids[starts][None, :]) * region
+    remote_blocks = planes * np.uint64(peer.num_blocks) + block_ids[starts][None, :]
+    remote_addr = np.uint64(peer.base_addr) + remote_blocks * region
     local_addr = np.uint64(out.data_ptr()) + (planes * np.uint64(n) + starts[None, :]) * region
     rows = remote_addr.size
     length = np.broadcast_to(lengths[None, :], remote_addr.shape).ravel()
@@ -209,7 +211,8 @@ def validate_read(peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tens
     if bad.size:
         raise InvalidRequest(f"block ids {bad[:8].tolist()} are outside the peer's cache of {peer.num_blocks} blocks")
     if out.dim() != 6 or out.shape[1] != 2 or out.shape[2] != ids.size or not out.is_contiguous():
-        raise LayoutMismatch(f"NIXL read target must be a contiguous [L, 2, {ids.size}, bs, H, D] tensor, got {tuple(out.shape)}")
+        raise LayoutMismatch(f"NIXL read target must be a contiguous [L, 2, {ids.size}, bs, H, D] tensor, "
+                             f"got {tuple(out.shape)}")
     if out.shape[0] != peer.num_layers:
         raise LayoutMismatch(f"layer count: exporter={peer.num_layers} importer={out.shape[0]}")
     expected = peer.num_layers * 2 * ids.size * peer.region_bytes
