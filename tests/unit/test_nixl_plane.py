@@ -152,17 +152,17 @@ def test_read_blocks_copies_scattered_blocks_byte_for_byte(exporter_process, imp
 
 
 @needs_nixl
-def test_async_read_polls_without_blocking_the_loop(exporter_process, importer):
-    ids = [3, 9, 4]
-    out = _out(torch.float32, len(ids))
+def test_async_reads_run_concurrently_on_one_event_loop(exporter_process, importer):
+    reads = {name: ([3, 9, 4], _out(dtype, 3)) if name == "float32" else ([12, 13, 1], _out(dtype, 3))
+             for name, dtype in DTYPES.items()}
 
-    async def read_while_ticking() -> None:
-        ticker = asyncio.create_task(asyncio.sleep(0))
-        await importer.read_blocks_async(exporter_process.infos["float32"], ids, out)
-        assert ticker.done()  # the loop ran other tasks while the read was in flight
+    async def read_all() -> None:
+        await asyncio.gather(*(importer.read_blocks_async(exporter_process.infos[name], ids, out)
+                               for name, (ids, out) in reads.items()))
 
-    asyncio.run(read_while_ticking())
-    assert torch.equal(out, fill_cache(SHAPE, torch.float32)[:, :, ids])
+    asyncio.run(read_all())
+    for name, (ids, out) in reads.items():
+        assert torch.equal(out, fill_cache(SHAPE, DTYPES[name])[:, :, ids])
 
 
 @needs_nixl
