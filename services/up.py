@@ -47,7 +47,9 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
                      for role in ("prefill", "decode")}
         router_args = ["--host", args.host, "--port", str(args.router_port), "--model", args.model or "default",
                        "--decode-workers", addresses["decode"], "--policy", args.policy,
-                       "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens), "--log-level", args.log_level]
+                       "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
+                       "--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
+                       "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level]
         if addresses["prefill"]:
             router_args += ["--prefill-workers", addresses["prefill"]]
         children.insert(0, Child.start("router", "services.router", router_args))
@@ -87,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--policy", default="round_robin", choices=POLICY_NAMES)
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=0,
+                        help="prompts with at most this many uncached tokens prefill on the decode worker")
+    parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
+                        help="prefill tokens queued on a prefill worker before prompts stay on decode (0: no limit)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each process may take to start")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)

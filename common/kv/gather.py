@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -28,9 +29,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[index]
 
 
-async def wait_event(event: torch.cuda.Event) -> None:
-    if not event.query():
-        await asyncio.to_thread(event.synchronize)
+async def wait_event(event: torch.cuda.Event, spin_s: float = 0.005) -> None:
+    """Await a CUDA event without blocking the loop: short polls first (a KV gather takes well under a
+    millisecond, and a thread hop costs about as much), then a worker thread for a long wait."""
+    pause, deadline = 2e-5, time.perf_counter() + spin_s
+    while not event.query():
+        if time.perf_counter() > deadline:
+            await asyncio.to_thread(event.synchronize)
+            return
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 5e-4)
 
 
 def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -73,7 +81,7 @@ def _launch_gather_on_device(source: torch.Tensor, block_ids: Sequence[int],
 async def gather_on_device(source: torch.Tensor, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """source[:, :, block_ids] gathered GPU-side (source may be another process's cache mapped through
     CUDA IPC) into a new tensor on `device`; no host copy."""
-    gathered, event = await asyncio.to_thread(_launch_gather_on_device, source, block_ids, device)
+    gathered, event = _launch_gather_on_device(source, block_ids, device)  # launches only: microseconds
     await wait_event(event)
     return gathered
 

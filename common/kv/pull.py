@@ -122,6 +122,7 @@ class KvPuller:
         start = time.perf_counter()
         try:
             blocks = await asyncio.wait_for(read(channel, ref), timeout_s)
+            read_s = time.perf_counter() - start
         except BackendUnavailable:
             raise
         except BaseException:
@@ -137,7 +138,7 @@ class KvPuller:
                            f"through {backend}")
         export = KvExport(layout_of(ref), ref.num_tokens, blocks)
         export.validate()
-        return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, backend)
+        return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, backend, read_s)
 
     async def _open(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, backend: str) -> worker_pb2.KvCacheShare:
         request = worker_pb2.OpenKvCacheRequest(backend=BACKENDS[backend])

@@ -40,6 +40,7 @@ class PulledKv(NamedTuple):
     num_bytes: int
     seconds: float
     backend: str = "grpc"  # how the bytes came: a name of common.kv.backends
+    read_seconds: float = 0.0  # one-sided backends: the read alone, before the release that confirms it
 
 
 def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) -> worker_pb2.TensorHeader:

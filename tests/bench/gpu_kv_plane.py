@@ -64,7 +64,7 @@ async def pull_backend(address: str, backend: str, tokens: int, repeats: int) ->
     device = torch.device("cuda")
     puller = KvPuller(ChannelCache(), device, (backend,))
     rng = random.Random(0)
-    times, used, size = [], set(), 0
+    times, reads, used, size = [], [], set(), 0
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.PrefillerStub(channel)
         for i in range(repeats + 1):  # the first pull maps / connects: reported apart
@@ -76,10 +76,13 @@ async def pull_backend(address: str, backend: str, tokens: int, repeats: int) ->
                 first = pulled.seconds
             else:
                 times.append(pulled.seconds)
+                reads.append(pulled.read_seconds)
     await puller.close()
-    median = statistics.median(times)
+    median, read = statistics.median(times), statistics.median(reads)
+    read_figures = {"read_ms": round(read * 1e3, 3), "read_gbps": round(size / read / GB, 1)} if read else {}
     return emit("kv_pull", backend=backend, used=sorted(used), tokens=tokens, bytes=size,
-                median_ms=round(median * 1e3, 3), first_ms=round(first * 1e3, 3), gbps=round(size / median / GB, 2))
+                median_ms=round(median * 1e3, 3), first_ms=round(first * 1e3, 3), gbps=round(size / median / GB, 2),
+                **read_figures)
 
 
 def _time_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int = 20) -> float:
@@ -121,20 +124,22 @@ def kv_pulls(model: Path, tokens: int, repeats: int) -> dict:
     return {"pulls": results, "peers": peers}
 
 
-def serve_and_bench(model: Path, prefill_workers: int, args: argparse.Namespace, out: Path) -> dict:
-    port = 50177 + prefill_workers
+def serve_and_bench(model: Path, prefill_workers: int, args: argparse.Namespace, out: Path,
+                    router_flags: list[str] | None = None) -> dict:
+    port = 50177 + prefill_workers + (2 if router_flags else 0)
     up = [sys.executable, "-m", "services", "up", "--model", str(model), "--device", "cuda", "--dtype", "bfloat16",
           "--num-kv-blocks", "4096", "--max-model-len", "4096", "--router-port", str(port),
-          "--prefill", str(prefill_workers), "--decode", "1"]
-    log = open(out / f"up_{prefill_workers}p.log", "w")
+          "--prefill", str(prefill_workers), "--decode", "1", *(router_flags or [])]
+    name = f"{prefill_workers}p{'_cond' if router_flags else ''}"
+    log = open(out / f"up_{name}.log", "w")
     cluster = subprocess.Popen(up, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
-        while "disagg is up" not in (out / f"up_{prefill_workers}p.log").read_text():
+        while "disagg is up" not in (out / f"up_{name}.log").read_text():
             if cluster.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"disagg up failed:\n{(out / f'up_{prefill_workers}p.log').read_text()[-3000:]}")
+                raise RuntimeError(f"disagg up failed:\n{(out / f'up_{name}.log').read_text()[-3000:]}")
             time.sleep(1)
-        result = out / f"bench_{prefill_workers}p.json"
+        result = out / f"bench_{name}.json"
         subprocess.run([sys.executable, "-m", "services", "bench", "--router", f"127.0.0.1:{port}",
                         "--num-prompts", str(args.num_prompts), "--input-len", args.input_len,
                         "--output-len", args.output_len, "--max-concurrency", str(args.concurrency),
@@ -144,11 +149,11 @@ def serve_and_bench(model: Path, prefill_workers: int, args: argparse.Namespace,
         cluster.terminate()
         cluster.wait(timeout=60)
         log.close()
-    mode = "1P1D" if prefill_workers else "aggregated"
+    mode = ("1P1D" + (" " + " ".join(router_flags) if router_flags else "")) if prefill_workers else "aggregated"
     return emit("serving", mode=mode, completed=summary["completed"], failed=summary["failed"],
                 output_tok_s=round(summary["output_throughput"], 1),
-                ttft_mean_ms=round(summary["ttft"]["mean"] * 1e3, 1), ttft_p99_ms=round(summary["ttft"]["p99"] * 1e3, 1),
-                tpot_mean_ms=round(summary["tpot"]["mean"] * 1e3, 2), itl_p99_ms=round(summary["itl"]["p99"] * 1e3, 2))
+                ttft_mean_ms=round(summary["ttft"]["mean"], 1), ttft_p99_ms=round(summary["ttft"]["p99"], 1),
+                tpot_mean_ms=round(summary["tpot"]["mean"], 2), itl_p99_ms=round(summary["itl"]["p99"], 2))
 
 
 def main() -> None:
@@ -163,6 +168,8 @@ def main() -> None:
     parser.add_argument("--input-len", default="uniform:512:2048")
     parser.add_argument("--output-len", default="fixed:128")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=1024,
+                        help="a third run: 1P1D with conditional disaggregation (0 skips it)")
     parser.add_argument("--skip-pulls", action="store_true")
     parser.add_argument("--skip-serving", action="store_true")
     args = parser.parse_args()
@@ -175,11 +182,15 @@ def main() -> None:
              grpc_gbps=figures["pulls"]["grpc"]["gbps"], grpc_target=TARGETS["grpc_gbps"])
     if not args.skip_serving:
         torch.cuda.empty_cache()
-        disagg = serve_and_bench(model, 1, args, args.out)
         aggregated = serve_and_bench(model, 0, args, args.out)
-        emit("serving_ratio", throughput=round(disagg["output_tok_s"] / aggregated["output_tok_s"], 3),
-             throughput_target=TARGETS["throughput_ratio"],
-             ttft=round(disagg["ttft_mean_ms"] / aggregated["ttft_mean_ms"], 3), ttft_target=TARGETS["ttft_ratio"])
+        runs = {"1P1D": serve_and_bench(model, 1, args, args.out)}
+        if args.max_local_prefill_tokens:
+            runs["1P1D conditional"] = serve_and_bench(model, 1, args, args.out,
+                                                       ["--max-local-prefill-tokens", str(args.max_local_prefill_tokens)])
+        for mode, disagg in runs.items():
+            emit("serving_ratio", mode=mode, throughput=round(disagg["output_tok_s"] / aggregated["output_tok_s"], 3),
+                 throughput_target=TARGETS["throughput_ratio"],
+                 ttft=round(disagg["ttft_mean_ms"] / aggregated["ttft_mean_ms"], 3), ttft_target=TARGETS["ttft_ratio"])
 
 
 if __name__ == "__main__":
