@@ -13,6 +13,10 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+try:
+    from common.pb.disagg.v1 import worker_pb2_grpc  # noqa: F401
+except RuntimeError as exc:  # the generated code needs a newer grpcio than this machine has
+    pytest.skip(str(exc).splitlines()[0], allow_module_level=True)
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402

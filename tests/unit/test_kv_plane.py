@@ -117,3 +117,15 @@ def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(cap
     assert failures == ["shm", "shm"]
     warnings = [r for r in caplog.records if "KV transfer backend shm unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "cannot open the file" in warnings[0].getMessage()
+
+
+def test_block_runs_split_ids_into_consecutive_runs():
+    assert gather.block_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert gather.block_runs([]) == []
+
+
+@pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [7, 1, 2, 9, 0], list(range(40, 0, -2))])
+def test_gather_blocks_equals_index_select_for_runs_and_scattered_ids(block_ids):
+    cache = torch.randn(3, 2, 48, 4, 2, 8)
+    expected = cache.index_select(2, torch.tensor(block_ids))
+    assert torch.equal(gather.gather_blocks(cache, block_ids), expected)
