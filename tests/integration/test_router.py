@@ -90,6 +90,11 @@ def _greedy(max_tokens: int = MAX_TOKENS, **stop) -> dict:
                 stop=common_pb2.StopConditions(**stop))
 
 
+def _to_the_context() -> dict:
+    """Greedy with no max_tokens, ignoring EOS: runs to the end of the context (a max_tokens past it is refused)."""
+    return dict(sampling=common_pb2.SamplingParams(temperature=0), stop=common_pb2.StopConditions(ignore_eos=True))
+
+
 def _collect(responses) -> tuple[list[int], str, common_pb2.Finished]:
     tokens, text, finished = [], "", None
     for response in responses:
@@ -329,7 +334,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(text_model, workers):
 
 def test_the_rpc_deadline_reaches_the_workers_and_frees_their_blocks(router, workers):
     stub = _stub(router)
-    request = generation_pb2.GenerateRequest(prompt=PROMPTS[1], **_greedy(10_000, ignore_eos=True))
+    request = generation_pb2.GenerateRequest(prompt=PROMPTS[1], **_to_the_context())
     tokens = 0
     with pytest.raises(grpc.RpcError) as info:
         for response in stub.Generate(request, timeout=0.4):
@@ -340,7 +345,7 @@ def test_the_rpc_deadline_reaches_the_workers_and_frees_their_blocks(router, wor
 
 def test_timeout_ms_ends_one_request_on_a_stream_and_the_others_finish(router, workers):
     slow = generation_pb2.GenerateRequest(request_id="slow", prompt=PROMPTS[1], timeout_ms=300,
-                                          **_greedy(10_000, ignore_eos=True))
+                                          **_to_the_context())
     quick = generation_pb2.GenerateRequest(request_id="quick", prompt=PROMPTS[0], **_greedy())
     responses = asyncio.run(_stream_with_cancels(router.address, [slow, quick], set(), set()))
     tokens, _, finished = _collect(responses["slow"])
