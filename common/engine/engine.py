@@ -3,15 +3,10 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
-
-from transformers import GenerationConfig
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.model_runner import ModelRunner
-from common.engine.models.llava import image_token_id
-from common.engine.models.loader import load_config
 from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
                                    SamplingParams, TokenLogprob)
@@ -21,22 +16,9 @@ from common.errors import InvalidRequest, ResourceExhausted
 from common.kv.events import KvEventLog
 from common.kv.layout import KvExport, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
+from common.model_facts import load_model_facts
 
 log = logging.getLogger(__name__)
-
-
-def _eos_ids(model_dir: str, hf_config) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (hf_config, _generation_config(model_dir)):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return frozenset(ids)
-
-
-def _generation_config(model_dir: str) -> GenerationConfig | None:
-    if not (Path(model_dir) / "generation_config.json").exists():
-        return None
-    return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
 
 
 class LLMEngine:
@@ -48,8 +30,9 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, hf.max_position_embeddings)
         self.fingerprint = model_fingerprint(hf, config.dtype)
         self.kv_layout = self.runner.layout(self.fingerprint)
-        self.eos_token_ids = _eos_ids(config.model, hf)
-        self.image_token_id = image_token_id(load_config(config.model))
+        facts = load_model_facts(config.model)
+        self.eos_token_ids = facts.eos_token_ids
+        self.image_token_id = facts.image_token_id
         self.tokenizer = load_tokenizer(config.model)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).

@@ -4,9 +4,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from common.engine.multimodal import MultiModalInputs
 from common.errors import InvalidRequest
+
+if TYPE_CHECKING:  # torch lives there; the router builds SamplingParams without it
+    from common.engine.multimodal import MultiModalInputs
 
 
 class RequestType(enum.Enum):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,11 @@ CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    def __init__(self, hf: Any, extra_eos_token_ids: Iterable[int] = ()) -> None:
+    """Text ↔ token ids. EOS ids are a model fact (common.model_facts), not the tokenizer's."""
+
+    def __init__(self, hf: Any) -> None:
         self.hf = hf
         self.vocab_size: int = len(hf)
-        eos = set(extra_eos_token_ids)
-        if hf.eos_token_id is not None:
-            eos.add(hf.eos_token_id)
-        self.eos_token_ids: frozenset[int] = frozenset(eos)
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:
@@ -32,7 +29,7 @@ class Tokenizer:
 
         path = Path(path)
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(hf, _generation_eos_token_ids(path))
+        return cls(hf)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
@@ -59,16 +56,6 @@ class Tokenizer:
         return self.hf.decode(
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
-
-
-def _generation_eos_token_ids(model_dir: Path) -> list[int]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 @dataclass

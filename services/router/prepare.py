@@ -1,50 +1,25 @@
 """GenerateRequest → a validated, tokenised request, before any worker is touched."""
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.engine.request import SamplingParams
 from common.engine.stopping import load_tokenizer
-from common.engine.models.llava import image_token_id, num_image_tokens, text_config_of
-from common.engine.models.loader import load_config
 from common.engine.tokenizer import Tokenizer
 from common.errors import InvalidRequest, NotFound
+from common.model_facts import ModelFacts, load_model_facts
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from services.convert import sampling_from_proto
 from services.router.images import ImageTokens
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the router needs to know of the model besides its tokenizer."""
-
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    image_tokens: ImageTokens | None = None  # None: the model takes no images
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path, tokenizer: Tokenizer | None) -> "ModelFacts":
-        root = Path(model_dir)
-        full = load_config(root)
-        config = text_config_of(full).to_dict()
-        eos: set[int] = set(tokenizer.eos_token_ids) if tokenizer else set()
-        for name in ("config.json", "generation_config.json"):
-            path = root / name
-            value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-            eos.update([value] if isinstance(value, int) else (value or []))
-        return cls(vocab_size=int(config["vocab_size"]), eos_token_ids=frozenset(eos),
-                   image_tokens=_image_tokens(full, tokenizer))
-
-
-def _image_tokens(config, tokenizer: Tokenizer | None) -> ImageTokens | None:
-    token_id = image_token_id(config)
-    if token_id is None:
+def _image_tokens(facts: ModelFacts, tokenizer: Tokenizer | None) -> ImageTokens | None:
+    if facts.image_token_id is None:
         return None
-    token = tokenizer.hf.convert_ids_to_tokens(token_id) if tokenizer else "<image>"
-    return ImageTokens(token_id, token, num_image_tokens(config))
+    token = tokenizer.hf.convert_ids_to_tokens(facts.image_token_id) if tokenizer else "<image>"
+    return ImageTokens(facts.image_token_id, token, facts.num_image_tokens)
 
 
 @dataclass(frozen=True)
@@ -73,11 +48,11 @@ class RequestPreparer:
     def __init__(self, tokenizer: Tokenizer | None, facts: ModelFacts):
         self.tokenizer = tokenizer
         self.facts = facts
+        self.image_tokens = _image_tokens(facts, tokenizer)  # None: the model takes no images
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "RequestPreparer":
-        tokenizer = load_tokenizer(str(model_dir))
-        return cls(tokenizer, ModelFacts.from_model_dir(model_dir, tokenizer))
+        return cls(load_tokenizer(str(model_dir)), load_model_facts(model_dir))
 
     def prepare(self, request: generation_pb2.GenerateRequest, request_id: str,
                 model: ServedModel) -> PreparedRequest:
@@ -85,15 +60,15 @@ class RequestPreparer:
         if request.model and request.model != model.name:
             raise NotFound(f"unknown model {request.model!r}; this router serves {model.name!r} "
                            "(or leave model empty for the default)")
-        if request.images and self.facts.image_tokens is None:
+        if request.images and self.image_tokens is None:
             raise InvalidRequest(f"model {model.name!r} does not accept images")
         params = sampling_from_proto(request.sampling, request.stop, request.output)
         bad_stops = [t for t in params.stop_token_ids if t >= self.facts.vocab_size]
         if bad_stops:  # the engine would never match them; say so instead of silently ignoring
             raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {self.facts.vocab_size}): {bad_stops[:5]}")
         prompt = self._tokens(request)
-        if self.facts.image_tokens is not None and (request.images or self.facts.image_tokens.token_id in prompt):
-            prompt = self.facts.image_tokens.expand(prompt, len(request.images))
+        if self.image_tokens is not None and (request.images or self.image_tokens.token_id in prompt):
+            prompt = self.image_tokens.expand(prompt, len(request.images))
         if len(prompt) >= model.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {model.max_model_len} "
                                  "tokens, which must also hold at least one generated token")
@@ -123,17 +98,17 @@ class RequestPreparer:
         for i, message in enumerate(messages):
             if not message["role"]:  # the template would render a turn nobody said
                 raise InvalidRequest(f"chat: messages[{i}] needs a role (system, user, assistant, ...)")
-        if request.images and self.facts.image_tokens is not None:
-            messages = self.facts.image_tokens.mark_messages(messages, len(request.images))
+        if request.images and self.image_tokens is not None:
+            messages = self.image_tokens.mark_messages(messages, len(request.images))
         try:
             return tokenizer.apply_chat_template(messages)
         except ValueError as exc:
             raise InvalidRequest(f"chat: {exc}") from exc
 
     def _marked(self, text: str, num_images: int) -> str:
-        if not num_images or self.facts.image_tokens is None:
+        if not num_images or self.image_tokens is None:
             return text
-        return self.facts.image_tokens.mark_text(text, num_images)
+        return self.image_tokens.mark_text(text, num_images)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         if not ids:

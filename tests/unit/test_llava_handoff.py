@@ -65,7 +65,7 @@ def test_router_expands_placeholders_for_prompt_chat_and_token_ids(tmp_path):
     from tests.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
 
     preparer = RequestPreparer.from_model_dir(make_tiny_llava(tmp_path / "llava"))
-    image_id = preparer.facts.image_tokens.token_id
+    image_id = preparer.facts.image_token_id
     model = ServedModel("tiny-llava", 512)
     image = [common_pb2.Image(data=b"png")]
     chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="What is it?")])

@@ -4,7 +4,8 @@ import pytest
 from common.engine.default_model import default_model_dir
 from common.errors import InvalidRequest, NotFound
 from common.pb.disagg.v1 import common_pb2, generation_pb2
-from services.router.prepare import ModelFacts, RequestPreparer, ServedModel
+from common.model_facts import ModelFacts
+from services.router.prepare import RequestPreparer, ServedModel
 
 MODEL = ServedModel(name="SmolLM2-135M-Instruct", max_model_len=64)
 
@@ -35,7 +36,8 @@ def test_worker_request_ids_are_unique_per_call(preparer):
 
 
 def test_model_facts_read_eos_and_vocab(preparer):
-    assert preparer.facts == ModelFacts(vocab_size=49152, eos_token_ids=frozenset({2}))
+    assert (preparer.facts.vocab_size, preparer.facts.eos_token_ids) == (49152, frozenset({2}))
+    assert preparer.image_tokens is None
 
 
 @pytest.mark.parametrize("request_kwargs, match", [
@@ -64,7 +66,9 @@ def test_unknown_model_is_not_found_and_names_the_served_one(preparer):
 
 
 def test_text_input_without_a_tokenizer_asks_for_token_ids():
-    preparer = RequestPreparer(None, ModelFacts(vocab_size=512, eos_token_ids=frozenset({2})))
+    facts = ModelFacts(model_type="llama", architectures=("LlamaForCausalLM",), vocab_size=512,
+                       max_position_embeddings=512, eos_token_ids=frozenset({2}))
+    preparer = RequestPreparer(None, facts)
     with pytest.raises(InvalidRequest, match="no tokenizer.*send token_ids"):
         preparer.prepare(_request(prompt="x"), "r", MODEL)
     assert preparer.prepare(_request(token_ids=generation_pb2.TokenIds(ids=[7])), "r", MODEL).prompt == [7]
