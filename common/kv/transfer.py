@@ -195,16 +195,6 @@ async def release_quietly(target: grpc.aio.Channel | str, handle: str) -> bool:
         return False
 
 
-async def pull_and_release(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *,
-                           timeout_s: float | None = None) -> PulledKv:
-    """Pull, then release the session whatever happened: success, a failed pull, or cancellation."""
-    try:
-        return await pull_kv(target, ref, timeout_s=timeout_s)
-    finally:
-        # Shielded: a cancelled pull must still free the exporter's blocks.
-        await asyncio.shield(release_quietly(target, ref.session_id))
-
-
 class ChannelCache:
     """One channel per exporter endpoint, reused across pulls; `close` at shutdown."""
 
