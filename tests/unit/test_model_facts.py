@@ -1,4 +1,4 @@
-"""Model facts read from JSON equal what transformers says, and reading them (or importing the router) needs no torch."""
+"""Model facts read from JSON equal what transformers says; reading them, or importing the router, needs no torch."""
 import json
 import shutil
 import subprocess
