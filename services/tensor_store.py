@@ -10,8 +10,7 @@ from typing import Protocol, Sequence
 
 import grpc
 
-from common.engine.async_engine import AsyncLLMEngine
-from common.engine.engine import LLMEngine
+from common.engine.interface import Engine
 from common.errors import InvalidRequest, NotFound
 from common.kv import gather, shm
 from common.kv.backends import BackendUnavailable
@@ -40,11 +39,11 @@ class TensorSource(Protocol):
 
 
 class KvSessionSource:
-    """Exported KV sessions of the engine. The engine thread only leases a session (its blocks stay
-    pinned through a release or the TTL until the lease ends); the gather runs on a side stream into
-    pinned host memory, off the engine thread, which keeps stepping other requests meanwhile."""
+    """Exported KV sessions of the engine. The engine only leases a session (its blocks stay pinned
+    through a release or the TTL until the lease ends); the gather runs on a side stream into pinned
+    host memory, off the engine thread, which keeps stepping other requests meanwhile."""
 
-    def __init__(self, engine: AsyncLLMEngine, layout: KvLayout, exporter: KvCacheExporter | None = None):
+    def __init__(self, engine: Engine, layout: KvLayout, exporter: KvCacheExporter | None = None):
         self.engine = engine
         self.layout = layout
         self.exporter = exporter  # the cache and its shares; None on workers that export nothing
@@ -52,36 +51,24 @@ class KvSessionSource:
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
         if self.exporter is None:
             raise NotFound(f"this worker exports no KV sessions (no {handle})")
-        ids = await self.engine.call(lambda e: e.lease_session(handle, list(block_ids)))
+        ids = await self.engine.lease_session(handle, block_ids)
         try:
             blocks = await gather.gather_to_host(self.exporter.kv_cache, ids)
         finally:  # shielded: a cancelled pull must still end its lease
-            await asyncio.shield(self.engine.call(lambda e: e.end_lease(handle)))
+            await asyncio.shield(self.engine.end_lease(handle))
         return kv_header(self.layout, ids, blocks), tensor_to_bytes(blocks)
 
     async def release(self, handle: str) -> bool:
-        return await self.engine.call(lambda e: _release(e, handle))
+        return await self.engine.release_session(handle)
 
     async def stored(self) -> tuple[int, int]:
-        return await self.engine.call(_stored)
+        load = await self.engine.load()
+        return load.active_sessions, load.session_bytes
 
     def share(self, backend: int) -> worker_pb2.KvCacheShare:
         if self.exporter is None:
             raise BackendUnavailable("this worker exports no KV cache")
         return self.exporter.share(backend)
-
-
-def _release(engine: LLMEngine, handle: str) -> bool:
-    try:
-        engine.release_session(handle)
-    except NotFound:
-        return False
-    return True
-
-
-def _stored(engine: LLMEngine) -> tuple[int, int]:
-    sessions = engine.sessions.sessions.values()
-    return len(sessions), sum(len(s.block_ids) for s in sessions) * engine.kv_layout.block_bytes()
 
 
 class TensorHolder(Protocol):

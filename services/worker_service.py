@@ -21,10 +21,9 @@ from typing import Awaitable, Callable, Coroutine
 
 import grpc
 
-from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.default_model import model_label
-from common.engine.engine import LLMEngine
+from common.engine.interface import Engine, EngineLoad, start_engine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, InvalidConfig, Unavailable
 from common.kv.backends import BACKENDS, PREFERENCE, parse_backends
@@ -54,7 +53,7 @@ class WorkerState:
     model_name: str
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     endpoint: str = ""  # advertised host:port, known once the server is bound
-    engine: AsyncLLMEngine | None = None
+    engine: Engine | None = None
     kv_layout: KvLayout | None = None
     tensor_source: TensorSource | None = None
     shutting_down: bool = False
@@ -69,7 +68,7 @@ class WorkerState:
     def role_name(self) -> str:
         return _ROLE_NAMES[self.role]
 
-    def require_engine(self) -> AsyncLLMEngine:
+    def require_engine(self) -> Engine:
         if self.shutting_down:
             raise Unavailable(f"the {self.role_name} worker is shutting down")
         if self.engine is None:
@@ -93,17 +92,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         try:
-            facts = await self.state.require_engine().call(
-                lambda e: (e.kv_layout, e.max_model_len, e.config, e.image_token_id is not None))
+            facts = await self.state.require_engine().facts()
         except DisaggError as exc:
             await abort_with(context, exc)
-        layout, max_model_len, config, supports_images = facts
+        layout, max_model_len, config = facts.kv_layout, facts.max_model_len, facts.config
+        supports_images = facts.image_token_id is not None
         return worker_pb2.WorkerInfo(
             role=self.state.role, model=self.state.model_name, fingerprint=layout.fingerprint,
             block_size=layout.block_size, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim, dtype=layout.dtype, max_model_len=max_model_len,
             limits=_limits(config, self.state.max_message_bytes), worker_id=self.state.worker_id,
-            endpoint=self.state.endpoint, engine="torch", engine_version=_version(),
+            endpoint=self.state.endpoint, engine=facts.name, engine_version=_version(),
             transfer_backends=self._transfer_backends(), supports_images=supports_images,
         )
 
@@ -114,7 +113,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
         try:
-            load = await self.state.require_engine().call(_load)
+            load = _load_proto(await self.state.require_engine().load())
             load.stored_tensors, load.stored_tensor_bytes = await self.state.tensor_source.stored()
         except DisaggError as exc:
             await abort_with(context, exc)
@@ -128,7 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except DisaggError as exc:
             await abort_with(context, exc)
         loop = asyncio.get_running_loop()
-        subscriber = await engine.call(lambda e: e.kv_events.subscribe(loop) if e.kv_events else None)
+        subscriber = await engine.subscribe_kv_events(loop)
         if subscriber is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker runs without a prefix cache "
                                 "(--no-prefix-caching), so it has no KV events")
@@ -137,7 +136,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 sequence, body = await subscriber.queue.get()
                 yield kv_event_to_proto(sequence, body, self.state.worker_id)
         finally:
-            engine.engine.kv_events.unsubscribe(subscriber)
+            engine.unsubscribe_kv_events(subscriber)
 
 
 def _limits(config: EngineConfig, max_message_bytes: int) -> worker_pb2.WorkerLimits:
@@ -148,12 +147,11 @@ def _limits(config: EngineConfig, max_message_bytes: int) -> worker_pb2.WorkerLi
     )
 
 
-def _load(engine: LLMEngine) -> worker_pb2.Load:
-    blocks = engine.block_manager
+def _load_proto(load: EngineLoad) -> worker_pb2.Load:
     return worker_pb2.Load(
-        running_requests=engine.num_running, waiting_requests=engine.num_waiting, kv_blocks_total=blocks.num_blocks,
-        kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage,
-        active_kv_sessions=len(engine.sessions.sessions), expired_kv_sessions=engine.sessions.num_expired,
+        running_requests=load.running, waiting_requests=load.waiting, kv_blocks_total=load.kv_blocks_total,
+        kv_blocks_free=load.kv_blocks_free, kv_usage_ratio=load.kv_usage_ratio,
+        active_kv_sessions=load.active_sessions, expired_kv_sessions=load.expired_sessions,
     )
 
 
@@ -259,21 +257,21 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig)
 async def _publish_load(state: WorkerState, stop: asyncio.Event, every_s: float = 1.0) -> None:
     """Keep the engine gauges (running, waiting, KV usage, sessions) fresh for Prometheus scrapes."""
     while not stop.is_set():
-        observe_engine_load(state.metrics, await state.engine.call(_load))
+        observe_engine_load(state.metrics, _load_proto(await state.engine.load()))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)  # returns at once on shutdown
 
 
 async def _load_engine(state: WorkerState, config: EngineConfig, stop: asyncio.Event) -> bool:
     """Load the model in a thread; False if a signal came first (the load finishes, unused)."""
-    loading = asyncio.ensure_future(asyncio.to_thread(LLMEngine, config))
+    loading = asyncio.ensure_future(asyncio.to_thread(start_engine, config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
     if not loading.done():
         return False
-    engine = AsyncLLMEngine(loading.result())
-    state.kv_layout, kv_cache = await engine.call(lambda e: (e.kv_layout, e.kv_cache))
+    engine = loading.result()
+    state.kv_layout, kv_cache = (await engine.facts()).kv_layout, await engine.kv_cache()
     if state.role == worker_pb2.WORKER_ROLE_PREFILL:
         state.kv_exporter = KvCacheExporter(kv_cache, state.kv_transfer_backends, state.worker_id)
         state.closers.append(_closer(state.kv_exporter))
@@ -292,21 +290,12 @@ async def _shutdown(server: Server, state: WorkerState) -> None:
     await server.set_serving(False)
     stopping = asyncio.ensure_future(server.server.stop(SHUTDOWN_GRACE_S))  # refuses new RPCs at once
     engine = state.engine
-    if engine is not None:
-        running = await engine.call(lambda e: list(e.requests))
-        await asyncio.gather(*(engine.abort(request_id) for request_id in running))
+    running = await engine.abort_all() if engine is not None else 0
     await stopping
     await state.drain(SHUTDOWN_GRACE_S)
     for close in state.closers:
         await close()
     if engine is not None:
-        released = await engine.call(_release_all_sessions)
+        released = await engine.release_all_sessions()
         await asyncio.to_thread(engine.shutdown)
-        log.info("stopped: aborted %d requests, released %d KV sessions", len(running), released)
-
-
-def _release_all_sessions(engine: LLMEngine) -> int:
-    session_ids = list(engine.sessions.sessions)
-    for session_id in session_ids:
-        engine.release_session(session_id)
-    return len(session_ids)
+        log.info("stopped: aborted %d requests, released %d KV sessions", running, released)

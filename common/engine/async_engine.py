@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable, Sequence, TypeVar
+
+import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.interface import EngineFacts, EngineLoad
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
+from common.kv.events import Subscriber
 from common.kv.layout import KvExport
+from common.kv.session import KvSession
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,6 +102,48 @@ class AsyncLLMEngine:
                                      num_prompt_tokens=request.num_prompt_tokens,
                                      num_output_tokens=len(request.output_token_ids)))
         return aborted
+
+    # --- the engine interface (common.engine.interface.Engine) ---
+
+    async def facts(self) -> EngineFacts:
+        return await self.call(lambda e: EngineFacts(e.kv_layout, e.max_model_len, e.config, e.image_token_id,
+                                                     e.kv_cache.device))
+
+    async def load(self) -> EngineLoad:
+        return await self.call(lambda e: e.load_snapshot())
+
+    async def abort_all(self) -> int:
+        running = await self.call(lambda e: list(e.requests))
+        aborted = await asyncio.gather(*(self.abort(request_id) for request_id in running))
+        return sum(aborted)
+
+    async def session(self, session_id: str) -> KvSession:
+        return await self.call(lambda e: dataclasses.replace(e.sessions.get(session_id)))
+
+    async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
+        return await self.call(lambda e: e.lease_session(session_id, list(block_ids)))
+
+    async def end_lease(self, session_id: str) -> None:
+        await self.call(lambda e: e.end_lease(session_id))
+
+    async def release_session(self, session_id: str) -> bool:
+        return await self.call(lambda e: e.release_session_if_held(session_id))
+
+    async def release_sessions_of(self, request_id: str) -> int:
+        return await self.call(lambda e: e.release_sessions_of(request_id))
+
+    async def release_all_sessions(self) -> int:
+        return await self.call(lambda e: e.release_sessions_of(None))
+
+    async def kv_cache(self) -> torch.Tensor:
+        return await self.call(lambda e: e.kv_cache)
+
+    async def subscribe_kv_events(self, loop: asyncio.AbstractEventLoop) -> Subscriber | None:
+        return await self.call(lambda e: e.kv_events.subscribe(loop) if e.kv_events else None)
+
+    def unsubscribe_kv_events(self, subscriber: Subscriber) -> None:
+        """Safe from any thread or a closing generator: queued for the engine thread, not awaited."""
+        self._commands.put((lambda e: e.kv_events.unsubscribe(subscriber), concurrent.futures.Future()))
 
     def shutdown(self) -> None:
         self._stopped.set()

@@ -12,7 +12,8 @@ from common.engine.request import (FinishReason, Request, RequestOutput, Request
                                    SamplingParams, TokenLogprob)
 from common.engine.scheduler import Scheduler
 from common.engine.stopping import StopChecker, load_tokenizer
-from common.errors import InvalidRequest, ResourceExhausted
+from common.engine.interface import EngineLoad
+from common.errors import InvalidRequest, NotFound, ResourceExhausted
 from common.kv.events import KvEventLog
 from common.kv.layout import KvExport, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
@@ -230,6 +231,28 @@ class LLMEngine:
             self._released_leased[session_id] = session
         else:
             self.block_manager.free_block_ids(session.block_ids)
+
+    def release_session_if_held(self, session_id: str) -> bool:
+        try:
+            self.release_session(session_id)
+        except NotFound:
+            return False
+        return True
+
+    def release_sessions_of(self, request_id: str | None) -> int:
+        """Release the sessions one request made (None: every session, at shutdown)."""
+        ids = [s.session_id for s in self.sessions.sessions.values() if request_id in (None, s.request_id)]
+        for session_id in ids:
+            self.release_session(session_id)
+        return len(ids)
+
+    def load_snapshot(self) -> EngineLoad:
+        blocks, sessions = self.block_manager, self.sessions.sessions.values()
+        return EngineLoad(
+            running=self.num_running, waiting=self.num_waiting, kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage, active_sessions=len(sessions),
+            expired_sessions=self.sessions.num_expired,
+            session_bytes=sum(len(s.block_ids) for s in sessions) * self.kv_layout.block_bytes())
 
     @property
     def num_leased_released(self) -> int:

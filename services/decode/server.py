@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from common.engine.async_engine import AsyncLLMEngine
+from common.engine.interface import Engine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
@@ -148,7 +148,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
 
     async def puller(self) -> KvPuller:
         if self._puller is None:
-            device = await self.state.require_engine().call(lambda e: e.kv_cache.device)
+            device = (await self.state.require_engine().facts()).kv_device
             self._puller = KvPuller(self.channels, device, self.state.kv_transfer_backends, self._count_fallback)
         return self._puller
 
@@ -193,7 +193,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             await asyncio.shield(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
         await abort_with(context, exc)
 
-    async def _work(self, engine: AsyncLLMEngine, plan: _Plan, outbox: asyncio.Queue) -> None:
+    async def _work(self, engine: Engine, plan: _Plan, outbox: asyncio.Queue) -> None:
         progress = _Progress(plan.request_id, len(plan.prompt))
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
@@ -232,7 +232,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             self._count_load_failure("recompute" if self.recompute_on_failed_pull else "fail")
             if not self.recompute_on_failed_pull:
                 raise
-            image_token = await self.state.require_engine().call(lambda e: e.image_token_id)
+            image_token = (await self.state.require_engine().facts()).image_token_id
             if image_token is not None and image_token in plan.prompt:
                 raise Unavailable(f"the KV of image request {plan.request_id} could not be pulled ({exc}) and cannot "
                                   "be recomputed here without its images; retry the request") from None

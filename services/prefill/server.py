@@ -7,8 +7,7 @@ import uuid
 
 import grpc
 
-from common.engine.async_engine import AsyncLLMEngine
-from common.engine.engine import LLMEngine
+from common.engine.interface import Engine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest, Unavailable
 from common.engine.multimodal import ImageEmbedding
@@ -55,7 +54,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             await abort_with(context, exc)
         return response
 
-    async def _response(self, engine: AsyncLLMEngine, output: RequestOutput,
+    async def _response(self, engine: Engine, output: RequestOutput,
                         request_id: str) -> worker_pb2.PrefillResponse:
         if output.finish_reason is FinishReason.ABORT:
             raise Unavailable("the prefill worker is shutting down; the request was aborted")
@@ -67,8 +66,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             response.first_token_top_logprobs.extend(logprob.top_logprobs)
         if output.session_id is not None:
             session_id, endpoint, exporter = output.session_id, self.state.endpoint, self.state.kv_exporter
-            ref = await engine.call(lambda e: session_ref(e.kv_layout, e.sessions.get(session_id), endpoint,
-                                                          exporter.best_backend, exporter.attributes()))
+            ref = session_ref(self.state.kv_layout, await engine.session(session_id), endpoint,
+                              exporter.best_backend, exporter.attributes())
             ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
             response.session.CopyFrom(ref)
             if self.state.metrics is not None:
@@ -86,21 +85,14 @@ def _sampling(request: worker_pb2.PrefillRequest) -> SamplingParams:
     return sampling_from_proto(request.sampling, None, request.output)
 
 
-async def _context_only(engine: AsyncLLMEngine, engine_id: str, request: worker_pb2.PrefillRequest,
+async def _context_only(engine: Engine, engine_id: str, request: worker_pb2.PrefillRequest,
                         sampling: SamplingParams, images: list[ImageEmbedding]) -> RequestOutput:
     outputs = [out async for out in engine.generate(engine_id, list(request.token_ids), sampling,
                                                     RequestType.CONTEXT_ONLY, images=images or None)]
     return outputs[-1]
 
 
-async def _forget(engine: AsyncLLMEngine, engine_id: str) -> None:
+async def _forget(engine: Engine, engine_id: str) -> None:
     """Abort the request (generate() does not when cancelled while adding it), then free any session it made."""
     await engine.abort(engine_id)
-    await engine.call(lambda e: _release_sessions_of(e, engine_id))
-
-
-def _release_sessions_of(engine: LLMEngine, engine_id: str) -> int:
-    session_ids = [s.session_id for s in engine.sessions.sessions.values() if s.request_id == engine_id]
-    for session_id in session_ids:
-        engine.release_session(session_id)
-    return len(session_ids)
+    await engine.release_sessions_of(engine_id)
