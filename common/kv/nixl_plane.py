@@ -70,11 +70,14 @@ def _api() -> ModuleType:
     raise NixlUnavailable("NIXL is not installed (pip install 'disagg[nixl]'): " + "; ".join(failures))
 
 
-def _new_agent(prefix: str) -> Any:
+def _new_agent(prefix: str, progress_thread: bool) -> Any:
+    """A UCX-backed agent. NIXL's progress thread spins a core (the Python API fixes its delay at 0):
+    the exporter needs it (over TCP its worker must answer reads and connections while the process
+    is idle); the importer drives its own progress through check_xfer_state while it waits."""
     api = _api()
     name = f"disagg-{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     config = api.nixl_agent_config(
-        enable_prog_thread=True,  # the exporter's UCX worker must progress reads while it is idle
+        enable_prog_thread=progress_thread,
         backends=["UCX"],
         sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
@@ -91,7 +94,7 @@ def _new_agent(prefix: str) -> Any:
 def nixl_unavailable_reason() -> str | None:
     """None when NIXL with its UCX backend works in this process, else a one-line reason. Never raises."""
     try:
-        agent = _new_agent("probe")
+        agent = _new_agent("probe", progress_thread=False)
         if "DRAM_SEG" not in agent.get_backend_mem_types("UCX"):
             return "NIXL's UCX backend cannot register host memory (DRAM)"
         return None
@@ -160,7 +163,7 @@ class NixlExporter:
             raise LayoutMismatch("NIXL export needs a contiguous [L, 2, blocks, bs, H, D] cache, "
                                  f"got {tuple(kv_cache.shape)}")
         self._cache = kv_cache  # registered memory must outlive the registration
-        self._agent = _new_agent("export")
+        self._agent = _new_agent("export", progress_thread=True)
         try:
             self._registration = self._agent.register_memory(kv_cache, backends=["UCX"])
         except Exception as exc:
@@ -240,11 +243,15 @@ def _pauses(deadline: float) -> Iterator[float]:
 
 
 class _Read:
-    """One posted READ: its transfer handle and the registration of its target, released exactly once."""
+    """One posted READ: its transfer handle, its target and the target's registration.
+
+    A read still in flight (timed out, or its caller cancelled) is never cancelled: NIXL may go on
+    writing into the target after a cancel, so the importer keeps it, and its target, until NIXL
+    reports it finished; only then are the handle and the registration released."""
 
     def __init__(self, agent: Any, peer: NixlCacheInfo, ids: np.ndarray, out: torch.Tensor) -> None:
-        self.agent, self.peer = agent, peer
-        self.handle = None
+        self.agent, self.peer, self.out = agent, peer, out
+        self.handle, self.error = None, ""
         self.registration = agent.register_memory(out, backends=["UCX"])
         try:
             local, remote = _read_descs(peer, ids, out)
@@ -258,18 +265,19 @@ class _Read:
 
     def poll(self) -> str:
         if self.state == "PROC":
-            self.state = self.agent.check_xfer_state(self.handle)
+            try:
+                self.state = self.agent.check_xfer_state(self.handle)
+            except Exception as exc:  # e.g. the peer was removed or disconnected mid-transfer
+                self.state, self.error = "ERR", _one_line(exc)
         return self.state
 
     def release(self) -> None:
         try:
             if self.handle is not None:
                 self.agent.release_xfer_handle(self.handle)
-        except Exception as exc:  # an active transfer NIXL could not cancel: do not free its target
-            log.error("NIXL read from %s could not be released: %s", self.peer.agent_name, _one_line(exc))
-            return
-        finally:
-            self.handle = None
+        except Exception as exc:
+            log.warning("NIXL read from %s: releasing its handle failed: %s", self.peer.agent_name, _one_line(exc))
+        self.handle = None
         if self.registration is not None:
             self.agent.deregister_memory(self.registration, backends=["UCX"])
             self.registration = None
@@ -279,9 +287,11 @@ class NixlImporter:
     """Reads sessions' blocks from peers' registered caches; one per worker, peers added once and cached."""
 
     def __init__(self) -> None:
-        self._agent = _new_agent("import")
+        self._agent = _new_agent("import", progress_thread=False)
         self._peers: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self._in_flight: list[_Read] = []  # reads given up on but not finished: their targets stay alive
+        self._forget_later: set[str] = set()  # peers to remove once their reads in flight finish
+        self._lock = threading.RLock()
 
     def read_blocks(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -298,7 +308,7 @@ class NixlImporter:
                     break
                 time.sleep(pause)
         finally:
-            read.release()
+            self._finish(read)
         self._check(read, timeout_s)
 
     async def read_blocks_async(self, peer: NixlCacheInfo, block_ids: Sequence[int], out: torch.Tensor,
@@ -316,57 +326,97 @@ class NixlImporter:
                     break
                 await asyncio.sleep(pause)
         finally:
-            read.release()
+            self._finish(read)
         self._check(read, timeout_s)
 
     def peers(self) -> list[str]:
         with self._lock:
             return list(self._peers)
 
-    def forget_peer(self, agent_name: str) -> None:
-        """Drop a peer's metadata and connection (its worker restarted or left)."""
+    def reads_in_flight(self) -> int:
+        """Reads given up on (timed out or cancelled) that NIXL has not finished yet."""
         with self._lock:
-            if self._peers.pop(agent_name, None) is not None:
-                try:
-                    self._agent.remove_remote_agent(agent_name)
-                except Exception as exc:
-                    log.warning("NIXL could not remove peer %s: %s", agent_name, _one_line(exc))
+            self._settle()
+            return len(self._in_flight)
+
+    def forget_peer(self, agent_name: str) -> None:
+        """Drop a peer's metadata and connection (its worker restarted or left); deferred while a read
+        given up on is still in flight from it."""
+        with self._lock:
+            if self._peers.pop(agent_name, None) is None:
+                return
+            if any(read.peer.agent_name == agent_name for read in self._in_flight):
+                self._forget_later.add(agent_name)
+                return
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception as exc:
+                log.warning("NIXL could not remove peer %s: %s", agent_name, _one_line(exc))
 
     def close(self) -> None:
         for name in self.peers():
             self.forget_peer(name)
+        in_flight = self.reads_in_flight()
+        if in_flight:
+            log.warning("NIXL importer closed with %d reads still in flight; their targets stay alive", in_flight)
 
     def _start(self, peer: NixlCacheInfo, ids: np.ndarray, out: torch.Tensor) -> _Read:
-        self._add_peer(peer)
+        with self._lock:
+            self._settle()
+            self._add_peer(peer)
         try:
             return _Read(self._agent, peer, ids, out)
         except Exception as exc:
             self.forget_peer(peer.agent_name)
             raise TransferFailed(f"NIXL read from {peer.agent_name} could not start: {_one_line(exc)}") from exc
 
+    def _finish(self, read: _Read) -> None:
+        if read.state == "PROC":
+            with self._lock:
+                self._in_flight.append(read)
+        else:
+            read.release()
+
+    def _settle(self) -> None:
+        """Release the reads given up on that NIXL has finished since; then remove the peers forgotten meanwhile."""
+        running = []
+        for read in self._in_flight:
+            if read.poll() == "PROC":
+                running.append(read)
+            else:
+                read.release()
+        self._in_flight = running
+        for name in self._forget_later - {read.peer.agent_name for read in running}:
+            self._forget_later.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                log.warning("NIXL could not remove peer %s: %s", name, _one_line(exc))
+
     def _check(self, read: _Read, timeout_s: float) -> None:
-        """Raise TransferFailed unless the (released) read is DONE."""
-        state = read.state
-        if state == "DONE":
+        """Raise TransferFailed unless the read is DONE; a failed peer is forgotten (fresh metadata next time)."""
+        if read.state == "DONE":
             return
-        self.forget_peer(read.peer.agent_name)  # a fresh connection (or fresh metadata) next time
-        why = f"timed out after {timeout_s:g} s" if state == "PROC" else "failed (the peer is gone or refused the read)"
-        raise TransferFailed(f"NIXL read of {read.peer.geometry()} from {read.peer.agent_name} {why}")
+        where = f"NIXL read of {read.peer.geometry()} from {read.peer.agent_name}"
+        if read.state == "PROC":
+            raise TransferFailed(f"{where} timed out after {timeout_s:g} s")
+        self.forget_peer(read.peer.agent_name)
+        raise TransferFailed(f"{where} failed: {read.error or 'the peer is gone or refused the read'}")
 
     def _add_peer(self, peer: NixlCacheInfo) -> None:
-        with self._lock:
-            known = self._peers.get(peer.agent_name)
-            if known == peer.agent_metadata:
-                return
-            if known is not None:
-                self._agent.remove_remote_agent(peer.agent_name)
-                del self._peers[peer.agent_name]
-            try:
-                added = self._agent.add_remote_agent(peer.agent_metadata)
-                added = added.decode() if isinstance(added, bytes) else added
-            except Exception as exc:
-                raise TransferFailed(f"cannot add NIXL peer {peer.agent_name}: {_one_line(exc)}") from exc
-            if added != peer.agent_name:
-                self._agent.remove_remote_agent(added)
-                raise InvalidRequest(f"NIXL metadata names agent {added!r}, the cache info names {peer.agent_name!r}")
-            self._peers[peer.agent_name] = peer.agent_metadata
+        known = self._peers.get(peer.agent_name)
+        if known == peer.agent_metadata:
+            return
+        if known is not None:  # its metadata changed
+            self.forget_peer(peer.agent_name)
+        if peer.agent_name in self._forget_later:
+            raise TransferFailed(f"NIXL peer {peer.agent_name} still has a read given up on in flight")
+        try:
+            added = self._agent.add_remote_agent(peer.agent_metadata)
+            added = added.decode() if isinstance(added, bytes) else added
+        except Exception as exc:
+            raise TransferFailed(f"cannot add NIXL peer {peer.agent_name}: {_one_line(exc)}") from exc
+        if added != peer.agent_name:
+            self._agent.remove_remote_agent(added)
+            raise InvalidRequest(f"NIXL metadata names agent {added!r}, the cache info names {peer.agent_name!r}")
+        self._peers[peer.agent_name] = peer.agent_metadata

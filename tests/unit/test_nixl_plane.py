@@ -4,8 +4,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import os
+import signal
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +218,44 @@ def test_read_from_an_exporter_that_went_away_raises_transfer_failed(importer):
         assert isinstance(raised.value, Unavailable) and info.agent_name in str(raised.value)
         assert time.monotonic() - started < 15, "a dead exporter must fail the read, not hang it"
     assert importer.peers() == []
+
+
+def _stop_all_threads(pid: int) -> None:
+    """SIGSTOP, and wait until every thread (UCX's progress thread too) is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+        if all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop: thread states {states}")
+
+
+@needs_nixl
+def test_a_timed_out_read_keeps_its_target_alive_until_nixl_finishes_it(exporter_process, monkeypatch):
+    """Over TCP a stopped exporter cannot answer; the read times out, and the bytes that arrive after
+    the exporter resumes land in the target the importer kept, not in freed memory."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # cross-memory attach would not need the exporter to run
+    importer, pid = NixlImporter(), exporter_process.process.pid
+    try:
+        info = exporter_process.infos["float32"]
+        importer.read_blocks(info, [1], _out(torch.float32, 1))
+        _stop_all_threads(pid)
+        given_up = _out(torch.float32, 2)
+        with pytest.raises(TransferFailed, match="timed out after 0.5 s"):
+            importer.read_blocks(info, [4, 9], given_up, timeout_s=0.5)
+        assert importer.reads_in_flight() == 1 and importer.peers() == [info.agent_name]
+        os.kill(pid, signal.SIGCONT)
+        out = _out(torch.float32, 2)
+        importer.read_blocks(info, [9, 4], out)
+        deadline = time.monotonic() + 10
+        while importer.reads_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        expected = fill_cache(SHAPE, torch.float32)
+        assert importer.reads_in_flight() == 0
+        assert torch.equal(given_up, expected[:, :, [4, 9]]) and torch.equal(out, expected[:, :, [9, 4]])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        importer.close()
