@@ -34,6 +34,9 @@ class TensorSource(Protocol):
     async def release(self, handle: str) -> bool:
         """Free a handle; False when it was unknown, expired or already released."""
 
+    async def missing_reason(self, handle: str) -> str:
+        """Why a handle is not held (unknown, expired, released), in words."""
+
     async def stored(self) -> tuple[int, int]:
         """(handles held, bytes held), for Worker.GetLoad."""
 
@@ -60,6 +63,13 @@ class KvSessionSource:
 
     async def release(self, handle: str) -> bool:
         return await self.engine.release_session(handle)
+
+    async def missing_reason(self, handle: str) -> str:
+        try:
+            await self.engine.session(handle)
+        except NotFound as exc:  # SessionExpired too
+            return str(exc)
+        return ""
 
     async def stored(self) -> tuple[int, int]:
         load = await self.engine.load()
@@ -125,7 +135,9 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
     async def Release(self, request: worker_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
         source = await self._source(context)
-        return worker_pb2.ReleaseResponse(released=await source.release(request.handle))
+        if await source.release(request.handle):
+            return worker_pb2.ReleaseResponse(released=True)
+        return worker_pb2.ReleaseResponse(released=False, reason=await source.missing_reason(request.handle))
 
     async def OpenKvCache(self, request: worker_pb2.OpenKvCacheRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.KvCacheShare:

@@ -129,13 +129,13 @@ class KvPuller:
             await asyncio.shield(release_quietly(channel, ref.session_id))
             raise
         try:  # the read is only good if the session still held its blocks when it ended
-            released = await asyncio.shield(release_session(channel, ref.session_id))
+            release = await asyncio.shield(release_session(channel, ref.session_id))
         except grpc.aio.AioRpcError as exc:
             raise Unavailable(f"KV session {ref.session_id} at {ref.endpoint} was read through {backend}, but its "
                               f"release failed ({exc.code().name}: {exc.details()}); the read cannot be trusted")
-        if not released:
-            raise NotFound(f"KV session {ref.session_id} at {ref.endpoint} expired or was released while it was read "
-                           f"through {backend}")
+        if not release.released:  # read blocks are not the session's: never use them
+            raise NotFound(f"KV session {ref.session_id} at {ref.endpoint} was not held through the {backend} read: "
+                           f"{release.reason or 'expired or released'}")
         export = KvExport(layout_of(ref), ref.num_tokens, blocks)
         export.validate()
         return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, backend, read_s)

@@ -177,18 +177,18 @@ async def _pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef
 
 
 async def release_session(target: grpc.aio.Channel | str, handle: str,
-                          timeout_s: float | None = RELEASE_TIMEOUT_S) -> bool:
-    """Release a TensorStore handle; False when it was unknown, expired or already released."""
+                          timeout_s: float | None = RELEASE_TIMEOUT_S) -> worker_pb2.ReleaseResponse:
+    """Release a TensorStore handle; `released` is false (with the `reason`) when it was unknown,
+    expired or already released."""
     async with _open(target) as channel:
         stub = worker_pb2_grpc.TensorStoreStub(channel)
-        response = await stub.Release(worker_pb2.ReleaseRequest(handle=handle), timeout=timeout_s)
-    return response.released
+        return await stub.Release(worker_pb2.ReleaseRequest(handle=handle), timeout=timeout_s)
 
 
 async def release_quietly(target: grpc.aio.Channel | str, handle: str) -> bool:
     """Release, logging instead of raising: the exporter's TTL frees what a lost release leaves."""
     try:
-        return await release_session(target, handle)
+        return (await release_session(target, handle)).released
     except grpc.aio.AioRpcError as exc:
         log.warning("could not release KV session %s (%s: %s); it will expire", handle, exc.code().name,
                     exc.details())

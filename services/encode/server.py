@@ -12,7 +12,7 @@ from typing import Sequence
 import grpc
 
 from common.engine.image_encoder import ImageEncoder
-from common.errors import DisaggError, InvalidRequest, ResourceExhausted, Unavailable
+from common.errors import DisaggError, InvalidRequest, NotFound, ResourceExhausted, Unavailable
 from common.kv.chunks import tensor_to_bytes
 from common.kv.embeddings import EmbeddingTable, embedding_header, embedding_ref
 from common.media import MediaConfig, load_image
@@ -63,6 +63,13 @@ class EmbeddingSource:
 
     async def release(self, handle: str) -> bool:
         return self.table.release(handle)
+
+    async def missing_reason(self, handle: str) -> str:
+        try:
+            self.table.get(handle)
+        except NotFound as exc:
+            return str(exc)
+        return ""
 
     async def stored(self) -> tuple[int, int]:
         return self.table.stored()

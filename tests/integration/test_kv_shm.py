@@ -45,7 +45,7 @@ def test_same_host_pull_goes_through_shm_and_equals_the_grpc_stream(prefill):
 
     async def pull_both():
         fast, stream = await pull_kv(ref.endpoint, ref), await pull_kv(ref.endpoint, remote)
-        return fast, stream, await release_session(ref.endpoint, ref.session_id)
+        return fast, stream, (await release_session(ref.endpoint, ref.session_id)).released
 
     fast, stream, released = asyncio.run(pull_both())
     assert (fast.backend, stream.backend) == ("shm", "grpc")

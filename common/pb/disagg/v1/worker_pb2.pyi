@@ -227,10 +227,12 @@ class ReleaseRequest(_message.Message):
     def __init__(self, handle: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "reason")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    reason: str
+    def __init__(self, released: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
