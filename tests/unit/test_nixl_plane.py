@@ -259,3 +259,33 @@ def test_a_timed_out_read_keeps_its_target_alive_until_nixl_finishes_it(exporter
     finally:
         os.kill(pid, signal.SIGCONT)
         importer.close()
+
+
+@needs_nixl
+def test_a_cancelled_async_read_is_kept_until_nixl_finishes_it(exporter_process, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    importer, pid = NixlImporter(), exporter_process.process.pid
+    try:
+        info = exporter_process.infos["bfloat16"]
+        importer.read_blocks(info, [1], _out(torch.bfloat16, 1))
+        _stop_all_threads(pid)
+        given_up = _out(torch.bfloat16, 3)
+
+        async def cancel_mid_read() -> None:
+            task = asyncio.create_task(importer.read_blocks_async(info, [2, 3, 14], given_up))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancel_mid_read())
+        assert importer.reads_in_flight() == 1
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while importer.reads_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert importer.reads_in_flight() == 0
+        assert torch.equal(given_up, fill_cache(SHAPE, torch.bfloat16)[:, :, [2, 3, 14]])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        importer.close()
