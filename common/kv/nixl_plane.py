@@ -11,7 +11,9 @@ cuda_ipc / RDMA transports).
 The target is registered per read (well under a millisecond, against tens of milliseconds for a
 session's read) rather than staged through a registered buffer: no extra copy, and concurrent
 reads share nothing. read_blocks blocks its thread; read_blocks_async polls the transfer state
-between short sleeps on the event loop. The agent is created thread-safe (NIXL_THREAD_SYNC_STRICT).
+between short sleeps on the event loop. A read given up on (timed out, or its task cancelled) is
+not cancelled in NIXL, which may still write into its target: the importer keeps the read and its
+target until NIXL reports it finished. Agents are thread-safe (NIXL_THREAD_SYNC_STRICT).
 
 Cache layout (common/engine/model_runner.py): kv_cache is one contiguous tensor
 [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], so the region of block b of
