@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.engine.config import EngineConfig
+from common.engine.config import ENGINES, EngineConfig
 from common.engine.default_model import resolve_model
 
 # (flag, attribute) of every valued engine flag, in the order `engine_argv` writes them.
 _VALUED = (("--model", "model"), ("--dtype", "dtype"), ("--device", "device"), ("--block-size", "block_size"),
            ("--num-kv-blocks", "num_kv_blocks"), ("--gpu-memory-utilization", "gpu_memory_utilization"),
            ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
-           ("--max-model-len", "max_model_len"), ("--max-waiting", "max_waiting"), ("--session-ttl", "session_ttl"))
+           ("--max-model-len", "max_model_len"), ("--max-waiting", "max_waiting"), ("--session-ttl", "session_ttl"),
+           ("--engine", "engine"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
+    g.add_argument("--engine", default=os.environ.get("DISAGG_ENGINE", "torch"), choices=list(ENGINES),
+                   help="torch (ours, runs everywhere) or trtllm (TensorRT-LLM's LLM API, needs NVIDIA's TensorRT-LLM "
+                        "image; unverified on hardware) (env DISAGG_ENGINE)")
     g.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                    help="Hugging Face model directory, or 'default' for SmolLM2-135M-Instruct (env DISAGG_MODEL)")
     g.add_argument("--dtype", default=os.environ.get("DISAGG_DTYPE", "float32"),
@@ -43,7 +47,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-        enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl,
+        enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
     )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from common.errors import InvalidConfig
 
+ENGINES = ("torch", "trtllm")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -32,6 +33,8 @@ class EngineConfig:
     """Bound on queued requests; past it add_request raises ResourceExhausted."""
     enforce_eager: bool = False
     """On a GPU, run decode steps without CUDA graphs (for debugging and comparison)."""
+    engine: str = "torch"
+    """Which engine runs the model: "torch" (ours) or "trtllm" (TensorRT-LLM's LLM API; common.engine.trtllm)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -43,6 +46,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
             (self.session_ttl_s > 0, f"session_ttl_s must be > 0, got {self.session_ttl_s}"),
             (self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}"),
+            (self.engine in ENGINES, f"--engine must be one of {list(ENGINES)}, got {self.engine!r}"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),

@@ -44,3 +44,14 @@ def test_our_engine_implements_every_method_of_the_interface():
     for name in wanted:  # the same parameters, so a second engine can stand in
         ours = list(inspect.signature(getattr(AsyncLLMEngine, name)).parameters)
         assert ours == list(inspect.signature(getattr(Engine, name)).parameters), name
+
+
+def test_the_tensorrt_llm_engine_implements_every_method_of_the_interface():
+    from common.engine.trtllm import TrtLlmEngine  # importable without TensorRT-LLM: it loads lazily
+
+    wanted = {name for name, _ in inspect.getmembers(Engine, inspect.isfunction) if not name.startswith("_")}
+    for name in wanted:
+        theirs = getattr(TrtLlmEngine, name, None)
+        assert callable(theirs), name
+        assert list(inspect.signature(theirs).parameters) == list(inspect.signature(getattr(Engine, name)).parameters), name
+        assert inspect.iscoroutinefunction(theirs) == inspect.iscoroutinefunction(getattr(Engine, name)), name

@@ -1,0 +1,140 @@
+"""--engine trtllm's mappings onto TensorRT-LLM's LLM API, checked against a RECORDED signature list
+(tests/unit/trtllm_api_signatures.json: TensorRT-LLM's modules load its C++ runtime on import, so CI
+cannot import them). Nothing here runs TensorRT-LLM itself."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from common.engine.block_manager import hash_blocks
+from common.engine.config import EngineConfig
+from common.engine.interface import start_engine
+from common.engine.request import RequestType, SamplingParams
+from common.engine.trtllm import (OPAQUE_STATE, KvEventTranslator, TrtLlmHandoff, disaggregated_kwargs,
+                                  llm_kwargs, load_from_stats, sampling_kwargs)
+from common.errors import InvalidConfig, InvalidRequest
+from services.engine_flags import add_engine_args, engine_argv
+
+API = json.loads((Path(__file__).parent / "trtllm_api_signatures.json").read_text())
+SAMPLING_FIELDS = set(API["SamplingParams"]["init_fields"])
+DISAGG_FIELDS = set(API["DisaggregatedParams"]["fields"])
+BS = 4
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0), SamplingParams(),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3, repetition_penalty=1.1,
+                   max_tokens=8, stop_token_ids=(2, 7), ignore_eos=True, logprobs=True, top_logprobs=5)])
+def test_sampling_maps_onto_tensorrt_llm_sampling_params_fields(sampling):
+    kwargs = sampling_kwargs(sampling, max_new_tokens=100)
+    assert set(kwargs) <= SAMPLING_FIELDS, set(kwargs) - SAMPLING_FIELDS
+    assert kwargs["max_tokens"] == (sampling.max_tokens or 100) and kwargs["detokenize"] is False
+
+
+def test_greedy_is_top_k_one_and_sampling_keeps_every_knob():
+    greedy = sampling_kwargs(SamplingParams(temperature=0), 50)
+    assert greedy["top_k"] == 1 and "temperature" not in greedy  # TensorRT-LLM's greedy rule
+    full = sampling_kwargs(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3,
+                                          repetition_penalty=1.1, stop_token_ids=(2,), logprobs=True,
+                                          top_logprobs=0), 50)
+    assert full == {"max_tokens": 50, "ignore_eos": False, "detokenize": False, "temperature": 0.7, "top_p": 0.9,
+                    "top_k": 40, "min_p": 0.05, "stop_token_ids": [2], "seed": 3, "repetition_penalty": 1.1,
+                    "logprobs": 1}
+    assert sampling_kwargs(SamplingParams(max_tokens=500), 20)["max_tokens"] == 20  # capped by the context
+
+
+def _context_params(opaque: bytes = b"\x00\xffstate\n") -> SimpleNamespace:
+    """What a context_only output's DisaggregatedParams holds (the recorded fields, all else None)."""
+    values = dict.fromkeys(DISAGG_FIELDS)
+    values.update(request_type="context_only", first_gen_tokens=[42], ctx_request_id=1234, opaque_state=opaque,
+                  disagg_request_id=99, ctx_dp_rank=0, ctx_info_endpoint="tcp://10.0.0.1:5555")
+    return SimpleNamespace(**values)
+
+
+def test_the_context_handoff_travels_in_session_attributes_and_back():
+    handoff = TrtLlmHandoff.from_params(_context_params())
+    attributes = handoff.attributes()
+    assert all(k.startswith("trtllm.") and isinstance(v, str) for k, v in attributes.items())
+    assert attributes[OPAQUE_STATE] == "AP9zdGF0ZQo="  # base64 of the opaque bytes
+    assert TrtLlmHandoff.from_attributes({**attributes, "shm.host_id": "x"}) == handoff
+
+
+def test_generation_only_gets_the_context_params_under_tensorrt_llm_names():
+    handoff = TrtLlmHandoff.from_attributes(TrtLlmHandoff.from_params(_context_params()).attributes())
+    kwargs = disaggregated_kwargs(RequestType.GENERATION_ONLY, handoff)
+    assert set(kwargs) <= DISAGG_FIELDS, set(kwargs) - DISAGG_FIELDS
+    assert kwargs == {"request_type": "generation_only", "first_gen_tokens": [42], "ctx_request_id": 1234,
+                      "opaque_state": b"\x00\xffstate\n", "disagg_request_id": 99, "ctx_dp_rank": 0,
+                      "ctx_info_endpoint": "tcp://10.0.0.1:5555"}
+    assert disaggregated_kwargs(RequestType.CONTEXT_ONLY, None) == {"request_type": "context_only"}
+    assert disaggregated_kwargs(RequestType.CONTEXT_AND_GENERATION, None) is None
+    assert {t.value for t in RequestType} == set(API["DisaggregatedParams"]["request_types"])
+
+
+def test_generation_only_without_a_handoff_or_with_a_broken_one_is_invalid():
+    with pytest.raises(InvalidRequest, match="DisaggregatedParams"):
+        disaggregated_kwargs(RequestType.GENERATION_ONLY, None)
+    with pytest.raises(InvalidRequest, match="first_gen_tokens"):
+        TrtLlmHandoff.from_attributes({OPAQUE_STATE: "AAAA"})
+    with pytest.raises(InvalidRequest, match="malformed"):
+        TrtLlmHandoff.from_attributes({"trtllm.first_gen_tokens": "1", OPAQUE_STATE: "not base64!"})
+
+
+def test_llm_arguments_are_tensorrt_llm_ones():
+    config = EngineConfig(model="/m", dtype="bfloat16", device="cuda", block_size=32, gpu_memory_utilization=0.8,
+                          session_ttl_s=30, engine="trtllm")
+    kwargs = llm_kwargs(config, 4096)
+    args = API["LlmArgs"]
+    assert set(kwargs) <= set(args["BaseLlmArgs"])
+    assert set(kwargs["kv_cache_config"]) <= set(args["KvCacheConfig"])
+    assert set(kwargs["cache_transceiver_config"]) <= set(args["CacheTransceiverConfig"])
+    assert kwargs["cache_transceiver_config"]["backend"] in args["CacheTransceiverConfig.backend"]
+    assert kwargs["kv_cache_config"] == {"enable_block_reuse": True, "tokens_per_block": 32,
+                                         "event_buffer_max_size": 1024, "free_gpu_memory_fraction": 0.8}
+    assert kwargs["cache_transceiver_config"]["kv_transfer_timeout_ms"] == 30_000 and kwargs["max_seq_len"] == 4096
+
+
+def _stored(parent, blocks, first_hash=1000):
+    """A KVCacheEventSerializer 'stored' event (the recorded key names)."""
+    keys = API["KVCacheEventSerializer"]["data_types"]
+    assert keys["stored"] == ["type", "parent_hash", "blocks"]
+    return {"event_id": 1, "window_size": 64, "data": {"type": "stored", "parent_hash": parent, "blocks": [
+        {"type": "stored_block", "block_hash": first_hash + i, "cache_level": 0, "priority": 35,
+         "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in block]}
+        for i, block in enumerate(blocks)]}}
+
+
+def test_kv_events_are_rekeyed_to_our_chained_block_hashes():
+    tokens = list(range(100, 112))  # three full blocks of 4
+    ours = hash_blocks(tokens, BS)
+    t = KvEventTranslator(BS)
+    assert t.translate({"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [64, 0]}}) == [("cleared",)]
+    assert t.translate(_stored(None, [tokens[0:4], tokens[4:8]])) == [("stored", ours[:2], None, 8)]
+    # a later event extends the chain from its parent (its hash 1001 = our second block); a partial block is not announced
+    assert t.translate(_stored(1001, [tokens[8:12], [1, 2]], first_hash=2000)) == [("stored", ours[2:], ours[1], 4)]
+    assert t.translate({"event_id": 4, "data": {"type": "removed", "block_hashes": [2000, 2001, 777]}}) == [
+        ("removed", [ours[2]])]
+    assert t.translate({"event_id": 5, "data": {"type": "updated", "block_hash": 1000}}) == []
+    assert t.translate(_stored(555, [tokens[0:4]])) == []  # an unknown parent: nothing we can key
+
+
+def test_load_comes_from_tensorrt_llm_iteration_stats():
+    load = load_from_stats({"numQueuedRequests": 3, "kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 25}},
+                           running=2, sessions=1, expired=4)
+    assert (load.waiting, load.kv_blocks_total, load.kv_blocks_free, load.kv_usage_ratio) == (3, 100, 25, 0.75)
+    assert load_from_stats(None, 0, 0, 0).kv_usage_ratio == 0.0
+
+
+def test_engine_flag_selects_trtllm_and_says_plainly_when_it_is_not_installed(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--engine", "trtllm", "--model", str(tmp_path)])
+    assert engine_argv(args)[-2:] == ["--engine", "trtllm"] and args.engine == "trtllm"
+    with pytest.raises(InvalidConfig, match="--engine must be one of"):
+        EngineConfig(model="/m", engine="vllm")
+    with pytest.raises(InvalidConfig, match="TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's"):
+        start_engine(EngineConfig(model=str(tmp_path), engine="trtllm"))
