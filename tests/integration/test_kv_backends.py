@@ -18,8 +18,8 @@ from tests.integration.processes import start_services, stop_cleanly
 from tests.integration.worker_client import WorkerClient
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
-BACKENDS_HERE = [b for b, ok in (("nixl", nixl_unavailable_reason() is None), ("shm", bool(shm.host_id())),
-                                 ("grpc", True)) if ok]
+BACKENDS_HERE = [b for b, ok in (("shm", bool(shm.host_id())), ("nixl", nixl_unavailable_reason() is None),
+                                 ("grpc", True)) if ok]  # in the order of preference
 
 
 @pytest.fixture(scope="module")

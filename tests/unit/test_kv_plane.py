@@ -70,7 +70,7 @@ def test_gather_to_host_equals_index_select(engine):
 
 
 def test_backend_lists_keep_preference_order_and_grpc():
-    assert parse_backends("auto") == ("cuda_ipc", "nixl", "shm", "grpc")
+    assert parse_backends("auto") == ("cuda_ipc", "shm", "nixl", "grpc")
     assert parse_backends("grpc,shm") == ("shm", "grpc")
     assert parse_backends("cuda_ipc") == ("cuda_ipc", "grpc")
     with pytest.raises(InvalidConfig, match="unknown backend.*'rdma'"):
