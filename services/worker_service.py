@@ -1,48 +1,36 @@
-"""What every engine worker (prefill, decode) shares: its state, the Worker servicer, and the process lifecycle.
-
-Lifecycle: start the gRPC server (health NOT_SERVING), load the engine off the event loop,
-flip to SERVING and print `disagg-<role> serving on HOST:PORT`; on SIGTERM/SIGINT go
-NOT_SERVING, stop accepting, abort in-flight requests, release sessions, stop the engine.
+"""What every worker (encode, prefill, decode) shares: its state and the Worker servicer; and the role
+spec of the engine workers (prefill, decode). The process itself is services.worker_shell.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
-import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Awaitable, Callable, Coroutine
+from typing import Awaitable, Callable, Coroutine, Protocol
 
 import grpc
 
 from common.engine.config import EngineConfig
-from common.engine.default_model import model_label
 from common.engine.interface import Engine, EngineLoad, start_engine
 from common.engine.request import SamplingParams
-from common.errors import DisaggError, InvalidConfig, Unavailable
+from common.errors import DisaggError, Unavailable
 from common.kv.backends import BACKENDS, PREFERENCE, parse_backends
 from common.kv.layout import KvLayout
 from common.kv.sharing import KvCacheExporter
 from common.telemetry.metrics import Metrics, observe_engine_load
-from common.tls import add_tls_args, tls_from_args
-from common.tls import configure as configure_tls
-from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.convert import kv_event_to_proto
 from services.engine_flags import add_engine_args, engine_config_from_args
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, abort_with, setup_logging, start_server
-from services.wire import ParseRequests
-from services.observability import Observability, add_observability_args
+from services.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
 from services.tensor_store import KvSessionSource, TensorSource
 
-log = logging.getLogger(__name__)
-SHUTDOWN_GRACE_S = 5.0
-_ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode"}
+ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
+              worker_pb2.WORKER_ROLE_ENCODE: "encode"}
 
 
 @dataclass
@@ -66,7 +54,7 @@ class WorkerState:
 
     @property
     def role_name(self) -> str:
-        return _ROLE_NAMES[self.role]
+        return ROLE_NAMES[self.role]
 
     def require_engine(self) -> Engine:
         if self.shutting_down:
@@ -86,35 +74,36 @@ class WorkerState:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
 
+class WorkerRoleAnswers(Protocol):
+    """How one role answers Worker/GetInfo and Worker/GetLoad; DisaggErrors become statuses."""
+
+    no_kv_events: str  # why this role publishes no KV events; "" when it does (from its engine)
+
+    async def info(self, state: WorkerState) -> worker_pb2.WorkerInfo:
+        """The role's facts; the servicer fills in identity (role, model, worker id, endpoint, version)."""
+
+    async def load_report(self, state: WorkerState) -> worker_pb2.Load: ...
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, state: WorkerState):
+    def __init__(self, state: WorkerState, answers: WorkerRoleAnswers):
         self.state = state
+        self.answers = answers
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         try:
-            facts = await self.state.require_engine().facts()
+            info = await self.answers.info(self.state)
         except DisaggError as exc:
             await abort_with(context, exc)
-        layout, max_model_len, config = facts.kv_layout, facts.max_model_len, facts.config
-        supports_images = facts.image_token_id is not None
-        return worker_pb2.WorkerInfo(
-            role=self.state.role, model=self.state.model_name, fingerprint=layout.fingerprint,
-            block_size=layout.block_size, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim, dtype=layout.dtype, max_model_len=max_model_len,
-            limits=_limits(config, self.state.max_message_bytes), worker_id=self.state.worker_id,
-            endpoint=self.state.endpoint, engine=facts.name, engine_version=_version(),
-            transfer_backends=self._transfer_backends(), supports_images=supports_images,
-        )
-
-    def _transfer_backends(self) -> list[int]:
-        exporter = self.state.kv_exporter
-        names = exporter.offered if exporter is not None else self.state.kv_transfer_backends
-        return [BACKENDS[name] for name in names]
+        info.MergeFrom(worker_pb2.WorkerInfo(
+            role=self.state.role, model=self.state.model_name, worker_id=self.state.worker_id,
+            endpoint=self.state.endpoint, engine_version=_version(),
+            limits=worker_pb2.WorkerLimits(max_message_bytes=self.state.max_message_bytes)))
+        return info
 
     async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
         try:
-            load = _load_proto(await self.state.require_engine().load())
-            load.stored_tensors, load.stored_tensor_bytes = await self.state.tensor_source.stored()
+            load = await self.answers.load_report(self.state)
         except DisaggError as exc:
             await abort_with(context, exc)
         load.timestamp_unix_ms = int(time.time() * 1000)
@@ -122,6 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
         """A snapshot of the prefix cache, then live events, numbered per subscription (a gap: resubscribe)."""
+        if self.answers.no_kv_events:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, self.answers.no_kv_events)
         try:
             engine = self.state.require_engine()
         except DisaggError as exc:
@@ -139,11 +130,105 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             engine.unsubscribe_kv_events(subscriber)
 
 
-def _limits(config: EngineConfig, max_message_bytes: int) -> worker_pb2.WorkerLimits:
+def _version() -> str:
+    try:
+        return metadata.version("disagg")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# --- the engine workers' role spec ---
+
+AddServicers = Callable[[grpc.aio.Server, WorkerState, argparse.Namespace], None]
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """Prefill or decode: an engine from common.engine.interface.start_engine, and the services on it."""
+
+    role: int
+    description: str
+    service_names: list[str]
+    add_servicers: AddServicers
+    add_role_args: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+    no_kv_events: str = ""
+
+    def add_args(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--kv-transfer-backends", default=os.environ.get("DISAGG_KV_TRANSFER_BACKENDS", "auto"),
+            help="KV transfer backends this worker offers (prefill) or accepts (decode), best first: "
+                 "'auto' or a subset of cuda_ipc,nixl,shm,grpc (grpc is always kept as the fallback)")
+        self.add_role_args(parser)
+        add_engine_args(parser)
+
+    def configure(self, args: argparse.Namespace) -> EngineConfig:
+        config = engine_config_from_args(args)
+        args.kv_transfer_backends = parse_backends(args.kv_transfer_backends)
+        return config
+
+    def new_state(self, args: argparse.Namespace, config: EngineConfig, model_name: str) -> WorkerState:
+        return WorkerState(self.role, model_name, args.max_message_bytes,
+                           kv_transfer_backends=args.kv_transfer_backends)
+
+    def load(self, state: WorkerState, config: EngineConfig) -> Engine:
+        return start_engine(config)
+
+    async def attach(self, state: WorkerState, engine: Engine) -> None:
+        state.kv_layout, kv_cache = (await engine.facts()).kv_layout, await engine.kv_cache()
+        if state.role == worker_pb2.WORKER_ROLE_PREFILL:
+            state.kv_exporter = KvCacheExporter(kv_cache, state.kv_transfer_backends, state.worker_id)
+            state.closers.append(_closer(state.kv_exporter))
+        state.engine, state.tensor_source = engine, KvSessionSource(engine, state.kv_layout, state.kv_exporter)
+
+    def registration_meta(self, state: WorkerState) -> dict[str, str]:
+        layout = state.kv_layout
+        return {"fingerprint": layout.fingerprint, "block_size": str(layout.block_size),
+                "worker_id": state.worker_id, "dtype": layout.dtype}
+
+    async def background(self, state: WorkerState, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        """Keep the engine gauges (running, waiting, KV usage, sessions) fresh for Prometheus scrapes."""
+        while not stop.is_set():
+            observe_engine_load(state.metrics, _load_proto(await state.engine.load()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)  # returns at once on shutdown
+
+    async def info(self, state: WorkerState) -> worker_pb2.WorkerInfo:
+        facts = await state.require_engine().facts()
+        layout = facts.kv_layout
+        return worker_pb2.WorkerInfo(
+            fingerprint=layout.fingerprint, block_size=layout.block_size, num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+            max_model_len=facts.max_model_len, limits=_limits(facts.config), engine=facts.name,
+            transfer_backends=[BACKENDS[name] for name in _transfer_backends(state)],
+            supports_images=facts.image_token_id is not None,
+        )
+
+    async def load_report(self, state: WorkerState) -> worker_pb2.Load:
+        load = _load_proto(await state.require_engine().load())
+        load.stored_tensors, load.stored_tensor_bytes = await state.tensor_source.stored()
+        return load
+
+    async def abort(self, state: WorkerState) -> int:
+        return await state.engine.abort_all() if state.engine is not None else 0
+
+    async def close(self, state: WorkerState) -> str:
+        if state.engine is None:
+            return "no engine was loaded"
+        released = await state.engine.release_all_sessions()
+        await asyncio.to_thread(state.engine.shutdown)
+        return f"released {released} KV sessions"
+
+
+def _transfer_backends(state: WorkerState) -> tuple[str, ...]:
+    exporter = state.kv_exporter
+    return exporter.offered if exporter is not None else state.kv_transfer_backends
+
+
+def _limits(config: EngineConfig) -> worker_pb2.WorkerLimits:
     return worker_pb2.WorkerLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_waiting_requests=config.max_waiting, max_message_bytes=max_message_bytes,
-        max_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS, session_ttl_ms=int(config.session_ttl_s * 1000),
+        max_waiting_requests=config.max_waiting, max_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS,
+        session_ttl_ms=int(config.session_ttl_s * 1000),
     )
 
 
@@ -155,147 +240,7 @@ def _load_proto(load: EngineLoad) -> worker_pb2.Load:
     )
 
 
-def _version() -> str:
-    try:
-        return metadata.version("disagg")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-# --- the process ---
-
-@dataclass(frozen=True)
-class RoleSpec:
-    """One worker kind: its role, the services it adds besides Worker, and how to add them."""
-
-    role: int
-    service_names: list[str]
-    add_servicers: Callable[[grpc.aio.Server, WorkerState, argparse.Namespace], None]
-    add_args: Callable[[argparse.ArgumentParser], None] = lambda parser: None
-
-
-def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
-    name = _ROLE_NAMES[spec.role]
-    parser = argparse.ArgumentParser(prog=f"disagg {name}", description=f"The {name} worker.")
-    _add_process_args(parser)
-    spec.add_args(parser)
-    add_engine_args(parser)
-    add_tls_args(parser)
-    add_observability_args(parser)
-    args = parser.parse_args(argv)
-    setup_logging(name, args.log_level)
-    try:
-        config = engine_config_from_args(args)
-        args.kv_transfer_backends = parse_backends(args.kv_transfer_backends)
-        configure_tls(tls_from_args(args))
-    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
-    try:
-        asyncio.run(_serve(spec, args, config))
-    except Exception:
-        log.exception("the %s worker failed", name)
-        return 1
-    return 0
-
-
-def _add_process_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
-    g.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
-                   help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--kv-transfer-backends", default=os.environ.get("DISAGG_KV_TRANSFER_BACKENDS", "auto"),
-                   help="KV transfer backends this worker offers (prefill) or accepts (decode), best first: "
-                        "'auto' or a subset of cuda_ipc,nixl,shm,grpc (grpc is always kept as the fallback)")
-
-
-def _advertised(args: argparse.Namespace, port: int) -> str:
-    host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host)
-    return f"{host}:{port}"
-
-
-def _model_name(args: argparse.Namespace) -> str:
-    return args.model_name or model_label(args.model)
-
-
-async def _serve(spec: RoleSpec, args: argparse.Namespace, config: EngineConfig) -> None:
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    state = WorkerState(spec.role, _model_name(args), args.max_message_bytes,
-                        kv_transfer_backends=args.kv_transfer_backends)
-    obs = Observability.from_args(state.role_name, state.model_name, args)  # before the server: tracing
-    state.metrics = obs.metrics
-
-    def add_servicers(server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(state), server)
-        spec.add_servicers(server, state, args)
-
-    names = [*spec.service_names, worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
-    server = await start_server(add_servicers, names, args.host, args.port, args.max_message_bytes,
-                                interceptors=[ParseRequests()])
-    state.endpoint = _advertised(args, server.port)
-    try:
-        if await _load_engine(state, config, stop):
-            await server.set_serving(True)
-            print(f"disagg-{state.role_name} serving on {state.endpoint}", flush=True)
-            log.info("serving %s (%s) as worker %s", state.model_name, config.dtype, state.worker_id)
-            layout = state.kv_layout
-            await obs.start(args.host, state.endpoint.rpartition(":")[0], server.port,
-                            meta={"fingerprint": layout.fingerprint, "block_size": str(layout.block_size),
-                                  "worker_id": state.worker_id, "dtype": layout.dtype})
-            state.spawn(_publish_load(state, stop))
-            await stop.wait()
-    finally:
-        await obs.stop()
-        await _shutdown(server, state)
-
-
-async def _publish_load(state: WorkerState, stop: asyncio.Event, every_s: float = 1.0) -> None:
-    """Keep the engine gauges (running, waiting, KV usage, sessions) fresh for Prometheus scrapes."""
-    while not stop.is_set():
-        observe_engine_load(state.metrics, _load_proto(await state.engine.load()))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), every_s)  # returns at once on shutdown
-
-
-async def _load_engine(state: WorkerState, config: EngineConfig, stop: asyncio.Event) -> bool:
-    """Load the model in a thread; False if a signal came first (the load finishes, unused)."""
-    loading = asyncio.ensure_future(asyncio.to_thread(start_engine, config))
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not loading.done():
-        return False
-    engine = loading.result()
-    state.kv_layout, kv_cache = (await engine.facts()).kv_layout, await engine.kv_cache()
-    if state.role == worker_pb2.WORKER_ROLE_PREFILL:
-        state.kv_exporter = KvCacheExporter(kv_cache, state.kv_transfer_backends, state.worker_id)
-        state.closers.append(_closer(state.kv_exporter))
-    state.engine, state.tensor_source = engine, KvSessionSource(engine, state.kv_layout, state.kv_exporter)
-    return True
-
-
 def _closer(exporter: KvCacheExporter) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         exporter.close()
     return close
-
-
-async def _shutdown(server: Server, state: WorkerState) -> None:
-    state.shutting_down = True
-    await server.set_serving(False)
-    stopping = asyncio.ensure_future(server.server.stop(SHUTDOWN_GRACE_S))  # refuses new RPCs at once
-    engine = state.engine
-    running = await engine.abort_all() if engine is not None else 0
-    await stopping
-    await state.drain(SHUTDOWN_GRACE_S)
-    for close in state.closers:
-        await close()
-    if engine is not None:
-        released = await engine.release_all_sessions()
-        await asyncio.to_thread(engine.shutdown)
-        log.info("stopped: aborted %d requests, released %d KV sessions", running, released)

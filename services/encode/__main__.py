@@ -3,34 +3,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import contextlib
 import os
-import signal
-import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common.engine.default_model import model_label, resolve_model
+import grpc
+
+from common.engine.default_model import resolve_model
 from common.engine.image_encoder import ImageEncoder
 from common.engine.models.llava import is_vision_language
 from common.engine.models.loader import load_config
 from common.errors import InvalidConfig
 from common.kv.embeddings import EmbeddingTable
 from common.media import MediaConfig
-from common.tls import add_tls_args, tls_from_args
-from common.tls import configure as configure_tls
+from common.pb.disagg.v1 import worker_pb2
 from services.encode.server import SERVICE_NAMES, EmbeddingSource, EncodeState, add_servicers
-from services.observability import Observability, add_observability_args
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, setup_logging, start_server
+from services.worker_shell import run_worker
 
-log = logging.getLogger(__name__)
-SHUTDOWN_GRACE_S = 5.0
 _EXPIRE_EVERY_S = 0.25
 
 
 @dataclass(frozen=True)
 class EncodeConfig:
     model: str
+    media: MediaConfig = field(default_factory=MediaConfig)
     dtype: str = "float32"
     device: str = "cpu"
     embedding_ttl_s: float = 60.0
@@ -49,16 +46,9 @@ class EncodeConfig:
                 raise InvalidConfig(message)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disagg encode", description="The encode worker: images → embeddings.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free one")
-    p.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
-                   help="host other processes use to reach this one (env DISAGG_ADVERTISE_HOST)")
-    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                    help="LLaVA-style Hugging Face model directory (env DISAGG_MODEL)")
-    p.add_argument("--model-name", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--embedding-ttl", type=float, default=60.0, help="seconds an unpulled embedding is kept")
@@ -68,32 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-url-fetch", action="store_true", help="let Image.path be an http(s) URL")
     p.add_argument("--max-image-bytes", type=int, default=MediaConfig.max_image_bytes)
     p.add_argument("--max-image-pixels", type=int, default=MediaConfig.max_image_pixels)
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    add_tls_args(p)
-    add_observability_args(p)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    setup_logging("encode", args.log_level)
-    try:
-        _require_vision_model(args.model)
-        config = EncodeConfig(model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device,
-                              embedding_ttl_s=args.embedding_ttl, max_stored_bytes=args.max_stored_bytes,
-                              max_images_per_request=args.max_images_per_request)
-        media = MediaConfig(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-                            allowed_media_dir=args.allowed_media_dir, allow_url_fetch=args.allow_url_fetch)
-        configure_tls(tls_from_args(args))
-    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
-    try:
-        asyncio.run(_serve(args, config, media))
-    except Exception:
-        log.exception("the encode worker failed")
-        return 1
-    return 0
+def _configure(args: argparse.Namespace) -> EncodeConfig:
+    _require_vision_model(args.model)
+    media = MediaConfig(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                        allowed_media_dir=args.allowed_media_dir, allow_url_fetch=args.allow_url_fetch)
+    return EncodeConfig(model=str(resolve_model(args.model)), media=media, dtype=args.dtype, device=args.device,
+                        embedding_ttl_s=args.embedding_ttl, max_stored_bytes=args.max_stored_bytes,
+                        max_images_per_request=args.max_images_per_request)
 
 
 def _require_vision_model(model: str | None) -> None:
@@ -103,46 +76,71 @@ def _require_vision_model(model: str | None) -> None:
                             "encode worker needs a LLaVA-style checkpoint (LlavaForConditionalGeneration)")
 
 
-async def _serve(args: argparse.Namespace, config: EncodeConfig, media: MediaConfig) -> None:
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    table = EmbeddingTable(config.embedding_ttl_s, config.max_stored_bytes)
-    state = EncodeState(args.model_name or model_label(args.model), table, media, config.max_images_per_request,
-                        args.max_message_bytes)
-    obs = Observability.from_args("encode", state.model_name, args)
-    state.metrics = obs.metrics
-    server = await start_server(lambda s: add_servicers(s, state), SERVICE_NAMES, args.host, args.port,
-                                args.max_message_bytes)
-    host = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host)
-    state.endpoint = f"{host}:{server.port}"
-    expiring = None
-    try:
-        loop = asyncio.get_running_loop()
-        state.encoder = await loop.run_in_executor(state.executor, ImageEncoder, config.model, config.dtype,
-                                                   config.device)
-        state.tensor_source = EmbeddingSource(table)
-        await server.set_serving(True)
-        print(f"disagg-encode serving on {state.endpoint}", flush=True)
-        await obs.start(args.host, host, server.port, meta={"worker_id": state.worker_id})
-        expiring = asyncio.ensure_future(_expire(table))
-        await stop.wait()
-    finally:
-        state.shutting_down = True
-        if expiring is not None:
-            expiring.cancel()
-        await obs.stop()
-        await server.stop(SHUTDOWN_GRACE_S)
-        dropped = table.clear()
+@dataclass(frozen=True)
+class EncodeRole:
+    """The encode worker's role spec for services.worker_shell: an ImageEncoder and its embedding table."""
+
+    role: int = worker_pb2.WORKER_ROLE_ENCODE
+    description: str = "The encode worker: images → embeddings."
+    service_names: tuple[str, ...] = tuple(SERVICE_NAMES)
+    no_kv_events: str = "an encode worker has no prefix cache, so no KV events"
+
+    def add_args(self, parser: argparse.ArgumentParser) -> None:
+        _add_args(parser)
+
+    def configure(self, args: argparse.Namespace) -> EncodeConfig:
+        return _configure(args)
+
+    def new_state(self, args: argparse.Namespace, config: EncodeConfig, model_name: str) -> EncodeState:
+        table = EmbeddingTable(config.embedding_ttl_s, config.max_stored_bytes)
+        return EncodeState(model_name=model_name, max_message_bytes=args.max_message_bytes, table=table,
+                           media=config.media, max_images_per_request=config.max_images_per_request)
+
+    def add_servicers(self, server: grpc.aio.Server, state: EncodeState, args: argparse.Namespace) -> None:
+        add_servicers(server, state, args)
+
+    def load(self, state: EncodeState, config: EncodeConfig) -> ImageEncoder:
+        return ImageEncoder(config.model, config.dtype, config.device)
+
+    async def attach(self, state: EncodeState, encoder: ImageEncoder) -> None:
+        state.encoder, state.tensor_source = encoder, EmbeddingSource(state.table)
+
+    def registration_meta(self, state: EncodeState) -> dict[str, str]:
+        return {"worker_id": state.worker_id}
+
+    async def background(self, state: EncodeState, stop: asyncio.Event) -> None:
+        """Free expired embeddings even when nobody calls (GetLoad shows the memory going back)."""
+        while not stop.is_set():
+            state.table.expire()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), _EXPIRE_EVERY_S)
+
+    async def info(self, state: EncodeState) -> worker_pb2.WorkerInfo:
+        encoder = state.require_encoder()
+        return worker_pb2.WorkerInfo(
+            dtype=str(encoder.dtype).split(".")[-1], max_model_len=encoder.config.text_config.max_position_embeddings,
+            limits=worker_pb2.WorkerLimits(session_ttl_ms=int(state.table.ttl_s * 1000)), engine="torch",
+            supports_images=True,
+        )
+
+    async def load_report(self, state: EncodeState) -> worker_pb2.Load:
+        stored, num_bytes = state.table.stored()
+        return worker_pb2.Load(stored_tensors=stored, stored_tensor_bytes=num_bytes)
+
+    async def abort(self, state: EncodeState) -> int:
+        return 0  # an Encode call ends with its batch; the grace period covers it
+
+    async def close(self, state: EncodeState) -> str:
+        dropped = state.table.clear()
         state.executor.shutdown(wait=False, cancel_futures=True)
-        log.info("stopped: dropped %d unpulled embeddings", dropped)
+        return f"dropped {dropped} unpulled embeddings"
 
 
-async def _expire(table: EmbeddingTable) -> None:
-    """Free expired embeddings even when nobody calls (GetLoad shows the memory going back)."""
-    while True:
-        table.expire()
-        await asyncio.sleep(_EXPIRE_EVERY_S)
+SPEC = EncodeRole()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(SPEC, argv)
 
 
 if __name__ == "__main__":

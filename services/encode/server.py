@@ -1,43 +1,37 @@
 """Encoder servicer: images → embeddings kept in this worker's TensorStore under handles with a TTL."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Sequence
 
 import grpc
 
 from common.engine.image_encoder import ImageEncoder
-from common.errors import DisaggError, InvalidRequest, NotFound, ResourceExhausted, Unavailable
+from common.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
 from common.kv.chunks import tensor_to_bytes
 from common.kv.embeddings import EmbeddingTable, embedding_header, embedding_ref
 from common.media import MediaConfig, load_image
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from common.telemetry.metrics import Metrics
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
+from services.serving import abort_with
 from services.tensor_store import TensorStoreServicer, add_tensor_store
+from services.worker_service import WorkerState
 
-SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name
-                 for name in ("Encoder", "TensorStore", "Worker")]
+SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Encoder", "TensorStore")]
 
 
-@dataclass
-class EncodeState:
-    model_name: str
+@dataclass(kw_only=True)
+class EncodeState(WorkerState):
+    """The worker state, plus the encode worker's own: its embedding table, media rules and vision model."""
+
+    role: int = worker_pb2.WORKER_ROLE_ENCODE
     table: EmbeddingTable
     media: MediaConfig
     max_images_per_request: int
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    endpoint: str = ""
     encoder: ImageEncoder | None = None
-    tensor_source: "EmbeddingSource | None" = None
-    metrics: Metrics | None = None
-    shutting_down: bool = False
-    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # One thread: the vision model runs one batch at a time, off the event loop.
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="encode"))
 
@@ -75,10 +69,9 @@ class EmbeddingSource:
         return self.table.stored()
 
 
-def add_servicers(server: grpc.aio.Server, state: EncodeState) -> None:
+def add_servicers(server: grpc.aio.Server, state: EncodeState, args: argparse.Namespace) -> None:
     worker_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(state), server)
     add_tensor_store(TensorStoreServicer(state), server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(EncodeWorkerServicer(state), server)
 
 
 class EncoderServicer(worker_pb2_grpc.EncoderServicer):
@@ -126,38 +119,3 @@ def _encode(encoder: ImageEncoder, request: worker_pb2.EncodeRequest, media: Med
             raise InvalidRequest(f"image {i}: {exc}") from None
     tensors = encoder.encode([d.image for d in decoded])
     return [(t, d.content_hash) for t, d in zip(tensors, decoded)]
-
-
-class EncodeWorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, state: EncodeState):
-        self.state = state
-
-    async def GetInfo(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
-        try:
-            encoder = self.state.require_encoder()
-        except DisaggError as exc:
-            await abort_with(context, exc)
-        text = encoder.config.text_config
-        limits = worker_pb2.WorkerLimits(max_message_bytes=self.state.max_message_bytes,
-                                         session_ttl_ms=int(self.state.table.ttl_s * 1000))
-        return worker_pb2.WorkerInfo(
-            role=worker_pb2.WORKER_ROLE_ENCODE, model=self.state.model_name, dtype=str(encoder.dtype).split(".")[-1],
-            max_model_len=text.max_position_embeddings, limits=limits, worker_id=self.state.worker_id,
-            endpoint=self.state.endpoint, engine="torch", engine_version=_version(), supports_images=True,
-        )
-
-    async def GetLoad(self, request, context: grpc.aio.ServicerContext) -> worker_pb2.Load:
-        stored, num_bytes = self.state.table.stored()
-        return worker_pb2.Load(stored_tensors=stored, stored_tensor_bytes=num_bytes,
-                               timestamp_unix_ms=int(time.time() * 1000))
-
-    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "an encode worker has no prefix cache, so no KV events")
-        yield  # an async generator, as the streaming RPC requires
-
-
-def _version() -> str:
-    try:
-        return metadata.version("disagg")
-    except metadata.PackageNotFoundError:
-        return "unknown"

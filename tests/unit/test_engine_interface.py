@@ -10,8 +10,8 @@ from common.engine.async_engine import AsyncLLMEngine
 from common.engine.interface import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER_SERVICES = ["services/worker_service.py", "services/tensor_store.py", "services/prefill/server.py",
-                   "services/decode/server.py"]
+WORKER_SERVICES = ["services/worker_service.py", "services/worker_shell.py", "services/tensor_store.py",
+                   "services/prefill/server.py", "services/decode/server.py"]
 ALLOWED = {"common.engine.interface", "common.engine.request", "common.engine.config", "common.engine.multimodal",
            "common.engine.default_model"}
 

@@ -1,0 +1,163 @@
+"""The process every worker (encode, prefill, decode) runs; a RoleSpec says what differs.
+
+Lifecycle: parse flags (a bad setting is one line, `disagg <role>: error: ...`), start the gRPC server
+(health NOT_SERVING), load the role's model off the event loop, flip to SERVING and print
+`disagg-<role> serving on HOST:PORT`, register (metrics, Consul); on SIGTERM/SIGINT deregister, go
+NOT_SERVING, stop accepting, end in-flight work, drain, and free what the role holds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from typing import Any, Protocol, Sequence
+
+import grpc
+
+from common.engine.default_model import model_label
+from common.errors import InvalidConfig
+from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
+from common.tls import add_tls_args, tls_from_args
+from common.tls import configure as configure_tls
+from services.observability import Observability, add_observability_args
+from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
+from services.wire import ParseRequests
+from services.worker_service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
+
+log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 5.0
+_WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class RoleSpec(WorkerRoleAnswers, Protocol):
+    """One worker kind: its flags, what it loads, the services it adds besides Worker, and its teardown."""
+
+    role: int
+    description: str
+    service_names: Sequence[str]  # besides Worker
+
+    def add_args(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def configure(self, args: argparse.Namespace) -> Any:
+        """The role's validated config; InvalidConfig / ValueError / FileNotFoundError name the bad flag."""
+
+    def new_state(self, args: argparse.Namespace, config: Any, model_name: str) -> WorkerState: ...
+
+    def add_servicers(self, server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None: ...
+
+    def load(self, state: WorkerState, config: Any) -> Any:
+        """Load the model; runs in a thread, so it may block."""
+
+    async def attach(self, state: WorkerState, loaded: Any) -> None:
+        """Make what `load` returned the state's, ready to serve."""
+
+    def registration_meta(self, state: WorkerState) -> dict[str, str]: ...
+
+    async def background(self, state: WorkerState, stop: asyncio.Event) -> None:
+        """Work kept up while serving (gauges, expiry); returns soon after `stop` is set."""
+
+    async def abort(self, state: WorkerState) -> int:
+        """End in-flight work so the server's grace period need not run out; how many requests ended."""
+
+    async def close(self, state: WorkerState) -> str:
+        """Free what the role holds once no RPC runs; a summary for the `stopped:` log line."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag or setting is one line on stderr, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
+    name = ROLE_NAMES[spec.role]
+    parser = _OneLineParser(prog=f"disagg {name}", description=spec.description)
+    _add_process_args(parser)
+    spec.add_args(parser)
+    add_tls_args(parser)
+    add_observability_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging(name, args.log_level)
+    try:
+        config = spec.configure(args)
+        configure_tls(tls_from_args(args))
+    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(_serve(spec, args, config))
+    except Exception:
+        log.exception("the %s worker failed", name)
+        return 1
+    return 0
+
+
+def _add_process_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    g.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
+                   help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _advertised_host(args: argparse.Namespace) -> str:
+    return args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host)
+
+
+async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    state = spec.new_state(args, config, args.model_name or model_label(args.model))
+    obs = Observability.from_args(state.role_name, state.model_name, args)  # before the server: tracing
+    state.metrics = obs.metrics
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(state, spec), server)
+        spec.add_servicers(server, state, args)
+
+    server = await start_server(add_servicers, [*spec.service_names, _WORKER_SERVICE], args.host, args.port,
+                                args.max_message_bytes, interceptors=[ParseRequests()])
+    host = _advertised_host(args)
+    state.endpoint = f"{host}:{server.port}"
+    try:
+        if await _load(spec, state, config, stop):
+            await server.set_serving(True)
+            print(f"disagg-{state.role_name} serving on {state.endpoint}", flush=True)
+            log.info("serving %s as worker %s", state.model_name, state.worker_id)
+            await obs.start(args.host, host, server.port, meta=spec.registration_meta(state))
+            state.spawn(spec.background(state, stop))
+            await stop.wait()
+    finally:
+        await obs.stop()
+        await _shutdown(spec, server, state)
+
+
+async def _load(spec: RoleSpec, state: WorkerState, config: Any, stop: asyncio.Event) -> bool:
+    """Load the model in a thread; False if a signal came first (the load finishes, unused)."""
+    loading = asyncio.ensure_future(asyncio.to_thread(spec.load, state, config))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loading.done():
+        return False
+    await spec.attach(state, loading.result())
+    return True
+
+
+async def _shutdown(spec: RoleSpec, server: Server, state: WorkerState) -> None:
+    state.shutting_down = True
+    await server.set_serving(False)
+    stopping = asyncio.ensure_future(server.server.stop(SHUTDOWN_GRACE_S))  # refuses new RPCs at once
+    aborted = await spec.abort(state)
+    await stopping
+    await state.drain(SHUTDOWN_GRACE_S)
+    for close in state.closers:
+        await close()
+    log.info("stopped: aborted %d requests, %s", aborted, await spec.close(state))
