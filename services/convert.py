@@ -59,6 +59,14 @@ def sampling_to_proto(params: SamplingParams) -> tuple[common_pb2.SamplingParams
     return sampling, stop, output
 
 
+def worker_stop_conditions(stop: common_pb2.StopConditions) -> common_pb2.StopConditions:
+    """What a worker stops on: token ids and ignore_eos. Stop strings are matched by the router's text stream."""
+    worker = common_pb2.StopConditions(stop_token_ids=stop.stop_token_ids)
+    if stop.HasField("ignore_eos"):
+        worker.ignore_eos = stop.ignore_eos
+    return worker
+
+
 def request_type_from_proto(value: int, default: RequestType) -> RequestType:
     if value == common_pb2.REQUEST_TYPE_UNSPECIFIED:
         return default

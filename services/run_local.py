@@ -7,7 +7,9 @@ import time
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
+from common.engine.tokenizer import load_tokenizer
 from common.errors import InvalidConfig
+from common.text_stream import IncrementalDetokenizer
 from services.engine_flags import add_engine_args, engine_config_from_args
 from services.sampling_flags import add_sampling_args, sampling_from_args
 
@@ -30,17 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         print(f"disagg run: {exc}", file=sys.stderr)
         return 2
-    if engine.tokenizer is None:
+    tok = load_tokenizer(engine.config.model)
+    if tok is None:
         parser.error(f"{engine.config.model} has no tokenizer; `disagg run` needs text")
-    tok = engine.tokenizer
     prompt = tok.encode(args.prompt) if args.raw else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     engine.add_request("run", prompt, sampling_params(args))
+    text = IncrementalDetokenizer(tok, prompt)
     start, count = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             count += len(out.new_token_ids)
-            sys.stdout.write(out.text)
+            sys.stdout.write(text.add(out.new_token_ids).text)
             sys.stdout.flush()
+    sys.stdout.write(text.flush())
     elapsed = time.perf_counter() - start
     print(f"\n[{count} tokens in {elapsed:.2f}s, {count / elapsed:.1f} tokens/s]", file=sys.stderr)
     return 0

@@ -11,7 +11,7 @@ from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
                                    SamplingParams, TokenLogprob)
 from common.engine.scheduler import Scheduler
-from common.engine.stopping import StopChecker, load_tokenizer
+from common.engine.stopping import StopRule
 from common.engine.interface import EngineLoad
 from common.errors import InvalidRequest, NotFound, ResourceExhausted
 from common.kv.events import KvEventLog
@@ -34,7 +34,6 @@ class LLMEngine:
         facts = load_model_facts(config.model)
         self.eos_token_ids = facts.eos_token_ids
         self.image_token_id = facts.image_token_id
-        self.tokenizer = load_tokenizer(config.model)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
@@ -44,7 +43,7 @@ class LLMEngine:
         # Released while an export was still reading them: freed when the last lease ends.
         self._released_leased: dict[str, KvSession] = {}
         self.requests: dict[str, Request] = {}
-        self._stop_checkers: dict[str, StopChecker] = {}
+        self._stop_rules: dict[str, StopRule] = {}
         self.num_preemptions = 0
 
     # --- requests ---
@@ -67,16 +66,16 @@ class LLMEngine:
                                     "(--max-waiting); retry later or add workers")
         # A lone request must always fit in the pool, or preemption would loop forever.
         cap = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
-        if sampling.max_tokens is not None:
-            cap = min(cap, len(prompt_token_ids) + sampling.max_tokens)
+        rule = StopRule.of(sampling, self.eos_token_ids, len(prompt_token_ids), cap)
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
-            request_type=request_type, kv_import=kv_import, max_total_tokens=cap, arrival_time=time.monotonic(), mm=mm,
+            request_type=request_type, kv_import=kv_import, max_total_tokens=rule.max_total_tokens,
+            arrival_time=time.monotonic(), mm=mm,
         )
         if first_token is not None:
             request.output_token_ids.append(first_token)
         self.requests[request_id] = request
-        self._stop_checkers[request_id] = StopChecker(request, self.eos_token_ids, self.tokenizer)
+        self._stop_rules[request_id] = rule
         self.scheduler.add(request)
         return request
 
@@ -159,18 +158,16 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         request.output_token_ids.append(token)
-        checker = self._stop_checkers[request.request_id]
-        reason, text, matched = checker.check(token)
+        reason = self._stop_rules[request.request_id].check(token, request.num_tokens)
         output = RequestOutput(
             request_id=request.request_id, new_token_ids=[token], new_logprobs=[logprob] if logprob else [],
-            text=text, matched_stop=matched, num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens, num_output_tokens=len(request.output_token_ids),
         )
         if reason is None and request.request_type is RequestType.CONTEXT_ONLY:
             output.session_id = self._pin_session(request, token).session_id
             reason = FinishReason.CONTEXT_DONE
         if reason is not None:
-            output.text += checker.flush() if reason is not FinishReason.STOP or matched is None else ""
             output.finished, output.finish_reason = True, reason
             if reason is not FinishReason.CONTEXT_DONE:
                 self._finish(request, reason)
@@ -182,7 +179,7 @@ class LLMEngine:
             self.block_manager.free(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(request.request_id, None)
-        self._stop_checkers.pop(request.request_id, None)
+        self._stop_rules.pop(request.request_id, None)
 
     # --- KV sessions (context_only → generation_only handoff) ---
 
@@ -194,7 +191,7 @@ class LLMEngine:
         request.block_table = []
         request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.CONTEXT_DONE
         self.requests.pop(request.request_id, None)
-        self._stop_checkers.pop(request.request_id, None)
+        self._stop_rules.pop(request.request_id, None)
         return session
 
     def export_session(self, session_id: str) -> KvExport:

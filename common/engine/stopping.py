@@ -1,50 +1,35 @@
-"""When a request stops: eos, stop token ids, stop strings, max_tokens, the context limit."""
+"""When a request stops, on token ids and lengths: EOS (unless ignore_eos), stop token ids, max_tokens,
+the context limit. Stop strings are text, matched by the text stream's owner (common.text_stream).
+
+One rule for the engine (every sampled token) and the router (the first token prefill sampled).
+Torch-free.
+"""
 from __future__ import annotations
 
-import logging
-from pathlib import Path
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from common.engine.request import FinishReason, Request, RequestType
-from common.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-log = logging.getLogger(__name__)
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+from common.engine.request import FinishReason, SamplingParams
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer | None:
-    """The model's tokenizer, or None for a weights-only directory (token-id requests still work)."""
-    if not any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
+@dataclass(frozen=True)
+class StopRule:
+    stop_token_ids: frozenset[int]
+    max_total_tokens: int  # prompt + output
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, eos_token_ids: Iterable[int], num_prompt_tokens: int,
+           token_limit: int) -> StopRule:
+        """token_limit: the most tokens (prompt + output) the request may hold, max_tokens aside."""
+        ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        limit = token_limit if sampling.max_tokens is None else min(token_limit,
+                                                                    num_prompt_tokens + sampling.max_tokens)
+        return cls(frozenset(ids), limit)
+
+    def check(self, token: int, num_tokens: int) -> FinishReason | None:
+        """Whether `token`, just appended and making the request `num_tokens` long, ends it."""
+        if token in self.stop_token_ids:
+            return FinishReason.STOP
+        if num_tokens >= self.max_total_tokens:
+            return FinishReason.LENGTH
         return None
-    return Tokenizer.from_model_dir(model_dir)
-
-
-class StopChecker:
-    """Per request: detokenises the output (when a tokenizer exists) and decides when it ends."""
-
-    def __init__(self, request: Request, eos_token_ids: frozenset[int], tokenizer: Tokenizer | None):
-        self.request = request
-        s = request.sampling
-        self.stop_ids = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
-        if s.stop and tokenizer is None:
-            log.warning("request %s has stop strings but the model has no tokenizer", request.request_id)
-        self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=s.stop) if tokenizer else None
-        )
-        if self.detokenizer and request.request_type is RequestType.GENERATION_ONLY:
-            self.detokenizer.add(request.output_token_ids)  # the first token was streamed by prefill
-
-    def check(self, token: int) -> tuple[FinishReason | None, str, str | None]:
-        """(finish reason or None, new text, matched stop string) after `token` was appended."""
-        text, matched = "", None
-        if self.detokenizer is not None:
-            delta = self.detokenizer.add([token])
-            text, matched = delta.text, delta.matched_stop
-        if matched is not None or token in self.stop_ids:
-            return FinishReason.STOP, text, matched
-        if self.request.num_tokens >= self.request.max_total_tokens:
-            return FinishReason.LENGTH, text, None
-        return None, text, None
-
-    def flush(self) -> str:
-        return self.detokenizer.flush() if self.detokenizer is not None else ""

@@ -1,19 +1,15 @@
-"""Hugging Face tokenizer wrapper, chat template, and the incremental detokenizer."""
+"""Hugging Face tokenizer wrapper and chat template (the text stream is common.text_stream)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens decoded as left context, as vLLM does, so the first output token gets the
-# same leading-space treatment as it would inside the whole text.
-CONTEXT_TOKENS = 5
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class Tokenizer:
@@ -58,97 +54,8 @@ class Tokenizer:
         )
 
 
-@dataclass
-class TextDelta:
-    text: str
-    matched_stop: str | None = None
-
-
-class IncrementalDetokenizer:
-    """Turns generated token ids into text deltas, one add() per step.
-
-    Decodes only a window: ids[prefix_offset:read_offset] is the text already emitted (left
-    context), ids[read_offset:] is new. Text ending in U+FFFD is an incomplete UTF-8 character
-    and waits for more tokens (the vLLM / TGI technique). Text that may be the start of a stop
-    string waits until it is resolved.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int],
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._stop = tuple(s for s in stop if s)
-        self._max_hold = max((len(s) for s in self._stop), default=1) - 1
-        context = list(prompt_token_ids[max(0, len(prompt_token_ids) - CONTEXT_TOKENS) :])
-        if self._decode(context).endswith(REPLACEMENT_CHAR):
-            context = []  # the prompt ends mid-character: context would shift the output's bytes
-        self._ids = context
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._held = ""
-        self._text = ""
-        self._matched_stop: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self._text
-
-    @property
-    def matched_stop(self) -> str | None:
-        return self._matched_stop
-
-    def add(self, token_ids: Sequence[int]) -> TextDelta:
-        if self._matched_stop is not None:
-            return TextDelta("", self._matched_stop)
-        self._ids.extend(token_ids)
-        return self._emit(self._detokenize(final=False), final=False)
-
-    def flush(self) -> str:
-        """The held-back text, at the end of generation."""
-        if self._matched_stop is not None:
-            return ""
-        return self._emit(self._detokenize(final=True), final=True).text
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
-
-    def _detokenize(self, final: bool) -> str:
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT_CHAR) and not final):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full[len(prefix) :]
-
-    def _emit(self, new_text: str, final: bool) -> TextDelta:
-        buffer = self._held + new_text
-        match = self._find_stop(buffer)
-        if match is not None:
-            index, self._matched_stop = match
-            out, self._held = buffer[:index], ""
-        else:
-            keep = 0 if final else self._stop_prefix_len(buffer)
-            out, self._held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
-        self._text += out
-        return TextDelta(out, self._matched_stop)
-
-    def _find_stop(self, buffer: str) -> tuple[int, str] | None:
-        """The earliest stop string in buffer; the held text guarantees none started before it."""
-        found = [(i, order, s) for order, s in enumerate(self._stop) if (i := buffer.find(s)) >= 0]
-        if not found:
-            return None
-        index, _, stop = min(found)
-        return index, stop
-
-    def _stop_prefix_len(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that some stop string starts with."""
-        for k in range(min(len(buffer), self._max_hold), 0, -1):
-            tail = buffer[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
+def load_tokenizer(model_dir: str) -> Tokenizer | None:
+    """The model's tokenizer, or None for a weights-only directory (token-id requests still work)."""
+    if not any((Path(model_dir) / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    return Tokenizer.from_model_dir(model_dir)

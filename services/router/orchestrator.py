@@ -17,10 +17,13 @@ import grpc
 from opentelemetry import trace
 
 from common.discovery import Role
+from common.engine.request import FinishReason
+from common.engine.stopping import StopRule
 from common.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
 from common.pb.disagg.v1 import common_pb2, generation_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
+from services.convert import worker_stop_conditions
 from services.router.config import RouterConfig
 from services.router.disagg_decision import DisaggConfig, PrefillPlacement
 from services.router.kv_index import KvIndex
@@ -32,6 +35,8 @@ from services.router.workers import WorkerClient, WorkerPool
 log = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 5.0
+# How long a decode worker may take to confirm a cancel (its blocks are free when it does).
+_CANCEL_ACK_TIMEOUT_S = 5.0
 _DEADLINE_EXCEEDED, _UNAVAILABLE = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE
 _STOP, _LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
@@ -266,14 +271,13 @@ class Orchestrator:
 
     def _first_token_ends(self, req: PreparedRequest, out: ResponseBuilder, token: int) -> tuple[int, int | None] | None:
         """(reason, matched stop token id) when the token prefill sampled already ends the request."""
-        params = req.params
         if out.stopped:
             return _STOP, None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self._preparer.facts.eos_token_ids):
+        rule = StopRule.of(req.params, self._preparer.facts.eos_token_ids, len(req.prompt), req.max_model_len)
+        reason = rule.check(token, len(req.prompt) + 1)
+        if reason is FinishReason.STOP:
             return _STOP, token
-        if params.max_tokens == 1 or len(req.prompt) + 1 >= req.max_model_len:
-            return _LENGTH, None
-        return None
+        return None if reason is None else (_LENGTH, None)
 
     async def _decode(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                       start: worker_pb2.DecodeStart, deadline: Deadline) -> AsyncIterator[Response]:
@@ -315,7 +319,10 @@ class Orchestrator:
                 response = out.delta(message.delta.token_ids, message.delta.logprobs)
                 if response is not None:
                     yield response
-                if out.stopped:
+                if out.stopped:  # a stop string: the worker generates on until told
+                    finished = await _cancelled(call)
+                    if finished is not None:
+                        self._record_usage(finished, session, out)
                     for response in out.finish(_STOP):
                         yield response
                     return
@@ -335,16 +342,20 @@ class Orchestrator:
             if session is not None and not answered:
                 self._release(session)
 
-    @staticmethod
-    def _worker_finished(finished: common_pb2.Finished, session: common_pb2.KvSessionRef | None,
+    def _worker_finished(self, finished: common_pb2.Finished, session: common_pb2.KvSessionRef | None,
                          out: ResponseBuilder) -> list[Response]:
+        self._record_usage(finished, session, out)
+        stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
+        return out.finish(finished.reason, stop_id)
+
+    @staticmethod
+    def _record_usage(finished: common_pb2.Finished, session: common_pb2.KvSessionRef | None,
+                      out: ResponseBuilder) -> None:
         if session is None:
             out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
         else:  # how the KV came to decode, for the client's Finished.usage
             out.kv_transfer = (finished.usage.kv_transfer_backend, finished.usage.kv_transfer_bytes,
                                finished.usage.kv_transfer_ms)
-        stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
-        return out.finish(finished.reason, stop_id)
 
     async def _release_answered(self, call: grpc.aio.UnaryUnaryCall) -> None:
         try:
@@ -371,7 +382,7 @@ class Orchestrator:
 
 def _aggregated_start(req: PreparedRequest) -> worker_pb2.DecodeStart:
     return worker_pb2.DecodeStart(request_id=req.worker_request_id, token_ids=req.prompt, sampling=req.sampling,
-                                  stop=req.stop, output=req.output)
+                                  stop=worker_stop_conditions(req.stop), output=req.output)
 
 
 def _handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.KvSessionRef) -> worker_pb2.DecodeStart:
@@ -390,6 +401,21 @@ def _continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb
     if req.sampling.HasField("max_tokens"):
         start.sampling.max_tokens = req.sampling.max_tokens - len(generated)
     return start
+
+
+async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | None:
+    """Cancel the worker's request on its Decode stream and wait for its Finished: by then its blocks are free.
+    None when the worker does not confirm in time or the stream breaks (cancelling the RPC frees them too)."""
+    try:
+        async with asyncio.timeout(_CANCEL_ACK_TIMEOUT_S):
+            with contextlib.suppress(asyncio.InvalidStateError):  # the worker has ended the stream already
+                await call.write(worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel()))
+            async for message in call:
+                if message.HasField("finished"):
+                    return message.finished
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError) as exc:
+        log.debug("decode worker did not confirm a cancel: %s", exc)
+    return None
 
 
 class _DecodeLost(Exception):

@@ -7,9 +7,10 @@ from typing import Sequence
 import grpc
 from opentelemetry import trace
 
-from common.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.engine.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from common.telemetry.metrics import Metrics
+from common.text_stream import IncrementalDetokenizer
 from services.router.prepare import PreparedRequest
 from services.serving import message_of, status_of
 

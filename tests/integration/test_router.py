@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.engine.default_model import default_model_dir
 from common.engine.tokenizer import Tokenizer
-from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.processes import ServiceProcess, start_service, start_services, stop_cleanly
@@ -145,6 +145,34 @@ def test_stop_string_finishes_stop_and_frees_the_decode(router, text_model, toke
     assert finished.reason == common_pb2.FINISH_REASON_STOP and finished.matched_stop == stop
     assert text == full[: full.index(stop)]
     assert tokens == expected[: len(tokens)] and len(tokens) < MAX_TOKENS
+    assert_no_leaks(workers)
+
+
+def test_stop_string_across_tokens_cancels_the_decode_worker_before_finished(router, tokenizer, workers):
+    """The worker never sees the stop string: the router matches it and cancels the worker's request,
+    whose blocks are free when the client gets Finished (not when the worker would have reached max_tokens)."""
+    prompt, ignore_eos = PROMPTS[2], common_pb2.StopConditions(ignore_eos=True)
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=16)
+    reference, full, _ = _collect(_stub(router).Generate(generation_pb2.GenerateRequest(
+        prompt=prompt, sampling=sampling, stop=ignore_eos)))
+    pieces = [tokenizer.decode(reference[:i]) for i in range(len(reference) + 1)]
+    cut = next(i for i in range(3, len(reference)) if len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    stop = full[len(pieces[cut]) - 1:len(pieces[cut]) + 2]  # the end of one token and the start of the next
+    request = generation_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(
+        temperature=0, max_tokens=200), stop=common_pb2.StopConditions(stop=[stop], ignore_eos=True))
+    with workers[1].channel() as channel:
+        decode_worker = worker_pb2_grpc.WorkerStub(channel)
+        decode_worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)  # the channel is connected
+        responses = []
+        for response in _stub(router).Generate(request):
+            responses.append(response)
+            if response.HasField("finished"):  # at once, no polling: the cancel was confirmed before Finished
+                decode = decode_worker.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    tokens, text, finished = _collect(responses)
+    assert finished.reason == common_pb2.FINISH_REASON_STOP and finished.matched_stop == stop
+    assert text == full[: full.index(stop)] and tokens == reference[: len(tokens)]
+    assert decode.kv_blocks_free == decode.kv_blocks_total and decode.running_requests == 0
+    assert finished.usage.kv_transfer_bytes > 0  # from the worker's Finished, which confirmed the cancel
     assert_no_leaks(workers)
 
 

@@ -1,9 +1,13 @@
 """Requests and configs the engine refuses, each with a message that names the limit."""
+import shutil
+
 import pytest
 
 from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import FinishReason, SamplingParams
+from common.engine.tokenizer import Tokenizer
 from common.errors import InvalidConfig, InvalidRequest, ResourceExhausted
 
 
@@ -93,3 +97,22 @@ def test_stop_token_ids_finish_with_stop(engine):
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
     assert [o.new_token_ids[0] for o in outs] == first[:2] and outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_the_engine_ignores_stop_strings(tiny_llama, tmp_path):
+    """Stop strings are text, the router's to match; with a tokenizer at hand the engine still runs on."""
+    model = shutil.copytree(tiny_llama, tmp_path / "with-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, model / name)
+    engine = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=64, max_model_len=64))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    full = engine.generate([[3, 4, 5]], greedy)[0]
+    text = Tokenizer.from_model_dir(model).decode(full)
+    stops = (text[:2], text[len(text) // 2:][:3])  # at the start and across the middle of the output
+    assert all(stops)
+    engine.add_request("s", [3, 4, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stops))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [t for o in outs for t in o.new_token_ids] == full and outs[-1].finish_reason is FinishReason.LENGTH
+    assert engine.block_manager.num_free_blocks == 64

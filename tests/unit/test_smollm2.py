@@ -5,6 +5,8 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import FinishReason, RequestType, SamplingParams
+from common.engine.tokenizer import Tokenizer
+from common.text_stream import IncrementalDetokenizer
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -23,12 +25,25 @@ def engine(model_dir) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=256, max_num_batched_tokens=64))
 
 
-def _chat(engine, question):
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_model_dir(model_dir)
 
 
-def test_batched_chat_prompts_match_hf_greedy_and_logprobs(engine, model_dir):
-    prompts = [_chat(engine, q) for q in QUESTIONS]
+def _chat(tokenizer, question):
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def _run(engine, request_id, prompt, sampling):
+    engine.add_request(request_id, prompt, sampling)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_batched_chat_prompts_match_hf_greedy_and_logprobs(engine, tokenizer, model_dir):
+    prompts = [_chat(tokenizer, q) for q in QUESTIONS]
     sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=True)
     for i, prompt in enumerate(prompts):  # 64-token steps: the longer prompts are chunked
         engine.add_request(f"q{i}", prompt, sampling)
@@ -44,35 +59,33 @@ def test_batched_chat_prompts_match_hf_greedy_and_logprobs(engine, model_dir):
     assert engine.block_manager.num_free_blocks == 256
 
 
-def test_text_stream_is_the_decoded_output_and_stops_at_eos(engine, model_dir):
-    prompt = _chat(engine, QUESTIONS[0])
-    engine.add_request("t", prompt, SamplingParams(temperature=0, max_tokens=64))
-    outs = []
-    while engine.has_unfinished_requests():
-        outs.extend(engine.step())
+def test_text_stream_is_the_decoded_output_and_stops_at_eos(engine, tokenizer, model_dir):
+    prompt = _chat(tokenizer, QUESTIONS[0])
+    outs = _run(engine, "t", prompt, SamplingParams(temperature=0, max_tokens=64))
     ids = [t for o in outs for t in o.new_token_ids]
     assert ids == hf_greedy(model_dir, prompt, 64, stop_at_eos=True)[0]
     assert outs[-1].finish_reason is FinishReason.STOP
-    assert "".join(o.text for o in outs) == engine.tokenizer.decode(ids)
-    assert "Paris" in "".join(o.text for o in outs)
+    stream = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(stream.add(o.new_token_ids).text for o in outs) + stream.flush()
+    assert text == tokenizer.decode(ids) and "Paris" in text
 
 
-def test_stop_string_cuts_the_text_before_it(engine):
-    prompt = _chat(engine, QUESTIONS[0])
-    full = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=64))[0]
-    text = engine.tokenizer.decode(full)
+def test_engine_ignores_stop_strings_the_text_stream_cuts_before_them(engine, tokenizer):
+    prompt = _chat(tokenizer, QUESTIONS[0])
+    full = _run(engine, "f", prompt, SamplingParams(temperature=0, max_tokens=64))
+    text = tokenizer.decode([t for o in full for t in o.new_token_ids])
     stop = text.split()[3]  # a word from the middle of the answer
-    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=64, stop=(stop,)))
-    outs = []
-    while engine.has_unfinished_requests():
-        outs.extend(engine.step())
-    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].matched_stop == stop
-    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+    outs = _run(engine, "s", prompt, SamplingParams(temperature=0, max_tokens=64, stop=(stop,)))
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in full]
+    assert outs[-1].finish_reason is full[-1].finish_reason
+    stream = IncrementalDetokenizer(tokenizer, prompt, stop=(stop,))
+    cut = "".join(stream.add(o.new_token_ids).text for o in outs)
+    assert stream.matched_stop == stop and cut == text[: text.index(stop)]
 
 
-def test_disaggregated_handoff_matches_hf(engine, model_dir):
+def test_disaggregated_handoff_matches_hf(engine, tokenizer, model_dir):
     decode = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64))
-    prompt = _chat(engine, QUESTIONS[1])
+    prompt = _chat(tokenizer, QUESTIONS[1])
     sampling = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine.add_request("p", prompt, sampling, RequestType.CONTEXT_ONLY)
     (first,) = [o for _ in range(50) if engine.has_unfinished_requests() for o in engine.step()]
