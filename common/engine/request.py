@@ -21,7 +21,7 @@ class RequestType(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"  # eos, a stop token id or a stop string
+    STOP = "stop"  # eos or a stop token id (stop strings: the router's text stream)
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
     CONTEXT_DONE = "context_done"  # context_only: first token sampled, KV exported
@@ -132,6 +132,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    text: str = ""  # detokenised delta (empty when the engine has no tokenizer)
-    matched_stop: str | None = None
     session_id: str | None = None  # context_only: where the KV waits for its pull

@@ -130,9 +130,7 @@ class _Progress:
         self.usage.e2e_ms = (time.perf_counter() - self.start) * 1000
         reason = out.finish_reason if out is not None else FinishReason.ABORT
         finished = common_pb2.Finished(reason=finish_reason_to_proto(reason), usage=self.usage)
-        if out is not None and out.matched_stop is not None:
-            finished.matched_stop = out.matched_stop
-        elif reason is FinishReason.STOP and out.new_token_ids:
+        if reason is FinishReason.STOP and out.new_token_ids:  # workers stop on token ids; the router on strings
             finished.matched_stop_token_id = out.new_token_ids[-1]
         return worker_pb2.DecodeServerMessage(request_id=self.request_id, finished=finished)
 

@@ -17,7 +17,7 @@ SERVICES = {
     "Prefiller": {"Prefill": (False, False)},
     "Decoder": {"Decode": (True, True)},
     "Encoder": {"Encode": (False, False)},
-    "TensorStore": {"Pull": (False, True), "Release": (False, False)},
+    "TensorStore": {"Pull": (False, True), "Release": (False, False), "OpenKvCache": (False, False)},
     "Worker": {"GetInfo": (False, False), "GetLoad": (False, False), "SubscribeKvEvents": (False, True)},
 }
 
