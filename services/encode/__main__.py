@@ -1,4 +1,5 @@
-"""`python -m services.encode` / `disagg encode`: the encode worker process (images → embeddings)."""
+"""`python -m services.encode` / `disagg encode`: the encode worker process (images → embeddings), run by the
+worker shell (services.worker_shell) from the role spec here: its flags, an ImageEncoder, GetInfo / GetLoad."""
 from __future__ import annotations
 
 import argparse
