@@ -22,6 +22,7 @@ Cache layout (common/engine/model_runner.py): kv_cache is one contiguous tensor
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib
 import logging
 import os
@@ -90,6 +91,18 @@ def _new_agent(prefix: str, progress_thread: bool) -> Any:
     if "UCX" not in agent.backends:
         raise NixlUnavailable(f"NIXL has no UCX backend here (plugins: {', '.join(agent.get_plugin_list())})")
     return agent
+
+
+_immortal: set[int] = set()
+
+
+def _never_free(agent: Any) -> None:
+    """Keep an agent alive until the process ends, past interpreter shutdown too: once a read of it failed
+    (a dead or stopped peer), UCX still holds that request, and destroying the agent then aborts the
+    process (arbiter.c: `ucs_arbiter_group_is_empty(group)' failed). One reference nothing releases."""
+    if id(agent) not in _immortal:
+        _immortal.add(id(agent))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
 
 
 @lru_cache(maxsize=1)
@@ -369,6 +382,7 @@ class NixlImporter:
         try:
             return _Read(self._agent, peer, ids, out)
         except Exception as exc:
+            _never_free(self._agent)
             self.forget_peer(peer.agent_name)
             raise TransferFailed(f"NIXL read from {peer.agent_name} could not start: {_one_line(exc)}") from exc
 
@@ -399,6 +413,7 @@ class NixlImporter:
         """Raise TransferFailed unless the read is DONE; a failed peer is forgotten (fresh metadata next time)."""
         if read.state == "DONE":
             return
+        _never_free(self._agent)
         where = f"NIXL read of {read.peer.geometry()} from {read.peer.agent_name}"
         if read.state == "PROC":
             raise TransferFailed(f"{where} timed out after {timeout_s:g} s")
