@@ -139,7 +139,6 @@ class PrefillPlacement:
         """Prompt tokens the worker would compute: beyond what its KV events say it caches (kv_aware)."""
         if self._kv is None:
             return len(prompt)
-        self._kv.index.follow(worker)
         # at least one: a fully cached prompt still computes its last token to sample the first output
         return max(len(prompt) - self._kv.cached_tokens(worker, prompt), 1)
 

@@ -52,10 +52,17 @@ class KvIndex:
     # --- subscriptions ---
 
     def follow(self, worker) -> None:
-        """Keep a subscription to the worker (a services.router.workers.WorkerClient) while this index lives."""
+        """Keep a subscription to the worker (a services.router.workers.WorkerClient) until `unfollow` or `close`."""
         task = self._followers.get(worker.endpoint)
         if task is None or task.done():
             self._followers[worker.endpoint] = asyncio.get_running_loop().create_task(self._follow(worker))
+
+    def unfollow(self, endpoint: str) -> None:
+        """Stop following the worker (it left) and forget what it held."""
+        task = self._followers.pop(endpoint, None)
+        if task is not None:
+            task.cancel()
+        self.reset(endpoint)
 
     async def close(self) -> None:
         for task in self._followers.values():

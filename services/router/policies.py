@@ -97,8 +97,6 @@ class KvAware:
         return self.weights.overlap * new_blocks + self.weights.load * queued_blocks
 
     async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
-        for worker in workers:
-            self.index.follow(worker)
         if prompt is None:
             return min(workers, key=lambda w: (w.pending_prefill_tokens, w.endpoint))
         return min(workers, key=lambda w: (self.cost(w, prompt), w.endpoint))

@@ -15,6 +15,7 @@ from common.discovery import Discovery, Role
 from common.errors import DisaggError
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.kv_index import KvIndex
 from services.router.multiplex import Multiplexer
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
@@ -67,7 +68,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def serve(config: RouterConfig, discovery: Discovery, obs: Observability | None = None) -> None:
     """Load the tokenizer, follow the workers, serve until SIGINT/SIGTERM, then drain."""
     preparer = await asyncio.to_thread(RequestPreparer.from_model_dir, config.model)
-    pool = WorkerPool(discovery, contact_timeout_s=config.worker_wait_s)
+    pool = WorkerPool(discovery, contact_timeout_s=config.worker_wait_s,
+                      kv_index=KvIndex() if config.policy == "kv_aware" else None)
     orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)
     server = await start_server(
         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), s),

@@ -1,4 +1,4 @@
-"""The router's view of its workers: one client per endpoint, kept in step with discovery."""
+"""The router's view of its workers: one client per endpoint, kept in step with discovery, and their KV events."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +14,7 @@ from common import channels
 from common.discovery import Discovery, Role
 from common.errors import Unavailable
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
+from services.router.kv_index import KvIndex
 from services.router.prepare import ServedModel
 from services.serving import channel_options
 
@@ -24,6 +25,7 @@ _ACCEPTED_ROLES = {
     Role.DECODE: {worker_pb2.WORKER_ROLE_DECODE, worker_pb2.WORKER_ROLE_AGGREGATED},
     Role.ENCODE: {worker_pb2.WORKER_ROLE_ENCODE},
 }
+_KV_ROLES = (Role.PREFILL, Role.DECODE)  # encode workers hold no KV
 _GET_INFO_TIMEOUT_S = 5.0
 _MAX_RETRY_S = 5.0
 
@@ -76,10 +78,15 @@ class WorkerPool:
     A worker that fails with UNAVAILABLE is set aside (`mark_down`) and probed with GetInfo until
     it answers again. `settled` is False while a newly discovered worker has not answered yet
     (within `contact_timeout_s`), so the router does not report SERVING with half its workers.
+
+    With a `kv_index` (kv_aware routing) the pool owns the KV-event subscriptions: a prefill or decode
+    worker that becomes ready is followed (KvIndex.follow), one that leaves discovery is unfollowed.
     """
 
-    def __init__(self, discovery: Discovery, contact_timeout_s: float = 60.0, retry_s: float = 0.2):
+    def __init__(self, discovery: Discovery, contact_timeout_s: float = 60.0, retry_s: float = 0.2,
+                 kv_index: KvIndex | None = None):
         self._discovery = discovery
+        self.kv_index = kv_index
         self._contact_timeout_s = contact_timeout_s
         self._retry_s = retry_s
         self._clients: dict[Role, dict[str, WorkerClient]] = {role: {} for role in _ACCEPTED_ROLES}
@@ -140,6 +147,8 @@ class WorkerPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kv_index is not None:
+            await self.kv_index.close()
         await asyncio.gather(*(ch.close() for ch in self._channels), return_exceptions=True)
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
@@ -163,6 +172,9 @@ class WorkerPool:
             client.healthy = False
             self._pending.discard(client)
             log.info("%s worker %s left discovery", role.value, endpoint)
+            if self.kv_index is not None and role in _KV_ROLES and not any(
+                    endpoint in self._clients[r] for r in _KV_ROLES):
+                self.kv_index.unfollow(endpoint)
 
     async def _contact(self, client: WorkerClient) -> None:
         """GetInfo until the worker answers or leaves discovery."""
@@ -196,5 +208,7 @@ class WorkerPool:
                             "their KV is not interchangeable", client.role.value, client.endpoint, info.fingerprint,
                             info.model, other.role.value, other.endpoint, other.info.fingerprint, other.info.model)
         client.info, client.healthy = info, True
+        if self.kv_index is not None and client.role in _KV_ROLES:
+            self.kv_index.follow(client)
         log.info("%s worker %s ready: model=%s fingerprint=%s max_model_len=%d", client.role.value, client.endpoint,
                  info.model, info.fingerprint, info.max_model_len)

@@ -1,0 +1,162 @@
+"""The streaming half of a request: a decode worker's Decode stream, and migration when the worker is lost.
+
+A decode worker lost mid-stream (UNAVAILABLE after it answered) is replaced by another one, up to
+--migration-limit times, which continues aggregated from the prompt and the tokens delivered so far.
+A stop string matched here cancels the worker's request and waits for its Finished (its blocks are free then).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from opentelemetry import trace
+
+from common.errors import Unavailable
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+from common.telemetry import tracing
+from services.convert import worker_stop_conditions
+from services.router.deadline import Deadline
+from services.router.handoff import KvSession
+from services.router.prepare import PreparedRequest
+from services.router.streaming import Response, ResponseBuilder
+from services.router.workers import WorkerClient, WorkerPool
+
+log = logging.getLogger(__name__)
+
+# How long a decode worker may take to confirm a cancel (its blocks are free when it does).
+_CANCEL_ACK_TIMEOUT_S = 5.0
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_STOP = common_pb2.FINISH_REASON_STOP
+
+
+class DecodeStream:
+    def __init__(self, pool: WorkerPool, pick_decode: Callable[[], Awaitable[WorkerClient | None]],
+                 migration_limit: int):
+        self._pool = pool
+        self._pick_decode = pick_decode
+        self._migration_limit = migration_limit
+
+    async def run(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
+                  start: worker_pb2.DecodeStart, deadline: Deadline,
+                  session: KvSession | None = None) -> AsyncIterator[Response]:
+        """Stream from a decode worker; if it is lost mid-stream, migrate (up to --migration-limit times)
+        to another decode worker, which continues from the prompt and the tokens delivered so far."""
+        for migration in itertools.count():
+            try:
+                async with contextlib.aclosing(self._on(worker, req, out, start, deadline, session)) as responses:
+                    async for response in responses:
+                        yield response
+                return
+            except _DecodeLost as lost:
+                other = await self._pick_decode() if migration < self._migration_limit else None
+                if other is None or other is worker:
+                    raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} "
+                                      f"after {out.completion_tokens} tokens were delivered ({lost}); "
+                                      "retry the request") from None
+                log.warning("request %s: decode worker %s lost after %d tokens (%s); migrating to %s",
+                            req.request_id, worker.endpoint, out.completion_tokens, lost, other.endpoint)
+                worker, start, session = other, continuation_start(req, out.token_ids), None
+
+    async def _on(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
+                  start: worker_pb2.DecodeStart, deadline: Deadline,
+                  session: KvSession | None) -> AsyncIterator[Response]:
+        handoff = start.HasField("session")
+        span = tracing.tracer().start_span("decode", attributes={
+            "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})
+        with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
+            call = worker.decoder.Decode(timeout=deadline.remaining_s())
+        delivered_before = out.completion_tokens
+        answered = False
+        try:
+            await call.write(worker_pb2.DecodeClientMessage(start=start))
+            async for message in call:
+                if not answered and session is not None:
+                    session.taken()  # until now the handoff's owner releases it if this stream fails
+                answered = True
+                if message.HasField("finished"):
+                    for response in _worker_finished(message.finished, handoff, out):
+                        yield response
+                    return
+                response = out.delta(message.delta.token_ids, message.delta.logprobs)
+                if response is not None:
+                    yield response
+                if out.stopped:  # a stop string: the worker generates on until told
+                    finished = await _cancelled(call)
+                    if finished is not None:
+                        _record_usage(finished, handoff, out)
+                    for response in out.finish(_STOP):
+                        yield response
+                    return
+            raise Unavailable(f"decode worker {worker.endpoint} ended request {req.request_id} without finishing it, "
+                              f"after {out.completion_tokens} tokens were delivered")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not _UNAVAILABLE:
+                raise
+            self._pool.mark_down(worker, exc.details())
+            if not answered:
+                raise
+            raise _DecodeLost(exc.details()) from None
+        finally:
+            call.cancel()
+            span.set_attribute("disagg.decode.tokens", out.completion_tokens - delivered_before)
+            span.end()
+
+
+def aggregated_start(req: PreparedRequest) -> worker_pb2.DecodeStart:
+    return worker_pb2.DecodeStart(request_id=req.worker_request_id, token_ids=req.prompt, sampling=req.sampling,
+                                  stop=worker_stop_conditions(req.stop), output=req.output)
+
+
+def handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.KvSessionRef) -> worker_pb2.DecodeStart:
+    start = aggregated_start(req)
+    start.first_token = first_token
+    start.session.CopyFrom(session)
+    return start
+
+
+def continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb2.DecodeStart:
+    """Decode continues aggregated from the prompt and the tokens already delivered: after a prefill that
+    ended the request where the router does not (it cannot know ignore_eos or stop token ids), or on
+    another decode worker after a migration. Greedy output is the same; a seeded sampler's stream restarts."""
+    start = aggregated_start(req)
+    start.token_ids.extend(generated)
+    if req.sampling.HasField("max_tokens"):
+        start.sampling.max_tokens = req.sampling.max_tokens - len(generated)
+    return start
+
+
+def _worker_finished(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> list[Response]:
+    _record_usage(finished, handoff, out)
+    stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
+    return out.finish(finished.reason, stop_id)
+
+
+def _record_usage(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> None:
+    if not handoff:
+        out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
+    else:  # how the KV came to decode, for the client's Finished.usage
+        out.kv_transfer = (finished.usage.kv_transfer_backend, finished.usage.kv_transfer_bytes,
+                           finished.usage.kv_transfer_ms)
+
+
+async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | None:
+    """Cancel the worker's request on its Decode stream and wait for its Finished: by then its blocks are free.
+    None when the worker does not confirm in time or the stream breaks (cancelling the RPC frees them too)."""
+    try:
+        async with asyncio.timeout(_CANCEL_ACK_TIMEOUT_S):
+            with contextlib.suppress(asyncio.InvalidStateError):  # the worker has ended the stream already
+                await call.write(worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel()))
+            async for message in call:
+                if message.HasField("finished"):
+                    return message.finished
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError) as exc:
+        log.debug("decode worker did not confirm a cancel: %s", exc)
+    return None
+
+
+class _DecodeLost(Exception):
+    """The decode worker went away (UNAVAILABLE) after it had started streaming."""

@@ -1,0 +1,203 @@
+"""The unary half of a request (encode → prefill → first token) and every rule for freeing what it leaves on workers.
+
+Release rules, each written once here:
+- A KV session prefill exported belongs to one `KvSession`, released on its prefill worker exactly once unless
+  a decode worker took it over (answered on its Decode stream; it pulls and releases the KV itself). So the
+  session is released when the first token ends the request, when the client cancels after prefill answered,
+  and when decode refuses or fails before answering (UNAVAILABLE included: no other decode worker gets it).
+- A client cancel racing prefill's answer does not cancel the call (the ref would be lost on the wire while the
+  worker exported the session and held its blocks until their TTL): prefill answers, then its session is released.
+- Embeddings encode stored are released unless a prefill worker ran with them (it pulls and releases them);
+  a cancel racing encode's answer cancels the call, or, if it had answered already, releases what it stored.
+Releases run in the background (the pool's tasks), so a cancelled request still does them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from common.engine.request import FinishReason
+from common.engine.stopping import StopRule
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+from common.telemetry import tracing
+from common.telemetry.metrics import Metrics
+from services.router.deadline import Deadline
+from services.router.policies import KvAware, Policy
+from services.router.prepare import PreparedRequest
+from services.router.streaming import ResponseBuilder
+from services.router.workers import WorkerClient, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_RELEASE_TIMEOUT_S = 5.0
+_STOP, _LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+
+
+class Releaser:
+    """Frees what a worker stored for a request (a KV session, embeddings) on that worker's TensorStore."""
+
+    def __init__(self, pool: WorkerPool):
+        self._pool = pool
+
+    def session(self, ref: common_pb2.KvSessionRef) -> None:
+        self._release(ref.endpoint, ref.session_id, "KV session")
+
+    def embeddings(self, refs: list[common_pb2.EmbeddingRef]) -> None:
+        for ref in refs:
+            self._release(ref.endpoint, ref.handle, "embedding")
+
+    def once_answered(self, call: grpc.aio.UnaryUnaryCall, release: Callable[[object], None]) -> None:
+        """Let a call whose caller went away answer, then free what its answer names."""
+        async def wait() -> None:
+            try:
+                response = await call
+            except grpc.aio.AioRpcError:
+                return
+            release(response)
+
+        self._pool.spawn(wait())
+
+    def _release(self, endpoint: str, handle: str, what: str) -> None:
+        async def release() -> None:
+            try:
+                await self._pool.tensor_store(endpoint).Release(worker_pb2.ReleaseRequest(handle=handle),
+                                                                timeout=_RELEASE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("releasing %s %s on %s failed: %s", what, handle, endpoint, exc.code().name)
+
+        self._pool.spawn(release())
+
+
+class KvSession:
+    """The one owner of a KV session prefill exported: released exactly once, unless a decode worker took it over.
+
+    Used as a context manager around everything that follows prefill: on exit, whatever the path, the
+    session is released if no decode worker answered with it (`taken`).
+    """
+
+    def __init__(self, ref: common_pb2.KvSessionRef | None, releaser: Releaser):
+        self.ref = ref
+        self._releaser = releaser
+        self._settled = ref is None
+
+    def taken(self) -> None:
+        """A decode worker answered on its Decode stream with the session: from now on it is that worker's."""
+        self._settled = True
+
+    def release(self) -> None:
+        if not self._settled:
+            self._settled = True
+            self._releaser.session(self.ref)
+
+    def __enter__(self) -> "KvSession":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+@dataclass
+class PrefillReady:
+    """Prefill's answer: the first token (and its logprobs) and the KV session it exported, if any."""
+    response: worker_pb2.PrefillResponse
+    session: KvSession
+
+    @property
+    def first_token(self) -> int:
+        return self.response.first_token
+
+    def first_logprob(self) -> common_pb2.TokenLogprob:
+        r = self.response
+        return common_pb2.TokenLogprob(token_id=r.first_token, logprob=r.first_token_logprob,
+                                       top_logprobs=r.first_token_top_logprobs)
+
+
+class Handoff:
+    """Encode and Prefill calls: unary, each freeing what it stored when its caller goes away."""
+
+    def __init__(self, pool: WorkerPool, prefill_policy: Policy, policy_name: str, metrics: Metrics | None = None):
+        self._pool = pool
+        self._policy = prefill_policy
+        self._policy_name = policy_name
+        self._metrics = metrics
+        self.releaser = Releaser(pool)
+
+    async def encode(self, worker: WorkerClient, req: PreparedRequest,
+                     deadline: Deadline) -> list[common_pb2.EmbeddingRef]:
+        request = worker_pb2.EncodeRequest(request_id=req.worker_request_id, images=req.images)
+        call = worker.encoder.Encode(request, timeout=deadline.remaining_s())
+        with tracing.tracer().start_as_current_span("encode", attributes={
+                "disagg.worker": worker.endpoint, "disagg.images": len(req.images)}):
+            try:
+                with worker.busy():
+                    return list((await asyncio.shield(call)).embeddings)
+            except asyncio.CancelledError:
+                if not call.cancel():  # it had already answered: free what it stored
+                    self.releaser.once_answered(call, lambda r: self.releaser.embeddings(list(r.embeddings)))
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._pool.mark_down(worker, exc.details())
+                raise
+
+    async def prefill(self, worker: WorkerClient, req: PreparedRequest, deadline: Deadline,
+                      embeddings: list[common_pb2.EmbeddingRef] = ()) -> PrefillReady | None:
+        """Prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
+        request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
+                                            sampling=req.sampling, output=req.output, embeddings=embeddings)
+        predicted = self._policy.cached_tokens(worker, req.prompt) if isinstance(self._policy, KvAware) else None
+        with tracing.tracer().start_as_current_span("prefill", attributes={
+                "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
+            with worker.prefilling(len(req.prompt) - (predicted or 0)):  # the tokens it must compute
+                response = await self._prefill_call(worker, req, request, deadline)
+        self._count_routing(predicted, response)
+        if response is None:
+            return None
+        return PrefillReady(response, KvSession(response.session if response.HasField("session") else None,
+                                                self.releaser))
+
+    async def _prefill_call(self, worker: WorkerClient, req: PreparedRequest, request: worker_pb2.PrefillRequest,
+                            deadline: Deadline) -> worker_pb2.PrefillResponse | None:
+        call = worker.prefiller.Prefill(request, timeout=deadline.remaining_s())
+        try:
+            with worker.busy():
+                return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self.releaser.once_answered(call, self._release_session_of)  # not call.cancel(): see the module doc
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            self._pool.mark_down(worker, exc.details())
+            log.warning("request %s: prefill worker %s unavailable; running aggregated", req.request_id,
+                        worker.endpoint)
+            return None
+
+    def _release_session_of(self, response: worker_pb2.PrefillResponse) -> None:
+        if response.HasField("session"):
+            self.releaser.session(response.session)
+
+    def _count_routing(self, predicted_cached: int | None, ready: worker_pb2.PrefillResponse | None) -> None:
+        """Routing decisions, and the cache hit the policy predicted next to the one the worker reported."""
+        if self._metrics is None:
+            return
+        self._metrics.get("disagg_routing_decisions_total", policy=self._policy_name).inc()
+        if predicted_cached is not None and ready is not None:
+            self._metrics.get("disagg_routing_cached_tokens_total", source="predicted").inc(predicted_cached)
+            self._metrics.get("disagg_routing_cached_tokens_total", source="actual").inc(ready.cached_tokens)
+
+
+def first_token_ends(req: PreparedRequest, out: ResponseBuilder, token: int,
+                     eos_token_ids: list[int]) -> tuple[int, int | None] | None:
+    """(reason, matched stop token id) when the token prefill sampled already ends the request."""
+    if out.stopped:
+        return _STOP, None
+    rule = StopRule.of(req.params, eos_token_ids, len(req.prompt), req.max_model_len)
+    reason = rule.check(token, len(req.prompt) + 1)
+    if reason is FinishReason.STOP:
+        return _STOP, token
+    return None if reason is None else (_LENGTH, None)
