@@ -42,3 +42,38 @@ def test_watch_yields_the_view_then_waits():
         return first
 
     assert asyncio.run(first_two()) == ["d:1"]
+
+
+class _RecordingIndex:
+    """Records what the pool asks of its KvIndex (the real one would open SubscribeKvEvents streams)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def follow(self, worker) -> None:
+        self.calls.append(("follow", worker.endpoint))
+
+    def unfollow(self, endpoint: str) -> None:
+        self.calls.append(("unfollow", endpoint))
+
+    async def close(self) -> None:
+        self.calls.append(("close", ""))
+
+
+def test_the_pool_owns_kv_event_subscriptions_of_kv_workers():
+    from common.pb.disagg.v1 import worker_pb2
+    from services.router.workers import WorkerClient, WorkerPool
+
+    async def scenario() -> list[tuple[str, str]]:
+        index = _RecordingIndex()
+        pool = WorkerPool(StaticDiscovery({}), kv_index=index)
+        for role, endpoint, served in ((Role.PREFILL, "127.0.0.1:1", worker_pb2.WORKER_ROLE_PREFILL),
+                                       (Role.ENCODE, "127.0.0.1:2", worker_pb2.WORKER_ROLE_ENCODE)):
+            client = pool._clients[role][endpoint] = WorkerClient(role, endpoint, pool._channel(endpoint))
+            pool._admit(client, worker_pb2.WorkerInfo(role=served, fingerprint="f"))
+        pool._apply(Role.ENCODE, [])  # encode workers hold no KV: never followed, nothing to unfollow
+        pool._apply(Role.PREFILL, [])  # the prefill worker left discovery
+        await pool.close()
+        return index.calls
+
+    assert asyncio.run(scenario()) == [("follow", "127.0.0.1:1"), ("unfollow", "127.0.0.1:1"), ("close", "")]
