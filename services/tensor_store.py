@@ -54,12 +54,20 @@ class KvSessionSource:
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
         if self.exporter is None:
             raise NotFound(f"this worker exports no KV sessions (no {handle})")
-        ids = await self.engine.lease_session(handle, block_ids)
+        lease = asyncio.ensure_future(self.engine.lease_session(handle, block_ids))
         try:
+            ids = await asyncio.shield(lease)
             blocks = await gather.gather_to_host(self.exporter.kv_cache, ids)
-        finally:  # shielded: a cancelled pull must still end its lease
-            await asyncio.shield(self.engine.end_lease(handle))
+        finally:  # a pull cancelled at any point, even before the engine answered the lease, ends it
+            await asyncio.shield(asyncio.ensure_future(self._end_lease_once_taken(lease, handle)))
         return kv_header(self.layout, ids, blocks), tensor_to_bytes(blocks)
+
+    async def _end_lease_once_taken(self, lease: asyncio.Future, handle: str) -> None:
+        try:
+            await lease
+        except Exception:
+            return  # no lease was taken (unknown or expired session, foreign block ids)
+        await self.engine.end_lease(handle)
 
     async def release(self, handle: str) -> bool:
         return await self.engine.release_session(handle)
