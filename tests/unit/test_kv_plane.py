@@ -129,3 +129,35 @@ def test_gather_blocks_equals_index_select_for_runs_and_scattered_ids(block_ids)
     cache = torch.randn(3, 2, 48, 4, 2, 8)
     expected = cache.index_select(2, torch.tensor(block_ids))
     assert torch.equal(gather.gather_blocks(cache, block_ids), expected)
+
+
+def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_llama):
+    from common.engine.async_engine import AsyncLLMEngine
+    from services.tensor_store import KvSessionSource
+
+    async def scenario() -> int:
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=32)))
+        try:
+            session_id = await engine.call(lambda e: _session(e, list(range(10, 27))))
+            layout, cache = (await engine.facts()).kv_layout, await engine.kv_cache()
+            source = KvSessionSource(engine, layout, KvCacheExporter(cache, ("grpc",)))
+            lease, answered = engine.lease_session, asyncio.Event()
+
+            async def late_lease(handle, block_ids):  # taken on the engine thread, answered late
+                taken = await lease(handle, block_ids)
+                await answered.wait()
+                return taken
+
+            engine.lease_session = late_lease
+            pull = asyncio.ensure_future(source.export(session_id, []))
+            await asyncio.sleep(0.2)
+            pull.cancel()  # the puller went away before the lease's answer
+            answered.set()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            await asyncio.sleep(0.2)
+            return await engine.call(lambda e: e.sessions.sessions[session_id].leases)
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(scenario()) == 0
