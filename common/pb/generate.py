@@ -4,8 +4,10 @@ Runs grpc_tools.protoc on every .proto under protos/ and writes `*_pb2.py`, `*_p
 `*_pb2_grpc.py` under common/pb/, mirroring the proto paths, with an `__init__.py` in every
 package directory. protoc emits imports relative to protos/ (`from disagg.v1 import
 common_pb2`); they are rewritten to `from common.pb.disagg.v1 import common_pb2`. Generated
-files whose .proto is gone are deleted. The output depends only on the protos and the
-grpcio-tools version, so two runs give identical bytes.
+files whose .proto is gone are deleted. Each `*_pb2.py` names its .proto with the sha256 of its
+text, so editing a .proto, even only its comments (which protoc does not carry into Python),
+makes the generated code stale. The output depends only on the protos and the grpcio-tools
+version, so two runs give identical bytes.
 
 `--check` generates into a temporary directory and exits 1, listing the stale files, when
 the committed code differs.
@@ -13,6 +15,7 @@ the committed code differs.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 import tempfile
@@ -80,11 +83,21 @@ def render() -> dict[Path, bytes]:
         for path in sorted(Path(tmp).rglob("*")):
             if path.is_file():
                 files[path.relative_to(tmp)] = rewrite(path.read_text()).encode()
+    for proto in protos:
+        _stamp_source(files, proto.relative_to(PROTO_DIR))
     for rel in list(files):
         for parent in rel.parents:
             if parent != Path("."):
                 files.setdefault(parent / "__init__.py", b"")
     return dict(sorted(files.items()))
+
+
+def _stamp_source(files: dict[Path, bytes], proto: Path) -> None:
+    """`# source: x.proto` → `# source: x.proto sha256=...` in the proto's `_pb2.py`."""
+    rel = proto.with_name(proto.stem + "_pb2.py")
+    digest = hashlib.sha256((PROTO_DIR / proto).read_bytes()).hexdigest()
+    line = f"# source: {proto.as_posix()}".encode()
+    files[rel] = files[rel].replace(line + b"\n", line + f" sha256={digest}\n".encode(), 1)
 
 
 def _committed_generated() -> set[Path]:
