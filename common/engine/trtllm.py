@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import time
-import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -29,11 +28,11 @@ from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.interface import EngineFacts, EngineLoad
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams, TokenLogprob
-from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound, SessionExpired
+from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
 from common.kv.backends import BackendUnavailable
 from common.kv.events import EventBody, KvEventLog, Subscriber
 from common.kv.layout import KvExport, KvLayout, model_fingerprint
-from common.kv.session import KvSession
+from common.kv.session import KvSession, KvSessionTable
 
 NOT_INSTALLED = "TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's TensorRT-LLM image"
 ATTRIBUTE_PREFIX = "trtllm."
@@ -224,21 +223,14 @@ def load_from_stats(stats: Mapping[str, Any] | None, running: int, sessions: int
 
 # --- the engine ---
 
-@dataclass
-class _Session:
-    session: KvSession
-    handoff: TrtLlmHandoff
-
-
 class TrtLlmEngine:
     """The Engine protocol over tensorrt_llm.LLM. Every method runs on the asyncio loop: the LLM API is async."""
 
     def __init__(self, trtllm: Any, llm: Any, facts: EngineFacts) -> None:
         self._trtllm, self._llm, self._facts = trtllm, llm, facts
         self._running: dict[str, Any] = {}  # request id → its tensorrt_llm RequestOutput (a live result)
-        self._sessions: dict[str, _Session] = {}
-        self._expired: set[str] = set()
-        self._num_expired = 0
+        self._sessions = KvSessionTable(facts.config.session_ttl_s)
+        self._handoffs: dict[str, TrtLlmHandoff] = {}  # session id → what generation_only needs
         self._stats: Mapping[str, Any] | None = None
         self._events = KvEventLog(facts.kv_layout.block_size) if facts.config.enable_prefix_caching else None
         self._translator = KvEventTranslator(facts.kv_layout.block_size)
@@ -273,7 +265,8 @@ class TrtLlmEngine:
             async for stats in self._llm.get_stats_async(timeout=0.01):
                 self._stats = stats
         self._expire()
-        return load_from_stats(self._stats, len(self._running), len(self._sessions), self._num_expired)
+        return load_from_stats(self._stats, len(self._running), len(self._sessions.sessions),
+                               self._sessions.num_expired)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
                        request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
@@ -331,35 +324,25 @@ class TrtLlmEngine:
     # --- KV sessions: TensorRT-LLM's transceiver holds and moves the KV; we hold the handoff ---
 
     def _pin(self, request_id: str, prompt: list[int], handoff: TrtLlmHandoff) -> str:
-        ttl = self._facts.config.session_ttl_s
-        session = KvSession(session_id=uuid.uuid4().hex, request_id=request_id, block_ids=[], num_tokens=len(prompt),
-                            first_token=handoff.first_gen_tokens[0], expires_at=time.monotonic() + ttl,
-                            expires_at_unix=time.time() + ttl)
-        self._sessions[session.session_id] = _Session(session, handoff)
+        session = self._sessions.create(request_id, [], len(prompt), handoff.first_gen_tokens[0], [])
+        self._handoffs[session.session_id] = handoff
         return session.session_id
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for session_id in [k for k, s in self._sessions.items() if s.session.expires_at <= now]:
-            del self._sessions[session_id]
-            self._expired.add(session_id)
-            self._num_expired += 1
+        for session in self._sessions.pop_expired():
+            self._handoffs.pop(session.session_id, None)
 
-    def _get(self, session_id: str) -> _Session:
+    def _get(self, session_id: str) -> KvSession:
         self._expire()
-        held = self._sessions.get(session_id)
-        if held is None:
-            if session_id in self._expired:
-                raise SessionExpired(f"KV session {session_id} expired after its TTL")
-            raise NotFound(f"no KV session {session_id} (never created, or already released)")
-        return held
+        return self._sessions.get(session_id)
 
     async def session(self, session_id: str) -> KvSession:
-        return KvSession(**vars(self._get(session_id).session))
+        return dataclasses.replace(self._get(session_id))
 
     def session_attributes(self, session_id: str) -> dict[str, str]:
         """KvSessionRef.attributes for this session (transfer_backend TRANSFER_BACKEND_TRTLLM)."""
-        return self._get(session_id).handoff.attributes()
+        self._get(session_id)
+        return self._handoffs[session_id].attributes()
 
     async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
         self._get(session_id)  # the transceiver moves the KV: there are no blocks of ours to pin
@@ -372,15 +355,21 @@ class TrtLlmEngine:
         """Forget the handoff. The LLM API has no call to free a finished context's KV: TensorRT-LLM frees it
         once transferred or after kv_transfer_timeout_ms (set to our session TTL)."""
         self._expire()
-        return self._sessions.pop(session_id, None) is not None
+        self._handoffs.pop(session_id, None)
+        try:
+            self._sessions.release(session_id)
+        except NotFound:
+            return False
+        return True
 
     async def release_sessions_of(self, request_id: str) -> int:
-        mine = [k for k, s in self._sessions.items() if s.session.request_id == request_id]
+        mine = [s.session_id for s in self._sessions.sessions.values() if s.request_id == request_id]
         return sum([await self.release_session(k) for k in mine])
 
     async def release_all_sessions(self) -> int:
-        count = len(self._sessions)
-        self._sessions.clear()
+        count = len(self._sessions.sessions)
+        self._sessions.sessions.clear()
+        self._handoffs.clear()
         return count
 
     async def abort(self, request_id: str) -> bool:
