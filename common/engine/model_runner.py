@@ -10,6 +10,7 @@ from common.engine.models.loader import load_model
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
+from common.kv.gather import gather_blocks
 from common.kv.layout import KvExport, KvLayout
 
 
@@ -101,9 +102,9 @@ class ModelRunner:
         )
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim], on the CPU."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_cache.index_select(2, index).cpu()
+        """[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim], on the CPU (in-process
+        handoffs; the services' exports go through common.kv.gather off the engine thread)."""
+        return gather_blocks(self.kv_cache, block_ids).cpu()
 
     def import_blocks(self, block_ids: list[int], kv: KvExport) -> None:
         """Scatter imported blocks into ours; the KV plane already put them on this device (a side stream)."""

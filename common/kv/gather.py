@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -69,62 +69,47 @@ def gather_blocks(source: torch.Tensor, block_ids: Sequence[int]) -> torch.Tenso
     return out
 
 
-def _launch_gather_to_host(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.cuda.Event]:
-    stream = side_stream(kv_cache.device)
-    with torch.cuda.device(kv_cache.device), torch.cuda.stream(stream):
-        # Allocated on the side stream: freeing them is ordered after these copies.
-        on_device = gather_blocks(kv_cache, block_ids)
-        host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
-        host.copy_(on_device, non_blocking=True)
+def _on_side_stream(device: torch.device, work: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """Enqueue `work` on the device's side stream (what it allocates is freed in that stream's order)
+    and record an event after it; returns at once."""
+    stream = side_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        out = work()
         event = torch.cuda.Event()
         event.record(stream)
-    return host, event
+    return out, event
+
+
+def _to_pinned(on_device: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+    return host.copy_(on_device, non_blocking=True)
 
 
 async def gather_to_host(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     """kv_cache[:, :, block_ids] as a contiguous host tensor (pinned when the cache is on a GPU)."""
     if kv_cache.device.type != "cuda":
         return await asyncio.to_thread(gather_blocks, kv_cache, block_ids)
-    host, event = await asyncio.to_thread(_launch_gather_to_host, kv_cache, block_ids)
+    host, event = await asyncio.to_thread(_on_side_stream, kv_cache.device,
+                                          lambda: _to_pinned(gather_blocks(kv_cache, block_ids)))
     await wait_event(event)
     return host
 
 
-def _launch_gather_on_device(source: torch.Tensor, block_ids: Sequence[int],
-                             device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    stream = side_stream(source.device)
-    with torch.cuda.device(source.device), torch.cuda.stream(stream):
-        gathered = gather_blocks(source, block_ids)
-        if gathered.device != device:  # another GPU of this host: one peer copy
-            gathered = gathered.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return gathered, event
-
-
 async def gather_on_device(source: torch.Tensor, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """source[:, :, block_ids] gathered GPU-side (source may be another process's cache mapped through
-    CUDA IPC) into a new tensor on `device`; no host copy."""
-    gathered, event = _launch_gather_on_device(source, block_ids, device)  # launches only: microseconds
+    CUDA IPC) into a new tensor on `device` (another GPU of this host: one peer copy); no host copy."""
+    gathered, event = _on_side_stream(  # launches only: microseconds, so on the loop
+        source.device, lambda: gather_blocks(source, block_ids).to(device, non_blocking=True))
     await wait_event(event)
     return gathered
-
-
-def _launch_upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    stream = side_stream(device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        on_device = torch.empty(host.shape, dtype=host.dtype, device=device)
-        on_device.copy_(host, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return on_device, event
 
 
 async def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Upload pulled blocks on the side stream, so the engine's import is a device-side scatter only."""
     if device.type != "cuda" or host.device == device:
         return host
-    on_device, event = await asyncio.to_thread(_launch_upload, host, device)
+    on_device, event = await asyncio.to_thread(_on_side_stream, device,
+                                               lambda: host.to(device, non_blocking=True))
     await wait_event(event)
     return on_device
 
