@@ -21,9 +21,7 @@ except RuntimeError as exc:  # the generated code needs a newer grpcio than this
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
-from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff  # noqa: E402
-from tests.integration.processes import start_services, stop_cleanly  # noqa: E402
-from tests.integration.worker_client import WorkerClient  # noqa: E402
+from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff  # noqa: E402
 
 ENGINE_ARGS = ("--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64")
 PROMPT = list(range(3, 40))  # 37 tokens: ten blocks of 4, the last partial
@@ -32,17 +30,8 @@ BACKENDS_HERE = ["cuda_ipc", *(["nixl"] if nixl_unavailable_reason() is None els
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama) -> Iterator[dict]:
-    args = ("--model", tiny_llama, *ENGINE_ARGS)
-    specs = [("prefill", args), ("decode", args)] + [("decode", (*args, "--kv-transfer-backends", b))
-                                                     for b in BACKENDS_HERE]
-    processes = start_services(specs)
-    clients = [WorkerClient.connect(p) for p in processes]
-    try:
-        yield {"prefill": clients[0], "decode_any": clients[1], **dict(zip(BACKENDS_HERE, clients[2:]))}
-    finally:
-        for client in clients:
-            client.channel.close()
-        stop_cleanly(processes)
+    with backend_cluster(("--model", tiny_llama, *ENGINE_ARGS), BACKENDS_HERE) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,38 @@ the handed-off request gives the aggregated engine's tokens, Usage says which ba
 bytes, and a cancel at any point leaves every block free on both workers."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator, Mapping
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.kv.backends import BACKENDS
 from common.pb.disagg.v1 import common_pb2, worker_pb2
+from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
 from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, split
 
 NO_EOS = common_pb2.StopConditions(ignore_eos=True)
+
+
+@contextlib.contextmanager
+def backend_cluster(args: tuple[str, ...], backends: list[str], extra: list[tuple[str, tuple[str, ...]]] = (),
+                    env: Mapping[str, str] | None = None) -> Iterator[dict]:
+    """A prefill offering every backend (client "prefill"), a decode accepting any ("decode_any", process
+    "decode_any_process"), one decode accepting only each of `backends` (client named by the backend),
+    and `extra` workers (clients "extra0", ...); every process stopped cleanly afterwards."""
+    specs = [("prefill", args), ("decode", args), *[("decode", (*args, "--kv-transfer-backends", b)) for b in backends],
+             *extra]
+    processes: list[ServiceProcess] = start_services(specs, env=env)
+    clients = [WorkerClient.connect(p) for p in processes]
+    named = {"prefill": clients[0], "decode_any": clients[1], "decode_any_process": processes[1],
+             **dict(zip(backends, clients[2:])), **{f"extra{i}": c for i, c in enumerate(clients[2 + len(backends):])}}
+    try:
+        yield named
+    finally:
+        for client in clients:
+            client.channel.close()
+        stop_cleanly(processes)
 
 
 def prefill(client: WorkerClient, prompt: list[int], max_tokens: int) -> worker_pb2.PrefillResponse:
@@ -51,9 +74,8 @@ def check_handoff(prefill_client: WorkerClient, decode_client: WorkerClient, ref
 
 def check_cancels_free_everything(prefill_client: WorkerClient, decode_client: WorkerClient,
                                   prompt: list[int]) -> None:
-    """Cancel at once (often during the pull), and after the first delta (during decode); also a session
-    whose decode never starts is released by prefill's abandoned-request path only through its TTL, so
-    every case here goes through Decode, which owns the session once it has the start."""
+    """Cancel right after the start (before or during the pull) and after the first delta (during
+    decode): both workers' pools are full again within 10 s, well inside the session TTL."""
     for wait_for_delta in (False, True):
         prefilled = prefill(prefill_client, prompt, 400)
         stream = DecodeStream(decode_client, decode_start(prefilled, prompt, 400), timeout_s=60)

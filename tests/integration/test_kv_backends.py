@@ -12,10 +12,8 @@ from common.engine.engine import LLMEngine
 from common.kv import shm
 from common.kv.sharing import nixl_unavailable_reason
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
-from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff
+from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
 from tests.integration.observed import scrape
-from tests.integration.processes import start_services, stop_cleanly
-from tests.integration.worker_client import WorkerClient
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
 BACKENDS_HERE = [b for b, ok in (("shm", bool(shm.host_id())), ("nixl", nixl_unavailable_reason() is None),
@@ -24,20 +22,11 @@ BACKENDS_HERE = [b for b, ok in (("shm", bool(shm.host_id())), ("nixl", nixl_una
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama) -> Iterator[dict]:
-    """One prefill offering every backend, one decode per backend accepting only it, and a prefill that
-    offers shm,grpc only (for the fallback)."""
+    """kv_backend_cases.backend_cluster, plus a prefill that offers shm,grpc only (for the fallback)."""
     args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
-    specs = [("prefill", args), ("prefill", (*args, "--kv-transfer-backends", "shm,grpc")), ("decode", args)]
-    specs += [("decode", (*args, "--kv-transfer-backends", b)) for b in BACKENDS_HERE]
-    processes = start_services(specs, env=WORKER_ENV)
-    clients = [WorkerClient.connect(p) for p in processes]
-    try:
-        yield {"prefill": clients[0], "prefill_no_nixl": clients[1], "decode_any": clients[2],
-               "decode_any_process": processes[2], **dict(zip(BACKENDS_HERE, clients[3:])), "processes": processes}
-    finally:
-        for client in clients:
-            client.channel.close()
-        stop_cleanly(processes)
+    extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
+    with backend_cluster(args, BACKENDS_HERE, extra, env=WORKER_ENV) as cluster:
+        yield {**cluster, "prefill_no_nixl": cluster["extra0"]}
 
 
 @pytest.fixture(scope="module")

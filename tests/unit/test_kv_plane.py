@@ -9,7 +9,7 @@ from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
 from common.kv import gather, shm
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_backends
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable, parse_backends
 from common.kv.pull import KvPuller
 from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import ChannelCache
@@ -83,7 +83,7 @@ def test_a_cpu_exporter_offers_no_cuda_ipc_and_says_what_it_offers(engine):
     attributes = exporter.attributes()
     assert attributes[OFFERED_ATTRIBUTE] == ",".join(exporter.offered)
     assert attributes[KV_CACHE_ID_ATTRIBUTE].startswith("w1-")
-    with pytest.raises(Exception, match="does not offer cuda_ipc: the KV cache is in host memory"):
+    with pytest.raises(BackendUnavailable, match="does not offer cuda_ipc: the KV cache is in host memory"):
         exporter.share(common_pb2.TRANSFER_BACKEND_CUDA_IPC)
 
 
