@@ -37,9 +37,6 @@ class TensorSource(Protocol):
     async def missing_reason(self, handle: str) -> str:
         """Why a handle is not held (unknown, expired, released), in words."""
 
-    async def stored(self) -> tuple[int, int]:
-        """(handles held, bytes held), for Worker.GetLoad."""
-
 
 class KvSessionSource:
     """Exported KV sessions of the engine. The engine only leases a session (its blocks stay pinned
@@ -78,10 +75,6 @@ class KvSessionSource:
         except NotFound as exc:  # SessionExpired too
             return str(exc)
         return ""
-
-    async def stored(self) -> tuple[int, int]:
-        load = await self.engine.load()
-        return load.active_sessions, load.session_bytes
 
     def share(self, backend: int) -> worker_pb2.KvCacheShare:
         if self.exporter is None:

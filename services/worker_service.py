@@ -204,9 +204,7 @@ class EngineRole:
         )
 
     async def load_report(self, state: WorkerState) -> worker_pb2.Load:
-        load = _load_proto(await state.require_engine().load())
-        load.stored_tensors, load.stored_tensor_bytes = await state.tensor_source.stored()
-        return load
+        return _load_proto(await state.require_engine().load())
 
     async def abort(self, state: WorkerState) -> int:
         return await state.engine.abort_all() if state.engine is not None else 0
@@ -237,6 +235,7 @@ def _load_proto(load: EngineLoad) -> worker_pb2.Load:
         running_requests=load.running, waiting_requests=load.waiting, kv_blocks_total=load.kv_blocks_total,
         kv_blocks_free=load.kv_blocks_free, kv_usage_ratio=load.kv_usage_ratio,
         active_kv_sessions=load.active_sessions, expired_kv_sessions=load.expired_sessions,
+        stored_tensors=load.active_sessions, stored_tensor_bytes=load.session_bytes,  # what TensorStore holds
     )
 
 

@@ -65,9 +65,6 @@ class EmbeddingSource:
             return str(exc)
         return ""
 
-    async def stored(self) -> tuple[int, int]:
-        return self.table.stored()
-
 
 def add_servicers(server: grpc.aio.Server, state: EncodeState, args: argparse.Namespace) -> None:
     worker_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(state), server)
