@@ -85,18 +85,23 @@ def test_generated_code_is_up_to_date():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_a_comment_only_proto_edit_makes_the_generated_code_stale(tmp_path, monkeypatch):
-    from common.pb import generate
-
-    copy = tmp_path / "protos"
-    copy.mkdir()
-    for proto in generate.proto_files():
-        target = copy / proto.relative_to(generate.PROTO_DIR)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(proto.read_bytes())
-    (copy / "disagg/v1/worker.proto").write_text((copy / "disagg/v1/worker.proto").read_text() + "// a comment\n")
-    monkeypatch.setattr(generate, "PROTO_DIR", copy)
-    assert generate.stale_files(generate.render()) == [Path("disagg/v1/worker_pb2.py")]
+def test_a_comment_only_proto_edit_makes_the_generated_code_stale(tmp_path):
+    # In a subprocess, as the test above: grpc_tools' protoc extension crashes beside this process's imports.
+    script = """
+import shutil, sys
+from pathlib import Path
+from common.pb import generate
+copy = Path(sys.argv[1]) / "protos"
+shutil.copytree(generate.PROTO_DIR, copy)
+worker = copy / "disagg/v1/worker.proto"
+worker.write_text(worker.read_text() + "// a comment\\n")
+generate.PROTO_DIR = copy
+print([str(p) for p in generate.stale_files(generate.render())])
+"""
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['disagg/v1/worker_pb2.py']"
 
 
 def test_every_file_is_package_disagg_v1():
