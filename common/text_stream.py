@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as left context, as vLLM does, so the first output token gets the

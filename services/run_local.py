@@ -7,7 +7,7 @@ import time
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.engine.tokenizer import load_tokenizer
+from common.tokenizer import load_tokenizer
 from common.errors import InvalidConfig
 from common.text_stream import IncrementalDetokenizer
 from services.engine_flags import add_engine_args, engine_config_from_args

@@ -1,6 +1,6 @@
 """Paged KV blocks: one pool, reference counts, and a prefix cache keyed by chained block hashes.
 
-A full block's hash is xxh3_64(parent_hash ‖ token_ids). Freed blocks keep their hash and
+A full block's hash is xxh3_64(parent_hash ‖ token_ids) (common.kv.block_hash). Freed blocks keep their hash and
 sit in an LRU free queue, so a later request with the same prefix reuses them until they
 are evicted to make room.
 """
@@ -9,31 +9,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-import xxhash
-
 from common.engine.request import Request
+from common.kv.block_hash import ROOT_HASH, hash_block, hash_blocks
 from common.kv.events import KvEventLog
-
-ROOT_HASH = 0
-
-
-def hash_block(parent_hash: int, token_ids: list[int], extra: bytes = b"") -> int:
-    """Chained hash of one full block; `extra` keys content the ids don't show (e.g. an image's hash)."""
-    h = xxhash.xxh3_64()
-    h.update(parent_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    h.update(extra)
-    return h.intdigest()
-
-
-def hash_blocks(token_ids: list[int], block_size: int, parent_hash: int = ROOT_HASH) -> list[int]:
-    """Hashes of every full block of `token_ids`."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
-        hashes.append(parent_hash)
-    return hashes
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 import torch
 
-from common.engine.block_manager import ROOT_HASH, hash_block
+from common.kv.block_hash import ROOT_HASH, hash_block
 from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.interface import EngineFacts, EngineLoad
 from common.engine.multimodal import ImageEmbedding

@@ -1,6 +1,6 @@
 """Which prefixes each worker's prefix cache holds, fed by its Worker.SubscribeKvEvents stream.
 
-Hashes are the engine's own chained block hashes (common.engine.block_manager.hash_blocks), so a
+Hashes are the engine's own chained block hashes (common.kv.block_hash.hash_blocks), so a
 prompt's hashes computed here name the same blocks the workers announce. A subscription that breaks
 (worker gone, restarted) or shows a sequence gap (events dropped) clears that worker's entry and
 resubscribes: the new stream starts with a snapshot, so the index re-syncs without guessing.

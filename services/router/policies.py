@@ -11,7 +11,7 @@ from typing import Protocol
 import grpc
 
 from common.discovery import Role
-from common.engine.block_manager import hash_blocks
+from common.kv.block_hash import hash_blocks
 from common.pb.disagg.v1 import worker_pb2
 from services.router.kv_index import KvIndex
 from services.router.workers import WorkerClient

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.engine.request import SamplingParams
-from common.engine.tokenizer import Tokenizer, load_tokenizer
+from common.tokenizer import Tokenizer, load_tokenizer
 from common.errors import InvalidRequest, NotFound
 from common.model_facts import ModelFacts, load_model_facts
 from common.pb.disagg.v1 import common_pb2, generation_pb2

@@ -7,7 +7,7 @@ from typing import Sequence
 import grpc
 from opentelemetry import trace
 
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from common.telemetry.metrics import Metrics
 from common.text_stream import IncrementalDetokenizer

@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 TOPICS = ["the sea", "a lighthouse", "GPUs", "bread", "winter", "a cat", "the moon", "trains"]
 

@@ -25,7 +25,7 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.bench.engine_vs_hf import make_prompts
 from tests.integration.processes import start_services

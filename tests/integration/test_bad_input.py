@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import (
     common_pb2,
     generation_pb2,

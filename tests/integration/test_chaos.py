@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks, load_of

@@ -16,7 +16,7 @@ from typing import Iterator
 import grpc
 import pytest
 
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.consul_double import ConsulDouble
 from tests.hf_reference import hf_greedy

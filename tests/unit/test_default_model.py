@@ -17,7 +17,7 @@ from common.engine.default_model import (
     gguf_path,
     resolve_model,
 )
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from common.discovery import Role
-from common.engine.block_manager import hash_blocks
+from common.kv.block_hash import hash_blocks
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2
 from common.telemetry.metrics import Metrics

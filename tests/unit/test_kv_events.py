@@ -1,7 +1,7 @@
 """KV events from the engine's prefix cache: snapshot, stored with chained hashes, removed on eviction, gaps."""
 import asyncio
 
-from common.engine.block_manager import hash_blocks
+from common.kv.block_hash import hash_blocks
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams

@@ -1,7 +1,7 @@
 """A snapshot larger than the live-event bound still arrives whole (no self-inflicted gap)."""
 import asyncio
 
-from common.engine.block_manager import hash_blocks
+from common.kv.block_hash import hash_blocks
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams

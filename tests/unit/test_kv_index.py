@@ -5,7 +5,7 @@ import asyncio
 import grpc
 
 from common.discovery import Role
-from common.engine.block_manager import hash_blocks
+from common.kv.block_hash import hash_blocks
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams

@@ -5,7 +5,7 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import FinishReason, RequestType, SamplingParams
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.text_stream import IncrementalDetokenizer
 from tests.hf_reference import hf_greedy
 

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from common.engine.default_model import default_model_dir
-from common.engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from common.text_stream import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 UNICODE_TEXT = "héllo 世界 🎉🙂 naïve"

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.engine.block_manager import hash_blocks
+from common.kv.block_hash import hash_blocks
 from common.engine.config import EngineConfig
 from common.engine.interface import start_engine
 from common.engine.request import RequestType, SamplingParams

@@ -1,4 +1,5 @@
-"""Hugging Face tokenizer wrapper and chat template (the text stream is common.text_stream)."""
+"""Hugging Face tokenizer wrapper and chat template (the text stream is common.text_stream). Torch-free: the
+router and `disagg run` tokenise with it, without loading an engine."""
 
 from __future__ import annotations
 
