@@ -33,6 +33,9 @@ class EngineConfig:
     """Bound on queued requests; past it add_request raises ResourceExhausted."""
     enforce_eager: bool = False
     """On a GPU, run decode steps without CUDA graphs (for debugging and comparison)."""
+    async_scheduling: bool | None = None
+    """Launch each decode step before the previous one's tokens are read, so host work overlaps the GPU
+    (plain greedy batches). None: on where decode steps run as CUDA graphs."""
     engine: str = "torch"
     """Which engine runs the model: "torch" (ours) or "trtllm" (TensorRT-LLM's LLM API; common.engine.trtllm)."""
 

@@ -2,9 +2,10 @@
 
 A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python
 costs more than running them. Each graph runs embed → layers → norm → lm head for `bucket` rows over
-static input buffers; a step of B < bucket sequences pads with rows whose slot is -1 (no KV written)
-and whose sequence length is 0 (attention gives zeros). Only the Triton backend's fixed-shape decode
-metadata is graph-safe, so graphs exist only with it.
+static input buffers, and the greedy token of each row (argmax of its logits) in the graph too; a step of
+B < bucket sequences pads with rows whose slot is -1 (no KV written) and whose sequence length is 0
+(attention gives zeros). Only the Triton backend's fixed-shape decode metadata is graph-safe, so graphs
+exist only with it.
 """
 from __future__ import annotations
 
@@ -29,12 +30,9 @@ class DecodeGraphs:
         self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
         self.tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        # Pinned staging, allocated once: each step's metadata goes up in three non-blocking copies.
-        self._host = torch.zeros((3, n), dtype=torch.long).pin_memory()
-        self._host_tables = torch.zeros(n * width, dtype=torch.int32).pin_memory()
-        self._host_lens = torch.zeros(n, dtype=torch.int32).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.argmax: dict[int, torch.Tensor] = {}
         self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -51,6 +49,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[bs] = self._forward(bs)
+                self.argmax[bs] = self.logits[bs].argmax(dim=-1)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
@@ -59,25 +58,35 @@ class DecodeGraphs:
         return (len(layout.query_lens) <= self.buckets[-1] and all(q == 1 for q in layout.query_lens)
                 and max(layout.seq_lens) <= self.tables.shape[1] * self.attention.block_size)
 
-    def run(self, input_ids: list[int], positions: list[int], layout: BatchLayout) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only step of B sequences. The pinned staging buffers are rewritten
-        each step: the previous step's copies are done, since its tokens were read back before this one."""
-        b = len(input_ids)
+    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int],
+            layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, vocab], greedy tokens [B]) of a decode-only step of B sequences; both are the graph's
+        own buffers, valid until its next replay. `input_ids` may be a device tensor (the tokens of a step
+        still running, for a step launched ahead). The metadata goes up from fresh pinned buffers of torch's
+        caching host allocator, which keeps each one until its non-blocking copy has run: a step may be
+        staged while the one before it is still queued."""
+        b = len(positions)
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         a = self.attention.host_arrays(layout)
-        host = self._host[:, :bs].numpy()
-        host[0, :b], host[1, :b], host[2, :b] = input_ids, positions, a["slots"]
-        host[0, b:], host[1, b:], host[2, b:] = 0, 0, -1
-        staged = self._host[:, :bs].to(self.device, non_blocking=True)
-        self.input_ids[:bs].copy_(staged[0])
-        self.positions[:bs].copy_(staged[1])
-        self.slots[:bs].copy_(staged[2])
         width = a["tables"].shape[1]
-        tables = self._host_tables[: bs * width].view(bs, width)  # padded rows: table entries never read
-        tables.numpy()[:b] = a["tables"]
-        self.tables[:bs, :width].copy_(tables, non_blocking=True)
-        lens = self._host_lens[:bs].numpy()
+        longs = torch.empty((3, bs), dtype=torch.long, pin_memory=True)
+        host = longs.numpy()
+        host[0, :b] = input_ids if isinstance(input_ids, list) else 0
+        host[1, :b], host[2, :b] = positions, a["slots"]
+        host[0, b:], host[1, b:], host[2, b:] = 0, 0, -1
+        ints = torch.empty(bs * width + bs, dtype=torch.int32, pin_memory=True)  # tables, then sequence lengths
+        tables = ints[: bs * width].numpy().reshape(bs, width)  # padded rows: table entries never read
+        tables[:b] = a["tables"]
+        lens = ints[bs * width:].numpy()
         lens[:b], lens[b:] = a["seq_lens"], 0
-        self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
+        staged_longs = longs.to(self.device, non_blocking=True)
+        staged_ints = ints.to(self.device, non_blocking=True)
+        self.input_ids[:bs].copy_(staged_longs[0])
+        if isinstance(input_ids, torch.Tensor):
+            self.input_ids[:b].copy_(input_ids)
+        self.positions[:bs].copy_(staged_longs[1])
+        self.slots[:bs].copy_(staged_longs[2])
+        self.tables[:bs, :width].copy_(staged_ints[: bs * width].view(bs, width))
+        self.seq_lens[:bs].copy_(staged_ints[bs * width:])
         self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        return self.logits[bs][:b], self.argmax[bs][:b]

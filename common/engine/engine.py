@@ -6,7 +6,7 @@ import time
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, resolve_max_model_len
-from common.engine.model_runner import ModelRunner
+from common.engine.model_runner import ModelRunner, StepLaunch
 from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
                                    SamplingParams, TokenLogprob)
@@ -45,6 +45,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._stop_rules: dict[str, StopRule] = {}
         self.num_preemptions = 0
+        # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck).
+        self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._ahead: StepLaunch | None = None  # the decode step launched before the last one was read
 
     # --- requests ---
 
@@ -129,7 +133,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     @property
     def num_running(self) -> int:
@@ -142,19 +146,59 @@ class LLMEngine:
     # --- the loop ---
 
     def step(self) -> list[RequestOutput]:
+        """Run one step and return what it produced. With async scheduling, the next decode step is launched
+        before this one's tokens are read, so the GPU runs it while the host books this one."""
         self.expire_sessions()
-        batch = self.scheduler.schedule()
-        self.num_preemptions += len(batch.preempted)
-        for request in batch.kv_imports:
-            self.runner.import_blocks(request.block_table, request.kv_import)
-            request.kv_import = None
-        if batch.empty:
-            return []
-        sampled = self.runner.run(batch)
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += n
-            self.block_manager.commit_full_blocks(request)
-        return [self._append_token(self.requests[rid], token, lp) for rid, (token, lp) in sampled.items()]
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            batch = self.scheduler.schedule()
+            self.num_preemptions += len(batch.preempted)
+            for request in batch.kv_imports:
+                self.runner.import_blocks(request.block_table, request.kv_import)
+                request.kv_import = None
+            if batch.empty:
+                return []
+            launched = self.runner.launch(batch)
+        try:
+            if self.async_scheduling:
+                self._ahead = self._launch_ahead(launched)
+            drawn = launched.result()
+        except Exception:
+            self._ahead = None
+            raise
+        for request, n in launched.scheduled:
+            if self._live(request):
+                request.num_computed_tokens += n
+                self.block_manager.commit_full_blocks(request)
+        return [self._append_token(request, token, lp)
+                for request, (token, lp) in zip(launched.sampled, drawn) if self._live(request)]
+
+    def _live(self, request: Request) -> bool:
+        """Still this engine's request: not finished or aborted while a step launched ahead computed it."""
+        return self.requests.get(request.request_id) is request
+
+    def _launch_ahead(self, launched: StepLaunch) -> StepLaunch | None:
+        """Launch the decode step after `launched` before reading its tokens (vLLM's async scheduling), when
+        that step is the one the scheduler would make: every running request sampled (no prefill chunk left),
+        nobody waits to be admitted, and each row's next position gets a block without preempting anyone.
+        Rows that `launched` ends by length are left out; a row that ends on a stop token is computed and
+        dropped. Its blocks may be freed meanwhile: later steps reuse them only after it on the same stream,
+        and the block it writes (past the last computed token) holds no prefix-cache hash."""
+        running = self.scheduler.running
+        live = [i for i, r in enumerate(launched.sampled) if self._live(r)]  # (one launched ahead may hold ended rows)
+        if (launched.tokens is None or self.scheduler.waiting or len(running) != len(live)
+                or any(r is not launched.sampled[i] for r, i in zip(running, live))):
+            return None
+        rows = [i for i in live if (r := launched.sampled[i]).request_type is not RequestType.CONTEXT_ONLY
+                # a context_only request's blocks become a session after this step
+                and r.num_tokens + 1 < self._stop_rules[r.request_id].max_total_tokens]
+        if not rows:
+            return None
+        for i in rows:
+            request = launched.sampled[i]  # room for one more token than `launched` leaves computed
+            if not self.block_manager.allocate_slots(request, request.num_tokens + 1 - request.num_computed_tokens):
+                return None
+        return self.runner.launch_ahead(launched, rows)
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         request.output_token_ids.append(token)

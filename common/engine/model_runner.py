@@ -1,6 +1,8 @@
 """Turns a ScheduledBatch into tensors, runs the model on the paged cache, and samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common.engine.attention import BatchLayout, make_attention_backend
@@ -12,6 +14,34 @@ from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
 from common.kv.gather import gather_blocks
 from common.kv.layout import KvExport, KvLayout
+
+
+def _plain_greedy(request: Request) -> bool:
+    s = request.sampling
+    return s.greedy and s.repetition_penalty == 1.0 and not s.logprobs
+
+
+@dataclass
+class StepLaunch:
+    """One forward pass on its way. `scheduled`: every (request, new tokens) of the step; `sampled`: the rows
+    that sample, in order. With every sampled row plain greedy, `tokens` [B] stay on the device (valid until
+    the next step runs; a step launched ahead reads them on the same stream) and `result` waits for their copy
+    to the host; otherwise the sampler already ran and `result` returns what it drew."""
+
+    scheduled: list[tuple[Request, int]]
+    sampled: list[Request]
+    tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    drawn: list[tuple[int, TokenLogprob | None]] | None = None
+
+    def result(self) -> list[tuple[int, TokenLogprob | None]]:
+        """(token, logprob) of each sampled row; waits for the GPU when the tokens are still on their way."""
+        if self.drawn is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self.drawn = [(t, None) for t in self.host.tolist()]
+        return self.drawn
 
 
 class ModelRunner:
@@ -45,8 +75,9 @@ class ModelRunner:
                             -(-max_len // self.block_size), self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """One forward pass; returns the sampled token of each request whose scheduled tokens reach its end."""
+    def launch(self, batch: ScheduledBatch) -> StepLaunch:
+        """Start one forward pass over a scheduled batch. Its plain-greedy tokens stay on the device until
+        read (`StepLaunch.result`), so a next decode step can be launched first (`launch_ahead`)."""
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
@@ -66,19 +97,60 @@ class ModelRunner:
             context_lens=[r.num_computed_tokens for r in batch.requests],
             block_tables=[r.block_table for r in batch.requests],
         )
-        if self.graphs is not None and self.graphs.fits(layout) and all(r.mm is None for r in batch.requests):
-            logits = self.graphs.run(input_ids, positions, layout)
-            return {r.request_id: out for r, out in zip(sampled, self.sampler(logits, sampled))}
-        meta = self.attention.prepare(layout)
+        scheduled = list(zip(batch.requests, batch.num_new_tokens))
+        if self._graphed(layout, batch.requests):
+            return self._sample(scheduled, sampled, *self.graphs.run(input_ids, positions, layout))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(
             ids, torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_cache, meta, self.attention, self._splice_images(batch, ids),
+            self.kv_cache, self.attention.prepare(layout), self.attention, self._splice_images(batch, ids),
         )
         if not sampled:
-            return {}
+            return StepLaunch(scheduled, [], drawn=[])
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        return {r.request_id: out for r, out in zip(sampled, self.sampler(logits, sampled))}
+        return self._sample(scheduled, sampled, logits, None)
+
+    @torch.inference_mode()
+    def launch_ahead(self, prev: StepLaunch, rows: list[int]) -> StepLaunch:
+        """The decode step after `prev`, launched before prev's tokens are read: each of prev.sampled[rows] feeds
+        the token prev sampled for it (still on the device) at its next position. Their block tables must
+        already hold that position; prev must have device tokens (every row plain greedy)."""
+        requests = [prev.sampled[i] for i in rows]
+        ctx = [r.num_tokens for r in requests]  # prev writes up to num_tokens - 1; this step writes num_tokens
+        layout = BatchLayout(query_lens=[1] * len(requests), context_lens=ctx,
+                             block_tables=[r.block_table for r in requests])
+        ids = prev.tokens if len(rows) == len(prev.sampled) else prev.tokens.index_select(0, self._upload(rows))
+        scheduled = [(r, 1) for r in requests]
+        if self._graphed(layout, requests):
+            return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout))
+        hidden = self.model(ids, self._upload(ctx), self.kv_cache, self.attention.prepare(layout), self.attention)
+        return self._sample(scheduled, requests, self.model.compute_logits(hidden), None)
+
+    def _graphed(self, layout: BatchLayout, requests: list[Request]) -> bool:
+        return self.graphs is not None and self.graphs.fits(layout) and all(r.mm is None for r in requests)
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """A small int64 tensor on the device without a host sync (pinned staging, non-blocking copy)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, scheduled: list[tuple[Request, int]], sampled: list[Request], logits: torch.Tensor,
+                argmax: torch.Tensor | None) -> StepLaunch:
+        """Plain greedy rows only: the tokens stay on the device, copied to pinned memory behind an event.
+        Otherwise the sampler runs now (it reads the logits on the host)."""
+        if not all(_plain_greedy(r) for r in sampled):
+            return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled))
+        tokens = argmax if argmax is not None else logits.argmax(dim=-1)  # the sampler's greedy rule, on the device
+        if self.device.type != "cuda":
+            return StepLaunch(scheduled, sampled, tokens=tokens, host=tokens)
+        # Pinned from torch's caching host allocator, which holds the buffer until this copy has run.
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepLaunch(scheduled, sampled, tokens=tokens, host=host, ready=ready)
 
     def _splice_images(self, batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with image embedding rows over the placeholders this step covers; None without images."""

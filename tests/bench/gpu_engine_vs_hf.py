@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qw
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.model_runner import StepLaunch
 from common.engine.request import SamplingParams
 
 SHAPES = {
@@ -164,10 +165,11 @@ def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight
 
 def step_breakdown(engine: LLMEngine, batch: int, steps: int) -> dict:
     """Where a decode step's wall time goes, at `batch` running requests (call while they decode): the
-    scheduler, the runner up to the graph launch (host metadata and copies), the sampler (which waits for the
-    GPU), and the engine's own bookkeeping (the rest)."""
+    scheduler, the runner up to the graph launch (host metadata and copies; with async scheduling the launch
+    of the step after this one), the wait for this step's tokens (GPU time the host did not overlap), and the
+    engine's own bookkeeping (the rest)."""
     runner, scheduler = engine.runner, engine.scheduler
-    spent = {"schedule": 0.0, "prepare_and_launch": 0.0, "gpu_wait_and_sample": 0.0}
+    spent = {"schedule": 0.0, "prepare_and_launch": 0.0, "wait_for_tokens": 0.0}
 
     def timed(key, fn):
         def wrapper(*args, **kwargs):
@@ -178,10 +180,11 @@ def step_breakdown(engine: LLMEngine, batch: int, steps: int) -> dict:
                 spent[key] += time.perf_counter() - t
         return wrapper
 
-    originals = scheduler.schedule, runner.graphs.run, runner.sampler
+    result = StepLaunch.result
     scheduler.schedule = timed("schedule", scheduler.schedule)
-    runner.graphs.run = timed("prepare_and_launch", runner.graphs.run)
-    runner.sampler = timed("gpu_wait_and_sample", runner.sampler)
+    runner.launch = timed("prepare_and_launch", runner.launch)
+    runner.launch_ahead = timed("prepare_and_launch", runner.launch_ahead)
+    StepLaunch.result = timed("wait_for_tokens", StepLaunch.result)
     total = 0.0
     try:
         for _ in range(steps):
@@ -189,7 +192,8 @@ def step_breakdown(engine: LLMEngine, batch: int, steps: int) -> dict:
             engine.step()
             total += time.perf_counter() - t
     finally:
-        scheduler.schedule, runner.graphs.run, runner.sampler = originals
+        del scheduler.schedule, runner.launch, runner.launch_ahead  # back to the classes' own methods
+        StepLaunch.result = result
     parts = {k: v / steps for k, v in spent.items()}
     return {"batch": batch, "step_s": total / steps, **{f"{k}_s": v for k, v in parts.items()},
             "engine_rest_s": total / steps - sum(parts.values())}

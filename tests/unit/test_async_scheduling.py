@@ -1,0 +1,161 @@
+"""Async scheduling: the next decode step is launched before this one's tokens are read (engine.py
+`_launch_ahead`). On a GPU it runs where CUDA graphs do; here it is forced on over the eager CPU path, which
+takes the same engine-side decisions (which rows go ahead, blocks for them, rows dropped after a stop token
+or an abort), so every output must equal the synchronous engine's and Hugging Face's, and every block must
+come back. With a CUDA GPU each test runs there too, over CUDA graphs (tokens read back behind an event)."""
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import RequestType, SamplingParams
+from tests.hf_reference import hf_greedy
+from tests.tiny_models import TINY_FAMILIES
+
+
+def _prompts(lengths, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+@pytest.fixture(params=DEVICES)
+def make_engine(request):
+    """An engine factory on the test's device, counting the steps launched ahead (`engine.ahead_launches`)."""
+    device = request.param
+
+    def make(path, async_scheduling: bool, **overrides) -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=path, async_scheduling=async_scheduling, device=device,
+                                        **{"block_size": 4, "num_kv_blocks": 256, **overrides}))
+        assert (engine.runner.graphs is not None) == (device == "cuda")
+        engine.ahead_launches = 0
+        launch_ahead = engine.runner.launch_ahead
+
+        def counted(prev, rows):
+            engine.ahead_launches += 1
+            return launch_ahead(prev, rows)
+
+        engine.runner.launch_ahead = counted
+        return engine
+
+    return make
+
+
+def _run_all(engine: LLMEngine, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    tokens = {} if tokens is None else tokens
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def _all_blocks_free(engine: LLMEngine) -> bool:
+    return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_greedy_equals_hf_with_steps_launched_ahead(make_engine, tiny_model_dirs, family):
+    path = tiny_model_dirs[family]
+    engine = make_engine(path, True)
+    prompts = _prompts([5, 11, 17])
+    lengths = [12, 5, 9]  # rows end by length at different steps: the ahead step leaves them out
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    got = _run_all(engine)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        assert got[f"r{i}"] == hf_greedy(path, prompt, n)[0]
+    assert engine.ahead_launches > 0
+    assert _all_blocks_free(engine)
+
+
+def test_a_stop_token_mid_pipeline_drops_the_row_computed_ahead(make_engine, tiny_llama):
+    prompts = _prompts([6, 9, 14], seed=3)
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = make_engine(tiny_llama, False).generate(prompts, plain)
+    stop_at = reference[1][4]  # the second request stops on its fifth token (or earlier, if it repeats)
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_llama, async_scheduling)
+        for i, prompt in enumerate(prompts):
+            sampling = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_at]) if i == 1 else plain
+            engine.add_request(f"r{i}", prompt, sampling)
+        outputs[async_scheduling] = _run_all(engine)
+        assert _all_blocks_free(engine)
+    assert outputs[True] == outputs[False]
+    assert outputs[True]["r1"][-1] == stop_at and len(outputs[True]["r1"]) <= 5
+    assert outputs[True]["r0"] == reference[0] and outputs[True]["r2"] == reference[2]
+    assert engine.ahead_launches > 0
+
+
+def test_an_abort_while_a_step_is_launched_ahead_frees_everything(make_engine, tiny_llama):
+    prompts = _prompts([7, 12], seed=4)
+    sampling = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    engine = make_engine(tiny_llama, True)
+    engine.add_request("keep", prompts[0], sampling)
+    engine.add_request("drop", prompts[1], sampling)
+    tokens: dict[str, list[int]] = {}
+    while engine.ahead_launches == 0 or engine._ahead is None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.abort_request("drop")
+    # The id is free again at once; the step computed ahead for the old request must not leak into the new one.
+    engine.add_request("drop", prompts[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    tokens.pop("drop")
+    _run_all(engine, tokens)
+    assert tokens["keep"] == hf_greedy(tiny_llama, prompts[0], 14)[0]
+    assert tokens["drop"] == hf_greedy(tiny_llama, prompts[1], 3)[0]
+    assert _all_blocks_free(engine)
+
+
+def test_requests_arriving_mid_pipeline_match_hf(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama, True)
+    first, *late = _prompts([7, 3, 13], seed=1)
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("first", first, sampling)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(5):  # "first" is decoding, with a step launched ahead, when the others arrive
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine._ahead is not None
+    for i, prompt in enumerate(late):
+        engine.add_request(f"late{i}", prompt, sampling)
+    _run_all(engine, tokens)
+    assert tokens["first"] == hf_greedy(tiny_llama, first, 12)[0]
+    for i, prompt in enumerate(late):
+        assert tokens[f"late{i}"] == hf_greedy(tiny_llama, prompt, 12)[0]
+    assert _all_blocks_free(engine)
+
+
+def test_sampled_and_logprob_rows_run_synchronously(make_engine, tiny_llama):
+    """Only plain greedy rows keep their tokens on the device; a batch with any other row samples at once."""
+    engine = make_engine(tiny_llama, True)
+    prompts = _prompts([5, 8], seed=2)
+    engine.add_request("greedy", prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request("lp", prompts[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                         logprobs=True))
+    got = _run_all(engine)
+    assert engine.ahead_launches == 0
+    assert got["greedy"] == hf_greedy(tiny_llama, prompts[0], 8)[0]
+    assert got["lp"] == hf_greedy(tiny_llama, prompts[1], 8)[0]
+
+
+def test_context_only_sessions_are_never_written_ahead(make_engine, tiny_llama):
+    """A one-token context_only prompt runs as a decode-shaped step; its blocks become a session, which no
+    step launched ahead may write: the session's blocks equal the synchronous engine's, byte for byte."""
+    exported = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_llama, async_scheduling)
+        engine.add_request("ctx", [42], SamplingParams(temperature=0, max_tokens=4), RequestType.CONTEXT_ONLY)
+        engine.add_request("gen", _prompts([1], seed=5)[0],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs.extend(engine.step())
+        (ctx,) = [o for o in outputs if o.request_id == "ctx"]
+        exported[async_scheduling] = engine.runner.export_blocks(engine.sessions.get(ctx.session_id).block_ids)
+        engine.release_session(ctx.session_id)
+        assert _all_blocks_free(engine)
+    assert engine.ahead_launches > 0  # "gen" went on ahead, alone
+    assert torch.equal(exported[True], exported[False])
