@@ -13,7 +13,7 @@ import grpc
 from common.engine.interface import Engine
 from common.errors import InvalidRequest, NotFound
 from common.kv import gather, shm
-from common.kv.backends import BackendUnavailable
+from common.kv.backends import DATA_PLANE, BackendUnavailable
 from common.kv.chunks import chunk_size, encoded_chunks, tensor_to_bytes
 from common.kv.layout import KvLayout
 from common.kv.sharing import KvCacheExporter
@@ -43,12 +43,17 @@ class KvSessionSource:
     through a release or the TTL until the lease ends); the gather runs on a side stream into pinned
     host memory, off the engine thread, which keeps stepping other requests meanwhile."""
 
-    def __init__(self, engine: Engine, layout: KvLayout, exporter: KvCacheExporter | None = None):
+    def __init__(self, engine: Engine, layout: KvLayout, exporter: KvCacheExporter | None = None,
+                 kv_transfer: str = DATA_PLANE):
         self.engine = engine
         self.layout = layout
         self.exporter = exporter  # the cache and its shares; None on workers that export nothing
+        self.kv_transfer = kv_transfer  # not DATA_PLANE: the engine moves its sessions' KV; here they are only released
 
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
+        if self.kv_transfer != DATA_PLANE:
+            raise BackendUnavailable(f"the KV of session {handle} moves through this worker's engine "
+                                     f"({self.kv_transfer}), not TensorStore.Pull")
         if self.exporter is None:
             raise NotFound(f"this worker exports no KV sessions (no {handle})")
         lease = asyncio.ensure_future(self.engine.lease_session(handle, block_ids))

@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig
 from common.engine.interface import Engine, EngineLoad, start_engine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, Unavailable
-from common.kv.backends import BACKENDS, PREFERENCE, parse_backends
+from common.kv.backends import BACKENDS, DATA_PLANE, ENGINE_TRANSFERS, PREFERENCE, parse_backends
 from common.kv.layout import KvLayout
 from common.kv.sharing import KvCacheExporter
 from common.telemetry.metrics import Metrics, observe_engine_load
@@ -49,7 +49,9 @@ class WorkerState:
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     kv_transfer_backends: tuple[str, ...] = PREFERENCE  # offered (prefill) or accepted (decode)
-    kv_exporter: KvCacheExporter | None = None  # prefill: the cache shared with importers
+    kv_exporter: KvCacheExporter | None = None  # prefill on DATA_PLANE: the cache shared with importers
+    engine_name: str = "torch"
+    kv_transfer: str = DATA_PLANE  # who moves a session's KV: our data plane, or the engine (EngineFacts.kv_transfer)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property
@@ -174,11 +176,15 @@ class EngineRole:
         return start_engine(config)
 
     async def attach(self, state: WorkerState, engine: Engine) -> None:
-        state.kv_layout, kv_cache = (await engine.facts()).kv_layout, await engine.kv_cache()
-        if state.role == worker_pb2.WORKER_ROLE_PREFILL:
-            state.kv_exporter = KvCacheExporter(kv_cache, state.kv_transfer_backends, state.worker_id)
+        """A prefill worker on DATA_PLANE shares its engine's cache with importers; on an engine that moves KV
+        itself (trtllm) there is no cache to share, and its TensorStore only releases sessions."""
+        facts = await engine.facts()
+        state.kv_layout, state.engine_name, state.kv_transfer = facts.kv_layout, facts.name, facts.kv_transfer
+        if state.role == worker_pb2.WORKER_ROLE_PREFILL and state.kv_transfer == DATA_PLANE:
+            state.kv_exporter = KvCacheExporter(await engine.kv_cache(), state.kv_transfer_backends, state.worker_id)
             state.closers.append(_closer(state.kv_exporter))
-        state.engine, state.tensor_source = engine, KvSessionSource(engine, state.kv_layout, state.kv_exporter)
+        state.engine = engine
+        state.tensor_source = KvSessionSource(engine, state.kv_layout, state.kv_exporter, state.kv_transfer)
 
     def registration_meta(self, state: WorkerState) -> dict[str, str]:
         layout = state.kv_layout
@@ -199,7 +205,7 @@ class EngineRole:
             fingerprint=layout.fingerprint, block_size=layout.block_size, num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
             max_model_len=facts.max_model_len, limits=_limits(facts.config), engine=facts.name,
-            transfer_backends=[BACKENDS[name] for name in _transfer_backends(state)],
+            transfer_backends=_transfer_backends(state),
             supports_images=facts.image_token_id is not None,
         )
 
@@ -217,9 +223,11 @@ class EngineRole:
         return f"released {released} KV sessions"
 
 
-def _transfer_backends(state: WorkerState) -> tuple[str, ...]:
+def _transfer_backends(state: WorkerState) -> list[int]:
+    if state.kv_transfer != DATA_PLANE:
+        return [ENGINE_TRANSFERS[state.kv_transfer]]
     exporter = state.kv_exporter
-    return exporter.offered if exporter is not None else state.kv_transfer_backends
+    return [BACKENDS[name] for name in (exporter.offered if exporter is not None else state.kv_transfer_backends)]
 
 
 def _limits(config: EngineConfig) -> worker_pb2.WorkerLimits:

@@ -5,18 +5,31 @@ behind the same methods. Every method is called from the asyncio loop and runs o
 thread (or in its own runtime); results are plain values, never live engine state. The request types
 are TensorRT-LLM's: context_only (prefill: the prompt's KV stays pinned under a session), generation_only
 (decode: from imported KV and the first token) and context_and_generation (aggregated).
+
+How a context's KV reaches the generation side is an engine fact (`EngineFacts.kv_transfer`):
+- DATA_PLANE (our engine): the engine exposes its paged cache (`kv_cache`) and pins a session's blocks
+  (`lease_session` / `end_lease`); our TensorStore serves them and the decode side pulls them (KvPuller) into
+  a KvExport, its `kv_import`.
+- an engine's own transfer ("trtllm": TensorRT-LLM's cache transceiver, TRANSFER_BACKEND_TRTLLM): the context
+  side's `session_attributes` go into the KvSessionRef (its DisaggregatedParams), and the generation side turns
+  them back into its `kv_import` with `kv_import_from_attributes`; the engine moves the bytes itself.
+
+Besides this module, a service may import the plain types it speaks in (request, config, multimodal,
+stopping, default_model) and one more seam, common.engine.image_encoder (the encode worker's engine:
+images → embeddings); tests/unit/test_engine_interface.py walks the imports of every service module.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Mapping, Protocol, Sequence, Union
 
 import torch
 
 from common.engine.config import EngineConfig
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import RequestOutput, RequestType, SamplingParams
+from common.kv.backends import DATA_PLANE
 from common.kv.layout import KvExport, KvLayout
 from common.kv.session import KvSession
 
@@ -31,6 +44,19 @@ class EngineFacts:
     image_token_id: int | None
     kv_device: torch.device
     name: str = "torch"
+    kv_transfer: str = DATA_PLANE
+    """DATA_PLANE, or the name of the engine's own KV transfer (common.kv.backends.ENGINE_TRANSFERS)."""
+
+
+class EngineHandoff(Protocol):
+    """A context phase's state for an engine that moves KV itself (TensorRT-LLM: its DisaggregatedParams)."""
+
+    def attributes(self) -> dict[str, str]:
+        """As KvSessionRef.attributes."""
+
+
+# generate()'s kv_import: KV pulled over our data plane, or an engine's own handoff.
+KvImport = Union[KvExport, EngineHandoff]
 
 
 @dataclass(frozen=True)
@@ -53,7 +79,7 @@ class Engine(Protocol):
     async def load(self) -> EngineLoad: ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
-                 request_type: RequestType = RequestType.CONTEXT_AND_GENERATION, kv_import: KvExport | None = None,
+                 request_type: RequestType = RequestType.CONTEXT_AND_GENERATION, kv_import: KvImport | None = None,
                  first_token: int | None = None,
                  images: list[ImageEmbedding] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the stream early aborts it and frees its blocks."""
@@ -79,8 +105,18 @@ class Engine(Protocol):
 
     async def release_all_sessions(self) -> int: ...
 
+    async def session_attributes(self, session_id: str) -> dict[str, str]:
+        """Context side: what the generation side needs to import the session through the engine's own transfer,
+        as KvSessionRef.attributes (TensorRT-LLM: "trtllm.*", its DisaggregatedParams); {} on DATA_PLANE, where
+        the KV data plane's exporter adds its own. NotFound / SessionExpired as `session`."""
+
+    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> KvImport:
+        """Generation side: a KvSessionRef's attributes → generate()'s kv_import for generation_only, for an
+        engine that moves KV itself (TensorRT-LLM: the context's DisaggregatedParams); InvalidRequest when they
+        are malformed. A DATA_PLANE engine raises FailedPrecondition: its kv_import is KV pulled by KvPuller."""
+
     async def kv_cache(self) -> torch.Tensor:
-        """The whole paged cache [layers, 2, blocks, block_size, kv_heads, head_dim], for the KV data plane."""
+        """DATA_PLANE only: the paged cache [layers, 2, blocks, block_size, kv_heads, head_dim], for TensorStore."""
 
     # --- KV events, for KV-aware routing ---
 

@@ -7,9 +7,10 @@ pure mappings below are tested (against a recorded signature list, tests/unit/tr
 - context_only runs the prompt; TensorRT-LLM keeps its KV for its own cache transceiver, and the
   context's DisaggregatedParams (first_gen_tokens, ctx_request_id, opaque_state, ...) become the
   session's `KvSessionRef.attributes` ("trtllm.*", opaque_state base64), with TRANSFER_BACKEND_TRTLLM.
-- generation_only takes those attributes back (`TrtLlmHandoff`, as `kv_import`): the transceiver
-  moves the KV, so our data plane (kv_cache, lease/end_lease) has nothing to do.
-- Its KV cache events are re-keyed to our chained block hashes (common.engine.block_manager), so the
+- generation_only takes those attributes back (`kv_import_from_attributes` → `TrtLlmHandoff`, as `kv_import`):
+  the transceiver moves the KV (EngineFacts.kv_transfer "trtllm"), so our data plane (kv_cache,
+  lease/end_lease) has nothing to do.
+- Its KV cache events are re-keyed to our chained block hashes (common.kv.block_hash), so the
   router's KV index works unchanged.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from common.kv.layout import KvExport, KvLayout, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
 
 NOT_INSTALLED = "TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's TensorRT-LLM image"
+KV_TRANSFER = "trtllm"  # EngineFacts.kv_transfer: TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)
 ATTRIBUTE_PREFIX = "trtllm."
 OPAQUE_STATE = ATTRIBUTE_PREFIX + "opaque_state"
 EVENT_BUFFER_MAX_SIZE = 1024
@@ -253,7 +255,8 @@ class TrtLlmEngine:
                           block_size=config.block_size, dtype=config.dtype,
                           # never equal to a torch engine's: the two caches are not interchangeable
                           fingerprint="trtllm-" + model_fingerprint(hf_config, config.dtype))
-        facts = EngineFacts(layout, max_model_len, config, None, torch.device("cuda"), name="trtllm")
+        facts = EngineFacts(layout, max_model_len, config, None, torch.device("cuda"), name="trtllm",
+                            kv_transfer=KV_TRANSFER)
         return cls(trtllm, trtllm.LLM(**kwargs), facts)
 
     async def facts(self) -> EngineFacts:
@@ -339,10 +342,14 @@ class TrtLlmEngine:
     async def session(self, session_id: str) -> KvSession:
         return dataclasses.replace(self._get(session_id))
 
-    def session_attributes(self, session_id: str) -> dict[str, str]:
+    async def session_attributes(self, session_id: str) -> dict[str, str]:
         """KvSessionRef.attributes for this session (transfer_backend TRANSFER_BACKEND_TRTLLM)."""
         self._get(session_id)
         return self._handoffs[session_id].attributes()
+
+    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> TrtLlmHandoff:
+        """generation_only's DisaggregatedParams, from the ref a context_only worker made (session_attributes)."""
+        return TrtLlmHandoff.from_attributes(attributes)
 
     async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
         self._get(session_id)  # the transceiver moves the KV: there are no blocks of ours to pin

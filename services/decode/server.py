@@ -2,7 +2,10 @@
 
 With a KvSessionRef the worker checks the layout, pulls the prompt's KV from the exporter's
 TensorStore, releases the session and generates from the first token (GENERATION_ONLY);
-without one it runs the prompt itself (CONTEXT_AND_GENERATION). Once this worker accepts a
+without one it runs the prompt itself (CONTEXT_AND_GENERATION). On an engine that moves KV itself
+(trtllm: a ref with TRANSFER_BACKEND_TRTLLM) nothing is pulled: the ref's attributes become the engine's
+kv_import, its own transceiver fetches the KV, and the session is released once the engine answers.
+A ref for the other kind of engine is refused (FAILED_PRECONDITION). Once this worker accepts a
 DecodeStart with a session it owns the session and releases it whatever happens next (also
 when it refuses the request as invalid or mismatched); only when it is UNAVAILABLE (loading,
 shutting down) does the caller keep it, to try another decode worker.
@@ -21,12 +24,12 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from common.engine.interface import Engine
+from common.engine.interface import Engine, KvImport
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout
-from common.kv.backends import BACKENDS
+from common.kv.backends import BACKENDS, DATA_PLANE, check_kv_transfer
 from common.kv.pull import KvPuller
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -70,9 +73,10 @@ class _Plan:
     first_token: int | None
     time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
     embeddings: list[common_pb2.EmbeddingRef] | None = None  # aggregated image requests: pulled here
+    handoff: KvImport | None = None  # an engine that moves KV itself: its kv_import, from the ref's attributes
 
 
-def _plan(start: worker_pb2.DecodeStart, layout: KvLayout) -> _Plan:
+def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, engine: str, kv_transfer: str) -> _Plan:
     has_session = start.HasField("session")
     request_type = request_type_from_proto(
         start.request_type, RequestType.GENERATION_ONLY if has_session else RequestType.CONTEXT_AND_GENERATION)
@@ -85,15 +89,19 @@ def _plan(start: worker_pb2.DecodeStart, layout: KvLayout) -> _Plan:
         raise InvalidRequest("embeddings go with aggregated requests; with a session the KV already holds the images")
     sampling = sampling_from_proto(start.sampling, start.stop, start.output)
     if has_session:
-        _check_session(start, layout)
+        _check_session(start, layout, engine, kv_transfer)
     return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
                  sampling, request_type, start.session if has_session else None,
                  start.first_token if has_session else None, embeddings=list(start.embeddings))
 
 
-def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout) -> None:
+def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout, engine: str, kv_transfer: str) -> None:
     ref = start.session
-    check_pullable(ref)
+    check_kv_transfer(ref.session_id, ref.transfer_backend, kv_transfer, engine)
+    if kv_transfer == DATA_PLANE:
+        check_pullable(ref)
+    elif not ref.session_id or not ref.endpoint:
+        raise InvalidRequest("the KV session ref needs a session_id and an endpoint (its release goes there)")
     if not start.HasField("first_token"):
         raise InvalidRequest("a DecodeStart with a session needs first_token")
     if start.first_token != ref.first_token:
@@ -166,8 +174,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             await abort_with(context, exc)
         try:
             engine = self.state.require_engine()
-            plan = _plan(start, self.state.kv_layout)
+            plan = _plan(start, self.state.kv_layout, self.state.engine_name, self.state.kv_transfer)
             plan.time_left_s = context.time_remaining()
+            if plan.session is not None and self.state.kv_transfer != DATA_PLANE:
+                plan.handoff = engine.kv_import_from_attributes(plan.session.attributes)
         except Exception as exc:
             await self._refuse(context, start, exc)
         outbox: asyncio.Queue = asyncio.Queue()
@@ -195,14 +205,18 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         progress = _Progress(plan.request_id, len(plan.prompt))
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
+        owed = plan.handoff is not None  # the exporter's session, ours to release once the engine has the KV
         try:
             with trace.use_span(span, end_on_exit=False):
-                kv = await self._load_kv(plan, progress) if plan.session is not None else None
+                kv = await self._kv_import(plan, progress)
                 images = (await pull_and_release_embeddings(self.channels.get, plan.embeddings, plan.time_left_s)
                           if plan.embeddings else None)
             self.state.require_engine()  # not if shutdown began during the pull
             async for out in engine.generate(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
                                              plan.first_token, images):
+                if owed:  # the engine answers once its transfer has brought the KV
+                    self._release_later(plan.session)
+                    owed = False
                 if out.finish_reason is FinishReason.ABORT:
                     raise Unavailable("the decode worker is shutting down; the request was aborted")
                 if out.new_token_ids and progress.usage.completion_tokens == 0:
@@ -217,8 +231,21 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             span.record_exception(exc)
             outbox.put_nowait(exc)
         finally:
+            if owed:
+                self._release_later(plan.session)
             span.set_attribute("disagg.decode.tokens", progress.usage.completion_tokens)
             span.end()
+
+    def _release_later(self, ref: common_pb2.KvSessionRef) -> None:
+        """Release an engine-moved session at its exporter, even when this RPC ends first."""
+        self.state.spawn(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
+
+    async def _kv_import(self, plan: _Plan, progress: _Progress) -> KvImport | None:
+        """generate()'s kv_import: the engine's own handoff, or KV pulled over the data plane (None: recompute)."""
+        if plan.handoff is not None:
+            progress.usage.kv_transfer_backend = plan.session.transfer_backend
+            return plan.handoff
+        return await self._load_kv(plan, progress) if plan.session is not None else None
 
     async def _load_kv(self, plan: _Plan, progress: _Progress) -> KvExport | None:
         """The session's KV, or None to recompute the prompt here when the pull failed and the policy allows it."""

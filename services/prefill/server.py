@@ -1,4 +1,9 @@
-"""Prefiller servicer: runs a prompt context_only, answers the first token and a KV session ref."""
+"""Prefiller servicer: runs a prompt context_only, answers the first token and a KV session ref.
+
+The ref names how the KV moves: over our KV data plane (this worker's TensorStore, the exporter's best backend
+first), or through the engine itself (trtllm: TRANSFER_BACKEND_TRTLLM, the context's DisaggregatedParams in
+`attributes`). Either way the importer releases the session through this worker's TensorStore.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +16,7 @@ from common.engine.interface import Engine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest, Unavailable
 from common.engine.multimodal import ImageEmbedding
+from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -65,14 +71,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             response.first_token_logprob = logprob.logprob
             response.first_token_top_logprobs.extend(logprob.top_logprobs)
         if output.session_id is not None:
-            session_id, endpoint, exporter = output.session_id, self.state.endpoint, self.state.kv_exporter
-            ref = session_ref(self.state.kv_layout, await engine.session(session_id), endpoint,
-                              exporter.best_backend, exporter.attributes())
+            ref = await self._session_ref(engine, output.session_id)
             ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
             response.session.CopyFrom(ref)
             if self.state.metrics is not None:
                 self.state.metrics.get("disagg_kv_sessions_exported_total").inc()
         return response
+
+    async def _session_ref(self, engine: Engine, session_id: str) -> common_pb2.KvSessionRef:
+        state, session = self.state, await engine.session(session_id)
+        attributes = await engine.session_attributes(session_id)
+        if state.kv_transfer == DATA_PLANE:
+            exporter = state.kv_exporter
+            return session_ref(state.kv_layout, session, state.endpoint, exporter.best_backend,
+                               {**exporter.attributes(), **attributes})
+        return session_ref(state.kv_layout, session, state.endpoint, ENGINE_TRANSFERS[state.kv_transfer], attributes)
 
     def _release_sessions_of(self, engine_id: str) -> None:
         if self.state.engine is not None:

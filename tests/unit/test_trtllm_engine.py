@@ -76,7 +76,7 @@ def test_context_only_pins_a_session_whose_attributes_carry_the_context_params(e
     assert outs[-1].finish_reason is FinishReason.CONTEXT_DONE and outs[-1].new_token_ids == [7]
     session = asyncio.run(engine.session(outs[-1].session_id))
     assert (session.first_token, session.num_tokens, session.request_id) == (7, 3, "r1")
-    assert engine.session_attributes(session.session_id)[OPAQUE_STATE] == "AQI="
+    assert asyncio.run(engine.session_attributes(session.session_id))[OPAQUE_STATE] == "AQI="
     assert asyncio.run(engine.lease_session(session.session_id)) == []
     assert asyncio.run(engine.release_session(session.session_id)) is True
     with pytest.raises(NotFound):

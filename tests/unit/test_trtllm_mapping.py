@@ -10,13 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.kv.block_hash import hash_blocks
 from common.engine.config import EngineConfig
 from common.engine.interface import start_engine
 from common.engine.request import RequestType, SamplingParams
-from common.engine.trtllm import (OPAQUE_STATE, KvEventTranslator, TrtLlmHandoff, disaggregated_kwargs,
-                                  llm_kwargs, load_from_stats, sampling_kwargs)
-from common.errors import InvalidConfig, InvalidRequest
+from common.engine.trtllm import (KV_TRANSFER, OPAQUE_STATE, KvEventTranslator, TrtLlmEngine, TrtLlmHandoff,
+                                  disaggregated_kwargs, llm_kwargs, load_from_stats, sampling_kwargs)
+from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
+from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS, check_kv_transfer, kv_transfer_of
+from common.kv.block_hash import hash_blocks
+from common.pb.disagg.v1 import common_pb2
 from services.engine_flags import add_engine_args, engine_argv
 
 API = json.loads((Path(__file__).parent / "trtllm_api_signatures.json").read_text())
@@ -73,6 +75,37 @@ def test_generation_only_gets_the_context_params_under_tensorrt_llm_names():
     assert disaggregated_kwargs(RequestType.CONTEXT_ONLY, None) == {"request_type": "context_only"}
     assert disaggregated_kwargs(RequestType.CONTEXT_AND_GENERATION, None) is None
     assert {t.value for t in RequestType} == set(API["DisaggregatedParams"]["request_types"])
+
+
+def test_the_trtllm_engine_turns_a_refs_attributes_into_its_generation_only_import():
+    handoff = TrtLlmHandoff.from_params(_context_params())
+    assert TrtLlmEngine.kv_import_from_attributes(None, handoff.attributes()) == handoff
+    with pytest.raises(InvalidRequest, match="first_gen_tokens"):
+        TrtLlmEngine.kv_import_from_attributes(None, {"transfer_backends": "shm,grpc"})  # a data-plane ref's
+
+
+@pytest.mark.parametrize("backend", [common_pb2.TRANSFER_BACKEND_UNSPECIFIED, common_pb2.TRANSFER_BACKEND_GRPC,
+                                     common_pb2.TRANSFER_BACKEND_SHM, common_pb2.TRANSFER_BACKEND_CUDA_IPC,
+                                     common_pb2.TRANSFER_BACKEND_NIXL])
+def test_data_plane_refs_and_trtllm_refs_go_to_their_own_engines_only(backend):
+    assert kv_transfer_of(backend) == DATA_PLANE and kv_transfer_of(common_pb2.TRANSFER_BACKEND_TRTLLM) == KV_TRANSFER
+    assert ENGINE_TRANSFERS == {KV_TRANSFER: common_pb2.TRANSFER_BACKEND_TRTLLM}
+    check_kv_transfer("s", backend, DATA_PLANE, "torch")
+    check_kv_transfer("s", common_pb2.TRANSFER_BACKEND_TRTLLM, KV_TRANSFER, "trtllm")
+    with pytest.raises(FailedPrecondition) as refused:
+        check_kv_transfer("s1", backend, KV_TRANSFER, "trtllm")
+    assert "KV session s1" in str(refused.value) and "KV data plane" in str(refused.value)  # theirs
+    assert "--engine trtllm" in str(refused.value) and "TRANSFER_BACKEND_TRTLLM" in str(refused.value)  # ours
+
+
+def test_a_trtllm_ref_at_a_data_plane_worker_names_both_sides():
+    with pytest.raises(FailedPrecondition) as refused:
+        check_kv_transfer("s2", common_pb2.TRANSFER_BACKEND_TRTLLM, DATA_PLANE, "torch")
+    assert str(refused.value) == (
+        "KV session s2 was exported with transfer_backend TRANSFER_BACKEND_TRTLLM, to be moved through TensorRT-LLM's "
+        "cache transceiver (TRANSFER_BACKEND_TRTLLM), but this decode worker runs --engine torch, which imports KV "
+        "only over the KV data plane (TensorStore: cuda_ipc, shm, nixl, grpc); run prefill and decode workers with "
+        "the same --engine")
 
 
 def test_generation_only_without_a_handoff_or_with_a_broken_one_is_invalid():
