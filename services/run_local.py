@@ -1,15 +1,17 @@
-"""`disagg run "prompt"`: the engine in this process, tokens streamed to the terminal. No servers."""
+"""`disagg run "prompt"`: an engine in this process (through the engine interface, so `--engine trtllm` too),
+tokens streamed to the terminal. No servers."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 
-from common.engine.engine import LLMEngine
+from common.engine.interface import Engine, start_engine
 from common.engine.request import SamplingParams
-from common.tokenizer import load_tokenizer
 from common.errors import InvalidConfig
 from common.text_stream import IncrementalDetokenizer
+from common.tokenizer import load_tokenizer
 from services.engine_flags import add_engine_args, engine_config_from_args
 from services.sampling_flags import add_sampling_args, sampling_from_args
 
@@ -20,6 +22,17 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           max_tokens=s.max_tokens, seed=s.seed)
 
 
+async def stream(engine: Engine, prompt: list[int], sampling: SamplingParams, text: IncrementalDetokenizer) -> int:
+    """Generate, writing the text as it comes; how many tokens were generated."""
+    count = 0
+    async for out in engine.generate("run", prompt, sampling):
+        count += len(out.new_token_ids)
+        sys.stdout.write(text.add(out.new_token_ids).text)
+        sys.stdout.flush()
+    sys.stdout.write(text.flush())
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg run", description=__doc__)
     parser.add_argument("prompt")
@@ -28,23 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(parser)
     args = parser.parse_args(argv)
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        config = engine_config_from_args(args)
+        tok = load_tokenizer(config.model)
+        if tok is None:
+            parser.error(f"{config.model} has no tokenizer; `disagg run` needs text")
+        prompt = tok.encode(args.prompt) if args.raw else tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}])
+        engine = start_engine(config)
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         print(f"disagg run: {exc}", file=sys.stderr)
         return 2
-    tok = load_tokenizer(engine.config.model)
-    if tok is None:
-        parser.error(f"{engine.config.model} has no tokenizer; `disagg run` needs text")
-    prompt = tok.encode(args.prompt) if args.raw else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    engine.add_request("run", prompt, sampling_params(args))
-    text = IncrementalDetokenizer(tok, prompt)
-    start, count = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            count += len(out.new_token_ids)
-            sys.stdout.write(text.add(out.new_token_ids).text)
-            sys.stdout.flush()
-    sys.stdout.write(text.flush())
+    start = time.perf_counter()
+    try:
+        count = asyncio.run(stream(engine, prompt, sampling_params(args), IncrementalDetokenizer(tok, prompt)))
+    finally:
+        engine.shutdown()
     elapsed = time.perf_counter() - start
     print(f"\n[{count} tokens in {elapsed:.2f}s, {count / elapsed:.1f} tokens/s]", file=sys.stderr)
     return 0

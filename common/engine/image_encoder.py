@@ -1,4 +1,8 @@
-"""Images → embeddings with a checkpoint's own image processor and vision half (the encode worker's engine)."""
+"""Images → embeddings with a checkpoint's own image processor and vision half (the encode worker's engine).
+
+Part of the engine interface (common.engine.interface): the one entry point the encode worker uses, so it
+never reaches into common.engine.models.
+"""
 from __future__ import annotations
 
 from pathlib import Path

@@ -13,11 +13,10 @@ import grpc
 
 from common.engine.default_model import resolve_model
 from common.engine.image_encoder import ImageEncoder
-from common.engine.models.llava import is_vision_language
-from common.engine.models.loader import load_config
 from common.errors import InvalidConfig
 from common.kv.embeddings import EmbeddingTable
 from common.media import MediaConfig
+from common.model_facts import load_model_facts
 from common.pb.disagg.v1 import worker_pb2
 from services.encode.server import SERVICE_NAMES, EmbeddingSource, EncodeState, add_servicers
 from services.worker_shell import run_worker
@@ -71,9 +70,9 @@ def _configure(args: argparse.Namespace) -> EncodeConfig:
 
 
 def _require_vision_model(model: str | None) -> None:
-    config = load_config(resolve_model(model))
-    if not is_vision_language(config):
-        raise InvalidConfig(f"--model {model or 'default'} is a {config.model_type} model with no vision tower; the "
+    facts = load_model_facts(resolve_model(model))
+    if not facts.accepts_images:
+        raise InvalidConfig(f"--model {model or 'default'} is a {facts.model_type} model with no vision tower; the "
                             "encode worker needs a LLaVA-style checkpoint (LlavaForConditionalGeneration)")
 
 
