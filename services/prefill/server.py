@@ -80,12 +80,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
 
     async def _session_ref(self, engine: Engine, session_id: str) -> common_pb2.KvSessionRef:
         state, session = self.state, await engine.session(session_id)
-        attributes = await engine.session_attributes(session_id)
-        if state.kv_transfer == DATA_PLANE:
+        if state.kv_transfer == DATA_PLANE:  # the engine adds nothing (session_attributes is {}): skip its thread
             exporter = state.kv_exporter
-            return session_ref(state.kv_layout, session, state.endpoint, exporter.best_backend,
-                               {**exporter.attributes(), **attributes})
-        return session_ref(state.kv_layout, session, state.endpoint, ENGINE_TRANSFERS[state.kv_transfer], attributes)
+            return session_ref(state.kv_layout, session, state.endpoint, exporter.best_backend, exporter.attributes())
+        return session_ref(state.kv_layout, session, state.endpoint, ENGINE_TRANSFERS[state.kv_transfer],
+                           await engine.session_attributes(session_id))
 
     def _release_sessions_of(self, engine_id: str) -> None:
         if self.state.engine is not None:
