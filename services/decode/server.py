@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -25,7 +24,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from common.engine.interface import Engine, KvImport
-from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
+from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout
@@ -33,7 +32,8 @@ from common.kv.backends import BACKENDS, DATA_PLANE, check_kv_transfer
 from common.kv.pull import KvPuller
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.convert import finish_reason_to_proto, logprob_to_proto, request_type_from_proto, sampling_from_proto
+from services.convert import request_type_from_proto, sampling_from_proto
+from services.decode.progress import Progress
 from common.telemetry import tracing
 from services.serving import abort_with
 from services.worker_service import WorkerState
@@ -111,38 +111,6 @@ def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout, engine: str,
     layout.check_compatible(layout_of(ref))
 
 
-class _Progress:
-    """Turns engine outputs into stream messages and keeps the usage of this request."""
-
-    def __init__(self, request_id: str, num_prompt_tokens: int):
-        self.request_id = request_id
-        self.usage = common_pb2.Usage(prompt_tokens=num_prompt_tokens)
-        self.start = time.perf_counter()
-
-    def messages(self, out: RequestOutput) -> list[worker_pb2.DecodeServerMessage]:
-        messages = []
-        if out.new_token_ids:
-            if self.usage.completion_tokens == 0:
-                self.usage.ttft_ms = (time.perf_counter() - self.start) * 1000
-            self.usage.completion_tokens += len(out.new_token_ids)  # tokens generated here, not prefill's first
-            delta = common_pb2.Delta(token_ids=out.new_token_ids,
-                                     logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
-            messages.append(worker_pb2.DecodeServerMessage(request_id=self.request_id, delta=delta))
-        self.usage.cached_prompt_tokens = out.num_cached_tokens
-        if out.finished:
-            messages.append(self.finished(out))
-        return messages
-
-    def finished(self, out: RequestOutput | None = None) -> worker_pb2.DecodeServerMessage:
-        """The last message; without an output, the request was cancelled."""
-        self.usage.e2e_ms = (time.perf_counter() - self.start) * 1000
-        reason = out.finish_reason if out is not None else FinishReason.ABORT
-        finished = common_pb2.Finished(reason=finish_reason_to_proto(reason), usage=self.usage)
-        if reason is FinishReason.STOP and out.new_token_ids:  # workers stop on token ids; the router on strings
-            finished.matched_stop_token_id = out.new_token_ids[-1]
-        return worker_pb2.DecodeServerMessage(request_id=self.request_id, finished=finished)
-
-
 class DecodeServicer(worker_pb2_grpc.DecoderServicer):
     def __init__(self, state: WorkerState, channels: ChannelCache, pull_timeout_s: float,
                  kv_load_failure_policy: str = "recompute"):
@@ -202,7 +170,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         await abort_with(context, exc)
 
     async def _work(self, engine: Engine, plan: _Plan, outbox: asyncio.Queue) -> None:
-        progress = _Progress(plan.request_id, len(plan.prompt))
+        progress = Progress(plan.request_id, len(plan.prompt))
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
         owed = plan.handoff is not None  # the exporter's session, ours to release once the engine has the KV
@@ -240,14 +208,14 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         """Release an engine-moved session at its exporter, even when this RPC ends first."""
         self.state.spawn(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
 
-    async def _kv_import(self, plan: _Plan, progress: _Progress) -> KvImport | None:
+    async def _kv_import(self, plan: _Plan, progress: Progress) -> KvImport | None:
         """generate()'s kv_import: the engine's own handoff, or KV pulled over the data plane (None: recompute)."""
         if plan.handoff is not None:
             progress.usage.kv_transfer_backend = plan.session.transfer_backend
             return plan.handoff
         return await self._load_kv(plan, progress) if plan.session is not None else None
 
-    async def _load_kv(self, plan: _Plan, progress: _Progress) -> KvExport | None:
+    async def _load_kv(self, plan: _Plan, progress: Progress) -> KvExport | None:
         """The session's KV, or None to recompute the prompt here when the pull failed and the policy allows it."""
         try:
             with tracing.tracer().start_as_current_span("kv_pull", attributes={

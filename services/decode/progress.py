@@ -1,0 +1,40 @@
+"""A Decode stream's progress: engine outputs as stream messages, and the request's usage."""
+from __future__ import annotations
+
+import time
+
+from common.engine.request import FinishReason, RequestOutput
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+from services.convert import finish_reason_to_proto, logprob_to_proto
+
+
+class Progress:
+    """Turns engine outputs into stream messages and keeps the usage of this request."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.usage = common_pb2.Usage(prompt_tokens=num_prompt_tokens)
+        self.start = time.perf_counter()
+
+    def messages(self, out: RequestOutput) -> list[worker_pb2.DecodeServerMessage]:
+        messages = []
+        if out.new_token_ids:
+            if self.usage.completion_tokens == 0:
+                self.usage.ttft_ms = (time.perf_counter() - self.start) * 1000
+            self.usage.completion_tokens += len(out.new_token_ids)  # tokens generated here, not prefill's first
+            delta = common_pb2.Delta(token_ids=out.new_token_ids,
+                                     logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
+            messages.append(worker_pb2.DecodeServerMessage(request_id=self.request_id, delta=delta))
+        self.usage.cached_prompt_tokens = out.num_cached_tokens
+        if out.finished:
+            messages.append(self.finished(out))
+        return messages
+
+    def finished(self, out: RequestOutput | None = None) -> worker_pb2.DecodeServerMessage:
+        """The last message; without an output, the request was cancelled."""
+        self.usage.e2e_ms = (time.perf_counter() - self.start) * 1000
+        reason = out.finish_reason if out is not None else FinishReason.ABORT
+        finished = common_pb2.Finished(reason=finish_reason_to_proto(reason), usage=self.usage)
+        if reason is FinishReason.STOP and out.new_token_ids:  # workers stop on token ids; the router on strings
+            finished.matched_stop_token_id = out.new_token_ids[-1]
+        return worker_pb2.DecodeServerMessage(request_id=self.request_id, finished=finished)
