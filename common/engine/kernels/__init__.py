@@ -4,7 +4,8 @@
 - `silu_and_mul`: the MLP's activation over the fused gate ‖ up output;
 - `rope_store_kv`: per-head q/k norms (Qwen3), RoPE, and the K/V cache write in one kernel;
 - `norm_linear`, `silu_linear`, `linear`: a linear layer with the op before it; at one row on CUDA a Triton
-  GEMV with that op fused in (gemv.py), where it measured no slower than cuBLAS for the weight's shape.
+  GEMV with that op fused in (gemv.py), where it measured no slower, inside a CUDA graph, than the op's own
+  kernel followed by cuBLAS, for the weight's shape.
 A Triton kernel is used only for CUDA tensors with triton installed, so the CPU path never imports it.
 """
 from __future__ import annotations
@@ -34,8 +35,8 @@ def _gemv():
     return gemv
 
 
-def _gemv_applies(x: torch.Tensor, layer: nn.Linear) -> bool:
-    return _on_gpu(x) and x.dim() == 2 and x.shape[0] == 1 and _gemv().applies(x, layer.weight, layer.bias)
+def _gemv_applies(x: torch.Tensor, layer: nn.Linear, prologue: str | None = None) -> bool:
+    return _on_gpu(x) and x.dim() == 2 and x.shape[0] == 1 and _gemv().applies(x, layer.weight, layer.bias, prologue)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -76,7 +77,7 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                 layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); without a residual, (layer(norm(x)), x)."""
-    if residual is not None and _gemv_applies(x, layer):
+    if residual is not None and _gemv_applies(x, layer, "add_norm"):
         return _gemv().gemv(x, layer.weight, layer.bias, "add_norm", residual, (norm.weight, norm.eps))
     if residual is None:
         return linear(rms_norm(x, norm.weight, norm.eps), layer), x
@@ -86,7 +87,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
 
 def silu_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """layer(silu(gate) · up) of gate_up = gate ‖ up."""
-    if _gemv_applies(gate_up, layer):
+    if _gemv_applies(gate_up, layer, "silu_mul"):
         return _gemv().gemv(gate_up, layer.weight, layer.bias, "silu_mul")
     return layer(silu_and_mul(gate_up))
 

@@ -5,12 +5,20 @@ At one token a step every linear layer streams its weight once; what else costs 
 - `None`: x itself;
 - `"add_norm"`: RMSNorm(x + residual) · w_norm, writing x + residual out (the residual stream) as well;
 - `"silu_mul"`: silu(gate) · up of x = gate ‖ up (the MLP's activation before down_proj).
-Each program computes BLOCK_N outputs, streaming their weight rows in BLOCK_K chunks (16-byte loads).
-On an H100 it streamed the lm_head (32-row × 128 tiles) at 2.9 TB/s, ~cuBLAS, but lost to cuBLAS on the
-layer shapes (2–8-row × 512 tiles reduce across warps); `applies` picks per shape. Its timing is of
-launches from Python, so for small weights it compares launch costs, not GPU time (see the README).
+Each program computes BLOCK_N outputs, streaming their weight rows in BLOCK_K chunks into a 2-D float32
+accumulator that is reduced across the tile once, at the end (a reduction per chunk, as an earlier version
+did, cost more than the loads on the layer shapes).
+
+Whether it beats cuBLAS depends on the shape, so `applies` decides per (shape, prologue) by timing both the
+way a decode step runs them: inside a CUDA graph, back to back over rotating weight copies (so the L2 holds
+none of them), cuBLAS paying for its separate prologue kernel. `python -m tests.gpu.sweep_gemv` searches the
+tile configurations; `TUNED` holds what it found on an H100.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -18,25 +26,65 @@ import triton.language as tl
 
 from common.engine.kernels.triton_ops import _round
 
-K_MULTIPLE = 512  # every BLOCK_K below divides it
-_choices: dict[tuple[int, int, torch.dtype, bool], bool] = {}
-timings_us: dict[tuple[int, int, torch.dtype, bool], tuple[float, float]] = {}  # (this GEMV, cuBLAS), per shape
+PROLOGUES = {None: 0, "add_norm": 1, "silu_mul": 2}
 
 
-def _blocks(n: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): ~512-1024 programs, so that each SM has several loads in flight, and few re-reads of
-    the fused prologue's input; tiles of at most 4096 weights."""
-    block_n = min(32, max(2, triton.next_power_of_2(n // 768)))
-    return block_n, min(K_MULTIPLE, 4096 // block_n)
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """What `applies` measured for one (shape, prologue): µs per call inside a CUDA graph."""
+
+    config: GemvConfig
+    ours_us: float
+    cublas_us: float
+
+    @property
+    def uses_gemv(self) -> bool:
+        return self.ours_us <= self.cublas_us
+
+
+choices: dict[tuple, GemvChoice] = {}
+
+
+# The best tile of `python -m tests.gpu.sweep_gemv` on an H100 (bf16, in-graph µs next to cuBLAS with its
+# prologue kernel), for the Llama-3.2-1B and 3B shapes: (N, K) -> config.
+TUNED = {
+    (3072, 2048): GemvConfig(4, 1024, 4, 3),  # 1B qkv: 7.1 µs vs 8.6
+    (2048, 2048): GemvConfig(2, 1024, 4, 3),  # 1B o: 4.6 vs 6.4
+    (16384, 2048): GemvConfig(4, 1024, 8, 3),  # 1B gate_up: 26.1 vs 28.1
+    (2048, 8192): GemvConfig(8, 2048, 8, 3),  # 1B down: 13.2 vs 17.0
+    (128256, 2048): GemvConfig(2, 1024, 4, 3),  # 1B lm_head: 165.7 vs 189.3
+    (5120, 3072): GemvConfig(4, 512, 4, 3),  # 3B qkv: 13.5 vs 15.5
+    (3072, 3072): GemvConfig(4, 1024, 4, 3),  # 3B o: 8.1 vs 11.2
+    (16384, 3072): GemvConfig(2, 1024, 4, 3),  # 3B gate_up: 37.2 vs 39.5
+    (3072, 8192): GemvConfig(4, 1024, 2, 4),  # 3B down: 19.4 vs 22.9
+    (128256, 3072): GemvConfig(1, 1024, 4, 3),  # 3B lm_head: 247.7 vs 283.0
+}
+
+
+def config_for(n: int, k: int) -> GemvConfig:
+    """The tile for an N × K weight: the tuned one, else what the sweep favoured overall: few rows a program
+    (one for a vocabulary-sized N) and the longest chunk up to 1024 that divides K."""
+    if (n, k) in TUNED:
+        return TUNED[(n, k)]
+    block_k = next((b for b in (1024, 512, 256, 128) if k % b == 0), 128)
+    return GemvConfig(1 if n >= 65536 else 4, block_k, 4, 3)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N, eps, stride_wn, K: tl.constexpr,
-                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """PROLOGUE: 0 none, 1 add + RMSNorm, 2 silu-and-mul (x holds 2K values)."""
+def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N, K, eps, stride_wn,
+                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """PROLOGUE: 0 none, 1 add + RMSNorm, 2 silu-and-mul (x holds 2K values). K is a multiple of BLOCK_K."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
     k = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
     r = 1.0
@@ -48,7 +96,8 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N
                 tl.store(res_out_ptr + k0 + k, xs.to(dtype))
             sq += xs * xs
         r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
     for k0 in range(0, K, BLOCK_K):
         if PROLOGUE == 1:
             xs = _round(tl.load(x_ptr + k0 + k).to(tl.float32) + tl.load(res_ptr + k0 + k).to(tl.float32), dtype)
@@ -59,57 +108,103 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N
             xs = _round(_round(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
         else:
             xs = tl.load(x_ptr + k0 + k).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
+        if EVEN_N:  # the weight is read once: let it leave the cache first
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs + k0, mask=(n < N)[:, None], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xs[None, :]
+    out = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
-
-
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """One row on CUDA, K a multiple of the chunk (no masks on the stream), and this kernel measured no slower
-    than cuBLAS for this weight shape (measured once per shape, outside any CUDA-graph capture)."""
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda or weight.shape[1] % K_MULTIPLE or weight.stride(1) != 1:
-        return False
-    key = (*weight.shape, weight.dtype, bias is not None)
-    if key not in _choices:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        timings_us[key] = _measure(x, weight, bias)
-        _choices[key] = timings_us[key][0] <= timings_us[key][1] + 2.0  # a tie: the fused prologue saves a kernel
-    return _choices[key]
-
-
-def _time(fn, reps: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # microseconds
-
-
-def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float]:
-    """Microseconds of this GEMV and of cuBLAS on this shape."""
-    probe = torch.randn((1, weight.shape[1]), dtype=x.dtype, device=x.device)  # x may be gate ‖ up: 2K wide
-    return _time(lambda: gemv(probe, weight, bias)), _time(lambda: torch.nn.functional.linear(probe, weight, bias))
+        out += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, out.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str | None = None,
-         residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None):
+         residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+         config: GemvConfig | None = None):
     """y [1, N] = f(x) W^T + b; with prologue "add_norm" returns (y, x + residual)."""
     N, K = weight.shape
+    config = config or config_for(N, K)
     x = x.contiguous()
     y = torch.empty((1, N), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if prologue == "add_norm" else x
     norm_w, eps = norm if norm is not None else (x, 0.0)
-    code = {None: 0, "add_norm": 1, "silu_mul": 2}[prologue]
-    block_n, block_k = _blocks(N)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
+    _gemv_kernel[(triton.cdiv(N, config.block_n),)](
         x, residual if residual is not None else x, norm_w, res_out, weight, bias if bias is not None else weight, y,
-        N, eps, weight.stride(0), K=K, PROLOGUE=code, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4)
+        N, K, eps, weight.stride(0), PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None,
+        EVEN_N=N % config.block_n == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return (y, res_out) if prologue == "add_norm" else y
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> bool:
+    return x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and weight.stride(1) == 1 and \
+        weight.shape[1] % config.block_k == 0
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None = None) -> bool:
+    """One row on CUDA, K a multiple of the tile's chunk, and this kernel measured no slower than cuBLAS with
+    its separate prologue kernel, for this shape (measured once, outside any CUDA-graph capture)."""
+    config = config_for(*weight.shape)
+    if not fits(x, weight, config):
+        return False
+    key = (*weight.shape, weight.dtype, bias is not None, prologue)
+    if key not in choices:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        ours, theirs = compare(weight, bias, prologue, config)
+        choices[key] = GemvChoice(config, ours, theirs)
+    return choices[key].uses_gemv
+
+
+def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None,
+            config: GemvConfig) -> tuple[float, float]:
+    """µs per call, inside a CUDA graph, of this GEMV and of (the prologue as its own kernel +) cuBLAS."""
+    from common.engine.kernels import triton_ops
+
+    N, K = weight.shape
+    copies = weight_copies(weight)
+    biases = [bias] * len(copies)
+    dev, dt = weight.device, weight.dtype
+    x = torch.randn((1, 2 * K if prologue == "silu_mul" else K), dtype=dt, device=dev)
+    res, norm_w = torch.randn((1, K), dtype=dt, device=dev), torch.rand(K, dtype=dt, device=dev) + 0.5
+
+    def ours(i: int):
+        return gemv(x, copies[i], biases[i], prologue, res, (norm_w, 1e-5), config)
+
+    def cublas(i: int):
+        h = x
+        if prologue == "add_norm":
+            h, _ = triton_ops.add_rms_norm(x, res, norm_w, 1e-5)
+        elif prologue == "silu_mul":
+            h = triton_ops.silu_and_mul(x)
+        return torch.nn.functional.linear(h, copies[i], biases[i])
+
+    return graph_time_us(ours, len(copies)), graph_time_us(cublas, len(copies))
+
+
+def weight_copies(weight: torch.Tensor, l2_bytes: int = 128 << 20) -> list[torch.Tensor]:
+    """The weight and enough copies that cycling through them never finds one in the L2 (50 MB on an H100)."""
+    n = min(16, max(1, math.ceil(l2_bytes / (weight.numel() * weight.element_size()))))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
+
+
+def graph_time_us(fn: Callable[[int], object], calls: int, replays: int = 10) -> float:
+    """Mean µs of fn(i), i cycling over range(calls), captured back to back in one CUDA graph and replayed:
+    what a decode graph pays for it, launch gaps included."""
+    calls_in_graph = max(calls, 8)
+    fn(0)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_in_graph):
+            fn(i % calls)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls_in_graph)
