@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps without CUDA graphs")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="GPU: read each decode step's tokens before launching the next (default: launch ahead)")
     g.add_argument("--session-ttl", type=float, default=float(os.environ.get("DISAGG_SESSION_TTL", 60.0)),
                    help="seconds an exported KV session waits for its pull")
 
@@ -48,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
+        enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
     )
 
 
@@ -58,4 +62,6 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             out += [flag, str(value)]
-    return out + (["--no-prefix-caching"] if args.no_prefix_caching else [])
+    switches = (("--no-prefix-caching", args.no_prefix_caching), ("--enforce-eager", args.enforce_eager),
+                ("--no-async-scheduling", args.no_async_scheduling))
+    return out + [flag for flag, on in switches if on]

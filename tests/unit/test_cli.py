@@ -79,6 +79,20 @@ def test_up_takes_kv_aware_and_the_workers_engine_flags():
     assert again.no_prefix_caching and engine_argv(again) == forwarded
 
 
+def test_the_gpu_step_switches_reach_the_engine_config_and_the_workers():
+    from services.engine_flags import engine_config_from_args
+
+    args = parse_args(["--enforce-eager", "--no-async-scheduling", "--model", "default"])
+    worker = argparse.ArgumentParser()
+    add_engine_args(worker)
+    again = worker.parse_args(engine_argv(args))
+    assert again.enforce_eager and again.no_async_scheduling
+    config = engine_config_from_args(again)
+    assert config.enforce_eager and config.async_scheduling is False
+    default = engine_config_from_args(worker.parse_args(["--model", "default"]))
+    assert not default.enforce_eager and default.async_scheduling is None  # on where CUDA graphs run
+
+
 def _up(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services", "up", *flags], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120)
