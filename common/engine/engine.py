@@ -191,7 +191,7 @@ class LLMEngine:
             return None
         rows = [i for i in live if (r := launched.sampled[i]).request_type is not RequestType.CONTEXT_ONLY
                 # a context_only request's blocks become a session after this step
-                and r.num_tokens + 1 < self._stop_rules[r.request_id].max_total_tokens]
+                and r.num_tokens + 1 < r.max_total_tokens]
         if not rows:
             return None
         for i in rows:

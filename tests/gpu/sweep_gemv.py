@@ -16,6 +16,7 @@ import time
 import torch
 
 from common.engine.kernels import gemv as G
+from tests.bench.gpu_engine_vs_hf import hbm_bandwidth
 
 SHAPES = [  # (name, N, K, prologue)
     ("1b.qkv", 3072, 2048, "add_norm"), ("1b.o", 2048, 2048, None), ("1b.gate_up", 16384, 2048, "add_norm"),
@@ -23,18 +24,6 @@ SHAPES = [  # (name, N, K, prologue)
     ("3b.qkv", 5120, 3072, "add_norm"), ("3b.o", 3072, 3072, None), ("3b.gate_up", 16384, 3072, "add_norm"),
     ("3b.down", 3072, 8192, "silu_mul"), ("3b.lm_head", 128256, 3072, None),
 ]
-
-
-def hbm_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - t)
 
 
 def grid(k: int, stage: int, best: list[G.GemvConfig]) -> list[G.GemvConfig]:

@@ -129,16 +129,23 @@ def test_requests_arriving_mid_pipeline_match_hf(make_engine, tiny_llama):
 
 
 def test_sampled_and_logprob_rows_run_synchronously(make_engine, tiny_llama):
-    """Only plain greedy rows keep their tokens on the device; a batch with any other row samples at once."""
-    engine = make_engine(tiny_llama, True)
-    prompts = _prompts([5, 8], seed=2)
-    engine.add_request("greedy", prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.add_request("lp", prompts[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                         logprobs=True))
-    got = _run_all(engine)
-    assert engine.ahead_launches == 0
-    assert got["greedy"] == hf_greedy(tiny_llama, prompts[0], 8)[0]
-    assert got["lp"] == hf_greedy(tiny_llama, prompts[1], 8)[0]
+    """Only plain greedy rows keep their tokens on the device; a batch with a sampled or a logprob row samples at
+    once, never goes ahead, and draws what the synchronous engine draws."""
+    prompts = _prompts([5, 8, 6], seed=2)
+    samplings = {"greedy": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 "lp": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True),
+                 "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)}
+    got = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_llama, async_scheduling)
+        for (rid, sampling), prompt in zip(samplings.items(), prompts):
+            engine.add_request(rid, prompt, sampling)
+        got[async_scheduling] = _run_all(engine)
+        assert engine.ahead_launches == 0
+        assert _all_blocks_free(engine)
+    assert got[True] == got[False]
+    assert got[True]["greedy"] == hf_greedy(tiny_llama, prompts[0], 8)[0]
+    assert got[True]["lp"] == hf_greedy(tiny_llama, prompts[1], 8)[0]
 
 
 def test_context_only_sessions_are_never_written_ahead(make_engine, tiny_llama):

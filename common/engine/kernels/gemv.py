@@ -41,9 +41,8 @@ class GemvConfig:
 
 @dataclass(frozen=True)
 class GemvChoice:
-    """What `applies` measured for one (shape, prologue): µs per call inside a CUDA graph."""
+    """What `applies` measured for one (shape, prologue), with `config_for`'s tile: µs per call inside a CUDA graph."""
 
-    config: GemvConfig
     ours_us: float
     cublas_us: float
 
@@ -152,7 +151,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         if torch.cuda.is_current_stream_capturing():
             return False
         ours, theirs = compare(weight, bias, prologue, config)
-        choices[key] = GemvChoice(config, ours, theirs)
+        choices[key] = GemvChoice(ours, theirs)
     return choices[key].uses_gemv
 
 
@@ -163,13 +162,12 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
 
     N, K = weight.shape
     copies = weight_copies(weight)
-    biases = [bias] * len(copies)
     dev, dt = weight.device, weight.dtype
     x = torch.randn((1, 2 * K if prologue == "silu_mul" else K), dtype=dt, device=dev)
     res, norm_w = torch.randn((1, K), dtype=dt, device=dev), torch.rand(K, dtype=dt, device=dev) + 0.5
 
     def ours(i: int):
-        return gemv(x, copies[i], biases[i], prologue, res, (norm_w, 1e-5), config)
+        return gemv(x, copies[i], bias, prologue, res, (norm_w, 1e-5), config)
 
     def cublas(i: int):
         h = x
@@ -177,7 +175,7 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
             h, _ = triton_ops.add_rms_norm(x, res, norm_w, 1e-5)
         elif prologue == "silu_mul":
             h = triton_ops.silu_and_mul(x)
-        return torch.nn.functional.linear(h, copies[i], biases[i])
+        return torch.nn.functional.linear(h, copies[i], bias)
 
     return graph_time_us(ours, len(copies)), graph_time_us(cublas, len(copies))
 
