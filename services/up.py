@@ -18,12 +18,12 @@ import time
 from common import tls
 from common.errors import InvalidConfig
 from services.engine_flags import add_engine_args, engine_argv, engine_config_from_args
-from services.router.config import DEFAULT_PORT, POLICY_NAMES
+from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, POLICY_NAMES
 from services.supervise import Child, log, stop_all, wait_ready
 
 
-def check_port_free(host: str, port: int) -> str | None:
-    """None if host:port can be bound now, else a one-line reason naming --router-port."""
+def check_port_free(host: str, port: int, flag: str = "--router-port") -> str | None:
+    """None if host:port can be bound now, else a one-line reason naming the flag."""
     if port == 0:
         return None
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
@@ -31,7 +31,8 @@ def check_port_free(host: str, port: int) -> str | None:
             sock.bind((host, port))
         except OSError as exc:
             what = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-            return f"{host}:{port} {what}; choose another port with --router-port (0 picks a free one)"
+            hint = "0 picks a free one" if flag == "--router-port" else "0 turns it off"
+            return f"{host}:{port} {what}; choose another port with {flag} ({hint})"
     return None
 
 
@@ -45,7 +46,8 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        router_args = ["--host", args.host, "--port", str(args.router_port), "--model", args.model or "default",
+        router_args = ["--host", args.host, "--port", str(args.router_port), "--http-port", str(args.http_port),
+                       "--model", args.model or "default",
                        "--decode-workers", addresses["decode"], "--policy", args.policy,
                        "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
                        "--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
@@ -60,18 +62,23 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
     return children
 
 
-def _banner(children: list[Child]) -> str:
+def _banner(children: list[Child], host: str, http_port: int) -> str:
     router = children[0].address
     workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)" for c in children[1:])
+    http = f"http://{host}:{http_port}" if http_port else None
+    http_lines = (f"""  curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{{"messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
+""" if http else "")
     return f"""
-disagg is up: router on {router}
+disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inference.GRPCInferenceService)
+{f"  OpenAI-compatible HTTP on {http}/v1" if http else "  OpenAI-compatible HTTP off (--http-port 0)"}
 {workers}
 
   disagg generate "Tell me about the sea" --router {router}
   grpcurl -plaintext {router} list
   grpcurl -plaintext -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate
-
+{http_lines}
 A process that dies is restarted. Ctrl-C stops everything.
 """
 
@@ -85,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--router-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help=f"the router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; 0 turns it off)")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated on decode)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--policy", default="round_robin", choices=POLICY_NAMES)
@@ -104,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def preflight(args: argparse.Namespace) -> str | None:
     """What would stop the cluster, found before any process loads a model: one line, or None."""
-    busy = check_port_free(args.host, args.router_port)
+    busy = check_port_free(args.host, args.router_port) or check_port_free(args.host, args.http_port, "--http-port")
     if busy:
         return busy
     try:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     children: list[Child] = []
     try:
         children = start_cluster(args)
-        print(_banner(children), flush=True)
+        print(_banner(children, args.host, args.http_port), flush=True)
         while True:
             now = time.monotonic()
             for child in children:

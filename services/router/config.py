@@ -10,6 +10,7 @@ from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's OpenAI server port, where OpenAI clients are usually pointed
 # The names services.router.policies implements; spelled out here so that clients and `disagg up`, which
 # import this module, load no torch (a unit test keeps the two in step).
 POLICY_NAMES = ("round_robin", "least_loaded", "kv_aware")
@@ -21,6 +22,8 @@ class RouterConfig:
     """Model directory whose tokenizer (and config.json) the router uses; workers serve the weights."""
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    http_port: int = DEFAULT_HTTP_PORT
+    """OpenAI-compatible HTTP (frontends/openai.py); 0 turns it off."""
     model_name: str | None = None
     """The name clients put in GenerateRequest.model; by default what the decode workers announce."""
     policy: str = "round_robin"
@@ -44,6 +47,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}"),
+            (0 <= self.http_port < 65536, f"--http-port must be in [0, 65535] (0 turns HTTP off), got {self.http_port}"),
             (self.policy in POLICY_NAMES, f"--policy must be one of {list(POLICY_NAMES)}, got {self.policy!r}"),
             (self.min_remote_prefill_tokens >= 0,
              f"--min-remote-prefill-tokens must be >= 0, got {self.min_remote_prefill_tokens}"),
@@ -68,6 +72,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("DISAGG_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_ROUTER_PORT", DEFAULT_PORT)),
                         help="0 picks a free port (env DISAGG_ROUTER_PORT)")
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", DEFAULT_HTTP_PORT)),
+                        help=f"OpenAI-compatible HTTP (/v1/chat/completions, ...; default {DEFAULT_HTTP_PORT}); "
+                             "0 turns it off (env DISAGG_HTTP_PORT)")
     parser.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                         help="model directory or 'default' (SmolLM2-135M-Instruct), for the tokenizer (env DISAGG_MODEL)")
     parser.add_argument("--model-name", default=None, help="the model's name for clients (default: the workers')")
@@ -103,7 +110,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model=str(resolve_model(args.model)), host=args.host, port=args.port, model_name=args.model_name, policy=args.policy,
+        model=str(resolve_model(args.model)), host=args.host, port=args.port, http_port=args.http_port,
+        model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
         max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,

@@ -16,13 +16,15 @@ import grpc
 from opentelemetry import trace
 
 from common.errors import Unavailable
+from common.kv.backends import name_of
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
-from services.convert import worker_stop_conditions
+from services.convert import sampling_to_proto, worker_stop_conditions
 from services.router.deadline import Deadline
+from services.router.generation import Event, FinishReason
 from services.router.handoff import KvSession
 from services.router.prepare import PreparedRequest
-from services.router.streaming import Response, ResponseBuilder
+from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 # How long a decode worker may take to confirm a cancel (its blocks are free when it does).
 _CANCEL_ACK_TIMEOUT_S = 5.0
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-_STOP = common_pb2.FINISH_REASON_STOP
+_FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP, common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+                   common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED}
 
 
 class DecodeStream:
@@ -42,7 +45,7 @@ class DecodeStream:
 
     async def run(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                   start: worker_pb2.DecodeStart, deadline: Deadline,
-                  session: KvSession | None = None) -> AsyncIterator[Response]:
+                  session: KvSession | None = None) -> AsyncIterator[Event]:
         """Stream from a decode worker; if it is lost mid-stream, migrate (up to --migration-limit times)
         to another decode worker, which continues from the prompt and the tokens delivered so far."""
         for migration in itertools.count():
@@ -63,7 +66,7 @@ class DecodeStream:
 
     async def _on(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                   start: worker_pb2.DecodeStart, deadline: Deadline,
-                  session: KvSession | None) -> AsyncIterator[Response]:
+                  session: KvSession | None) -> AsyncIterator[Event]:
         handoff = start.HasField("session")
         span = tracing.tracer().start_span("decode", attributes={
             "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})
@@ -88,7 +91,7 @@ class DecodeStream:
                     finished = await _cancelled(call)
                     if finished is not None:
                         _record_usage(finished, handoff, out)
-                    for response in out.finish(_STOP):
+                    for response in out.finish(FinishReason.STOP):
                         yield response
                     return
             raise Unavailable(f"decode worker {worker.endpoint} ended request {req.request_id} without finishing it, "
@@ -107,8 +110,9 @@ class DecodeStream:
 
 
 def aggregated_start(req: PreparedRequest) -> worker_pb2.DecodeStart:
-    return worker_pb2.DecodeStart(request_id=req.worker_request_id, token_ids=req.prompt, sampling=req.sampling,
-                                  stop=worker_stop_conditions(req.stop), output=req.output)
+    sampling, stop, output = sampling_to_proto(req.params)
+    return worker_pb2.DecodeStart(request_id=req.worker_request_id, token_ids=req.prompt, sampling=sampling,
+                                  stop=worker_stop_conditions(stop), output=output)
 
 
 def handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.KvSessionRef) -> worker_pb2.DecodeStart:
@@ -124,23 +128,24 @@ def continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb2
     another decode worker after a migration. Greedy output is the same; a seeded sampler's stream restarts."""
     start = aggregated_start(req)
     start.token_ids.extend(generated)
-    if req.sampling.HasField("max_tokens"):
-        start.sampling.max_tokens = req.sampling.max_tokens - len(generated)
+    if req.params.max_tokens is not None:
+        start.sampling.max_tokens = req.params.max_tokens - len(generated)
     return start
 
 
-def _worker_finished(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> list[Response]:
+def _worker_finished(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> list[Event]:
     _record_usage(finished, handoff, out)
     stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
-    return out.finish(finished.reason, stop_id)
+    return out.finish(_FINISH_REASONS.get(finished.reason, FinishReason.STOP), stop_id)
 
 
 def _record_usage(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> None:
     if not handoff:
         out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
     else:  # how the KV came to decode, for the client's Finished.usage
-        out.kv_transfer = (finished.usage.kv_transfer_backend, finished.usage.kv_transfer_bytes,
-                           finished.usage.kv_transfer_ms)
+        usage = finished.usage
+        backend = name_of(usage.kv_transfer_backend) if usage.kv_transfer_backend else ""
+        out.kv_transfer = (backend, usage.kv_transfer_bytes, usage.kv_transfer_ms)
 
 
 async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | None:

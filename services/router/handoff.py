@@ -20,12 +20,14 @@ from typing import Callable
 
 import grpc
 
-from common.engine.request import FinishReason
+from common.engine.request import FinishReason as EngineFinish
 from common.engine.stopping import StopRule
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
+from services.convert import sampling_to_proto
 from services.router.deadline import Deadline
+from services.router.generation import FinishReason, ImageInput
 from services.router.policies import KvAware, Policy
 from services.router.prepare import PreparedRequest
 from services.router.streaming import ResponseBuilder
@@ -34,7 +36,6 @@ from services.router.workers import WorkerClient, WorkerPool
 log = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 5.0
-_STOP, _LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
 class Releaser:
@@ -128,7 +129,8 @@ class Handoff:
 
     async def encode(self, worker: WorkerClient, req: PreparedRequest,
                      deadline: Deadline) -> list[common_pb2.EmbeddingRef]:
-        request = worker_pb2.EncodeRequest(request_id=req.worker_request_id, images=req.images)
+        request = worker_pb2.EncodeRequest(request_id=req.worker_request_id,
+                                           images=[image_to_proto(image) for image in req.images])
         call = worker.encoder.Encode(request, timeout=deadline.remaining_s())
         with tracing.tracer().start_as_current_span("encode", attributes={
                 "disagg.worker": worker.endpoint, "disagg.images": len(req.images)}):
@@ -147,8 +149,9 @@ class Handoff:
     async def prefill(self, worker: WorkerClient, req: PreparedRequest, deadline: Deadline,
                       embeddings: list[common_pb2.EmbeddingRef] = ()) -> PrefillReady | None:
         """Prefill's answer, or None when the worker is unreachable (the caller runs aggregated)."""
+        sampling, _, output = sampling_to_proto(req.params)
         request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
-                                            sampling=req.sampling, output=req.output, embeddings=embeddings)
+                                            sampling=sampling, output=output, embeddings=embeddings)
         predicted = self._policy.cached_tokens(worker, req.prompt) if isinstance(self._policy, KvAware) else None
         with tracing.tracer().start_as_current_span("prefill", attributes={
                 "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
@@ -192,12 +195,22 @@ class Handoff:
 
 
 def first_token_ends(req: PreparedRequest, out: ResponseBuilder, token: int,
-                     eos_token_ids: list[int]) -> tuple[int, int | None] | None:
+                     eos_token_ids: list[int]) -> tuple[FinishReason, int | None] | None:
     """(reason, matched stop token id) when the token prefill sampled already ends the request."""
     if out.stopped:
-        return _STOP, None
+        return FinishReason.STOP, None
     rule = StopRule.of(req.params, eos_token_ids, len(req.prompt), req.max_model_len)
     reason = rule.check(token, len(req.prompt) + 1)
-    if reason is FinishReason.STOP:
-        return _STOP, token
-    return None if reason is None else (_LENGTH, None)
+    if reason is EngineFinish.STOP:
+        return FinishReason.STOP, token
+    return None if reason is None else (FinishReason.LENGTH, None)
+
+
+def image_to_proto(image: ImageInput) -> common_pb2.Image:
+    if image.data is not None:
+        return common_pb2.Image(data=image.data)
+    if image.data_url is not None:
+        return common_pb2.Image(data_url=image.data_url)
+    if image.path is not None:
+        return common_pb2.Image(path=image.path)
+    return common_pb2.Image()  # no source: the encode worker says so

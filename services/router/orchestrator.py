@@ -18,7 +18,6 @@ import grpc
 
 from common.discovery import Role
 from common.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
-from common.pb.disagg.v1 import generation_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
 from services.router.config import RouterConfig
@@ -27,9 +26,11 @@ from services.router.decode_stream import DecodeStream, aggregated_start, contin
 from services.router.disagg_decision import DisaggConfig, PrefillPlacement
 from services.router.handoff import Handoff, PrefillReady, first_token_ends
 from services.router.policies import KvAware, KvAwareWeights, make_policy
-from services.router.prepare import PreparedRequest, RequestPreparer, ServedModel
-from services.router.streaming import Response, ResponseBuilder
+from services.router.generation import Event, GenerationRequest, ServedModel
+from services.router.prepare import PreparedRequest, RequestPreparer
+from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
+from services.serving import status_of
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +65,42 @@ class Orchestrator:
         model = self._pool.model()
         if model is None:
             raise Unavailable("no decode worker is ready; the router cannot serve yet")
-        return ServedModel(self._config.model_name or model.name, model.max_model_len)
+        image_tokens = self._preparer.image_tokens
+        return ServedModel(self._config.model_name or model.name, model.max_model_len,
+                           image_token=image_tokens.token if image_tokens is not None else None)
+
+    def ready(self) -> bool:
+        """Serving: every discovered worker has been heard from, a decode worker is ready, not draining."""
+        return self._pool.settled and bool(self._pool.ready(Role.DECODE)) and not self.draining
+
+    def rejected(self, exc: BaseException) -> None:
+        """A request a front door refused before the core saw it (bad JSON, a bad sampling value) still counts
+        in disagg_requests_total under its status."""
+        self.response("").close(status_of(exc))
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, request: generation_pb2.GenerateRequest, out: ResponseBuilder,
-                       rpc_time_remaining_s: float | None = None) -> AsyncIterator[Response]:
+    async def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]:
+        """What a front door calls: TextDelta events then one Finished (STOP or LENGTH). Failures raise the
+        typed error (common.errors) or a worker's AioRpcError; leaving early cancels the request, frees its KV on
+        every worker and counts it as CANCELLED."""
+        out = self.response(request.request_id)
+        try:
+            async with contextlib.aclosing(self.generate(request, out, timeout_s)) as events:
+                async for event in events:
+                    yield event
+        except Exception as exc:
+            out.close(status_of(exc))
+            raise
+        finally:
+            out.close(grpc.StatusCode.CANCELLED)  # a no-op after an outcome: only a consumer that left gets here first
+
+    async def generate(self, request: GenerationRequest, out: ResponseBuilder,
+                       rpc_time_remaining_s: float | None = None) -> AsyncIterator[Event]:
         """Deltas then one Finished; raises the typed error (or the worker's AioRpcError) on failure.
 
-        The request's deadline (GenerateRequest.timeout_ms, or the RPC's if earlier) goes with every
+        The request's deadline (GenerationRequest.timeout_ms, or the RPC's if earlier) goes with every
         worker call as its gRPC deadline, so a worker cancels the request (freeing its blocks) when it passes.
         """
         deadline = Deadline.of(request.timeout_ms, rpc_time_remaining_s)
@@ -81,8 +108,7 @@ class Orchestrator:
             model = self.served_model()
             loop = asyncio.get_running_loop()
             with tracing.tracer().start_as_current_span("tokenize") as span:
-                prepared = await loop.run_in_executor(self._tokenize, self._preparer.prepare, request,
-                                                      out.request_id, model)
+                prepared = await loop.run_in_executor(self._tokenize, self._preparer.prepare, request, model)
                 span.set_attribute("disagg.prompt_tokens", len(prepared.prompt))
             out.bind(prepared)
             try:
@@ -109,7 +135,7 @@ class Orchestrator:
         finally:
             self.inflight -= 1
 
-    async def _run(self, req: PreparedRequest, out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
+    async def _run(self, req: PreparedRequest, out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         decode = await self._pick(Role.DECODE)
         if decode is None:
             raise Unavailable("no decode worker is available")
@@ -130,7 +156,7 @@ class Orchestrator:
         return await self._policies[role].pick(workers, prompt) if workers else None
 
     async def _disaggregated(self, prefill: WorkerClient, decode: WorkerClient, req: PreparedRequest,
-                             out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
+                             out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         ready = await self._handoff.prefill(prefill, req, deadline)
         if ready is None:
             flow = self._decode.run(decode, req, out, aggregated_start(req), deadline)
@@ -141,7 +167,7 @@ class Orchestrator:
                 yield response
 
     async def _with_images(self, prefill: WorkerClient | None, decode: WorkerClient, req: PreparedRequest,
-                           out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
+                           out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         """encode → prefill (pulls and releases the embeddings) → decode with the KV session; without a
         prefill worker (or below --min-remote-prefill-tokens) the decode worker pulls them and runs aggregated."""
         encoder = await self._pick(Role.ENCODE)
@@ -167,7 +193,7 @@ class Orchestrator:
                 self._handoff.releaser.embeddings(refs)
 
     async def _after_prefill(self, ready: PrefillReady, decode: WorkerClient, req: PreparedRequest,
-                             out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Response]:
+                             out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         """The first token prefill sampled, then decode with its KV session (released on every other path)."""
         with ready.session as session:
             out.cached_prompt_tokens = ready.response.cached_tokens

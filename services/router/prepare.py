@@ -1,4 +1,4 @@
-"""GenerateRequest → a validated, tokenised request, before any worker is touched."""
+"""GenerationRequest → a validated, tokenised request, before any worker is touched."""
 from __future__ import annotations
 
 import secrets
@@ -6,11 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.engine.request import SamplingParams
-from common.tokenizer import Tokenizer, load_tokenizer
 from common.errors import InvalidRequest, NotFound
 from common.model_facts import ModelFacts, load_model_facts
-from common.pb.disagg.v1 import common_pb2, generation_pb2
-from services.convert import sampling_from_proto
+from common.tokenizer import Tokenizer, load_tokenizer
+from services.router.generation import GenerationRequest, ImageInput, ServedModel
 from services.router.images import ImageTokens
 
 
@@ -22,14 +21,6 @@ def _image_tokens(facts: ModelFacts, tokenizer: Tokenizer | None) -> ImageTokens
 
 
 @dataclass(frozen=True)
-class ServedModel:
-    """The model as the workers announce it (GetInfo)."""
-
-    name: str
-    max_model_len: int
-
-
-@dataclass(frozen=True)
 class PreparedRequest:
     request_id: str
     # Unique towards the workers: two clients may both call their request "r1".
@@ -37,10 +28,8 @@ class PreparedRequest:
     prompt: list[int]
     max_model_len: int
     params: SamplingParams
-    sampling: common_pb2.SamplingParams
-    stop: common_pb2.StopConditions
-    output: common_pb2.OutputOptions
-    images: tuple[common_pb2.Image, ...] = ()
+    echo_prompt_token_ids: bool = False
+    images: tuple[ImageInput, ...] = ()
 
 
 class RequestPreparer:
@@ -53,15 +42,14 @@ class RequestPreparer:
     def from_model_dir(cls, model_dir: str | Path) -> "RequestPreparer":
         return cls(load_tokenizer(str(model_dir)), load_model_facts(model_dir))
 
-    def prepare(self, request: generation_pb2.GenerateRequest, request_id: str,
-                model: ServedModel) -> PreparedRequest:
+    def prepare(self, request: GenerationRequest, model: ServedModel) -> PreparedRequest:
         """Raises NotFound (unknown model) or InvalidRequest (what was wrong and which limit applies)."""
         if request.model and request.model != model.name:
             raise NotFound(f"unknown model {request.model!r}; this router serves {model.name!r} "
                            "(or leave model empty for the default)")
         if request.images and self.image_tokens is None:
             raise InvalidRequest(f"model {model.name!r} does not accept images")
-        params = sampling_from_proto(request.sampling, request.stop, request.output)
+        params = request.params
         bad_stops = [t for t in params.stop_token_ids if t >= self.facts.vocab_size]
         if bad_stops:  # the engine would never match them; say so instead of silently ignoring
             raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {self.facts.vocab_size}): {bad_stops[:5]}")
@@ -77,23 +65,25 @@ class RequestPreparer:
             # client mistake, and on a long context it would run until the client's deadline.
             raise InvalidRequest(f"max_tokens={params.max_tokens} with a {len(prompt)}-token prompt exceeds the "
                                  f"model's context of {model.max_model_len} tokens; ask for at most {room}")
-        return PreparedRequest(request_id=request_id, worker_request_id=f"{request_id}-{secrets.token_hex(4)}",
+        return PreparedRequest(request_id=request.request_id,
+                               worker_request_id=f"{request.request_id}-{secrets.token_hex(4)}",
                                prompt=prompt, max_model_len=model.max_model_len, params=params,
-                               sampling=request.sampling, stop=request.stop, output=request.output,
-                               images=tuple(request.images))
+                               echo_prompt_token_ids=request.echo_prompt_token_ids, images=tuple(request.images))
 
-    def _tokens(self, request: generation_pb2.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("input")
-        if kind is None:
-            raise InvalidRequest("the request has no input; set one of prompt, token_ids or chat")
-        if kind == "token_ids":
-            return self._checked_ids(list(request.token_ids.ids))
-        tokenizer = self._require_tokenizer(kind)
-        if kind == "prompt":
+    def _tokens(self, request: GenerationRequest) -> list[int]:
+        inputs = [name for name in ("prompt", "token_ids", "messages") if getattr(request, name) is not None]
+        if len(inputs) != 1:
+            raise InvalidRequest("the request has no input; set one of prompt, token_ids or chat" if not inputs
+                                 else f"the request sets {' and '.join(inputs)}; set exactly one")
+        if request.token_ids is not None:
+            return self._checked_ids(list(request.token_ids))
+        if request.prompt is not None:
+            tokenizer = self._require_tokenizer("prompt")
             if not request.prompt:
                 raise InvalidRequest("prompt is empty")
             return tokenizer.encode(self._marked(request.prompt, len(request.images)))
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        tokenizer = self._require_tokenizer("chat")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
         for i, message in enumerate(messages):
             if not message["role"]:  # the template would render a turn nobody said
                 raise InvalidRequest(f"chat: messages[{i}] needs a role (system, user, assistant, ...)")
@@ -112,7 +102,7 @@ class RequestPreparer:
     def _checked_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise InvalidRequest("token_ids is empty")
-        bad = [t for t in ids if t >= self.facts.vocab_size]
+        bad = [t for t in ids if t < 0 or t >= self.facts.vocab_size]
         if bad:
             raise InvalidRequest(f"token ids outside the vocabulary [0, {self.facts.vocab_size}): {bad[:5]}")
         return ids

@@ -32,6 +32,7 @@ from common.tls import tls_from_args
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING_LINE = re.compile(r"^disagg-(?P<role>[\w-]+) serving on (?P<address>\S+)$")
 METRICS_LINE = re.compile(r"^disagg-[\w-]+ metrics on http://(?P<address>\S+)/metrics$")
+HTTP_LINE = re.compile(r"^disagg-router OpenAI-compatible HTTP on (?P<url>http://\S+)/v1$")
 DEFAULT_START_TIMEOUT_S = 120.0
 
 
@@ -52,7 +53,9 @@ class ServiceProcess:
     @classmethod
     def spawn(cls, role: str, *args: str, env: Mapping[str, str] | None = None) -> "ServiceProcess":
         """Start the process without waiting; call `wait_ready` (and always `stop`)."""
-        command = [sys.executable, "-m", f"services.{role}", "--port", "0", *args]
+        # A router serves no HTTP unless the test asks (--http-port later in args wins): tests start many routers.
+        http_off = ("--http-port", "0") if role == "router" else ()
+        command = [sys.executable, "-m", f"services.{role}", "--port", "0", *http_off, *args]
         full_env = {**os.environ, **(env or {})}
         popen = subprocess.Popen(command, cwd=REPO_ROOT, env=full_env, text=True,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -87,6 +90,15 @@ class ServiceProcess:
             match = METRICS_LINE.match(line.strip())
             if match:
                 return match["address"]
+        return None
+
+    @property
+    def http_url(self) -> str | None:
+        """http://host:port of a router's OpenAI-compatible front door, from its log (None: HTTP off)."""
+        for line in self._lines:
+            match = HTTP_LINE.match(line.strip())
+            if match:
+                return match["url"]
         return None
 
     def log(self) -> str:

@@ -33,7 +33,8 @@ class Up:
     """`disagg up` as a child process; its output is collected for the banner and for failures."""
 
     def __init__(self, *args: str):
-        self.popen = subprocess.Popen([sys.executable, "-m", "services", "up", *args], cwd=REPO_ROOT,
+        # No HTTP front door unless a test asks (a later --http-port wins): port 8000 may be taken.
+        self.popen = subprocess.Popen([sys.executable, "-m", "services", "up", "--http-port", "0", *args], cwd=REPO_ROOT,
                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: list[str] = []
         self.router: str | None = None

@@ -61,7 +61,9 @@ def test_only_blocks_covering_an_image_carry_its_hash():
 
 def test_router_expands_placeholders_for_prompt_chat_and_token_ids(tmp_path):
     from common.pb.disagg.v1 import common_pb2, generation_pb2
-    from services.router.prepare import RequestPreparer, ServedModel
+    from services.router.frontends.grpc_convert import request_from_proto
+    from services.router.generation import ServedModel
+    from services.router.prepare import RequestPreparer
     from tests.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
 
     preparer = RequestPreparer.from_model_dir(make_tiny_llava(tmp_path / "llava"))
@@ -74,8 +76,7 @@ def test_router_expands_placeholders_for_prompt_chat_and_token_ids(tmp_path):
                 generation_pb2.GenerateRequest(chat=chat, images=image),
                 generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, image_id, 6]), images=image)]
     for request in requests:
-        prepared = preparer.prepare(request, "r", model)
+        prepared = preparer.prepare(request_from_proto(request, "r"), model)
         assert prepared.prompt.count(image_id) == NUM_IMAGE_TOKENS and len(prepared.images) == 1, request
     with pytest.raises(InvalidRequest, match="0 image placeholders"):
-        preparer.prepare(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, 6]), images=image),
-                         "r", model)
+        preparer.prepare(request_from_proto(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5, 6]), images=image), "r"), model)

@@ -4,7 +4,9 @@ import pytest
 from common.engine.default_model import default_model_dir
 from common.errors import InvalidRequest
 from common.pb.disagg.v1 import common_pb2, generation_pb2
-from services.router.prepare import RequestPreparer, ServedModel
+from services.router.frontends.grpc_convert import request_from_proto
+from services.router.generation import ServedModel
+from services.router.prepare import RequestPreparer
 
 MODEL = ServedModel(name="SmolLM2-135M-Instruct", max_model_len=64)
 
@@ -16,8 +18,8 @@ def preparer() -> RequestPreparer:
 
 def _prepare(preparer, max_tokens: int | None):
     sampling = common_pb2.SamplingParams() if max_tokens is None else common_pb2.SamplingParams(max_tokens=max_tokens)
-    return preparer.prepare(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1] * 10),
-                                                           sampling=sampling), "r", MODEL)
+    return preparer.prepare(request_from_proto(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1] * 10),
+                                                           sampling=sampling), "r"), MODEL)
 
 
 def test_max_tokens_beyond_the_context_is_invalid_argument_naming_the_room_left(preparer):

@@ -5,7 +5,9 @@ from common.engine.default_model import default_model_dir
 from common.errors import InvalidRequest, NotFound
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from common.model_facts import ModelFacts
-from services.router.prepare import RequestPreparer, ServedModel
+from services.router.frontends.grpc_convert import request_from_proto
+from services.router.generation import ServedModel
+from services.router.prepare import RequestPreparer
 
 MODEL = ServedModel(name="SmolLM2-135M-Instruct", max_model_len=64)
 
@@ -21,17 +23,17 @@ def _request(**kwargs) -> generation_pb2.GenerateRequest:
 
 def test_prompt_chat_and_token_ids_become_token_ids(preparer):
     tok = preparer.tokenizer
-    assert preparer.prepare(_request(prompt="The sea"), "r", MODEL).prompt == tok.encode("The sea")
+    assert preparer.prepare(request_from_proto(_request(prompt="The sea"), "r"), MODEL).prompt == tok.encode("The sea")
     chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="hi")])
-    assert preparer.prepare(_request(chat=chat), "r", MODEL).prompt == tok.apply_chat_template(
+    assert preparer.prepare(request_from_proto(_request(chat=chat), "r"), MODEL).prompt == tok.apply_chat_template(
         [{"role": "user", "content": "hi"}])
     ids = generation_pb2.TokenIds(ids=[1, 2, 3])
-    assert preparer.prepare(_request(token_ids=ids), "r", MODEL).prompt == [1, 2, 3]
+    assert preparer.prepare(request_from_proto(_request(token_ids=ids), "r"), MODEL).prompt == [1, 2, 3]
 
 
 def test_worker_request_ids_are_unique_per_call(preparer):
-    a = preparer.prepare(_request(prompt="x"), "r1", MODEL)
-    b = preparer.prepare(_request(prompt="x"), "r1", MODEL)
+    a = preparer.prepare(request_from_proto(_request(prompt="x"), "r1"), MODEL)
+    b = preparer.prepare(request_from_proto(_request(prompt="x"), "r1"), MODEL)
     assert a.request_id == b.request_id == "r1" and a.worker_request_id != b.worker_request_id
 
 
@@ -56,13 +58,13 @@ def test_model_facts_read_eos_and_vocab(preparer):
 ])
 def test_bad_requests_are_invalid_argument_with_a_clear_message(preparer, request_kwargs, match):
     with pytest.raises(InvalidRequest, match=match):
-        preparer.prepare(_request(**request_kwargs), "r", MODEL)
+        preparer.prepare(request_from_proto(_request(**request_kwargs), "r"), MODEL)
 
 
 def test_unknown_model_is_not_found_and_names_the_served_one(preparer):
     with pytest.raises(NotFound, match="unknown model 'gpt-9'; this router serves 'SmolLM2-135M-Instruct'"):
-        preparer.prepare(_request(model="gpt-9", prompt="x"), "r", MODEL)
-    assert preparer.prepare(_request(model=MODEL.name, prompt="x"), "r", MODEL).prompt
+        preparer.prepare(request_from_proto(_request(model="gpt-9", prompt="x"), "r"), MODEL)
+    assert preparer.prepare(request_from_proto(_request(model=MODEL.name, prompt="x"), "r"), MODEL).prompt
 
 
 def test_text_input_without_a_tokenizer_asks_for_token_ids():
@@ -70,5 +72,5 @@ def test_text_input_without_a_tokenizer_asks_for_token_ids():
                        max_position_embeddings=512, eos_token_ids=frozenset({2}))
     preparer = RequestPreparer(None, facts)
     with pytest.raises(InvalidRequest, match="no tokenizer.*send token_ids"):
-        preparer.prepare(_request(prompt="x"), "r", MODEL)
-    assert preparer.prepare(_request(token_ids=generation_pb2.TokenIds(ids=[7])), "r", MODEL).prompt == [7]
+        preparer.prepare(request_from_proto(_request(prompt="x"), "r"), MODEL)
+    assert preparer.prepare(request_from_proto(_request(token_ids=generation_pb2.TokenIds(ids=[7])), "r"), MODEL).prompt == [7]

@@ -11,14 +11,15 @@ from google.protobuf.message import DecodeError
 
 from common.errors import InvalidRequest
 from common.pb.disagg.v1 import generation_pb2
+from services.router.frontends.grpc_convert import request_from_proto, response_of
 from services.router.orchestrator import Orchestrator
-from services.router.streaming import Response, ResponseBuilder
+from services.router.streaming import ResponseBuilder
 from services.serving import status_of
 
 log = logging.getLogger(__name__)
 
 # A response to send, the error that ends the whole stream, or None: every request is done.
-_Item = Union[Response, InvalidRequest, None]
+_Item = Union[generation_pb2.GenerateResponse, InvalidRequest, None]
 
 
 class Multiplexer:
@@ -69,10 +70,10 @@ class Multiplexer:
         request_id = request.request_id
         out = self._orchestrator.response(request_id)
         if not request_id:
-            self._out.put_nowait(out.failed(InvalidRequest("request_id is required on GenerateStream")))
+            self._send(out.failed(InvalidRequest("request_id is required on GenerateStream")), request_id)
         elif request_id in self._running:
-            self._out.put_nowait(out.failed(InvalidRequest(
-                f"request_id {request_id!r} is already in flight on this stream; ids must be unique")))
+            self._send(out.failed(InvalidRequest(
+                f"request_id {request_id!r} is already in flight on this stream; ids must be unique")), request_id)
         else:
             task = asyncio.create_task(self._run(request, out))
             self._running[request_id] = (task, out)
@@ -86,19 +87,23 @@ class Multiplexer:
 
     async def _run(self, request: generation_pb2.GenerateRequest, out: ResponseBuilder) -> None:
         try:
-            async with contextlib.aclosing(self._orchestrator.generate(request, out)) as responses:
-                async for response in responses:
-                    self._out.put_nowait(response)
+            core_request = request_from_proto(request, out.request_id)
+            async with contextlib.aclosing(self._orchestrator.generate(core_request, out)) as events:
+                async for event in events:
+                    self._send(event, out.request_id)
         except Exception as exc:
             if status_of(exc) is grpc.StatusCode.INTERNAL:
                 log.exception("request %s failed", out.request_id)
-            self._out.put_nowait(out.failed(exc))
+            self._send(out.failed(exc), out.request_id)
+
+    def _send(self, event, request_id: str) -> None:
+        self._out.put_nowait(response_of(request_id, event))
 
     def _done(self, out: ResponseBuilder, task: asyncio.Task) -> None:
         """A done callback, not a `finally`: a task cancelled before it ever ran has none."""
         request_id = out.request_id
         if task.cancelled() and request_id in self._cancelled and not out.finished:
-            self._out.put_nowait(out.cancelled())
+            self._send(out.cancelled(), request_id)
         self._running.pop(request_id, None)
         self._cancelled.discard(request_id)
         self._end_if_idle()

@@ -1,0 +1,190 @@
+"""The router's OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+aiohttp, embedded (AppRunner + TCPSite) in the router's running event loop beside grpc.aio, with no signal
+handling of its own. `handler_cancellation=True` cancels a handler whose client disconnected; the cancellation
+closes the core's stream (contextlib.aclosing), which cancels the request and frees its KV on every worker.
+Errors are OpenAI's error JSON; the status comes from services.serving.status_of and one table (responses).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+from aiohttp import web
+
+from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
+                                                       parse_completion)
+from services.router.frontends.openai_responses import Json, Shapes, error_json, error_of
+from services.router.generation import Event, Finished, FinishReason, GenerationRequest, ServedModel, TextDelta
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_SHUTDOWN_S = 5.0  # stop(): how long in-flight responses may take to finish before their handlers are cancelled
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}  # a proxy (nginx) must not buffer the stream
+_HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+class Core(Protocol):
+    def served_model(self) -> ServedModel: ...
+
+    def ready(self) -> bool: ...
+
+    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
+
+
+class HttpFrontDoor:
+    """A started HTTP server; `port` is the bound one (0 asked for a free port)."""
+
+    def __init__(self, runner: web.AppRunner, port: int):
+        self._runner = runner
+        self.port = port
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+async def start_http(core: Core, host: str, port: int, max_body_bytes: int) -> HttpFrontDoor:
+    runner = web.AppRunner(make_app(core, max_body_bytes), handler_cancellation=True, shutdown_timeout=_SHUTDOWN_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return HttpFrontDoor(runner, runner.addresses[0][1])
+
+
+def make_app(core: Core, max_body_bytes: int) -> web.Application:
+    """The routes; bodies over `max_body_bytes` are refused with 413 (as JSON, by the middleware)."""
+    handlers = _Handlers(core)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors_as_json])
+    app.router.add_post("/v1/chat/completions", handlers.chat)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/health/live", handlers.live)
+    return app
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get(REQUEST_ID_HEADER, "").strip() or uuid.uuid4().hex
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:
+    """Every failure becomes OpenAI's error JSON: aiohttp's own (unknown route, wrong method, body too large),
+    the parsing's and the core's (by their status), and anything unexpected (a logged, generic 500)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        message = f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.text
+        body = error_json(message, "invalid_request_error", _HTTP_ERRORS.get(exc.status, "http_error"))
+        return web.json_response(body, status=exc.status, headers=headers)
+    except Exception as exc:
+        status, body = error_of(exc)
+        if status == 500:
+            log.error("%s %s failed (request %s)", request.method, request.path,
+                      request.headers.get(REQUEST_ID_HEADER, "-"), exc_info=exc)
+        return web.json_response(body, status=status)
+
+
+class _Handlers:
+    def __init__(self, core: Core):
+        self._core = core
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_json(self._core.served_model())]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        served = self._core.served_model()
+        check_model(request.match_info["model"], served)
+        return web.json_response(self._model_json(served))
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = self._core.ready()
+        return web.json_response({"status": "ready" if ready else "not ready"}, status=200 if ready else 503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "live"})
+
+    @staticmethod
+    def _model_json(served: ServedModel) -> Json:
+        return {"id": served.name, "object": "model", "created": 0, "owned_by": "disagg",
+                "max_model_len": served.max_model_len}
+
+    async def _generate(self, request: web.Request, parse: Callable[..., ApiRequest]) -> web.StreamResponse:
+        fields = decode_body(await request.read())
+        request_id = _request_id(request)
+        api = parse(fields, request_id, self._core.served_model())
+        shapes = Shapes(api, request_id, int(time.time()))
+        headers = {REQUEST_ID_HEADER: request_id}
+        async with contextlib.aclosing(self._core.stream(api.generation)) as events:
+            if api.stream:
+                return await _stream(request, events, shapes, headers)
+            deltas: list[TextDelta] = []
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    deltas.append(event)
+                else:
+                    return web.json_response(shapes.response(deltas, _succeeded(event)), headers=headers)
+        raise RuntimeError(f"request {request_id}: the core's stream ended without a Finished event")
+
+
+def _succeeded(finished: Finished) -> Finished:
+    """The core raises its errors; a Finished that still says it failed is raised the same way."""
+    if finished.reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return finished
+    raise finished.error or RuntimeError(f"the request ended {finished.reason.value}")
+
+
+async def _stream(request: web.Request, events: AsyncIterator[Event], shapes: Shapes,
+                  headers: dict[str, str]) -> web.StreamResponse:
+    """Server-Sent Events. The response starts with the first event, so that what fails before it (validation,
+    no worker, a full queue) still gets its HTTP status; a failure after it is an error event, then [DONE]."""
+    response: web.StreamResponse | None = None
+    try:
+        async for event in events:
+            if response is None:
+                response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+                await response.prepare(request)
+                for chunk in shapes.opening():
+                    await _send(response, chunk)
+            chunks = [shapes.delta(event)] if isinstance(event, TextDelta) else shapes.finish(_succeeded(event))
+            for chunk in chunks:
+                if chunk is not None:
+                    await _send(response, chunk)
+    except ConnectionResetError:
+        log.debug("request %s: the client went away mid-stream", headers[REQUEST_ID_HEADER])
+        return response  # type: ignore[return-value]  # aclosing (the caller's) cancels the request
+    except Exception as exc:
+        if response is None:
+            raise
+        status, body = error_of(exc)
+        if status == 500:
+            log.error("request %s failed mid-stream", headers[REQUEST_ID_HEADER], exc_info=exc)
+        await _send(response, body)
+    assert response is not None, "the core's stream ended without an event"
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, chunk: Json) -> None:
+    await response.write(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")

@@ -1,0 +1,198 @@
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions) → the core's GenerationRequest.
+
+Every check here names the field it refuses; the core then checks what needs the tokenizer and the model (empty
+prompt, prompt or max_tokens beyond the context).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from common.engine.request import SamplingParams
+from common.errors import InvalidRequest
+from services.router.frontends.openai_fields import BadField, Fields, ModelNotFound, refuse_unsupported
+from services.router.generation import ChatMessage, GenerationRequest, ImageInput, ServedModel
+
+CHAT = "chat"
+COMPLETION = "completion"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions; chat runs to the context
+MAX_COMPLETION_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
+# OpenAI's newer "developer" role is its system role.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens", "stop",
+                    "stop_token_ids", "top_logprobs")
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A parsed request: what to ask the core, and how to answer (stream or not, usage chunk, logprobs)."""
+
+    kind: str  # CHAT or COMPLETION
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool
+
+
+def decode_body(raw: bytes) -> Fields:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return Fields(body)
+
+
+def check_model(requested: str | None, served: ServedModel) -> str:
+    if requested is not None and requested != served.name:
+        raise ModelNotFound(f"the model {requested!r} does not exist; this server serves {served.name!r}")
+    return served.name
+
+
+def parse_chat(fields: Fields, request_id: str, served: ServedModel) -> ApiRequest:
+    common = _common(fields, served)
+    logprobs = bool(fields.boolean("logprobs"))
+    top_logprobs = fields.integer("top_logprobs", minimum=0)
+    if top_logprobs and not logprobs:
+        raise fields.bad("top_logprobs", "needs 'logprobs': true")
+    images: list[ImageInput] = []
+    messages = _messages(fields, served, images)
+    max_tokens = fields.integer("max_completion_tokens", minimum=1)  # the newer name wins over max_tokens
+    params = _sampling(fields, max_tokens, logprobs, top_logprobs or 0, "top_logprobs")
+    return _request(CHAT, fields, GenerationRequest(
+        request_id, messages=messages, images=tuple(images), params=params, **common))
+
+
+def parse_completion(fields: Fields, request_id: str, served: ServedModel) -> ApiRequest:
+    common = _common(fields, served)
+    # Completions' logprobs is how many alternatives to return per token (OpenAI allows 0-5; we go to our cap).
+    top = fields.integer("logprobs", minimum=0)
+    if top is not None and top > MAX_COMPLETION_LOGPROBS:
+        raise fields.bad("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {top}")
+    default_max = fields.integer("max_tokens", minimum=1) or COMPLETION_DEFAULT_MAX_TOKENS
+    params = _sampling(fields, default_max, top is not None, top or 0, "logprobs")
+    return _request(COMPLETION, fields, GenerationRequest(
+        request_id, params=params, **_prompt(fields), **common))
+
+
+def _common(fields: Fields, served: ServedModel) -> dict[str, Any]:
+    """What both endpoints read the same way: model, refused fields, n, the deadline."""
+    model = check_model(fields.string("model"), served)
+    refuse_unsupported(fields)
+    n = fields.integer("n")
+    if n is not None and n != 1:
+        raise fields.bad("n", f"must be 1: this server returns one choice per request, got {n}")
+    return {"model": model, "timeout_ms": fields.integer("timeout_ms", minimum=0) or 0}
+
+
+def _request(kind: str, fields: Fields, generation: GenerationRequest) -> ApiRequest:
+    stream = bool(fields.boolean("stream"))
+    options = fields.object("stream_options")
+    if options is not None and not stream:
+        raise fields.bad("stream_options", "is only allowed with 'stream': true")
+    include_usage = bool(options and options.boolean("include_usage"))
+    return ApiRequest(kind, generation, stream, include_usage)
+
+
+def _sampling(fields: Fields, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+              top_name: str) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = fields.integer("max_tokens", minimum=1)
+    top_k = fields.integer("top_k")
+    values = {
+        "temperature": fields.number("temperature"), "top_p": fields.number("top_p"),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "off" -1, we spell it 0
+        "min_p": fields.number("min_p"), "seed": fields.integer("seed"),
+        "repetition_penalty": fields.number("repetition_penalty"), "max_tokens": max_tokens,
+        "stop": fields.strings("stop"), "stop_token_ids": fields.integers("stop_token_ids"),
+        "ignore_eos": fields.boolean("ignore_eos"), "logprobs": logprobs, "top_logprobs": top_logprobs,
+    }
+    try:
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+    except InvalidRequest as exc:  # its message starts with the field it refuses
+        field = str(exc).split(" ", 1)[0]
+        param = top_name if field == "top_logprobs" else field
+        raise BadField(param if field in _SAMPLING_FIELDS else "", str(exc)) from None
+
+
+def _prompt(fields: Fields) -> dict[str, Any]:
+    """A string, token ids, or an array holding exactly one of these."""
+    value = fields.body.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return {"prompt": value}
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        raise fields.bad("prompt", f"holds {len(value)} prompts; this server takes one per request (send them "
+                                   "as separate requests)")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in value):
+        return {"token_ids": tuple(value)}
+    if value == []:
+        raise fields.bad("prompt", "must not be empty")
+    raise fields.bad("prompt", "must be a string, an array of non-negative token ids, or an array holding one "
+                               "of these" + ("" if "prompt" in fields.body else " (it is required)"))
+
+
+def _messages(fields: Fields, served: ServedModel, images: list[ImageInput]) -> tuple[ChatMessage, ...]:
+    items = fields.array("messages", required=True)
+    if not items:
+        raise fields.bad("messages", "must hold at least one message")
+    messages = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise fields.bad(f"messages[{i}]", "must be an object with 'role' and 'content'")
+        message = Fields(item, f"messages[{i}].")
+        role = message.string("role", required=True)
+        if role not in _ROLES:
+            raise message.bad("role", f"must be one of system, developer, user, assistant, got {role!r} "
+                                      "(tool and function messages need tool calling, which this server lacks)")
+        if item.get("tool_calls"):
+            raise message.bad("tool_calls", "cannot be honoured: this server has no tool or function calling")
+        messages.append(ChatMessage(_ROLES[role], _content(message, role, served, images)))
+    return tuple(messages)
+
+
+def _content(message: Fields, role: str, served: ServedModel, images: list[ImageInput]) -> str:
+    """A string, or text and image parts joined by newlines, each image part replaced by the model's image
+    token so that the image lands where the client put it."""
+    value = message.body.get("content")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise message.bad("content", "must be a string or an array of content parts")
+    pieces = []
+    for j, part in enumerate(value):
+        where = f"content[{j}]"
+        if not isinstance(part, dict):
+            raise message.bad(where, "must be an object with a 'type'")
+        kind = part.get("type")
+        if kind == "text":
+            pieces.append(Fields(part, message.name(where) + ".").string("text", required=True))
+        elif kind == "image_url":
+            pieces.append(_image(Fields(part, message.name(where) + "."), role, served, images))
+        else:
+            raise message.bad(where + ".type", f"must be 'text' or 'image_url', got {kind!r}")
+    return "\n".join(pieces)
+
+
+def _image(part: Fields, role: str, served: ServedModel, images: list[ImageInput]) -> str:
+    token = served.image_token
+    if token is None:
+        raise part.bad("image_url", f"cannot be honoured: the model {served.name!r} takes no images")
+    if role != "user":
+        raise part.bad("image_url", f"is allowed only in user messages, not in {role!r} messages")
+    url = part.body.get("image_url")
+    if isinstance(url, dict):
+        url = Fields(url, part.name("image_url") + ".").string("url", required=True)
+    if not isinstance(url, str):
+        raise part.bad("image_url", "must be an object with a 'url' string")
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "data":
+        images.append(ImageInput(data_url=url))
+    elif scheme in ("http", "https"):
+        images.append(ImageInput(path=url))  # the encode worker fetches it only with --allow-url-fetch
+    else:
+        raise part.bad("image_url.url", f"must be a data: URL or an http(s) URL, got scheme {scheme!r}")
+    return token

@@ -1,0 +1,116 @@
+"""The router core's plain types: what a front door hands the core, and the events the core yields back.
+
+Every front door (frontends/grpc.py for disagg.v1, kserve.py for KServe v2, openai.py for OpenAI HTTP) maps its
+protocol onto these; the core (orchestrator, handoff, decode stream, policies) never sees a client's protobuf or
+JSON. Protobuf stays at the edges: the front doors and the worker stubs.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+from common.engine.request import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the end of the context
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image, as exactly one of: encoded bytes, a `data:` URL, or a path / http(s) URL (the encode
+    worker opens paths only inside --allowed-media-dir and fetches URLs only with --allow-url-fetch)."""
+
+    data: bytes | None = None
+    data_url: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request, whichever front door it came through. Exactly one of prompt, token_ids, messages is set
+    (the core says so with INVALID_ARGUMENT otherwise)."""
+
+    request_id: str
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None  # rendered with the model's chat template
+    model: str = ""  # empty: the served model
+    images: tuple[ImageInput, ...] = ()
+    params: SamplingParams = field(default_factory=SamplingParams)  # sampling, stop conditions, logprobs
+    echo_prompt_token_ids: bool = False
+    timeout_ms: int = 0  # 0: no deadline of its own (the RPC's, if any, still applies)
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str = ""
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Newly generated tokens and the text they complete (text may lag a token: incremental detokenising)."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
+    prompt_token_ids: tuple[int, ...] = ()  # on the first delta, when the request asked to echo the prompt
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    kv_transfer_backend: str = ""  # "cuda_ipc", "shm", "nixl", "grpc", "trtllm"; "" without a KV handoff
+    kv_transfer_bytes: int = 0
+    kv_transfer_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a request."""
+
+    reason: FinishReason
+    usage: Usage
+    matched_stop: str = ""  # the stop string that ended it
+    matched_stop_token_id: int | None = None  # the EOS or stop token id that ended it
+    error: BaseException | None = None  # reason ERROR: the typed error (common.errors) or a worker's status
+
+
+Event = Union[TextDelta, Finished]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model as the workers announce it (GetInfo), and what the router knows of its inputs."""
+
+    name: str
+    max_model_len: int
+    image_token: str | None = None  # the text that marks where an image goes; None: the model takes no images
+
+    @property
+    def supports_images(self) -> bool:
+        return self.image_token is not None
