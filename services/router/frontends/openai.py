@@ -8,6 +8,7 @@ Errors are OpenAI's error JSON; the status comes from services.serving.status_of
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from services.router.generation import Event, Finished, FinishReason, Generation
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")  # set by the middleware, per task
 _SHUTDOWN_S = 5.0  # stop(): how long in-flight responses may take to finish before their handlers are cancelled
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # a proxy (nginx) must not buffer the stream
@@ -73,30 +75,30 @@ def make_app(core: Core, max_body_bytes: int) -> web.Application:
     return app
 
 
-def _request_id(request: web.Request) -> str:
-    return request.headers.get(REQUEST_ID_HEADER, "").strip() or uuid.uuid4().hex
-
-
 @web.middleware
 async def _errors_as_json(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                           ) -> web.StreamResponse:
     """Every failure becomes OpenAI's error JSON: aiohttp's own (unknown route, wrong method, body too large),
-    the parsing's and the core's (by their status), and anything unexpected (a logged, generic 500)."""
+    the parsing's and the core's (by their status), and anything unexpected (a logged, generic 500). It also
+    names the request: the client's X-Request-Id, else a new one, sent back on every answer."""
+    request_id = request.headers.get(REQUEST_ID_HEADER, "").strip() or uuid.uuid4().hex
+    _request_id.set(request_id)
+    headers = {REQUEST_ID_HEADER: request_id}
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        if "Allow" in exc.headers:
+            headers["Allow"] = exc.headers["Allow"]
         message = f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.text
         body = error_json(message, "invalid_request_error", _HTTP_ERRORS.get(exc.status, "http_error"))
         return web.json_response(body, status=exc.status, headers=headers)
     except Exception as exc:
         status, body = error_of(exc)
         if status == 500:
-            log.error("%s %s failed (request %s)", request.method, request.path,
-                      request.headers.get(REQUEST_ID_HEADER, "-"), exc_info=exc)
-        return web.json_response(body, status=status)
+            log.error("%s %s failed (request %s)", request.method, request.path, request_id, exc_info=exc)
+        return web.json_response(body, status=status, headers=headers)
 
 
 class _Handlers:
@@ -131,7 +133,7 @@ class _Handlers:
 
     async def _generate(self, request: web.Request, parse: Callable[..., ApiRequest]) -> web.StreamResponse:
         fields = decode_body(await request.read())
-        request_id = _request_id(request)
+        request_id = _request_id.get()
         api = parse(fields, request_id, self._core.served_model())
         shapes = Shapes(api, request_id, int(time.time()))
         headers = {REQUEST_ID_HEADER: request_id}
@@ -158,32 +160,38 @@ async def _stream(request: web.Request, events: AsyncIterator[Event], shapes: Sh
                   headers: dict[str, str]) -> web.StreamResponse:
     """Server-Sent Events. The response starts with the first event, so that what fails before it (validation,
     no worker, a full queue) still gets its HTTP status; a failure after it is an error event, then [DONE]."""
-    response: web.StreamResponse | None = None
+    first = await anext(events)
+    response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+    await response.prepare(request)
     try:
-        async for event in events:
-            if response is None:
-                response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
-                await response.prepare(request)
-                for chunk in shapes.opening():
-                    await _send(response, chunk)
-            chunks = [shapes.delta(event)] if isinstance(event, TextDelta) else shapes.finish(_succeeded(event))
-            for chunk in chunks:
-                if chunk is not None:
-                    await _send(response, chunk)
+        await _send_events(response, first, events, shapes)
     except ConnectionResetError:
         log.debug("request %s: the client went away mid-stream", headers[REQUEST_ID_HEADER])
-        return response  # type: ignore[return-value]  # aclosing (the caller's) cancels the request
+        return response  # the caller's aclosing cancels the request
     except Exception as exc:
-        if response is None:
-            raise
         status, body = error_of(exc)
         if status == 500:
             log.error("request %s failed mid-stream", headers[REQUEST_ID_HEADER], exc_info=exc)
         await _send(response, body)
-    assert response is not None, "the core's stream ended without an event"
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+async def _send_events(response: web.StreamResponse, event: Event, events: AsyncIterator[Event],
+                       shapes: Shapes) -> None:
+    for chunk in shapes.opening():
+        await _send(response, chunk)
+    while True:
+        if isinstance(event, TextDelta):
+            chunk = shapes.delta(event)
+            if chunk is not None:
+                await _send(response, chunk)
+        else:
+            for chunk in shapes.finish(_succeeded(event)):
+                await _send(response, chunk)
+            return
+        event = await anext(events)
 
 
 async def _send(response: web.StreamResponse, chunk: Json) -> None:
