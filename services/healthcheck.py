@@ -1,4 +1,5 @@
-"""`python -m services.healthcheck [HOST:PORT]`: exit 0 when the server's grpc.health.v1 says SERVING.
+"""`python -m services.healthcheck [HOST:PORT] [--http PORT|URL]`: exit 0 when the server's grpc.health.v1 says
+SERVING (and, with --http, the router's OpenAI-compatible front door answers 200 on /health).
 
 For container health checks (docker compose `healthcheck`); the address defaults to this container's
 own port from DISAGG_GRPC_PORT. Plaintext, or TLS when DISAGG_TLS_CA is set (common.tls).
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", nargs="?", default=f"127.0.0.1:{os.environ.get('DISAGG_GRPC_PORT', '50051')}")
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--http", default=None,
+                        help="also require 200 from the HTTP front door's /health: a port (on 127.0.0.1) or a URL")
     args = parser.parse_args(argv)
     tls.configure(tls.tls_from_args(argparse.Namespace()))
     try:
@@ -31,7 +36,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     print(f"{args.address}: {name}")
-    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+    if status != health_pb2.HealthCheckResponse.SERVING:
+        return 1
+    return 0 if args.http is None else _check_http(args.http, args.timeout)
+
+
+def _check_http(target: str, timeout_s: float) -> int:
+    url = target if "://" in target else f"http://127.0.0.1:{target}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            print(f"{url}: HTTP {response.status}")
+            return 0 if response.status == 200 else 1
+    except (urllib.error.URLError, OSError) as exc:  # HTTPError (503: not ready) is a URLError
+        print(f"{url}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

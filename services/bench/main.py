@@ -2,11 +2,16 @@
 
     disagg bench --num-prompts 200 --input-len uniform:100:1024 --output-len 128 --max-concurrency 16 \\
                  --goodput-ttft-ms 500 --goodput-tpot-ms 50 --json out.json --plot out.png
+    disagg bench --api grpc,openai,kserve ...   # the same workload through each front door, compared
+
+With several --api values the prompts are text (the random ids decoded by --tokenizer), so every front door,
+KServe's text_input included, gets the same work.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 import time
@@ -15,17 +20,25 @@ from pathlib import Path
 
 from common import tls
 from common.errors import InvalidConfig
-from services.bench.report import format_table, write_json, write_plot
+from services.bench.clients import API_NAMES, SendOptions, make_client
+from services.bench.report import format_comparison, format_table, write_json, write_plot
 from services.bench.runner import LoadShape, list_models, run_load
 from services.bench.stats import SloLimits, summarize
 from services.bench.workload import LengthDist, make_requests
-from services.router.config import DEFAULT_PORT
+from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--router", default=os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}"))
+    p.add_argument("--http", default=os.environ.get("DISAGG_HTTP", f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"),
+                   help="the router's OpenAI-compatible HTTP base URL (for --api openai)")
+    p.add_argument("--api", type=_apis, default=("grpc",),
+                   help=f"front doors to drive, comma-separated, in turn with the same workload: {', '.join(API_NAMES)}")
+    p.add_argument("--tokenizer", default=None,
+                   help="model directory whose tokenizer turns the random ids into text prompts (default: the "
+                        "default model); used with several --api values or kserve")
     p.add_argument("--model", default="", help="model name (default: the router's first)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=LengthDist.parse, default=LengthDist.parse("uniform:64:512"),
@@ -50,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     tls.add_tls_args(p)
     return p
+
+
+def _apis(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in API_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown API {unknown or text!r}; choose from {', '.join(API_NAMES)}")
+    return names
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -78,32 +99,63 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"model {args.model!r} is not served by {args.router}: {[m.id for m in models]}", file=sys.stderr)
         return 1
     common = dict(token_range=tuple(args.token_range), max_model_len=info.max_model_len or None)
-    requests = make_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed, **common)
-    shape = LoadShape(args.request_rate, args.max_concurrency, args.seed)
+    text = _text_prompts(args)
+    requests = text(make_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed, **common))
+    warm = text(make_requests(args.warmup, args.input_len, args.output_len, seed=args.seed + 10_000, **common))
     run_id = uuid.uuid4().hex[:8]
-    kwargs = dict(model=info.id, temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.timeout)
-    if args.warmup:
-        warm = make_requests(args.warmup, args.input_len, args.output_len, seed=args.seed + 10_000, **common)
-        await run_load(args.router, warm, LoadShape(max_concurrency=args.max_concurrency), run_id=run_id + "-warm",
-                       **kwargs)
-    bar = _progress(len(requests), args.progress)
+    summaries = {}
+    for api in args.api:
+        options = SendOptions(info.id, args.temperature, args.ignore_eos, args.timeout, f"{run_id}-{api}")
+        summaries[api], records, duration = await _run_api(api, args, requests, warm, options)
+        title = (f"{info.id} via {api}: {args.num_prompts} requests, in {args.input_len}, out {args.output_len}, "
+                 f"rate {args.request_rate:g}/s, concurrency {args.max_concurrency or 'unlimited'}")
+        print(format_table(summaries[api], f"Serving Benchmark Result ({api})" if len(args.api) > 1
+                           else "Serving Benchmark Result"))
+        _write(args, api, info.id, summaries[api], records, duration, title)
+    if len(args.api) > 1:
+        print(format_comparison(summaries))
+    return 0 if all(s.completed for s in summaries.values()) else 1
+
+
+def _text_prompts(args: argparse.Namespace):
+    if len(args.api) == 1 and args.api != ("kserve",):
+        return lambda requests: requests
+    from common.engine.default_model import resolve_model
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(resolve_model(args.tokenizer)))
+    return lambda requests: [dataclasses.replace(r, prompt_text=tokenizer.decode(r.prompt_token_ids)) for r in requests]
+
+
+async def _run_api(api: str, args: argparse.Namespace, requests, warm, options: SendOptions):
+    client = make_client(api, args.router, args.http, args.max_concurrency)
     try:
-        records, duration = await run_load(args.router, requests, shape, run_id=run_id, progress=bar, **kwargs)
+        if warm:
+            await run_load(client, warm, LoadShape(max_concurrency=args.max_concurrency),
+                           dataclasses.replace(options, run_id=options.run_id + "-warm"))
+        bar = _progress(len(requests), args.progress)
+        try:
+            records, duration = await run_load(client, requests, LoadShape(args.request_rate, args.max_concurrency,
+                                                                           args.seed), options, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     finally:
-        if bar is not None:
-            bar.close()
-    summary = summarize(records, duration, SloLimits(args.goodput_ttft_ms, args.goodput_tpot_ms))
-    title = (f"{info.id}: {args.num_prompts} requests, in {args.input_len}, out {args.output_len}, "
-             f"rate {args.request_rate:g}/s, concurrency {args.max_concurrency or 'unlimited'}")
-    print(format_table(summary, "Serving Benchmark Result"))
+        await client.close()
+    return summarize(records, duration, SloLimits(args.goodput_ttft_ms, args.goodput_tpot_ms)), records, duration
+
+
+def _write(args: argparse.Namespace, api: str, model: str, summary, records, duration: float, title: str) -> None:
+    """--json / --plot; with several APIs each file gets the API's name before its suffix."""
     config = {k: (str(v) if isinstance(v, (Path, LengthDist)) else v) for k, v in vars(args).items()
               if not k.startswith("tls")}
-    config.update(model=info.id, started_at_unix=time.time() - duration)
+    config.update(model=model, api=api, started_at_unix=time.time() - duration)
+    def path(p: Path) -> Path:
+        return p if len(args.api) == 1 else p.with_name(f"{p.stem}-{api}{p.suffix}")
     if args.json:
-        write_json(args.json, config, summary, records)
+        write_json(path(args.json), config, summary, records)
     if args.plot:
-        write_plot(args.plot, summary, records, title)
-    return 0 if summary.completed else 1
+        write_plot(path(args.plot), summary, records, title)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,21 @@ def format_table(summary: Summary, title: str) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(summaries: dict[str, Summary]) -> str:
+    """One row per front door, each next to the first (native gRPC when listed first)."""
+    base_name, base = next(iter(summaries.items()))
+    lines = [f"{'=' * 16} Front doors, same workload {'=' * 16}",
+             f"{'api':<8}{'TTFT p50':>10}{'TTFT mean':>11}{'TTFT p99':>10}{'out tok/s':>11}{'Δ TTFT p50':>12}"
+             f"{'tok/s ratio':>12}"]
+    for name, s in summaries.items():
+        delta = s.ttft.p50 - base.ttft.p50
+        ratio = s.output_throughput / base.output_throughput if base.output_throughput else float("nan")
+        lines.append(f"{name:<8}{s.ttft.p50:>10.2f}{s.ttft.mean:>11.2f}{s.ttft.p99:>10.2f}{s.output_throughput:>11.2f}"
+                     f"{delta:>+10.2f}ms{ratio:>11.3f}x")
+    lines.append(f"(TTFT in ms; Δ and ratio against {base_name})")
+    return "\n".join(lines)
+
+
 def write_json(path: Path, config: dict, summary: Summary, records: list[RequestRecord]) -> None:
     per_request = [{"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "output_tokens": r.output_tokens,
                     "ttft_ms": r.ttft * 1000 if r.ok else None, "e2e_ms": r.e2e * 1000 if r.ok else None,

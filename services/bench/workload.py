@@ -64,6 +64,7 @@ class BenchRequest:
     index: int
     prompt_token_ids: list[int]
     max_tokens: int
+    prompt_text: str | None = None  # the ids decoded, for a front door that takes text (KServe's text_input)
 
 
 def make_requests(n: int, input_len: LengthDist, output_len: LengthDist, token_range: tuple[int, int],

@@ -30,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         discovery = ConsulDiscovery(obs.consul) if obs.consul is not None else discovery_from_args(args)
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
-    asyncio.run(serve(config, discovery, obs))
+    try:
+        asyncio.run(serve(config, discovery, obs))
+    except InvalidConfig as exc:  # found only when binding (a port taken): one line, no traceback
+        print(f"disagg router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

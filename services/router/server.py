@@ -10,6 +10,7 @@ import socket
 import grpc
 
 from common.discovery import Discovery
+from common.errors import InvalidConfig
 from services.observability import Observability
 from services.router.config import RouterConfig
 from services.router.frontends import grpc as generation_api, kserve, openai
@@ -34,8 +35,13 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     server = await start_server(lambda s: _add_grpc_front_doors(s, orchestrator),
                                 [generation_api.SERVICE_NAME, kserve.SERVICE_NAME], config.host, config.port,
                                 interceptors=[ParseRequests()])
-    http = (await openai.start_http(orchestrator, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES)
-            if config.http_port else None)
+    try:
+        http = (await openai.start_http(orchestrator, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES)
+                if config.http_port else None)
+    except OSError as exc:  # the port is taken: stop the gRPC server too, or its threads keep the process alive
+        await server.server.stop(0)
+        raise InvalidConfig(f"cannot serve HTTP on {config.host}:{config.http_port} ({exc.strerror or exc}); "
+                            "choose another --http-port (0 turns HTTP off)") from None
     await pool.start()
     advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
         socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)

@@ -65,7 +65,7 @@ def test_compose_config_is_valid_for_every_profile():
         assert services[name]["healthcheck"]["test"][:2] == ["CMD", "python"]
     device = services["decode-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["capabilities"] == ["gpu"] and services["decode-gpu"]["environment"]["DISAGG_DEVICE"] == "cuda"
-    assert [p["target"] for p in services["router"]["ports"]] == [50051]
+    assert [p["target"] for p in services["router"]["ports"]] == [50051, 8000]  # gRPC, OpenAI HTTP
     # the binary's own exit code is what we read: a broken file fails
     broken = subprocess.run([str(COMPOSE), "-f", "/dev/null", "config", "-q"], capture_output=True, text=True)
     assert broken.returncode != 0
@@ -141,9 +141,10 @@ def _start_order(services: dict[str, dict]) -> list[list[str]]:
 
 def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins):
     model = str(make_text_model(tmp_path / "tiny-text"))
-    router_port = _free_port()
+    router_port, http_port = _free_port(), _free_port()
     variables = {"COMPOSE_PROFILES": "cpu", "DISAGG_MODEL": model, "OMP_NUM_THREADS": "1", "NUM_KV_BLOCKS": "128",
                  "ROUTER_PORT": str(router_port), "ROUTER_GRPC_PORT": str(router_port),
+                 "ROUTER_HTTP_PORT": str(http_port), "ROUTER_HTTP_LISTEN_PORT": str(http_port),
                  **{f"{role}_{kind}_PORT": str(_free_port()) for role in ("PREFILL", "DECODE", "ROUTER")
                     for kind in ("METRICS",) + (("GRPC",) if role != "ROUTER" else ())}}
     rendered = _compose("config", "--format", "json", env=variables)
@@ -152,7 +153,8 @@ def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins)
     assert set(services) == {"router", "prefill", "decode"}
     assert set(json.loads(rendered.stdout)["services"]) - set(services) == INFRA
     published = [(int(p["published"]), p["target"]) for p in services["router"]["ports"]]
-    assert published == [(router_port, router_port)]  # no NAT here: the process listens on the published port
+    # no NAT here: the process listens on the published ports (gRPC, then OpenAI HTTP, checked by the healthcheck)
+    assert published == [(router_port, router_port), (http_port, http_port)]
 
     double: ConsulDouble = stand_ins["_double"]
     processes: list[ServiceProcess] = []

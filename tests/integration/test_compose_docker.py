@@ -206,17 +206,21 @@ def _generate(router_port: int, prompt: str) -> subprocess.CompletedProcess:
 
 
 def test_compose_up_serves_scales_decode_and_tears_down(docker, image, stand_ins_image, tmp_path):
-    router_port, consul_port = _free_port(), _free_port()
+    router_port, consul_port, http_port = _free_port(), _free_port(), _free_port()
     override = tmp_path / "stand-ins.yml"
     override.write_text(STAND_INS % {"image": stand_ins_image})
     compose = Compose(override, {"DISAGG_IMAGE_TAG": IMAGE_TAG, "COMPOSE_PROFILES": "cpu", "OMP_NUM_THREADS": "1",
                                  "NUM_KV_BLOCKS": "256", "ROUTER_PORT": str(router_port),
-                                 "CONSUL_UI_PORT": str(consul_port)})
+                                 "ROUTER_HTTP_PORT": str(http_port), "CONSUL_UI_PORT": str(consul_port)})
     try:
         compose.up("consul", "jaeger", "prefill", "decode", "router")
         answer = _generate(router_port, "What is the capital of France?")
         assert answer.returncode == 0 and "Paris" in answer.stdout, answer.stdout + answer.stderr
         assert len(_decoders(consul_port)) == 1
+        chat = _run("curl", "-sS", "--fail-with-body", f"http://127.0.0.1:{http_port}/v1/chat/completions",
+                    "-H", "Content-Type: application/json", "-d",
+                    '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}')
+        assert "Paris" in json.loads(chat.stdout)["choices"][0]["message"]["content"], chat.stdout
 
         compose.up("--scale", "decode=2", "decode")
         deadline = time.monotonic() + 60
