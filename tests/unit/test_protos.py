@@ -7,6 +7,7 @@ import pytest
 from google.protobuf import descriptor, json_format
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from common.pb.inference import grpc_service_pb2, grpc_service_pb2_grpc, model_config_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FILES = [common_pb2.DESCRIPTOR, generation_pb2.DESCRIPTOR, worker_pb2.DESCRIPTOR]
@@ -196,3 +197,71 @@ def test_generate_request_parses_grpcurl_style_json():
     )
     assert request.prompt == "Hi" and request.sampling.max_tokens == 4
     assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
+
+
+# --- the vendored KServe v2 / Triton protos (protos/inference/): tritonclient must talk to us unchanged ---
+
+KSERVE_METHODS = {  # method: (client_streaming, server_streaming)
+    "ServerLive": (False, False), "ServerReady": (False, False), "ModelReady": (False, False),
+    "ServerMetadata": (False, False), "ModelMetadata": (False, False), "ModelInfer": (False, False),
+    "ModelStreamInfer": (True, True), "ModelConfig": (False, False),
+}
+# Field numbers as Triton's grpc_service.proto / model_config.proto have them; a renumbering breaks every client.
+KSERVE_FIELDS = {
+    "ModelInferRequest": {"model_name": 1, "model_version": 2, "id": 3, "parameters": 4, "inputs": 5, "outputs": 6,
+                          "raw_input_contents": 7},
+    "ModelInferRequest.InferInputTensor": {"name": 1, "datatype": 2, "shape": 3, "parameters": 4, "contents": 5},
+    "ModelInferResponse": {"model_name": 1, "model_version": 2, "id": 3, "parameters": 4, "outputs": 5,
+                           "raw_output_contents": 6},
+    "ModelStreamInferResponse": {"error_message": 1, "infer_response": 2},
+    "InferParameter": {"bool_param": 1, "int64_param": 2, "string_param": 3, "double_param": 4, "uint64_param": 5},
+    "InferTensorContents": {"bool_contents": 1, "int_contents": 2, "int64_contents": 3, "uint_contents": 4,
+                            "uint64_contents": 5, "fp32_contents": 6, "fp64_contents": 7, "bytes_contents": 8},
+    "ModelMetadataResponse": {"name": 1, "versions": 2, "platform": 3, "inputs": 4, "outputs": 5},
+    "ModelConfigResponse": {"config": 1},
+}
+MODEL_CONFIG_FIELDS = {
+    "ModelConfig": {"name": 1, "platform": 2, "max_batch_size": 4, "input": 5, "output": 6, "backend": 17,
+                    "model_transaction_policy": 19},
+    "ModelInput": {"name": 1, "data_type": 2, "dims": 4, "optional": 8},
+    "ModelTransactionPolicy": {"decoupled": 1},
+}
+
+
+def _numbers(file: descriptor.FileDescriptor, path: str) -> dict[str, int]:
+    message = file.message_types_by_name[path.split(".")[0]]
+    for nested in path.split(".")[1:]:
+        message = message.nested_types_by_name[nested]
+    return {f.name: f.number for f in message.fields}
+
+
+def test_kserve_protos_are_package_inference_and_import_each_other():
+    assert grpc_service_pb2.DESCRIPTOR.package == model_config_pb2.DESCRIPTOR.package == "inference"
+    assert [d.name for d in grpc_service_pb2.DESCRIPTOR.dependencies] == ["inference/model_config.proto"]
+    config_field = grpc_service_pb2.ModelConfigResponse.DESCRIPTOR.fields_by_name["config"]
+    assert config_field.message_type is model_config_pb2.ModelConfig.DESCRIPTOR
+
+
+def test_kserve_service_has_the_triton_methods_with_their_streaming_shape():
+    service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert service.full_name == "inference.GRPCInferenceService"
+    for name, shape in KSERVE_METHODS.items():
+        method = service.methods_by_name[name]
+        assert (method.client_streaming, method.server_streaming) == shape, name
+    assert hasattr(grpc_service_pb2_grpc, "add_GRPCInferenceServiceServicer_to_server")
+
+
+def test_kserve_messages_keep_tritons_field_numbers():
+    for path, numbers in KSERVE_FIELDS.items():
+        assert {k: v for k, v in _numbers(grpc_service_pb2.DESCRIPTOR, path).items() if k in numbers} == numbers
+    for path, numbers in MODEL_CONFIG_FIELDS.items():
+        assert {k: v for k, v in _numbers(model_config_pb2.DESCRIPTOR, path).items() if k in numbers} == numbers
+
+
+def test_vendored_protos_keep_their_license():
+    folder = REPO_ROOT / "protos" / "inference"
+    assert "Redistribution and use in source and binary forms" in (folder / "LICENSE").read_text()
+    for proto in ("grpc_service.proto", "model_config.proto"):
+        header = (folder / proto).read_text()[:2000]
+        assert "NVIDIA CORPORATION & AFFILIATES. All rights reserved." in header, proto
+        assert "Redistribution and use in source and binary forms" in header, proto
