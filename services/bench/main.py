@@ -5,7 +5,9 @@
     disagg bench --api grpc,openai,kserve ...   # the same workload through each front door, compared
 
 With several --api values the prompts are text (the random ids decoded by --tokenizer), so every front door,
-KServe's text_input included, gets the same work.
+KServe's text_input included, gets the same work: the same lengths and arrivals, with token ids of their own per
+front door and round, so that no run hits the prefix cache of another. `--rounds N` alternates the front doors
+N times (machine noise spreads over all of them) and reports each over all its rounds.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the router's OpenAI-compatible HTTP base URL (for --api openai)")
     p.add_argument("--api", type=_apis, default=("grpc",),
                    help=f"front doors to drive, comma-separated, in turn with the same workload: {', '.join(API_NAMES)}")
+    p.add_argument("--rounds", type=int, default=1, help="times to run every --api in turn (alternating)")
     p.add_argument("--tokenizer", default=None,
                    help="model directory whose tokenizer turns the random ids into text prompts (default: the "
                         "default model); used with several --api values or kserve")
@@ -78,6 +81,7 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
               (args.request_rate > 0, "--request-rate must be > 0"),
               (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
               (args.warmup >= 0, "--warmup must be >= 0"),
+              (args.rounds >= 1, "--rounds must be >= 1"),
               (0 <= args.token_range[0] < args.token_range[1], "--token-range needs 0 <= LOW < HIGH")]
     for ok, message in checks:
         if not ok:
@@ -100,15 +104,24 @@ async def _bench(args: argparse.Namespace) -> int:
         return 1
     common = dict(token_range=tuple(args.token_range), max_model_len=info.max_model_len or None)
     text = _text_prompts(args)
-    requests = text(make_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed, **common))
-    warm = text(make_requests(args.warmup, args.input_len, args.output_len, seed=args.seed + 10_000, **common))
     run_id = uuid.uuid4().hex[:8]
+    runs: dict[str, list[tuple[list, float]]] = {api: [] for api in args.api}
+    for round_ in range(args.rounds):
+        for i, api in enumerate(args.api):
+            content = None if len(args.api) == 1 and args.rounds == 1 else round_ * len(args.api) + i
+            requests = text(make_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed,
+                                          content_seed=content, **common))
+            warm = text(make_requests(args.warmup, args.input_len, args.output_len, seed=args.seed + 10_000,
+                                      content_seed=content, **common))
+            options = SendOptions(info.id, args.temperature, args.ignore_eos, args.timeout, f"{run_id}-{api}-{round_}")
+            runs[api].append(await _run_api(api, args, requests, warm, options))
     summaries = {}
-    for api in args.api:
-        options = SendOptions(info.id, args.temperature, args.ignore_eos, args.timeout, f"{run_id}-{api}")
-        summaries[api], records, duration = await _run_api(api, args, requests, warm, options)
-        title = (f"{info.id} via {api}: {args.num_prompts} requests, in {args.input_len}, out {args.output_len}, "
-                 f"rate {args.request_rate:g}/s, concurrency {args.max_concurrency or 'unlimited'}")
+    for api, done in runs.items():
+        records = [r for recs, _ in done for r in recs]
+        duration = sum(d for _, d in done)
+        summaries[api] = summarize(records, duration, SloLimits(args.goodput_ttft_ms, args.goodput_tpot_ms))
+        title = (f"{info.id} via {api}: {args.num_prompts} requests x {args.rounds}, in {args.input_len}, "
+                 f"out {args.output_len}, rate {args.request_rate:g}/s, concurrency {args.max_concurrency or 'unlimited'}")
         print(format_table(summaries[api], f"Serving Benchmark Result ({api})" if len(args.api) > 1
                            else "Serving Benchmark Result"))
         _write(args, api, info.id, summaries[api], records, duration, title)
@@ -135,14 +148,13 @@ async def _run_api(api: str, args: argparse.Namespace, requests, warm, options: 
                            dataclasses.replace(options, run_id=options.run_id + "-warm"))
         bar = _progress(len(requests), args.progress)
         try:
-            records, duration = await run_load(client, requests, LoadShape(args.request_rate, args.max_concurrency,
-                                                                           args.seed), options, progress=bar)
+            return await run_load(client, requests, LoadShape(args.request_rate, args.max_concurrency, args.seed),
+                                  options, progress=bar)
         finally:
             if bar is not None:
                 bar.close()
     finally:
         await client.close()
-    return summarize(records, duration, SloLimits(args.goodput_ttft_ms, args.goodput_tpot_ms)), records, duration
 
 
 def _write(args: argparse.Namespace, api: str, model: str, summary, records, duration: float, title: str) -> None:

@@ -68,9 +68,12 @@ class BenchRequest:
 
 
 def make_requests(n: int, input_len: LengthDist, output_len: LengthDist, token_range: tuple[int, int],
-                  seed: int, max_model_len: int | None = None) -> list[BenchRequest]:
-    """`n` random prompts; each input + output is clipped to `max_model_len` (the output keeps >= 1 token)."""
+                  seed: int, max_model_len: int | None = None, content_seed: int | None = None) -> list[BenchRequest]:
+    """`n` random prompts; each input + output is clipped to `max_model_len` (the output keeps >= 1 token).
+    `content_seed` draws other token ids for the same lengths: the same work, but no prefix-cache hits on a
+    workload sent before."""
     rng = random.Random(seed)
+    ids = rng if content_seed is None else random.Random(f"{seed}/{content_seed}")
     low, high = token_range
     requests = []
     for i in range(n):
@@ -78,7 +81,7 @@ def make_requests(n: int, input_len: LengthDist, output_len: LengthDist, token_r
         if max_model_len is not None:
             n_in = min(n_in, max_model_len - 1)
             n_out = max(1, min(n_out, max_model_len - n_in))
-        requests.append(BenchRequest(i, [rng.randrange(low, high) for _ in range(n_in)], n_out))
+        requests.append(BenchRequest(i, [ids.randrange(low, high) for _ in range(n_in)], n_out))
     return requests
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -22,11 +23,18 @@ def stack(tmp_path_factory):
     processes = list(workers)
     try:
         processes.append(start_service("router", "--model", model, "--prefill-workers", workers[0].address,
-                                       "--decode-workers", workers[1].address, env=WORKER_ENV))
+                                       "--decode-workers", workers[1].address, "--http-port", str(_free_port()),
+                                       env=WORKER_ENV))
         yield processes
     finally:
         for process in processes:
             process.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _bench(router: str, tmp_path, *flags: str) -> dict:
@@ -62,3 +70,25 @@ def test_bench_with_poisson_arrivals_and_normal_lengths(stack, tmp_path):
     assert result["summary"]["completed"] == 8
     assert all(r["output_tokens"] == 6 for r in result["requests"])
     assert result["config"]["request_rate"] == 20
+
+
+def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(stack, tmp_path):
+    router = stack[2]
+    model = router.args[router.args.index("--model") + 1]
+    done = subprocess.run([sys.executable, "-m", "services", "bench", "--router", router.address, "--http",
+                           router.http_url, "--api", "grpc,openai,kserve", "--tokenizer", model, "--num-prompts", "6",
+                           "--input-len", "uniform:8:32", "--output-len", "uniform:4:8", "--max-concurrency", "3",
+                           "--warmup", "0", "--seed", "2", "--json", str(tmp_path / "bench.json"), "--no-progress"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
+            if line.split() and line.split()[0] in ("grpc", "openai", "kserve")}
+    assert set(rows) == {"grpc", "openai", "kserve"} and rows["grpc"][-1] == "1.000x"
+    per_api = {api: json.loads((tmp_path / f"bench-{api}.json").read_text()) for api in rows}
+    lengths = {api: [r["max_tokens"] for r in result["requests"]] for api, result in per_api.items()}
+    assert lengths["grpc"] == lengths["openai"] == lengths["kserve"]  # the same work through each door
+    for api, result in per_api.items():  # every request complete, to its full length (ignore_eos)
+        assert result["summary"]["completed"] == 6 and result["summary"]["failed"] == 0, api
+        assert [r["output_tokens"] for r in result["requests"]] == lengths[api], api
+        assert all(r["ttft_ms"] > 0 for r in result["requests"]), api
+    assert_no_leaks(stack[:2])
