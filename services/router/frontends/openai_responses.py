@@ -24,7 +24,7 @@ _HTTP_OF: dict[grpc.StatusCode, tuple[int, str, str]] = {
     _S.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     _S.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     _S.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
-    _S.CANCELLED: (499, "cancelled_error", "cancelled"),
+    _S.CANCELLED: (503, "service_unavailable_error", "cancelled"),  # a worker gave up our call: retryable
     _S.UNIMPLEMENTED: (501, "server_error", "not_implemented"),
 }
 _INTERNAL = (500, "server_error", "internal_error")
