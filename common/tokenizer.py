@@ -3,6 +3,7 @@ router and `disagg run` tokenise with it, without loading an engine."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,18 @@ class Tokenizer:
         path = Path(path)
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(hf)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string; a byte-level BPE symbol is one byte,
+        so one character at most). A text of n characters needs at least n / max_token_chars tokens."""
+        pieces = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return max((len(p) for p in pieces if isinstance(p, str)), default=1)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), found without tokenising: a prompt that cannot fit the context is
+        refused at once instead of occupying the tokenizer. Halved, for normalisers that compose characters."""
+        return len(text) // (2 * self.max_token_chars)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))

@@ -53,6 +53,7 @@ class RequestPreparer:
         bad_stops = [t for t in params.stop_token_ids if t >= self.facts.vocab_size]
         if bad_stops:  # the engine would never match them; say so instead of silently ignoring
             raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {self.facts.vocab_size}): {bad_stops[:5]}")
+        self._refuse_oversized_text(request, model)
         prompt = self._tokens(request)
         if self.image_tokens is not None and (request.images or self.image_tokens.token_id in prompt):
             prompt = self.image_tokens.expand(prompt, len(request.images))
@@ -69,6 +70,18 @@ class RequestPreparer:
                                worker_request_id=f"{request.request_id}-{secrets.token_hex(4)}",
                                prompt=prompt, max_model_len=model.max_model_len, params=params,
                                echo_prompt_token_ids=request.echo_prompt_token_ids, images=tuple(request.images))
+
+    def _refuse_oversized_text(self, request: GenerationRequest, model: ServedModel) -> None:
+        """A text that cannot fit the context whatever its tokens is refused before it is tokenised: a 15 MB prompt
+        would hold the tokenizer (and every request queued behind it) for seconds."""
+        if self.tokenizer is None:
+            return
+        texts = [request.prompt] if request.prompt is not None else [m.content for m in request.messages or ()]
+        fewest = sum(self.tokenizer.fewest_tokens(t) for t in texts)
+        if fewest >= model.max_model_len:
+            chars = sum(len(t) for t in texts)
+            raise InvalidRequest(f"the prompt has {chars} characters, at least {fewest} tokens; the model's context "
+                                 f"is {model.max_model_len} tokens, which must also hold at least one generated token")
 
     def _tokens(self, request: GenerationRequest) -> list[int]:
         inputs = [name for name in ("prompt", "token_ids", "messages") if getattr(request, name) is not None]

@@ -74,3 +74,24 @@ def test_text_input_without_a_tokenizer_asks_for_token_ids():
     with pytest.raises(InvalidRequest, match="no tokenizer.*send token_ids"):
         preparer.prepare(request_from_proto(_request(prompt="x"), "r"), MODEL)
     assert preparer.prepare(request_from_proto(_request(token_ids=generation_pb2.TokenIds(ids=[7])), "r"), MODEL).prompt == [7]
+
+
+def test_a_prompt_too_large_for_any_tokenisation_is_refused_before_it_is_tokenised(preparer, monkeypatch):
+    def never(*args):
+        raise AssertionError("tokenised a prompt that cannot fit")
+
+    monkeypatch.setattr(preparer.tokenizer, "encode", never)
+    monkeypatch.setattr(preparer.tokenizer, "apply_chat_template", never)
+    huge = "word " * 3_000_000  # 15 MB
+    with pytest.raises(InvalidRequest, match=r"the prompt has 15000000 characters, at least \d+ tokens; the model's "
+                                             r"context is 64 tokens"):
+        preparer.prepare(request_from_proto(_request(prompt=huge), "r"), MODEL)
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=huge)])
+    with pytest.raises(InvalidRequest, match="at least"):
+        preparer.prepare(request_from_proto(_request(chat=chat), "r"), MODEL)
+
+
+def test_the_token_bound_never_exceeds_the_real_count(preparer):
+    tok = preparer.tokenizer
+    for text in ("The sea is blue.", "x" * 500, "日本語のテキスト" * 40, "a\u0301" * 100, " " * 300):
+        assert tok.fewest_tokens(text) <= len(tok.encode(text)), text
