@@ -136,8 +136,8 @@ def test_a_tritonclient_stream_stopped_mid_generation_frees_every_block(cluster,
 
 
 CORE_CASES = [  # refused by the core (the prompt's tokens against the context), not by the front door
-    BadCase("prompt past the context", lambda m: prompt_request(m, "word " * CONTEXT), grpc.StatusCode.INVALID_ARGUMENT,
-            f"the model's context is {CONTEXT} tokens"),
+    BadCase("prompt past the context", lambda m: prompt_request(m, "word " * CONTEXT),
+            grpc.StatusCode.INVALID_ARGUMENT, f"the model's context is {CONTEXT} tokens"),
     BadCase("max_tokens past the context", lambda m: prompt_request(m, max_tokens=CONTEXT),
             grpc.StatusCode.INVALID_ARGUMENT, f"exceeds the model's context of {CONTEXT} tokens; ask for at most"),
 ]

@@ -10,7 +10,7 @@ UNIMPLEMENTED (the generated servicer's answer).
 from __future__ import annotations
 
 from importlib import metadata
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
 import grpc
 
@@ -18,24 +18,15 @@ from common.errors import DisaggError, InvalidRequest, NotFound, Unavailable
 from common.pb.inference import grpc_service_pb2 as pb
 from common.pb.inference import grpc_service_pb2_grpc as pb_grpc
 from services.router.frontends.kserve_model import check_model, model_config, model_metadata
-from services.router.frontends.kserve_stream import StreamSession, parse_for, whole_text
-from services.router.generation import Event, GenerationRequest, ServedModel
+from services.router.frontends.kserve_stream import Core, StreamSession, parse_for, whole_text
+from services.router.generation import ServedModel
 from services.serving import abort_with
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 SERVER_NAME = "disagg"
 # Triton's names for what this server does of its protocol extensions.
 EXTENSIONS = ("model_configuration", "parameters")
-
-
-class Core(Protocol):
-    """What the front door needs of the router core."""
-
-    def served_model(self) -> ServedModel: ...
-
-    def ready(self) -> bool: ...
-
-    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
+Context = grpc.aio.ServicerContext
 
 
 def _version() -> str:
@@ -49,16 +40,16 @@ class KserveServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, core: Core):
         self._core = core
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context) -> pb.ServerLiveResponse:
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self._core.ready())
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=_version(), extensions=EXTENSIONS)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context) -> pb.ModelReadyResponse:
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         try:
             model = self._core.served_model()
         except Unavailable:  # no decode worker: whatever the name, nothing is ready
@@ -69,14 +60,13 @@ class KserveServicer(pb_grpc.GRPCInferenceServiceServicer):
             await abort_with(context, exc)
         return pb.ModelReadyResponse(ready=self._core.ready())
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         return model_metadata(await self._model(request.name, request.version, context))
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context) -> pb.ModelConfigResponse:
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         return model_config(await self._model(request.name, request.version, context))
 
-    async def ModelInfer(self, request: pb.ModelInferRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         """The whole text in one response; `stream` true is INVALID_ARGUMENT (that is ModelStreamInfer's)."""
         try:
             parsed = parse_for(self._core, request)
@@ -89,13 +79,13 @@ class KserveServicer(pb_grpc.GRPCInferenceServiceServicer):
         return parsed.reply.response(text, reason)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
-                               context: grpc.aio.ServicerContext) -> None:
+                               context: Context) -> None:
         try:
             await StreamSession(self._core, context).serve(request_iterator)
         except InvalidRequest as exc:
             await abort_with(context, exc)
 
-    async def _model(self, name: str, version: str, context: grpc.aio.ServicerContext) -> ServedModel:
+    async def _model(self, name: str, version: str, context: Context) -> ServedModel:
         try:
             model = self._core.served_model()
             check_model(name, version, model)

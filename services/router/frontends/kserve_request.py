@@ -11,7 +11,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
@@ -79,7 +79,7 @@ def _stream_flag(tensors: dict[str, Tensor]) -> bool:
     return bool(given[0].values[0]) if given else False
 
 
-def _parameters(parameters) -> tuple[bool, int]:
+def _parameters(parameters: Mapping[str, pb.InferParameter]) -> tuple[bool, int]:
     """(empty final response asked for, timeout in ms) from the request's parameters."""
     empty_final, timeout_ms = False, 0
     for key, value in parameters.items():
@@ -99,7 +99,8 @@ def _parameters(parameters) -> tuple[bool, int]:
     return empty_final, timeout_ms
 
 
-def _outputs(requested, model_name: str) -> tuple[str, ...]:
+def _outputs(requested: Sequence[pb.ModelInferRequest.InferRequestedOutputTensor],
+             model_name: str) -> tuple[str, ...]:
     if not requested:
         return OUTPUTS
     for output in requested:
@@ -206,7 +207,7 @@ def _as_ints(where: str, value: object) -> tuple[int, ...]:
     return _token_ids(where, value)
 
 
-def _token_ids(where: str, values) -> tuple[int, ...]:
+def _token_ids(where: str, values: Sequence[int]) -> tuple[int, ...]:
     if any(value < 0 for value in values):
         raise InvalidRequest(f"{where}: token ids must be >= 0, got {min(values)}")
     return tuple(int(value) for value in values)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Protocol, Union
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -20,7 +20,7 @@ from common.errors import InvalidRequest
 from common.pb.inference import grpc_service_pb2 as pb
 from services.router.frontends.kserve_model import TEXT_OUTPUT, Reply, check_model
 from services.router.frontends.kserve_request import KserveRequest, parse_request
-from services.router.generation import Finished
+from services.router.generation import Event, Finished, GenerationRequest, ServedModel
 from services.serving import message_of, status_of
 
 log = logging.getLogger(__name__)
@@ -29,20 +29,30 @@ log = logging.getLogger(__name__)
 _Item = Union[pb.ModelStreamInferResponse, InvalidRequest, None]
 
 
+class Core(Protocol):
+    """What the front door needs of the router core (services/router/orchestrator.py)."""
+
+    def served_model(self) -> ServedModel: ...
+
+    def ready(self) -> bool: ...
+
+    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
+
+
 def finish_reason(finished: Finished) -> str:
     if finished.error is not None:
         raise finished.error
     return finished.reason.value
 
 
-def parse_for(core, request: pb.ModelInferRequest) -> KserveRequest:
+def parse_for(core: Core, request: pb.ModelInferRequest) -> KserveRequest:
     """The request, once its model is the served one (NotFound otherwise; Unavailable with no worker)."""
     model = core.served_model()
     check_model(request.model_name, request.model_version, model)
     return parse_request(request, model.name)
 
 
-async def whole_text(core, request: KserveRequest, timeout_s: float | None) -> tuple[str, str]:
+async def whole_text(core: Core, request: KserveRequest, timeout_s: float | None) -> tuple[str, str]:
     """(the generated text, its finish reason)."""
     parts: list[str] = []
     async with contextlib.aclosing(core.stream(request.generation, timeout_s)) as events:
@@ -61,7 +71,7 @@ def error_text(exc: BaseException) -> str:
 class StreamSession:
     """One ModelStreamInfer call: reads requests, runs each as a task, writes every response from one place."""
 
-    def __init__(self, core, context: grpc.aio.ServicerContext):
+    def __init__(self, core: Core, context: grpc.aio.ServicerContext):
         self._core = core
         self._context = context
         self._tasks: set[asyncio.Task] = set()
