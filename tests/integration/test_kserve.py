@@ -32,8 +32,8 @@ MAX_TOKENS = 12
 CONTEXT = 8192  # long enough that a stream left mid-way would still be generating while the leak check runs
 WORKER_LINE = re.compile(r"^\s+((?:prefill|decode)-\d+)\s+(\S+)\s+\(gRPC")
 
-pytestmark = pytest.mark.skipif(not TRITON_PYTHON.exists(),
-                                reason="no .venv-tritonclient (deploy/install.sh makes it)")
+needs_tritonclient = pytest.mark.skipif(not TRITON_PYTHON.exists(),
+                                        reason="no .venv-tritonclient (deploy/install.sh makes it)")
 
 
 @dataclass
@@ -98,6 +98,7 @@ def native_text(router: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
         return "".join(r.delta.text for r in responses if r.HasField("delta"))
 
 
+@needs_tritonclient
 def test_tritonclient_infer_and_stream_give_the_native_and_hf_greedy_text(cluster, text_model, references):
     model = Path(text_model).name
     result = run_tritonclient("generate", url=cluster.router, model=model, prompts=PROMPTS, max_tokens=MAX_TOKENS)
@@ -122,6 +123,7 @@ def test_tritonclient_infer_and_stream_give_the_native_and_hf_greedy_text(cluste
     assert_no_leaks(cluster.workers)
 
 
+@needs_tritonclient
 def test_a_tritonclient_stream_stopped_mid_generation_frees_every_block(cluster, text_model):
     max_tokens = CONTEXT - 100
     left = run_tritonclient("walk_away", url=cluster.router, model=Path(text_model).name, prompt=PROMPTS[0],
