@@ -31,6 +31,7 @@ class FakeCore:
         self.is_ready = ready
         self.available = True
         self.requests = []
+        self.rejections = []
         self.closed = asyncio.Event()
 
     def served_model(self) -> ServedModel:
@@ -40,6 +41,9 @@ class FakeCore:
 
     def ready(self) -> bool:
         return self.is_ready
+
+    def rejected(self, exc: BaseException) -> None:
+        self.rejections.append(exc)
 
     async def stream(self, request, timeout_s=None):
         self.requests.append(request)
@@ -372,3 +376,10 @@ def test_start_http_binds_a_free_port_serves_and_stops():
         return door.port, body
     port, body = asyncio.run(main())
     assert port > 0 and body["choices"][0]["text"] == "Hello sea"
+
+
+def test_a_request_refused_while_parsing_is_still_counted_by_the_core():
+    core = FakeCore()
+    status, body, _ = post(core, "/v1/chat/completions", {"messages": [], "n": 2})
+    assert status == 400 and not core.requests
+    assert len(core.rejections) == 1 and isinstance(core.rejections[0], errors.InvalidRequest)

@@ -17,6 +17,8 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
+from common.errors import DisaggError
+
 from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
                                                        parse_completion)
 from services.router.frontends.openai_responses import Json, Shapes, error_json, error_of
@@ -38,6 +40,8 @@ class Core(Protocol):
     def ready(self) -> bool: ...
 
     def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
+
+    def rejected(self, exc: BaseException) -> None: ...
 
 
 class HttpFrontDoor:
@@ -132,9 +136,12 @@ class _Handlers:
                 "max_model_len": served.max_model_len}
 
     async def _generate(self, request: web.Request, parse: Callable[..., ApiRequest]) -> web.StreamResponse:
-        fields = decode_body(await request.read())
         request_id = _request_id.get()
-        api = parse(fields, request_id, self._core.served_model())
+        try:
+            api = parse(decode_body(await request.read()), request_id, self._core.served_model())
+        except DisaggError as exc:  # refused before the core saw it: still counted under its status
+            self._core.rejected(exc)
+            raise
         shapes = Shapes(api, request_id, int(time.time()))
         headers = {REQUEST_ID_HEADER: request_id}
         async with contextlib.aclosing(self._core.stream(api.generation)) as events:
