@@ -36,6 +36,7 @@ class FakeCore:
         self.requests = []
         self.timeouts = []
         self.closed = 0  # streams closed (finished, failed or cancelled)
+        self.refused = []  # what the front door refused before calling stream (core.rejected)
 
     def served_model(self) -> ServedModel:
         if not self.available:
@@ -44,6 +45,9 @@ class FakeCore:
 
     def ready(self) -> bool:
         return self.is_ready
+
+    def rejected(self, exc: BaseException) -> None:
+        self.refused.append(exc)
 
     async def stream(self, request, timeout_s=None):
         self.requests.append(request)
@@ -268,7 +272,8 @@ def test_each_bad_request_gets_its_status_and_names_what_is_wrong(case):
     error = serve(core, scenario)
     assert error.code() == case.code, error.details()
     assert case.words in error.details()
-    assert core.requests == []  # refused before the core saw it
+    assert core.requests == []  # refused before the core saw it, and counted as such
+    assert len(core.refused) == 1 and case.words in str(core.refused[0])
 
 
 @pytest.mark.parametrize("exc, code", [
@@ -290,6 +295,7 @@ def test_core_errors_keep_their_status_on_both_rpcs(exc, code):
     unary, streamed = serve(core, scenario)
     assert unary.code() == code and unary.details() == str(exc)
     assert [(r.error_message, r.infer_response.id) for r in streamed] == [(f"[{code}] {exc}", "s")]
+    assert core.refused == []  # the core counts its own errors
 
 
 def test_stream_sends_deltas_then_the_finish_flagged_final():
@@ -347,6 +353,7 @@ def test_a_bad_request_on_a_stream_answers_with_its_id_and_the_stream_goes_on():
     assert len(errors_by_id) == len(cases) >= 15
     for index, case in enumerate(cases):
         assert errors_by_id[f"bad-{index}"].startswith(f"[{case.code}] ") and case.words in errors_by_id[f"bad-{index}"]
+    assert len(core.refused) == len(cases)
     good = [r.infer_response for r in responses if r.infer_response.id == "good"]
     assert [outputs_of(r)["text_output"] for r in good] == ["Hello sea"]
 

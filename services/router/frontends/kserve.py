@@ -69,10 +69,7 @@ class KserveServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         """The whole text in one response; `stream` true is INVALID_ARGUMENT (that is ModelStreamInfer's)."""
         try:
-            parsed = parse_for(self._core, request)
-            if parsed.stream:
-                raise InvalidRequest("input 'stream' is true, but ModelInfer sends one response; "
-                                     "stream with ModelStreamInfer (tritonclient: start_stream + async_stream_infer)")
+            parsed = parse_for(self._core, request, unary=True)
             text, reason = await whole_text(self._core, parsed, context.time_remaining())
         except Exception as exc:  # cancellation (the client went away) passes through and closes the stream
             await abort_with(context, exc)

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Protocol, Union
 import grpc
 from google.protobuf.message import DecodeError
 
-from common.errors import InvalidRequest
+from common.errors import DisaggError, InvalidRequest
 from common.pb.inference import grpc_service_pb2 as pb
 from services.router.frontends.kserve_model import TEXT_OUTPUT, Reply, check_model
 from services.router.frontends.kserve_request import KserveRequest, parse_request
@@ -38,6 +38,8 @@ class Core(Protocol):
 
     def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
 
+    def rejected(self, exc: BaseException) -> None: ...
+
 
 def finish_reason(finished: Finished) -> str:
     if finished.error is not None:
@@ -45,11 +47,20 @@ def finish_reason(finished: Finished) -> str:
     return finished.reason.value
 
 
-def parse_for(core: Core, request: pb.ModelInferRequest) -> KserveRequest:
-    """The request, once its model is the served one (NotFound otherwise; Unavailable with no worker)."""
-    model = core.served_model()
-    check_model(request.model_name, request.model_version, model)
-    return parse_request(request, model.name)
+def parse_for(core: Core, request: pb.ModelInferRequest, unary: bool = False) -> KserveRequest:
+    """The request, once its model is the served one (NotFound otherwise; Unavailable with no worker). A refused
+    request is counted by the core's metrics, as the requests it refuses itself are."""
+    try:
+        model = core.served_model()
+        check_model(request.model_name, request.model_version, model)
+        parsed = parse_request(request, model.name)
+        if unary and parsed.stream:
+            raise InvalidRequest("input 'stream' is true, but ModelInfer sends one response; "
+                                 "stream with ModelStreamInfer (tritonclient: start_stream + async_stream_infer)")
+    except DisaggError as exc:
+        core.rejected(exc)
+        raise
+    return parsed
 
 
 async def whole_text(core: Core, request: KserveRequest, timeout_s: float | None) -> tuple[str, str]:
