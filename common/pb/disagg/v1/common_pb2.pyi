@@ -107,7 +107,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_ms", "e2e_ms", "kv_transfer_backend", "kv_transfer_bytes", "kv_transfer_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_ms", "e2e_ms", "kv_transfer_backend", "kv_transfer_bytes", "kv_transfer_ms", "ttft_breakdown")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class Usage(_message.Message):
     KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
@@ -124,7 +125,22 @@ class Usage(_message.Message):
     kv_transfer_backend: TransferBackend
     kv_transfer_bytes: int
     kv_transfer_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., kv_transfer_backend: _Optional[_Union[TransferBackend, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
+    ttft_breakdown: TtftBreakdown
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., kv_transfer_backend: _Optional[_Union[TransferBackend, str]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., ttft_breakdown: _Optional[_Union[TtftBreakdown, _Mapping]] = ...) -> None: ...
+
+class TtftBreakdown(_message.Message):
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_handoff_ms", "first_decode_step_ms")
+    ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    router_queue_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_handoff_ms: float
+    first_decode_step_ms: float
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_handoff_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ...) -> None: ...
 
 class ErrorStatus(_message.Message):
     __slots__ = ("code", "message")

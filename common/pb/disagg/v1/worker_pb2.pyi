@@ -61,18 +61,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ..., output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ..., request_type: _Optional[_Union[_common_pb2.RequestType, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_token_logprob", "first_token_top_logprobs", "session", "cached_tokens")
+    __slots__ = ("first_token", "first_token_logprob", "first_token_top_logprobs", "session", "cached_tokens", "ttft_breakdown")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_token_logprob: float
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
     session: _common_pb2.KvSessionRef
     cached_tokens: int
-    def __init__(self, first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    ttft_breakdown: _common_pb2.TtftBreakdown
+    def __init__(self, first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., ttft_breakdown: _Optional[_Union[_common_pb2.TtftBreakdown, _Mapping]] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
     __slots__ = ("request_id", "token_ids", "first_token", "session", "sampling", "stop", "output", "request_type", "embeddings")
