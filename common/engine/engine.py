@@ -170,7 +170,8 @@ class LLMEngine:
             if self._live(request):
                 request.num_computed_tokens += n
                 self.block_manager.commit_full_blocks(request)
-        return [self._append_token(request, token, lp)
+        read_at = time.monotonic()
+        return [self._append_token(request, token, lp, read_at)
                 for request, (token, lp) in zip(launched.sampled, drawn) if self._live(request)]
 
     def _live(self, request: Request) -> bool:
@@ -200,7 +201,8 @@ class LLMEngine:
                 return None
         return self.runner.launch_ahead(launched, rows)
 
-    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None,
+                      read_at: float) -> RequestOutput:
         request.output_token_ids.append(token)
         reason = self._stop_rules[request.request_id].check(token, request.num_tokens)
         output = RequestOutput(
@@ -208,6 +210,9 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens, num_output_tokens=len(request.output_token_ids),
         )
+        if request.first_token_time is None:
+            request.first_token_time = read_at
+            output.first_scheduled_time, output.first_token_time = request.first_scheduled_time, read_at
         if reason is None and request.request_type is RequestType.CONTEXT_ONLY:
             output.session_id = self._pin_session(request, token).session_id
             reason = FinishReason.CONTEXT_DONE

@@ -112,7 +112,9 @@ class Request:
     kv_import: object | None = None  # generation_only: common.kv.layout.KvExport until copied in
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of this request's full blocks
     max_total_tokens: int = 0  # prompt + output cap, set by the engine from max_tokens / max_model_len
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() stamps, in this process: added to the engine,
+    first_scheduled_time: float | None = None  # first admitted into a step's batch,
+    first_token_time: float | None = None  # its first generated token read back (a step's result)
     num_preemptions: int = 0
     mm: MultiModalInputs | None = None  # image embeddings spliced over the prompt's placeholders
 
@@ -146,3 +148,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     session_id: str | None = None  # context_only: where the KV waits for its pull
+    # On the output carrying the request's first generated token (None elsewhere, and from an engine that does not
+    # stamp them): Request.first_scheduled_time and first_token_time, time.monotonic() in the engine's process.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None

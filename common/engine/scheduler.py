@@ -8,6 +8,7 @@ its blocks are freed and it goes back to the queue to be recomputed.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,6 +102,8 @@ class Scheduler:
                     self.block_manager.free(request)
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.requests.append(request)
