@@ -3,8 +3,10 @@
 Workers bind free ports; the router binds --router-port (50051, what `disagg generate` expects).
 Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-memory-utilization,
 --max-num-seqs, ...) go to every worker. Each child's log lines are echoed with its name; a child
-that dies is restarted on its port with a back-off, so the cluster keeps serving. Ctrl-C or SIGTERM
-stops them all (SIGTERM, then SIGKILL after a grace period).
+that dies is restarted on its port with a back-off, so the cluster keeps serving. Each child serves
+Prometheus /metrics on a port of its own, kept across its restarts: free ones, or with --metrics-port-base N
+router N, then prefill-0.. and decode-0.. on N+1, N+2, ... (a Prometheus scrape list stays right). Ctrl-C or
+SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period).
 """
 from __future__ import annotations
 
@@ -22,25 +24,60 @@ from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, POLICY_NAMES
 from services.supervise import Child, log, stop_all, wait_ready
 
 
-def check_port_free(host: str, port: int, flag: str = "--router-port") -> str | None:
-    """None if host:port can be bound now, else a one-line reason naming the flag."""
-    if port == 0:
-        return None
+def _bind_problem(host: str, port: int) -> str | None:
+    """None if host:port can be bound now, else what stops it."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            what = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-            hint = "0 picks a free one" if flag == "--router-port" else "0 turns it off"
-            return f"{host}:{port} {what}; choose another port with {flag} ({hint})"
+            return "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return None
+
+
+def check_port_free(host: str, port: int, flag: str = "--router-port") -> str | None:
+    """None if host:port can be bound now, else a one-line reason naming the flag."""
+    problem = _bind_problem(host, port) if port else None
+    if problem:
+        hint = "0 picks a free one" if flag == "--router-port" else "0 turns it off"
+        return f"{host}:{port} {problem}; choose another port with {flag} ({hint})"
+    return None
+
+
+def child_names(args: argparse.Namespace) -> list[str]:
+    """Every child, in the order metrics ports are handed out: router, prefill-0.., decode-0.."""
+    return ["router", *(f"{role}-{i}" for role, count in (("prefill", args.prefill), ("decode", args.decode))
+                        for i in range(count))]
+
+
+def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Each child's --metrics-port: base, base+1, ... in child_names order; 0 (a free one) for base 0, -1 (off) for -1."""
+    base = args.metrics_port_base
+    return {name: (0 if not base else -1 if base < 0 else base + i) for i, name in enumerate(child_names(args))}
+
+
+def check_metrics_ports(args: argparse.Namespace) -> str | None:
+    """With --metrics-port-base: None if every port of its range is free and apart from the router's, else one line."""
+    if args.metrics_port_base <= 0:
+        return None
+    ports = metrics_ports(args)
+    span = f"--metrics-port-base {args.metrics_port_base} gives ports {min(ports.values())}-{max(ports.values())}"
+    for flag, port in (("--router-port", args.router_port), ("--http-port", args.http_port)):
+        if port in ports.values():
+            return f"{span} ({len(ports)} services), which include {flag} {port}; choose another base"
+    for name, port in ports.items():
+        problem = _bind_problem(args.host, port)
+        if problem:
+            return f"{args.host}:{port} ({name}'s metrics port) {problem}; choose another --metrics-port-base " \
+                   "(or leave it out: free ports)"
     return None
 
 
 def start_cluster(args: argparse.Namespace) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
     worker_args = ["--host", args.host, "--log-level", args.log_level, *engine_argv(args)]
-    workers = [Child.start(f"{role}-{i}", f"services.{role}", worker_args)
-               for role, count in (("prefill", args.prefill), ("decode", args.decode)) for i in range(count)]
+    ports = metrics_ports(args)
+    workers = [Child.start(name, f"services.{name.split('-')[0]}", [*worker_args, "--metrics-port", str(ports[name])])
+               for name in child_names(args)[1:]]
     children = list(workers)
     try:
         wait_ready(workers, args.start_timeout)
@@ -51,7 +88,8 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
                        "--decode-workers", addresses["decode"], "--policy", args.policy,
                        "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
                        "--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
-                       "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level]
+                       "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level,
+                       "--metrics-port", str(ports["router"])]
         if addresses["prefill"]:
             router_args += ["--prefill-workers", addresses["prefill"]]
         children.insert(0, Child.start("router", "services.router", router_args))
@@ -65,6 +103,7 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
 def _banner(children: list[Child], host: str, http_port: int) -> str:
     router = children[0].address
     workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)" for c in children[1:])
+    metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
     http = f"http://{host}:{http_port}" if http_port else None
     http_lines = (f"""  curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{{"messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
@@ -73,6 +112,7 @@ def _banner(children: list[Child], host: str, http_port: int) -> str:
 disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inference.GRPCInferenceService)
 {f"  OpenAI-compatible HTTP on {http}/v1" if http else "  OpenAI-compatible HTTP off (--http-port 0)"}
 {workers}
+{f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
   disagg generate "Tell me about the sea" --router {router}
   grpcurl -plaintext {router} list
@@ -102,18 +142,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompts with at most this many uncached tokens prefill on the decode worker")
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
                         help="prefill tokens queued on a prefill worker before prompts stay on decode (0: no limit)")
+    parser.add_argument("--metrics-port-base", type=int, default=0,
+                        help="Prometheus /metrics ports: router on N, then prefill-0.., decode-0.. on N+1, ... "
+                             "(default 0: free ports; -1 turns metrics off); each kept across restarts")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each process may take to start")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.decode < 1 or args.prefill < 0:
         parser.error("--decode must be >= 1 and --prefill >= 0")
+    if not -1 <= args.metrics_port_base <= 65535 - len(child_names(args)):
+        parser.error(f"--metrics-port-base must be -1 or 0..{65535 - len(child_names(args))}, "
+                     f"got {args.metrics_port_base}")
     return args
 
 
 def preflight(args: argparse.Namespace) -> str | None:
     """What would stop the cluster, found before any process loads a model: one line, or None."""
-    busy = check_port_free(args.host, args.router_port) or check_port_free(args.host, args.http_port, "--http-port")
+    busy = (check_port_free(args.host, args.router_port) or check_port_free(args.host, args.http_port, "--http-port")
+            or check_metrics_ports(args))
     if busy:
         return busy
     try:

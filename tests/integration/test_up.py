@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,6 +20,8 @@ from common.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
+from services.up import check_port_free
+from tests.integration.observed import wait_for
 from tests.integration.processes import REPO_ROOT, start_services
 from tests.integration.test_router import make_text_model
 
@@ -32,10 +36,11 @@ def text_model(tmp_path_factory) -> str:
 class Up:
     """`disagg up` as a child process; its output is collected for the banner and for failures."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
         # No HTTP front door unless a test asks (a later --http-port wins): port 8000 may be taken.
         self.popen = subprocess.Popen([sys.executable, "-m", "services", "up", "--http-port", "0", *args], cwd=REPO_ROOT,
-                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.router: str | None = None
         self._found = threading.Event()
@@ -63,18 +68,36 @@ class Up:
             return self.popen.wait()
 
 
+def _metrics_urls(up: Up) -> dict[str, str]:
+    """The banner's Prometheus lines: child name → its /metrics URL."""
+    return dict(m.groups() for m in (re.search(r"^\s+(\S+)\s+(http://\S+/metrics)$", line) for line in up.lines) if m)
+
+
+def _free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that are free now."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base + count <= 65535 and all(check_port_free("127.0.0.1", base + i) is None for i in range(count)):
+            return base
+
+
 def _child_pids(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 
 def test_up_then_generate_streams_the_hf_answer(text_model):
-    up = Up("--model", text_model, "--router-port", "0")
+    # DISAGG_METRICS_PORT once gave every child the same port: now each gets its own
+    up = Up("--model", text_model, "--router-port", "0", env={"DISAGG_METRICS_PORT": str(_free_port_run(1))})
     children: list[int] = []
     try:
         router = up.wait()
         children = _child_pids(up.popen.pid)
         assert len(children) == 3, "".join(up.lines)  # router, prefill, decode
+        metrics = _metrics_urls(up)
+        assert set(metrics) == {"router", "prefill-0", "decode-0"} and len(set(metrics.values())) == 3, metrics
         result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--raw", "--greedy",
                                  "--max-tokens", "10", "The sea is"], cwd=REPO_ROOT, capture_output=True,
                                 text=True, timeout=120)
@@ -102,28 +125,42 @@ def _wait_line(up: Up, needle: str, timeout_s: float) -> str:
     raise AssertionError(f"no line with {needle!r} within {timeout_s}s:\n" + "".join(up.lines))
 
 
+def _scrapes(url: str) -> bool:
+    try:
+        return 'role="decode"' in urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return False
+
+
 def _cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
 @pytest.mark.slow
-def test_up_restarts_a_killed_worker_on_its_address_and_serves_again(text_model):
+def test_up_restarts_a_killed_worker_on_its_addresses_and_serves_again(text_model):
+    base = _free_port_run(3)
     up = Up("--model", text_model, "--router-port", "0", "--policy", "kv_aware", "--max-num-seqs", "4",
-            "--block-size", "8")
+            "--block-size", "8", "--metrics-port-base", str(base))
     try:
         router = up.wait()
         _wait_line(up, "A process that dies is restarted", 10)
-        addresses = {m.group(1): m.group(2) for m in (re.search(r"^\s+(prefill-0|decode-0)\s+(\S+)", line)
+        addresses = {m.group(1): m.group(2) for m in (re.search(r"^\s+(prefill-0|decode-0)\s+(\S+)  \(gRPC", line)
                                                      for line in up.lines) if m}
         assert set(addresses) == {"prefill-0", "decode-0"}, "".join(up.lines)  # the banner names the workers
+        metrics = _metrics_urls(up)  # router, then prefill-0, decode-0, from the base
+        assert metrics == {name: f"http://127.0.0.1:{base + i}/metrics"
+                           for i, name in enumerate(["router", "prefill-0", "decode-0"])}, "".join(up.lines)
+        assert 'role="decode"' in urllib.request.urlopen(metrics["decode-0"], timeout=10).read().decode()
         decode = next(pid for pid in _child_pids(up.popen.pid) if "services.decode" in _cmdline(pid))
         command = _cmdline(decode)
         assert command[command.index("--max-num-seqs") + 1] == "4" and "--block-size" in command  # engine flags go on
 
         os.kill(decode, signal.SIGKILL)
-        assert "restarting it in 1s" in _wait_line(up, "decode-0 exited with code -9", 10)
+        assert _wait_line(up, "decode-0 was killed", 10).strip() == \
+            "disagg up: decode-0 was killed by SIGKILL; restarting it in 1s"
         back = _wait_line(up, "decode-0 is back on", 120)
         assert back.strip().endswith(f"on {addresses['decode-0']} (restart 1)"), back
+        wait_for(lambda: _scrapes(metrics["decode-0"]), 30, "the restarted decode's metrics on the same port")
         deadline = time.monotonic() + 60
         while True:  # the router probes the worker it marked down until it answers again
             result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--greedy",

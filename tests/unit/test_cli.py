@@ -17,7 +17,7 @@ from services.router.config import POLICY_NAMES
 from services.router.policies import POLICIES
 from services.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
                                      add_sampling_args)
-from services.up import parse_args
+from services.up import check_metrics_ports, metrics_ports, parse_args
 from tests.integration.processes import REPO_ROOT
 
 
@@ -161,3 +161,29 @@ def test_up_refuses_a_busy_http_port_in_one_line():
         result = _up("--router-port", "0", "--http-port", str(port), "--model", "/does/not/matter")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"127.0.0.1:{port} is already in use; choose another port with --http-port (0 turns it off)" in result.stderr
+
+
+def test_up_hands_out_metrics_ports_from_the_base_in_a_fixed_order():
+    args = parse_args(["--metrics-port-base", "9100", "--prefill", "2", "--decode", "2"])
+    assert metrics_ports(args) == {"router": 9100, "prefill-0": 9101, "prefill-1": 9102, "decode-0": 9103,
+                                   "decode-1": 9104}
+    assert set(metrics_ports(parse_args([])).values()) == {0}  # no base: each child a free port of its own
+    assert set(metrics_ports(parse_args(["--metrics-port-base", "-1"])).values()) == {-1}  # off
+
+
+@pytest.mark.parametrize("flag", ["--router-port", "--http-port"])
+def test_up_refuses_metrics_ports_that_overlap_the_routers_in_one_line(flag):
+    args = parse_args([flag, "60002", "--metrics-port-base", "60000"])  # 60000..60002: router, prefill-0, decode-0
+    assert check_metrics_ports(args) == (f"--metrics-port-base 60000 gives ports 60000-60002 (3 services), "
+                                         f"which include {flag} 60002; choose another base")
+
+
+def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _up("--router-port", "0", "--metrics-port-base", str(port), "--model", "/does/not/matter")
+    assert result.returncode == 2 and result.stderr == (
+        f"disagg up: 127.0.0.1:{port} (router's metrics port) is already in use; choose another --metrics-port-base "
+        "(or leave it out: free ports)\n"), result.stderr
