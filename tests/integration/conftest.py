@@ -9,6 +9,7 @@ from typing import Iterator
 
 import pytest
 
+from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
 from tests.integration.processes import ServiceProcess, start_services
 
 # Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
@@ -70,6 +71,17 @@ def service_factory() -> Iterator[ServiceFactory]:
         factory.stop_all()
 
 
+@pytest.fixture(scope="session")
+def front_door_model(tmp_path_factory) -> str:
+    return make_front_door_model(tmp_path_factory.mktemp("models") / "tiny-text")
+
+
+@pytest.fixture(scope="session", params=list(MODES))
+def front_doors(request, front_door_model) -> Iterator[Cluster]:
+    """One `disagg up` per mode for every front door's tests (pytest runs one mode's tests, then the other's)."""
+    yield from run_cluster(front_door_model, request.param)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -77,6 +89,9 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for process in _processes_of(item):
             report.sections.append((f"{process.name} log", process.log()))
+        for value in getattr(item, "funcargs", {}).values():
+            if isinstance(value, Cluster):
+                report.sections.append((f"disagg up ({value.mode}) log", value.log()))
 
 
 def _processes_of(item) -> list[ServiceProcess]:

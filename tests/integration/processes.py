@@ -18,6 +18,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -128,6 +129,13 @@ class ServiceProcess:
                 self._announced.set()
         self.popen.stdout.close()
         self._announced.set()
+
+
+def free_port() -> int:
+    """A loopback port free now (for flags where 0 does not mean "pick one", e.g. --http-port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def start_service(role: str, *args: str, env: Mapping[str, str] | None = None,

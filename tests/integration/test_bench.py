@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.integration.processes import REPO_ROOT, start_service, start_services
+from tests.integration.processes import REPO_ROOT, free_port, start_service, start_services
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.test_router import make_text_model
 
@@ -23,18 +22,12 @@ def stack(tmp_path_factory):
     processes = list(workers)
     try:
         processes.append(start_service("router", "--model", model, "--prefill-workers", workers[0].address,
-                                       "--decode-workers", workers[1].address, "--http-port", str(_free_port()),
+                                       "--decode-workers", workers[1].address, "--http-port", str(free_port()),
                                        env=WORKER_ENV))
         yield processes
     finally:
         for process in processes:
             process.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _bench(router: str, tmp_path, *flags: str) -> dict:

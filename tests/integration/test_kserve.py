@@ -5,75 +5,34 @@ status and a message naming what is wrong, and the next request is served."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from common.pb.inference import grpc_service_pb2 as pb
 from common.pb.inference import grpc_service_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
+from tests.integration.front_doors import CONTEXT
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.processes import REPO_ROOT
-from tests.integration.test_router import make_text_model
-from tests.integration.test_up import Up
 from tests.kserve_cases import BAD_CASES, BadCase, infer_request, prompt_request
 
 TRITON_PYTHON = REPO_ROOT / ".venv-tritonclient" / "bin" / "python"
 SCRIPT = Path(__file__).with_name("triton_client_script.py")
 PROMPTS = ["The sea is", "Once upon a time"]
 MAX_TOKENS = 12
-CONTEXT = 8192  # long enough that a stream left mid-way would still be generating while the leak check runs
-WORKER_LINE = re.compile(r"^\s+((?:prefill|decode)-\d+)\s+(\S+)\s+\(gRPC")
 
 needs_tritonclient = pytest.mark.skipif(not TRITON_PYTHON.exists(),
                                         reason="no .venv-tritonclient (deploy/install.sh makes it)")
 
 
-@dataclass
-class UpWorker:
-    """A worker `disagg up` started, as tests.integration.leaks wants it: a name and a channel."""
-
-    name: str
-    address: str
-
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
-
-
-@dataclass
-class Cluster:
-    router: str
-    workers: list[UpWorker]
-
-
 @pytest.fixture(scope="module")
-def text_model(tmp_path_factory) -> str:
-    """The tiny random text model, its context widened (rotary positions: the weights do not change)."""
-    directory = make_text_model(tmp_path_factory.mktemp("models") / "tiny-text")
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
-    return str(directory)
-
-
-@pytest.fixture(scope="module", params=["aggregated", "prefill-decode"])
-def cluster(request, text_model):
-    prefill = "0" if request.param == "aggregated" else "1"
-    up = Up("--model", text_model, "--router-port", "0", "--http-port", "0", "--prefill", prefill,
-            "--num-kv-blocks", str(CONTEXT // 16 + 64))
-    try:
-        router = up.wait()
-        workers = [UpWorker(*m.groups()) for m in map(WORKER_LINE.match, up.lines) if m]
-        assert len(workers) == (1 if prefill == "0" else 2), "".join(up.lines)
-        yield Cluster(router, workers)
-    finally:
-        assert up.stop() == 0, "".join(up.lines)
+def text_model(front_door_model) -> str:
+    return front_door_model
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +49,17 @@ def run_tritonclient(mode: str, **plan) -> dict:
     return json.loads(result.stdout)
 
 
-def native_text(router: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
-    request = generation_pb2.GenerateRequest(
-        prompt=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
-    with grpc.insecure_channel(router) as channel:
-        responses = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
-        return "".join(r.delta.text for r in responses if r.HasField("delta"))
-
-
 @needs_tritonclient
-def test_tritonclient_infer_and_stream_give_the_native_and_hf_greedy_text(cluster, text_model, references):
+def test_tritonclient_infer_and_stream_give_the_native_and_hf_greedy_text(front_doors, text_model, references):
     model = Path(text_model).name
-    result = run_tritonclient("generate", url=cluster.router, model=model, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    result = run_tritonclient("generate", url=front_doors.router, model=model, prompts=PROMPTS, max_tokens=MAX_TOKENS)
     metadata = result["metadata"]
     assert metadata["live"] and metadata["ready"] and metadata["model_ready"] and metadata["decoupled"]
     assert metadata["server"]["name"] == "disagg"
     assert metadata["inputs"]["text_input"] == ["BYTES", ["1"]]
     assert metadata["outputs"]["text_output"] == ["BYTES", ["-1"]]
     for prompt, unary, streamed in zip(PROMPTS, result["infer"], result["stream"], strict=True):
-        native = native_text(cluster.router, prompt)
+        native = front_doors.native_text(MAX_TOKENS, prompt=prompt)
         assert native == references[prompt], prompt
         assert unary == {"text": native, "finish_reason": "length", "id": "unary"}, prompt
         assert "".join(streamed["deltas"]) == native and len(streamed["deltas"]) > 1, prompt
@@ -120,17 +71,17 @@ def test_tritonclient_infer_and_stream_give_the_native_and_hf_greedy_text(cluste
         "[StatusCode.INVALID_ARGUMENT] input 'sampling_parameters' key 'temperature': temperature must be >= 0, "
         "got -2.0")
     assert result["after_errors"] == result["infer"][0]
-    assert_no_leaks(cluster.workers)
+    assert_no_leaks(front_doors.workers)
 
 
 @needs_tritonclient
-def test_a_tritonclient_stream_stopped_mid_generation_frees_every_block(cluster, text_model):
+def test_a_tritonclient_stream_stopped_mid_generation_frees_every_block(front_doors, text_model):
     max_tokens = CONTEXT - 100
-    left = run_tritonclient("walk_away", url=cluster.router, model=Path(text_model).name, prompt=PROMPTS[0],
+    left = run_tritonclient("walk_away", url=front_doors.router, model=Path(text_model).name, prompt=PROMPTS[0],
                             max_tokens=max_tokens, deltas=20)
     assert left["deltas"] == 20 and not left["finished"]
     started = time.monotonic()
-    assert_no_leaks(cluster.workers, timeout_s=10)
+    assert_no_leaks(front_doors.workers, timeout_s=10)
     freed_s = time.monotonic() - started
     # It was cancelled, not finished: at the pace of its first deltas it had far longer to run.
     remaining_s = (max_tokens - left["deltas"]) * left["seconds"] / left["deltas"]
@@ -145,9 +96,9 @@ CORE_CASES = [  # refused by the core (the prompt's tokens against the context),
 ]
 
 
-def test_bad_requests_get_their_status_and_message_and_the_next_is_served(cluster, text_model):
+def test_bad_requests_get_their_status_and_message_and_the_next_is_served(front_doors, text_model):
     model = Path(text_model).name
-    with grpc.insecure_channel(cluster.router) as channel:
+    with grpc.insecure_channel(front_doors.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for case in [*BAD_CASES, *CORE_CASES]:
             with pytest.raises(grpc.RpcError) as error:
@@ -163,14 +114,14 @@ def test_bad_requests_get_their_status_and_message_and_the_next_is_served(cluste
         assert answers[f"bad-{index}"].startswith(f"[{case.code}]") and case.words in answers[f"bad-{index}"]
     assert answers["good"] == "" and [o.name for o in served.outputs] == ["text_output", "finish_reason"]
     assert len(BAD_CASES) + len(CORE_CASES) >= 15
-    assert_no_leaks(cluster.workers)
+    assert_no_leaks(front_doors.workers)
 
 
-def test_model_names_versions_and_typed_contents_through_the_router(cluster, text_model):
+def test_model_names_versions_and_typed_contents_through_the_router(front_doors, text_model):
     model = Path(text_model).name
     typed = infer_request(model, [("text_input", "BYTES", [1, 1], [PROMPTS[0]]), ("max_tokens", "INT32", [1], [4]),
                                   ("temperature", "FP32", [1], [0.0])], raw=False, version="1")
-    with grpc.insecure_channel(cluster.router) as channel:
+    with grpc.insecure_channel(front_doors.router) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         answer = stub.ModelInfer(typed, timeout=60)
         assert stub.ModelReady(pb.ModelReadyRequest(name=model, version="1")).ready
@@ -178,7 +129,7 @@ def test_model_names_versions_and_typed_contents_through_the_router(cluster, tex
             stub.ModelConfig(pb.ModelConfigRequest(name=model, version="2"))
     assert answer.model_name == model and answer.model_version == "1"
     texts = {o.name: raw[4:].decode() for o, raw in zip(answer.outputs, answer.raw_output_contents, strict=True)}
-    assert texts == {"text_output": native_text(cluster.router, PROMPTS[0], 4), "finish_reason": "length"}
+    assert texts == {"text_output": front_doors.native_text(4, prompt=PROMPTS[0]), "finish_reason": "length"}
     assert error.value.code() == grpc.StatusCode.NOT_FOUND and "has no version '2'" in error.value.details()
 
 
