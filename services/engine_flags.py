@@ -12,6 +12,7 @@ from common.engine.default_model import resolve_model
 _VALUED = (("--model", "model"), ("--dtype", "dtype"), ("--device", "device"), ("--block-size", "block_size"),
            ("--num-kv-blocks", "num_kv_blocks"), ("--gpu-memory-utilization", "gpu_memory_utilization"),
            ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
+           ("--long-prefill-token-threshold", "long_prefill_token_threshold"),
            ("--max-model-len", "max_model_len"), ("--max-waiting", "max_waiting"), ("--session-ttl", "session_ttl"),
            ("--engine", "engine"))
 
@@ -34,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "are loaded (e.g. 0.9), instead of --num-kv-blocks")
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens of one request per step, so a long prompt shares steps with the "
+                        "others (default: 64 on the CPU, no limit on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -49,7 +53,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
+        max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
     )

@@ -9,6 +9,9 @@ import torch
 from common.errors import InvalidConfig
 
 ENGINES = ("torch", "trtllm")
+# A CPU prefill chunk of this many tokens runs in a few tenths of a second (SmolLM2-135M, 2 cores), so a
+# request arriving behind a long prompt gets its first token within about a second.
+CPU_LONG_PREFILL_TOKENS = 64
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -24,6 +27,9 @@ class EngineConfig:
     """CUDA only: size the KV cache from free GPU memory after loading the weights (replaces num_kv_blocks)."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
+    """Most prompt tokens of one request in a step, so a long prompt shares its steps with decodes and new
+    prompts. None: CPU_LONG_PREFILL_TOKENS on the CPU, no limit on CUDA (see `prefill_chunk_limit`)."""
     max_model_len: int | None = None
     """Defaults to the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
@@ -46,6 +52,8 @@ class EngineConfig:
             (self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
+             f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
             (self.session_ttl_s > 0, f"session_ttl_s must be > 0, got {self.session_ttl_s}"),
             (self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}"),
@@ -63,6 +71,14 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def prefill_chunk_limit(self) -> int:
+        """long_prefill_token_threshold, or the device's default: a CPU step of thousands of prompt tokens
+        takes seconds, which every other request would wait; a GPU runs it in milliseconds, at full throughput."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return self.max_num_batched_tokens if self.device.startswith("cuda") else CPU_LONG_PREFILL_TOKENS
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -38,7 +38,8 @@ class LLMEngine:
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
         self.block_manager.events = self.kv_events
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_limit)
         self.sessions = KvSessionTable(config.session_ttl_s)
         # Released while an export was still reading them: freed when the last lease ends.
         self._released_leased: dict[str, KvSession] = {}

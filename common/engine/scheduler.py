@@ -1,8 +1,10 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
 Every request has `num_computed_tokens` of its `num_tokens` in the KV cache. Each step gives
-running requests their next tokens (one for a decode, a chunk for an unfinished prefill)
-within a token budget, then admits waiting requests while the budget and the pool allow.
+running decodes their next token, then unfinished prefills their next chunk, within a token
+budget, then admits waiting requests while the budget and the pool allow. One request's chunk
+is at most `long_prefill_token_threshold` tokens (vLLM's name), so a long prompt leaves room in
+every step for the decodes and a newly arrived prompt instead of taking the whole budget.
 When a running request cannot get a block, the most recently admitted one is preempted:
 its blocks are freed and it goes back to the queue to be recomputed.
 """
@@ -35,10 +37,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -57,24 +61,30 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:  # decodes first: a prefill chunk never delays a running stream
+            budget = self.max_num_batched_tokens - batch.num_tokens
+            if budget <= 0:
+                break
+            if request not in self.running:
+                continue  # preempted by an earlier row of this step
+            n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
             if not self._allocate_or_preempt(request, n, batch):
-                break  # the request itself was preempted (it was the last one)
+                break  # the request itself was preempted: every row after it in `running` already was
             batch.requests.append(request)
             batch.num_new_tokens.append(n)
-            budget -= n
-            i += 1
         if not batch.preempted:
-            budget = self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, self.max_num_batched_tokens - batch.num_tokens)
         return batch
 
     def _allocate_or_preempt(self, request: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Blocks for `n` more tokens of `request`, preempting from the end of `running` until they fit."""
         while not self.block_manager.allocate_slots(request, n):
             victim = self.running.pop()
+            if victim in batch.requests:  # a decode scheduled before this prefill chunk leaves the batch
+                i = batch.requests.index(victim)
+                del batch.requests[i], batch.num_new_tokens[i]
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is request:
@@ -93,7 +103,7 @@ class Scheduler:
                 self.block_manager.match_prefix(request)
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = request.num_computed_tokens
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
             if not self.block_manager.allocate_slots(request, n):
                 if request.kv_import is None:
                     self.block_manager.free(request)  # give back the prefix hits; retry next step
