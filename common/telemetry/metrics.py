@@ -2,8 +2,8 @@
 
 Names follow Prometheus conventions: `disagg_` prefix, base units (seconds, bytes), `_total`
 for counters; every series carries `model` and `role`. The router measures what clients see
-(TTFT, inter-token and end-to-end latency, tokens, per-status requests, prefix-cache hits); workers
-publish their engine's state (running / waiting, KV usage, free blocks) and the KV handoff
+(TTFT and its breakdown by part, inter-token and end-to-end latency, tokens, per-status requests, prefix-cache
+hits); workers publish their engine's state (running / waiting, KV usage, free blocks) and the KV handoff
 (sessions exported / pulled / expired, pull bytes and seconds); encode workers their latency.
 """
 from __future__ import annotations
@@ -18,11 +18,17 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_PART_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                 60.0)
 _PULL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # name → (kind, help, extra label names); the one table of every metric disagg exports.
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_time_to_first_token_seconds": ("histogram", "Time from request arrival to its first token.", ()),
+    "disagg_ttft_breakdown_seconds": ("histogram", "A request's time to first token part by part (router_queue, "
+                                      "prefill_queue, prefill_compute; then kv_handoff and first_decode_step, which a "
+                                      "prefill→decode request's second token waits for), by where its prompt ran "
+                                      "(mode prefill_decode or aggregated).", ("part", "mode")),
     "disagg_inter_token_latency_seconds": ("histogram", "Time between consecutive tokens of a request.", ()),
     "disagg_e2e_request_latency_seconds": ("histogram", "Time from request arrival to its last message.", ()),
     "disagg_requests_total": ("counter", "Requests finished, by gRPC status code name.", ("status",)),
@@ -42,6 +48,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_kv_pull_seconds": ("histogram", "Duration of one KV pull, by transfer backend.", ("backend",)),
     "disagg_kv_pull_fallbacks_total": ("counter", "KV pulls that could not use a backend and fell back to the next, "
                                        "by the backend that failed.", ("backend",)),
+    "disagg_kv_probe_gbps": ("gauge", "GB/s of the self-check pull from each exporter through each backend it offers "
+                             "(0: that backend failed, and pulls fall back).", ("peer", "backend")),
     "disagg_kv_load_failures_total": ("counter", "KV pulls that failed, by what decode did next.", ("action",)),
     "disagg_encode_latency_seconds": ("histogram", "Duration of one Encode call (all its images).", ()),
     "disagg_routing_decisions_total": ("counter", "Prefill workers picked by the router, by policy.", ("policy",)),
@@ -52,7 +60,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                                "worker, or locally on the decode worker) and why.",
                                                ("where", "reason")),
 }
-_BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
+_BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_ttft_breakdown_seconds": _PART_BUCKETS,
+            "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
             "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,
             "disagg_encode_latency_seconds": _LATENCY_BUCKETS}
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}

@@ -56,6 +56,9 @@ class GrpcClient:
                         record.output_tokens += len(response.delta.token_ids)
                 elif response.finished.reason == common_pb2.FINISH_REASON_ERROR:
                     record.error = response.finished.error.message or "finished with reason ERROR"
+                else:
+                    parts = response.finished.usage.ttft_breakdown.ListFields()
+                    record.ttft_breakdown = {field.name: ms for field, ms in parts} or None
         except grpc.aio.AioRpcError as exc:
             record.error = f"{exc.code().name}: {exc.details()}"
 
@@ -98,6 +101,7 @@ class OpenAIClient:
             record.token_times.append(time.perf_counter())
         if chunk.get("usage"):
             record.output_tokens = chunk["usage"]["completion_tokens"]
+            record.ttft_breakdown = chunk["usage"].get("ttft_breakdown")  # ours, beside OpenAI's fields
 
 
 class KServeClient:

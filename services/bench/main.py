@@ -23,7 +23,7 @@ from pathlib import Path
 from common import tls
 from common.errors import InvalidConfig
 from services.bench.clients import API_NAMES, SendOptions, make_client
-from services.bench.report import format_comparison, format_table, write_json, write_plot
+from services.bench.report import format_breakdown, format_comparison, format_table, write_json, write_plot
 from services.bench.runner import LoadShape, list_models, run_load
 from services.bench.stats import SloLimits, summarize
 from services.bench.workload import LengthDist, make_requests
@@ -124,6 +124,7 @@ async def _bench(args: argparse.Namespace) -> int:
                  f"out {args.output_len}, rate {args.request_rate:g}/s, concurrency {args.max_concurrency or 'unlimited'}")
         print(format_table(summaries[api], f"Serving Benchmark Result ({api})" if len(args.api) > 1
                            else "Serving Benchmark Result"))
+        print(format_breakdown(summaries[api], api))
         _write(args, api, info.id, summaries[api], records, duration, title)
     if len(args.api) > 1:
         print(format_comparison(summaries))

@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.bench.stats import RequestRecord, Summary
+from services.bench.stats import AFTER_FIRST_TOKEN_PARTS, FIRST_TOKEN_PARTS, Distribution, RequestRecord, Summary
+
+_PART_NAMES = {"router_queue_ms": "router queue", "prefill_queue_ms": "prefill queue",
+               "prefill_compute_ms": "prefill compute", "other_ms": "other (network, gRPC)",
+               "kv_handoff_ms": "KV handoff", "first_decode_step_ms": "first decode step"}
 
 
 def format_table(summary: Summary, title: str) -> str:
@@ -30,6 +34,27 @@ def format_table(summary: Summary, title: str) -> str:
     return "\n".join(lines)
 
 
+def format_breakdown(summary: Summary, api: str) -> str:
+    """Where the TTFT went, part by part (stats.py's module doc defines them), or why there is no breakdown."""
+    if summary.ttft_breakdown is None:
+        return (f"TTFT breakdown: none through {api}: it comes from the router's usage (disagg.v1 Finished.usage, "
+                "or the OpenAI usage chunk), which KServe v2 does not carry" if api == "kserve" else
+                f"TTFT breakdown: none; no completed request through {api} reported one")
+    lines = [f"{'-' * 8} TTFT breakdown (ms, the router's parts) {'-' * 8}",
+             f"{'part':<28}{'n':>6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+
+    def row(part: str) -> str:
+        d: Distribution = summary.ttft_breakdown[part]
+        return f"{_PART_NAMES[part]:<28}{d.count:>6}{d.mean:>10.2f}{d.p50:>10.2f}{d.p90:>10.2f}{d.p99:>10.2f}"
+
+    lines += [row(part) for part in (*FIRST_TOKEN_PARTS, "other_ms")]
+    lines.append(f"{'TTFT (client)':<28}{summary.ttft.count:>6}{summary.ttft.mean:>10.2f}{summary.ttft.p50:>10.2f}"
+                 f"{summary.ttft.p90:>10.2f}{summary.ttft.p99:>10.2f}")
+    lines.append("after the first token (prefill -> decode; the second token waits for these):")
+    lines += [row(part) for part in AFTER_FIRST_TOKEN_PARTS]
+    return "\n".join(lines)
+
+
 def format_comparison(summaries: dict[str, Summary]) -> str:
     """One row per front door, each next to the first (native gRPC when listed first)."""
     base_name, base = next(iter(summaries.items()))
@@ -48,7 +73,8 @@ def format_comparison(summaries: dict[str, Summary]) -> str:
 def write_json(path: Path, config: dict, summary: Summary, records: list[RequestRecord]) -> None:
     per_request = [{"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "output_tokens": r.output_tokens,
                     "ttft_ms": r.ttft * 1000 if r.ok else None, "e2e_ms": r.e2e * 1000 if r.ok else None,
-                    "itl_ms": [g * 1000 for g in r.itls], "error": r.error} for r in records]
+                    "itl_ms": [g * 1000 for g in r.itls], "ttft_breakdown_ms": r.ttft_breakdown, "error": r.error}
+                   for r in records]
     path.write_text(json.dumps({"config": config, "summary": summary.to_dict(), "requests": per_request}, indent=1))
 
 

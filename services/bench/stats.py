@@ -3,6 +3,12 @@
 TTFT: send → first token. ITL: the gap between successive token arrivals (a delta of k tokens
 counts as one gap). TPOT: (e2e − TTFT) / (output tokens − 1), a request's mean time per
 output token. Goodput: completed requests per second whose TTFT and TPOT are within the limits.
+
+The TTFT breakdown is the router's (disagg.v1 Finished.usage.ttft_breakdown, or the OpenAI usage chunk's
+`ttft_breakdown`; KServe carries no usage): each part over the requests it applies to, and `other`, the client's
+TTFT less the three parts on the first token's path (router queue, prefill queue, prefill compute): the network and
+gRPC both ways, and the prefill worker's answer after its first token. KV handoff and the first decode step come
+after the first token (prefill → decode only): they are what the second token waits for.
 """
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+FIRST_TOKEN_PARTS = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms")
+AFTER_FIRST_TOKEN_PARTS = ("kv_handoff_ms", "first_decode_step_ms")
 
 
 @dataclass
@@ -23,6 +31,7 @@ class RequestRecord:
     output_tokens: int = 0
     end: float = 0.0
     error: str | None = None
+    ttft_breakdown: dict[str, float] | None = None  # ms by TtftBreakdown field, as the router reported them
 
     @property
     def ok(self) -> bool:
@@ -96,6 +105,7 @@ class Summary:
     itl: Distribution
     e2e: Distribution
     errors: list[str]
+    ttft_breakdown: dict[str, Distribution] | None = None  # by part, and "other_ms"; None: the API reports none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,4 +129,17 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SloLimits) -
         itl=Distribution.of([gap for r in done for gap in r.itls]),
         e2e=Distribution.of([r.e2e for r in done]),
         errors=sorted({r.error or "no tokens returned" for r in failed}),
+        ttft_breakdown=summarize_breakdown(done),
     )
+
+
+def summarize_breakdown(done: list[RequestRecord]) -> dict[str, Distribution] | None:
+    """Each part of the TTFT breakdown over the completed requests it applies to, and `other_ms`."""
+    reported = [r for r in done if r.ttft_breakdown]
+    if not reported:
+        return None
+    parts = {part: Distribution.of([r.ttft_breakdown[part] / 1000 for r in reported if part in r.ttft_breakdown])
+             for part in FIRST_TOKEN_PARTS + AFTER_FIRST_TOKEN_PARTS}
+    parts["other_ms"] = Distribution.of(
+        [r.ttft - sum(r.ttft_breakdown.get(part, 0.0) for part in FIRST_TOKEN_PARTS) / 1000 for r in reported])
+    return parts

@@ -6,6 +6,7 @@ import time
 from common.engine.request import FinishReason, RequestOutput
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from services.convert import finish_reason_to_proto, logprob_to_proto
+from services.ttft import handoff_parts, prompt_parts
 
 
 class Progress:
@@ -15,12 +16,19 @@ class Progress:
         self.request_id = request_id
         self.usage = common_pb2.Usage(prompt_tokens=num_prompt_tokens)
         self.start = time.perf_counter()
+        self.received = time.monotonic()  # the engine's clock, for the TTFT breakdown
+        self.kv_landed_at: float | None = None  # with a session: when its KV was in hand (or its pull gave up)
+
+    def kv_landed(self) -> None:
+        self.kv_landed_at = time.monotonic()
 
     def messages(self, out: RequestOutput) -> list[worker_pb2.DecodeServerMessage]:
         messages = []
         if out.new_token_ids:
             if self.usage.completion_tokens == 0:
                 self.usage.ttft_ms = (time.perf_counter() - self.start) * 1000
+                self.usage.ttft_breakdown.CopyFrom(prompt_parts(self.received, out) if self.kv_landed_at is None
+                                                   else handoff_parts(self.received, self.kv_landed_at, out))
             self.usage.completion_tokens += len(out.new_token_ids)  # tokens generated here, not prefill's first
             delta = common_pb2.Delta(token_ids=out.new_token_ids,
                                      logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])

@@ -177,6 +177,8 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         try:
             with trace.use_span(span, end_on_exit=False):
                 kv = await self._kv_import(plan, progress)
+                if plan.session is not None:
+                    progress.kv_landed()
                 images = (await pull_and_release_embeddings(self.channels.get, plan.embeddings, plan.time_left_s)
                           if plan.embeddings else None)
             self.state.require_engine()  # not if shutdown began during the pull

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 import uuid
 
 import grpc
@@ -23,6 +24,7 @@ from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.convert import logprob_to_proto, request_type_name, sampling_from_proto
 from services.serving import abort_with
 from services.tensor_store import TensorStoreServicer, add_tensor_store
+from services.ttft import prompt_parts
 from services.worker_service import WorkerState
 
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Prefiller", "TensorStore")]
@@ -45,6 +47,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         # Unique in the engine even when a router retries the same request id.
         engine_id = f"{request.request_id or 'prefill'}-{uuid.uuid4().hex[:8]}"
+        received = time.monotonic()
         try:
             engine = self.state.require_engine()
             sampling = _sampling(request)
@@ -53,6 +56,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
                                                        context.time_remaining())
             output = await _context_only(engine, engine_id, request, sampling, images)
             response = await self._response(engine, output, request.request_id)
+            response.ttft_breakdown.CopyFrom(prompt_parts(received, output))
         except asyncio.CancelledError:
             self._release_sessions_of(engine_id)  # the caller left; a session made meanwhile must not wait for its TTL
             raise

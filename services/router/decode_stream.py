@@ -73,15 +73,19 @@ class DecodeStream:
         with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
             call = worker.decoder.Decode(timeout=deadline.remaining_s())
         delivered_before = out.completion_tokens
+        # This worker's timings are the TTFT breakdown's: it runs the prompt, or it continues a KV handoff
+        # (not a migration's or a continuation's recompute).
+        timed = handoff or delivered_before == 0
         answered = False
         try:
+            out.dispatched()
             await call.write(worker_pb2.DecodeClientMessage(start=start))
             async for message in call:
                 if not answered and session is not None:
                     session.taken()  # until now the handoff's owner releases it if this stream fails
                 answered = True
                 if message.HasField("finished"):
-                    for response in _worker_finished(message.finished, handoff, out):
+                    for response in _worker_finished(message.finished, handoff, timed, out):
                         yield response
                     return
                 response = out.delta(message.delta.token_ids, message.delta.logprobs)
@@ -90,7 +94,7 @@ class DecodeStream:
                 if out.stopped:  # a stop string: the worker generates on until told
                     finished = await _cancelled(call)
                     if finished is not None:
-                        _record_usage(finished, handoff, out)
+                        _record_usage(finished, handoff, timed, out)
                     for response in out.finish(FinishReason.STOP):
                         yield response
                     return
@@ -133,13 +137,15 @@ def continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb2
     return start
 
 
-def _worker_finished(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> list[Event]:
-    _record_usage(finished, handoff, out)
+def _worker_finished(finished: common_pb2.Finished, handoff: bool, timed: bool, out: ResponseBuilder) -> list[Event]:
+    _record_usage(finished, handoff, timed, out)
     stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
     return out.finish(_FINISH_REASONS.get(finished.reason, FinishReason.STOP), stop_id)
 
 
-def _record_usage(finished: common_pb2.Finished, handoff: bool, out: ResponseBuilder) -> None:
+def _record_usage(finished: common_pb2.Finished, handoff: bool, timed: bool, out: ResponseBuilder) -> None:
+    if timed:
+        out.worker_parts(finished.usage.ttft_breakdown)
     if not handoff:
         out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
     else:  # how the KV came to decode, for the client's Finished.usage

@@ -78,6 +78,28 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class TtftBreakdown:
+    """Where a request's time to first token went, in ms; disagg.v1.TtftBreakdown defines each part. None: the part
+    does not apply (kv_handoff and first_decode_step without a prefill worker) or was not measured (no first token).
+    The first three are on the first token's path; the last two come after it, before decode's first token."""
+
+    router_queue_ms: float | None = None
+    prefill_queue_ms: float | None = None
+    prefill_compute_ms: float | None = None
+    kv_handoff_ms: float | None = None
+    first_decode_step_ms: float | None = None
+
+    def parts(self) -> dict[str, float]:
+        """The measured parts, by field name, in the request's order."""
+        return {name: ms for name, ms in vars(self).items() if ms is not None}
+
+    @property
+    def to_first_token_ms(self) -> float:
+        """router queue + prefill queue + prefill compute: the client's TTFT less the transit of the prompt's call."""
+        return sum(ms or 0.0 for ms in (self.router_queue_ms, self.prefill_queue_ms, self.prefill_compute_ms))
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -87,6 +109,7 @@ class Usage:
     kv_transfer_backend: str = ""  # "cuda_ipc", "shm", "nixl", "grpc", "trtllm"; "" without a KV handoff
     kv_transfer_bytes: int = 0
     kv_transfer_ms: float = 0.0
+    ttft_breakdown: TtftBreakdown = field(default_factory=TtftBreakdown)
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,7 @@ class Orchestrator:
 
     async def _disaggregated(self, prefill: WorkerClient, decode: WorkerClient, req: PreparedRequest,
                              out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
+        out.dispatched()
         ready = await self._handoff.prefill(prefill, req, deadline)
         if ready is None:
             flow = self._decode.run(decode, req, out, aggregated_start(req), deadline)
@@ -178,6 +179,7 @@ class Orchestrator:
         ready = None
         try:
             if prefill is not None:
+                out.dispatched()
                 ready = await self._handoff.prefill(prefill, req, deadline, refs)
             if ready is None:
                 start = aggregated_start(req)
@@ -197,6 +199,7 @@ class Orchestrator:
         """The first token prefill sampled, then decode with its KV session (released on every other path)."""
         with ready.session as session:
             out.cached_prompt_tokens = ready.response.cached_tokens
+            out.prefilled(ready.response.ttft_breakdown)
             response = out.delta([ready.first_token], [ready.first_logprob()])
             if response is not None:
                 yield response

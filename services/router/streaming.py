@@ -11,7 +11,8 @@ from common.pb.disagg.v1 import common_pb2
 from common.telemetry.metrics import Metrics
 from common.text_stream import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
-from services.router.generation import Event, Finished, FinishReason, TextDelta, TokenLogprob, TopLogprob, Usage
+from services.router.generation import (Event, Finished, FinishReason, TextDelta, TokenLogprob, TopLogprob,
+                                        TtftBreakdown, Usage)
 from services.router.prepare import PreparedRequest
 from services.serving import status_of
 
@@ -39,6 +40,9 @@ class ResponseBuilder:
         self.token_ids: list[int] = []  # every token sent to the client, in order
         self.cached_prompt_tokens = 0
         self.kv_transfer: tuple[str, int, float] = ("", 0, 0.0)  # backend, bytes, ms of the KV handoff
+        self._dispatched_at: float | None = None  # the call that produced the first token was sent
+        self._worker_parts: dict[str, float] = {}  # TtftBreakdown fields the workers measured
+        self.prefilled_remotely = False  # a prefill worker ran the prompt (else the decode worker did)
         self.matched_stop: str | None = None
         self.finished = False
 
@@ -48,6 +52,29 @@ class ResponseBuilder:
             self._detokenizer = IncrementalDetokenizer(self._tokenizer, request.prompt, stop=request.params.stop)
         self._want_logprobs = request.params.logprobs
         self._echo_pending = request.echo_prompt_token_ids
+
+    def dispatched(self) -> None:
+        """The call that is to produce the first token (Prefill, or the aggregated Decode) is being sent: the router
+        queue ends. A later one (the aggregated fallback of a prefill that failed) moves it; after the first token
+        nothing does."""
+        if self._first_token_at is None:
+            self._dispatched_at = time.perf_counter()
+
+    def prefilled(self, breakdown: common_pb2.TtftBreakdown) -> None:
+        """A prefill worker answered: its parts of the TTFT breakdown (prefill queue and compute)."""
+        self.prefilled_remotely = True
+        self.worker_parts(breakdown)
+
+    def worker_parts(self, breakdown: common_pb2.TtftBreakdown) -> None:
+        """Keep the TTFT breakdown parts a worker measured (the fields it set)."""
+        for field, ms in breakdown.ListFields():
+            self._worker_parts[field.name] = ms
+
+    def ttft_breakdown(self) -> TtftBreakdown:
+        parts = dict(self._worker_parts)
+        if self._dispatched_at is not None:
+            parts["router_queue_ms"] = (self._dispatched_at - self._started) * 1000
+        return TtftBreakdown(**parts)
 
     @property
     def stopped(self) -> bool:
@@ -85,10 +112,11 @@ class ResponseBuilder:
             self.matched_stop = self._detokenizer.matched_stop
             if text:
                 events.append(TextDelta(text=text))
-        stopped = self.stopped
+        stopped, usage = self.stopped, self.usage()
         events.append(self._finished(Finished(
-            reason=FinishReason.STOP if stopped else reason, usage=self.usage(), matched_stop=self.matched_stop or "",
+            reason=FinishReason.STOP if stopped else reason, usage=usage, matched_stop=self.matched_stop or "",
             matched_stop_token_id=None if stopped else matched_stop_token_id)))
+        self._report_breakdown(usage)
         self.close(grpc.StatusCode.OK)
         return events
 
@@ -120,7 +148,22 @@ class ResponseBuilder:
         return Usage(prompt_tokens=len(self._prompt), completion_tokens=self.completion_tokens,
                      cached_prompt_tokens=self.cached_prompt_tokens, ttft_ms=ttft,
                      e2e_ms=(now - self._started) * 1000, kv_transfer_backend=backend,
-                     kv_transfer_bytes=nbytes, kv_transfer_ms=ms)
+                     kv_transfer_bytes=nbytes, kv_transfer_ms=ms, ttft_breakdown=self.ttft_breakdown())
+
+    def _report_breakdown(self, usage: Usage) -> None:
+        """A finished request's TTFT breakdown as attributes of the current (the request's) span and in the
+        disagg_ttft_breakdown_seconds histogram, by part and by where the prompt ran."""
+        if self._first_token_at is None:
+            return
+        mode = "prefill_decode" if self.prefilled_remotely else "aggregated"
+        span = trace.get_current_span()
+        span.set_attribute("disagg.ttft_ms", usage.ttft_ms)
+        span.set_attribute("disagg.ttft.mode", mode)
+        for name, ms in usage.ttft_breakdown.parts().items():
+            span.set_attribute(f"disagg.ttft.{name}", ms)
+            if self._metrics is not None:
+                self._metrics.get("disagg_ttft_breakdown_seconds", part=name.removesuffix("_ms"),
+                                  mode=mode).observe(ms / 1000)
 
     def _timed(self, num_tokens: int) -> None:
         now = time.perf_counter()

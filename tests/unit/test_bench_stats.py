@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from services.bench.report import format_table, write_json, write_plot
+from services.bench.report import format_breakdown, format_table, write_json, write_plot
 from services.bench.stats import Distribution, RequestRecord, SloLimits, summarize
 from services.bench.workload import LengthDist, arrival_gaps, make_requests
 
@@ -101,3 +101,31 @@ def test_table_json_and_plot_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     write_plot(tmp_path / "out.png", summary, records, "test")
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ttft_breakdown_is_summarised_per_part_over_the_requests_it_applies_to(tmp_path):
+    disagg = [_record(i, 0.0, [0.050, 0.070]) for i in range(2)]  # client TTFT 50 ms
+    for r in disagg:
+        r.ttft_breakdown = {"router_queue_ms": 2.0, "prefill_queue_ms": 10.0, "prefill_compute_ms": 30.0,
+                            "kv_handoff_ms": 4.0, "first_decode_step_ms": 8.0}
+    aggregated = _record(2, 0.0, [0.020, 0.030])  # client TTFT 20 ms
+    aggregated.ttft_breakdown = {"router_queue_ms": 1.0, "prefill_queue_ms": 3.0, "prefill_compute_ms": 12.0}
+    summary = summarize([*disagg, aggregated, _record(3, 0.0, [0.04])], 1.0, SloLimits())  # the last reported none
+    parts = summary.ttft_breakdown
+    assert (parts["router_queue_ms"].count, parts["kv_handoff_ms"].count) == (3, 2)
+    assert parts["prefill_compute_ms"].mean == pytest.approx(24.0) and parts["kv_handoff_ms"].mean == pytest.approx(4.0)
+    assert sorted([parts["other_ms"].p50, parts["other_ms"].max]) == pytest.approx([8.0, 8.0])  # 50 - 42, 20 - 16
+    table = format_breakdown(summary, "grpc")
+    assert "TTFT breakdown" in table and "after the first token" in table
+    row = next(line for line in table.splitlines() if line.startswith("prefill compute"))
+    assert row.split()[2:4] == ["3", "24.00"]
+    write_json(tmp_path / "out.json", {}, summary, [*disagg, aggregated])
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["requests"][2]["ttft_breakdown_ms"] == aggregated.ttft_breakdown
+    assert data["summary"]["ttft_breakdown"]["kv_handoff_ms"]["count"] == 2
+
+
+def test_a_front_door_without_usage_says_there_is_no_breakdown():
+    summary = summarize([_record(0, 0.0, [0.05, 0.06])], 1.0, SloLimits())
+    assert summary.ttft_breakdown is None
+    assert "KServe v2 does not carry" in format_breakdown(summary, "kserve")

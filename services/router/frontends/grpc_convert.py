@@ -68,4 +68,5 @@ def usage_to_proto(usage: Usage) -> common_pb2.Usage:
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens, ttft_ms=usage.ttft_ms, e2e_ms=usage.e2e_ms,
         kv_transfer_backend=_BACKEND_NUMBERS.get(usage.kv_transfer_backend, common_pb2.TRANSFER_BACKEND_UNSPECIFIED),
-        kv_transfer_bytes=usage.kv_transfer_bytes, kv_transfer_ms=usage.kv_transfer_ms)
+        kv_transfer_bytes=usage.kv_transfer_bytes, kv_transfer_ms=usage.kv_transfer_ms,
+        ttft_breakdown=common_pb2.TtftBreakdown(**usage.ttft_breakdown.parts()))

@@ -47,9 +47,13 @@ def error_of(exc: BaseException) -> tuple[int, Json]:
 
 
 def usage_json(usage: Usage) -> Json:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    usage_of = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+    parts = usage.ttft_breakdown.parts()
+    if parts:  # ours, not OpenAI's (clients ignore unknown fields): disagg.v1.TtftBreakdown's parts, in ms
+        usage_of["ttft_breakdown"] = parts
+    return usage_of
 
 
 def _chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> Json:
