@@ -16,6 +16,7 @@ from common.kv import gather, shm
 from common.kv.backends import DATA_PLANE, BackendUnavailable
 from common.kv.chunks import chunk_size, encoded_chunks, tensor_to_bytes
 from common.kv.layout import KvLayout
+from common.kv.probe import PROBE_HANDLE
 from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import HEADER_ROOM, kv_header
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
@@ -56,6 +57,10 @@ class KvSessionSource:
                                      f"({self.kv_transfer}), not TensorStore.Pull")
         if self.exporter is None:
             raise NotFound(f"this worker exports no KV sessions (no {handle})")
+        if handle == PROBE_HANDLE:  # an importer's self-check: blocks of zeros, no session, no engine
+            blocks = self.exporter.probe_blocks(self.layout)
+            ids = list(range(blocks.shape[2]))
+            return kv_header(self.layout, ids, blocks), tensor_to_bytes(await gather.gather_to_host(blocks, ids))
         lease = asyncio.ensure_future(self.engine.lease_session(handle, block_ids))
         try:
             ids = await asyncio.shield(lease)
@@ -135,7 +140,8 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
         else:
             for chunk in encoded_chunks(header, data, size):  # serialized already: one copy of the data
                 yield chunk
-        if self.holder.metrics is not None and header.kind == worker_pb2.TENSOR_KIND_KV_CACHE:
+        if self.holder.metrics is not None and header.kind == worker_pb2.TENSOR_KIND_KV_CACHE \
+                and request.handle != PROBE_HANDLE:
             self.holder.metrics.get("disagg_kv_sessions_pulled_total").inc()
 
     async def Release(self, request: worker_pb2.ReleaseRequest,

@@ -181,7 +181,9 @@ class EngineRole:
         facts = await engine.facts()
         state.kv_layout, state.engine_name, state.kv_transfer = facts.kv_layout, facts.name, facts.kv_transfer
         if state.role == worker_pb2.WORKER_ROLE_PREFILL and state.kv_transfer == DATA_PLANE:
-            state.kv_exporter = KvCacheExporter(await engine.kv_cache(), state.kv_transfer_backends, state.worker_id)
+            blocks = await engine.kv_blocks()
+            state.kv_exporter = KvCacheExporter(blocks.cache, state.kv_transfer_backends, state.worker_id,
+                                                blocks.count_reuse)
             state.closers.append(_closer(state.kv_exporter))
         state.engine = engine
         state.tensor_source = KvSessionSource(engine, state.kv_layout, state.kv_exporter, state.kv_transfer)

@@ -18,7 +18,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.engine.interface import EngineFacts, EngineLoad, KvImport
+from common.engine.interface import EngineFacts, EngineLoad, KvBlocks, KvImport
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import FailedPrecondition
@@ -148,6 +148,9 @@ class AsyncLLMEngine:
 
     async def kv_cache(self) -> torch.Tensor:
         return await self.call(lambda e: e.kv_cache)
+
+    async def kv_blocks(self) -> KvBlocks:
+        return await self.call(lambda e: e.kv_blocks())
 
     async def subscribe_kv_events(self, loop: asyncio.AbstractEventLoop) -> Subscriber | None:
         return await self.call(lambda e: e.kv_events.subscribe(loop) if e.kv_events else None)

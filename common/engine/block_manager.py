@@ -3,15 +3,24 @@
 A full block's hash is xxh3_64(parent_hash ‖ token_ids) (common.kv.block_hash). Freed blocks keep their hash and
 sit in an LRU free queue, so a later request with the same prefix reuses them until they
 are evicted to make room.
+
+The KV data plane touches the pool from other threads (KvBlocks: an import reserves free blocks and copies
+straight into them), so every change to it holds one lock. It never hands out a block that a step still in
+flight may write (async scheduling computes a row that may have ended, in blocks freed meanwhile): a block is
+reservable once the steps launched before it was freed have finished (`steps_launched` / `steps_done`).
+With `epochs` (an exporter's common.kv.fence table), a block's epoch counts its allocations for new content.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 from common.engine.request import Request
 from common.kv.block_hash import ROOT_HASH, hash_block, hash_blocks
 from common.kv.events import KvEventLog
+from common.kv.fence import BlockEpochs
 
 
 @dataclass
@@ -31,6 +40,11 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_hit_tokens = 0
         self.events: KvEventLog | None = None  # told what enters and leaves the prefix cache (KV-aware routing)
+        self.epochs: BlockEpochs | None = None
+        self.steps_launched = 0  # the engine counts its steps: launched, and those whose KV writes are done
+        self.steps_done = 0
+        self._freed_at = [0] * num_blocks  # steps_launched when the block last went free
+        self.lock = threading.RLock()
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,6 +61,10 @@ class BlockManager:
         """On a request's first schedule: take the cached blocks of its longest cached prefix."""
         if not self.enable_prefix_caching or request.block_table:
             return
+        with self.lock:
+            self._match_prefix(request)
+
+    def _match_prefix(self, request: Request) -> None:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size  # keep one token to compute: we need its logits
         if request.mm is None:
@@ -66,19 +84,47 @@ class BlockManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False (and no change) if the pool is short."""
         needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
-        if needed > self.num_free_blocks:
-            return False
-        for _ in range(max(needed, 0)):
-            block_id, _ = self.free_queue.popitem(last=False)
-            self._evict(block_id)
-            self._take(block_id)
-            request.block_table.append(block_id)
+        with self.lock:
+            if needed > self.num_free_blocks:
+                return False
+            for _ in range(max(needed, 0)):
+                block_id, _ = self.free_queue.popitem(last=False)
+                self._take_fresh(block_id)
+                request.block_table.append(block_id)
         return True
+
+    def reserve(self, num_blocks: int) -> list[int] | None:
+        """Free blocks for KV written from outside the engine (an import), none of which a step in flight may
+        still write, taken as allocate_slots takes them; None if there are not that many."""
+        with self.lock:
+            done = self.steps_done
+            chosen = list(islice((b for b in self.free_queue if self._freed_at[b] <= done), num_blocks))
+            if len(chosen) < num_blocks:
+                return None
+            for block_id in chosen:
+                self._take_fresh(block_id)
+        return chosen
+
+    def count_reuse(self, epochs: BlockEpochs | None) -> None:
+        """Bump each block's epoch in `epochs` from now on (None: stop, before the table is closed)."""
+        with self.lock:
+            self.epochs = epochs
+
+    def _take_fresh(self, block_id: int) -> None:
+        """Take a free block for new content: out of the prefix cache, its epoch bumped before anything writes it."""
+        self._evict(block_id)
+        self._take(block_id)
+        if self.epochs is not None:
+            self.epochs.bump(block_id)
 
     def commit_full_blocks(self, request: Request, extra: bytes = b"") -> None:
         """Register the request's newly completed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
+        with self.lock:
+            self._commit_full_blocks(request, extra)
+
+    def _commit_full_blocks(self, request: Request, extra: bytes) -> None:
         num_full = request.num_computed_tokens // self.block_size
         tokens = request.all_token_ids
         stored: list[int] = []  # newly cached, consecutive: one BlockStored event per run
@@ -122,12 +168,14 @@ class BlockManager:
 
     def free_block_ids(self, block_ids: list[int]) -> None:
         # Tail blocks first, so the LRU evicts a prefix's end before its start.
-        for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+        with self.lock:
+            for block_id in reversed(block_ids):
+                block = self.blocks[block_id]
+                block.ref_count -= 1
+                assert block.ref_count >= 0, f"block {block_id} freed twice"
+                if block.ref_count == 0:
+                    self.free_queue[block_id] = None
+                    self._freed_at[block_id] = self.steps_launched
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -144,6 +192,7 @@ class BlockManager:
         block.hash = None
 
     def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_count == 0:
-                self._evict(block.block_id)
+        with self.lock:
+            for block in self.blocks:
+                if block.ref_count == 0:
+                    self._evict(block.block_id)

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step, abort. One class for the three modes of TensorRT-LLM's request_type."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -12,10 +13,10 @@ from common.engine.request import (FinishReason, Request, RequestOutput, Request
                                    SamplingParams, TokenLogprob)
 from common.engine.scheduler import Scheduler
 from common.engine.stopping import StopRule
-from common.engine.interface import EngineLoad
+from common.engine.interface import EngineLoad, KvBlocks
 from common.errors import InvalidRequest, NotFound, ResourceExhausted
 from common.kv.events import KvEventLog
-from common.kv.layout import KvExport, model_fingerprint
+from common.kv.layout import KvExport, PlacedKv, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
 from common.model_facts import load_model_facts
 
@@ -79,6 +80,10 @@ class LLMEngine:
         )
         if first_token is not None:
             request.output_token_ids.append(first_token)
+        if isinstance(kv_import, PlacedKv):  # already in our blocks: the request takes them over
+            request.block_table = kv_import.adopt() or []
+            if not request.block_table:
+                raise InvalidRequest(f"the KV imported for {request_id!r} was discarded before the engine took it")
         self.requests[request_id] = request
         self._stop_rules[request_id] = rule
         self.scheduler.add(request)
@@ -155,10 +160,12 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             self.num_preemptions += len(batch.preempted)
             for request in batch.kv_imports:
-                self.runner.import_blocks(request.block_table, request.kv_import)
+                if isinstance(request.kv_import, KvExport):
+                    self.runner.import_blocks(request.block_table, request.kv_import)
                 request.kv_import = None
             if batch.empty:
                 return []
+            self.block_manager.steps_launched += 1
             launched = self.runner.launch(batch)
         try:
             if self.async_scheduling:
@@ -167,6 +174,8 @@ class LLMEngine:
         except Exception:
             self._ahead = None
             raise
+        # Every step launched so far has written its KV, but the one launched ahead.
+        self.block_manager.steps_done = self.block_manager.steps_launched - (self._ahead is not None)
         for request, n in launched.scheduled:
             if self._live(request):
                 request.num_computed_tokens += n
@@ -200,6 +209,7 @@ class LLMEngine:
             request = launched.sampled[i]  # room for one more token than `launched` leaves computed
             if not self.block_manager.allocate_slots(request, request.num_tokens + 1 - request.num_computed_tokens):
                 return None
+        self.block_manager.steps_launched += 1
         return self.runner.launch_ahead(launched, rows)
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None,
@@ -215,7 +225,8 @@ class LLMEngine:
             request.first_token_time = read_at
             output.first_scheduled_time, output.first_token_time = request.first_scheduled_time, read_at
         if reason is None and request.request_type is RequestType.CONTEXT_ONLY:
-            output.session_id = self._pin_session(request, token).session_id
+            session = self._pin_session(request, token)
+            output.session_id, output.session = session.session_id, dataclasses.replace(session)
             reason = FinishReason.CONTEXT_DONE
         if reason is not None:
             output.finished, output.finish_reason = True, reason
@@ -237,6 +248,9 @@ class LLMEngine:
         """The session takes over the request's blocks; they stay out of the free pool until released."""
         session = self.sessions.create(request.request_id, request.block_table, request.num_prompt_tokens,
                                        first_token, request.block_hashes)
+        with self.block_manager.lock:  # the fence of one-sided reads (common.kv.fence), where the exporter keeps one
+            epochs = self.block_manager.epochs
+            session.epoch = epochs.total(session.block_ids) if epochs is not None else None
         self.scheduler.remove(request)
         request.block_table = []
         request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.CONTEXT_DONE
@@ -252,6 +266,10 @@ class LLMEngine:
     def kv_cache(self):
         """The whole paged cache tensor [layers, 2, blocks, block_size, kv_heads, head_dim], for the KV data plane."""
         return self.runner.kv_cache
+
+    def kv_blocks(self) -> KvBlocks:
+        manager = self.block_manager
+        return KvBlocks(self.kv_cache, manager.reserve, manager.free_block_ids, manager.count_reuse)
 
     def lease_session(self, session_id: str, block_ids: list[int] | None = None) -> list[int]:
         """Start an export: the session's blocks (or `block_ids`, a subset) stay pinned, also through a

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping, Protocol, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, Union
 
 import torch
 
@@ -30,7 +30,8 @@ from common.engine.config import EngineConfig
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import RequestOutput, RequestType, SamplingParams
 from common.kv.backends import DATA_PLANE
-from common.kv.layout import KvExport, KvLayout
+from common.kv.fence import BlockEpochs
+from common.kv.layout import KvExport, KvLayout, PlacedKv
 from common.kv.session import KvSession
 
 
@@ -55,8 +56,25 @@ class EngineHandoff(Protocol):
         """As KvSessionRef.attributes."""
 
 
-# generate()'s kv_import: KV pulled over our data plane, or an engine's own handoff.
-KvImport = Union[KvExport, EngineHandoff]
+# generate()'s kv_import: KV pulled over our data plane (into a tensor, or straight into the engine's blocks), or an
+# engine's own handoff.
+KvImport = Union[KvExport, PlacedKv, EngineHandoff]
+
+
+@dataclass(frozen=True)
+class KvBlocks:
+    """DATA_PLANE: the engine's paged cache and its pool, for the KV data plane. Every callable is safe from any
+    thread and never waits for a model step."""
+
+    cache: torch.Tensor
+    """[layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    reserve: Callable[[int], list[int] | None]
+    """n free blocks that no step in flight writes, to import KV straight into (then generate() with a PlacedKv),
+    or None when the pool is short."""
+    free: Callable[[list[int]], None]
+    """Give reserved blocks back."""
+    count_reuse: Callable[[BlockEpochs | None], None]
+    """Exporter: bump a block's epoch in this table (common.kv.fence) each time it is allocated; None stops."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,9 @@ class Engine(Protocol):
 
     async def kv_cache(self) -> torch.Tensor:
         """DATA_PLANE only: the paged cache [layers, 2, blocks, block_size, kv_heads, head_dim], for TensorStore."""
+
+    async def kv_blocks(self) -> KvBlocks:
+        """DATA_PLANE only: the cache and its pool (KvBlocks); BackendUnavailable on an engine that moves KV itself."""
 
     # --- KV events, for KV-aware routing ---
 

@@ -10,6 +10,7 @@ from common.errors import InvalidRequest
 
 if TYPE_CHECKING:  # torch lives there; the router builds SamplingParams without it
     from common.engine.multimodal import MultiModalInputs
+    from common.kv.session import KvSession
 
 
 class RequestType(enum.Enum):
@@ -148,6 +149,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     session_id: str | None = None  # context_only: where the KV waits for its pull
+    session: "KvSession | None" = None  # a copy of that session as pinned, so the caller needs no second trip
     # On the output carrying the request's first generated token (None elsewhere, and from an engine that does not
     # stamp them): Request.first_scheduled_time and first_token_time, time.monotonic() in the engine's process.
     first_scheduled_time: float | None = None

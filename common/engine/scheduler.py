@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from common.engine.block_manager import BlockManager
 from common.engine.request import Request, RequestStatus
+from common.kv.layout import PlacedKv
 
 
 @dataclass
@@ -109,7 +110,10 @@ class Scheduler:
                     self.block_manager.free(request)  # give back the prefix hits; retry next step
                 else:
                     batch.kv_imports.pop()
-                    self.block_manager.free(request)
+                    if isinstance(request.kv_import, PlacedKv):
+                        request.num_computed_tokens = 0  # its blocks hold the imported KV: kept for the next try
+                    else:
+                        self.block_manager.free(request)
                 break
             self.waiting.popleft()
             if request.first_scheduled_time is None:

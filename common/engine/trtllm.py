@@ -26,7 +26,7 @@ import torch
 
 from common.kv.block_hash import ROOT_HASH, hash_block
 from common.engine.config import EngineConfig, resolve_max_model_len
-from common.engine.interface import EngineFacts, EngineLoad
+from common.engine.interface import EngineFacts, EngineLoad, KvBlocks
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams, TokenLogprob
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
@@ -37,6 +37,8 @@ from common.kv.session import KvSession, KvSessionTable
 
 NOT_INSTALLED = "TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's TensorRT-LLM image"
 KV_TRANSFER = "trtllm"  # EngineFacts.kv_transfer: TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)
+NO_DATA_PLANE = ("--engine trtllm moves KV with TensorRT-LLM's own cache transceiver (TRANSFER_BACKEND_TRTLLM); it "
+                 "exposes no cache to our KV data plane")
 ATTRIBUTE_PREFIX = "trtllm."
 OPAQUE_STATE = ATTRIBUTE_PREFIX + "opaque_state"
 EVENT_BUFFER_MAX_SIZE = 1024
@@ -390,8 +392,10 @@ class TrtLlmEngine:
         return sum([await self.abort(request_id) for request_id in list(self._running)])
 
     async def kv_cache(self) -> torch.Tensor:
-        raise BackendUnavailable("--engine trtllm moves KV with TensorRT-LLM's own cache transceiver "
-                                 "(TRANSFER_BACKEND_TRTLLM); it exposes no cache to our KV data plane")
+        raise BackendUnavailable(NO_DATA_PLANE)
+
+    async def kv_blocks(self) -> KvBlocks:
+        raise BackendUnavailable(NO_DATA_PLANE)
 
     # --- KV events ---
 

@@ -4,8 +4,9 @@ The exporter shares its whole KV cache tensor once per importer with torch's CUD
 (the storage's cudaIpcMemHandle, its offset, and torch's IPC reference counter); the importer maps
 it once per exporter cache (`kv_cache_id`) and gathers each session's blocks on its own side stream
 straight from the exporter's memory into its own GPU memory (a peer copy when the caches live on
-two GPUs of the host). The importer then releases the session; `released = true` proves that the
-exporter held the blocks throughout the read.
+two GPUs of the host), or, on one GPU, straight into blocks of its own cache (common.kv.direct), fenced
+by the exporter's block epochs (common.kv.fence) so the session's Release leaves the critical path. Without
+the fence, the Release's `released = true` is what proves the exporter held the blocks throughout the read.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from functools import lru_cache
 import torch
 from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
 
+from common.errors import InvalidRequest, NotFound
 from common.kv.backends import BackendUnavailable
 from common.kv.chunks import dtype_name, torch_dtype
+from common.kv.fence import BlockEpochs
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -80,36 +83,53 @@ def open_cache(share: worker_pb2.KvCacheShare) -> torch.Tensor:
 
 
 @dataclass
-class _Mapped:
+class MappedCache:
     kv_cache_id: str
     tensor: torch.Tensor
+    epochs: BlockEpochs | None  # the exporter's fence of one-sided reads, where this process can map it
+
+    def close(self) -> None:
+        if self.epochs is not None:
+            self.epochs.close()
+
+
+def _open_epochs(path: str, num_blocks: int, endpoint: str) -> BlockEpochs | None:
+    if not path:
+        return None
+    try:
+        return BlockEpochs.open(path, num_blocks)
+    except (NotFound, InvalidRequest) as exc:
+        log.info("reads from %s wait for their Release: %s", endpoint, exc)
+        return None
 
 
 class CudaIpcMappings:
     """The exporters' caches this importer has mapped, one per exporter endpoint, re-mapped when the
-    exporter's cache changes (a restarted worker)."""
+    exporter's cache changes (a restarted worker), each with the exporter's epoch table when it has one."""
 
     def __init__(self) -> None:
-        self._mapped: dict[str, _Mapped] = {}
+        self._mapped: dict[str, MappedCache] = {}
         self._lock = threading.Lock()
 
-    def get(self, endpoint: str, kv_cache_id: str) -> torch.Tensor | None:
+    def get(self, endpoint: str, kv_cache_id: str) -> MappedCache | None:
         with self._lock:
             mapped = self._mapped.get(endpoint)
-        return mapped.tensor if mapped is not None and mapped.kv_cache_id == kv_cache_id else None
+        return mapped if mapped is not None and mapped.kv_cache_id == kv_cache_id else None
 
-    def put(self, endpoint: str, share: worker_pb2.KvCacheShare) -> torch.Tensor:
+    def put(self, endpoint: str, share: worker_pb2.KvCacheShare, epochs_path: str = "") -> MappedCache:
         tensor = open_cache(share)
+        mapped = MappedCache(share.kv_cache_id, tensor, _open_epochs(epochs_path, tensor.shape[2], endpoint))
         with self._lock:
-            self._mapped[endpoint] = _Mapped(share.kv_cache_id, tensor)
-        log.info("mapped the KV cache %s of %s through CUDA IPC (%s %s, %.1f GB)", share.kv_cache_id, endpoint,
-                 list(share.shape), share.dtype, tensor.numel() * tensor.element_size() / 1e9)
-        return tensor
-
-    def forget(self, endpoint: str) -> None:
-        with self._lock:
-            self._mapped.pop(endpoint, None)
+            old, self._mapped[endpoint] = self._mapped.get(endpoint), mapped
+        if old is not None:
+            old.close()
+        log.info("mapped the KV cache %s of %s through CUDA IPC (%s %s, %.1f GB)%s", share.kv_cache_id, endpoint,
+                 list(share.shape), share.dtype, tensor.numel() * tensor.element_size() / 1e9,
+                 ", fenced by its block epochs" if mapped.epochs is not None else "")
+        return mapped
 
     def close(self) -> None:
         with self._lock:
-            self._mapped.clear()
+            mapped, self._mapped = list(self._mapped.values()), {}
+        for one in mapped:
+            one.close()

@@ -29,16 +29,17 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[index]
 
 
-async def wait_event(event: torch.cuda.Event, spin_s: float = 0.005) -> None:
-    """Await a CUDA event without blocking the loop: short polls first (a KV gather takes well under a
-    millisecond, and a thread hop costs about as much), then a worker thread for a long wait."""
-    pause, deadline = 2e-5, time.perf_counter() + spin_s
+async def wait_event(event: torch.cuda.Event, busy_s: float = 0.002, spin_s: float = 0.01) -> None:
+    """Await a CUDA event without blocking the loop. A KV copy takes well under a millisecond, and any timed
+    sleep of the loop lasts at least one (epoll counts whole milliseconds), so it first polls between the
+    loop's other work (sleep(0)) for `busy_s`, then every millisecond, then waits in a worker thread."""
+    start = time.perf_counter()
     while not event.query():
-        if time.perf_counter() > deadline:
+        waited = time.perf_counter() - start
+        if waited > spin_s:
             await asyncio.to_thread(event.synchronize)
             return
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, 5e-4)
+        await asyncio.sleep(0 if waited < busy_s else 1e-3)
 
 
 MAX_RUNS = 16  # more runs of consecutive blocks than this: one indexed gather instead of a copy per run

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import torch
 from transformers import PretrainedConfig
@@ -64,3 +66,33 @@ class KvExport:
             raise LayoutMismatch(f"KV tensor shape {tuple(self.blocks.shape)} does not match its layout {expected}")
         if str(self.blocks.dtype).removeprefix("torch.") != self.layout.dtype:
             raise LayoutMismatch(f"KV tensor dtype {self.blocks.dtype} does not match its layout dtype {self.layout.dtype}")
+
+
+@dataclass
+class PlacedKv:
+    """A prompt's KV already in the importing engine's own blocks (copied there by the data plane, into blocks
+    it reserved from the engine's pool): the engine adopts `block_ids` instead of copying. Until adopted the
+    blocks are the importer's: `discard` gives them back (a no-op once the engine has them)."""
+
+    layout: KvLayout
+    num_tokens: int
+    block_ids: list[int]
+    free: Callable[[list[int]], None]
+    _owned: bool = True
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def validate(self) -> None:
+        needed = -(-self.num_tokens // self.layout.block_size)
+        if len(self.block_ids) < needed:
+            raise LayoutMismatch(f"{len(self.block_ids)} placed blocks cannot hold the KV of {self.num_tokens} tokens")
+
+    def adopt(self) -> list[int] | None:
+        """The blocks, handed over once (None if they were discarded or adopted already)."""
+        with self._lock:
+            owned, self._owned = self._owned, False
+        return list(self.block_ids) if owned else None
+
+    def discard(self) -> None:
+        block_ids = self.adopt()
+        if block_ids is not None:
+            self.free(block_ids)

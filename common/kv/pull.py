@@ -6,7 +6,9 @@ both sides), `shm` (same host), then `grpc`, which always works. A backend that 
 (BackendUnavailable: no shared GPU, another container, NIXL missing) is logged once per peer with
 the reason, counted, skipped for that peer for a while, and the next one is tried; the session is
 still pinned then, so nothing is lost. One-sided backends read the blocks themselves and then
-release the session: only `released = true` proves the exporter held the blocks throughout.
+release the session: only `released = true` proves the exporter held the blocks throughout, unless the
+exporter fences its cache (common.kv.fence): then `cuda_ipc` on one GPU copies straight into blocks of this
+worker's engine (common.kv.direct), the epochs prove the copy, and the Release goes out in the background.
 """
 from __future__ import annotations
 
@@ -19,8 +21,11 @@ import grpc
 import torch
 
 from common.errors import LayoutMismatch, NotFound, Unavailable
-from common.kv import cuda_ipc, gather, shm
+from common.engine.interface import KvBlocks
+from common.kv import cuda_ipc, direct, gather, shm
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, PREFERENCE, BACKENDS, BackendUnavailable, offered
+from common.kv.fence import EPOCHS_ATTRIBUTE
+from common.kv.probe import SelfCheck
 from common.kv.chunks import torch_dtype
 from common.kv.layout import KvExport
 from common.kv.sharing import nixl_unavailable_reason
@@ -34,9 +39,14 @@ RETRY_BROKEN_AFTER_S = 60.0  # a backend that failed for a peer is tried again a
 
 class KvPuller:
     def __init__(self, channels: ChannelCache, device: torch.device, accepted: tuple[str, ...] = PREFERENCE,
-                 on_fallback: Callable[[str, str], None] | None = None):
+                 on_fallback: Callable[[str, str], None] | None = None, blocks: KvBlocks | None = None,
+                 on_probe: Callable[[str, str, float], None] | None = None, self_check: bool = True):
         self.channels = channels
         self.device = device
+        self.blocks = blocks  # the engine's cache and pool: cuda_ipc copies straight into its blocks
+        self._releases: set[asyncio.Task] = set()  # Releases sent off the critical path, until answered
+        self.self_check = SelfCheck(self, on_probe) if self_check else None
+        self._map_lock = asyncio.Lock()
         self.accepted = tuple(b for b in accepted if self._usable_here(b)) or ("grpc",)
         self.on_fallback = on_fallback  # (backend, reason) → e.g. a metric
         self._broken: dict[tuple[str, str], float] = {}  # (endpoint, backend) → when it failed
@@ -82,17 +92,20 @@ class KvPuller:
         Raises grpc.aio.AioRpcError from the exporter, NotFound / Unavailable / LayoutMismatch."""
         check_pullable(ref)
         channel = self.channels.get(ref.endpoint)
+        if self.self_check is not None:
+            self.self_check.start(channel, ref)  # once per exporter, in the background
         for backend in self.candidates(ref):
             try:
-                if backend in ("cuda_ipc", "nixl"):
-                    read = self._read_cuda_ipc if backend == "cuda_ipc" else self._read_nixl
-                    return await self._one_sided(channel, ref, backend, read, timeout_s)
+                if backend == "cuda_ipc":
+                    return await self._cuda_ipc(channel, ref, timeout_s)
+                if backend == "nixl":
+                    return await self._one_sided(channel, ref, backend, self.read_nixl, timeout_s)
                 return await self._two_sided(channel, ref, backend, timeout_s)
             except BackendUnavailable as exc:
-                self._fall_back(ref.endpoint, backend, str(exc))
+                self.fall_back(ref.endpoint, backend, str(exc))
         raise AssertionError("grpc is always a candidate and never unavailable")
 
-    def _fall_back(self, endpoint: str, backend: str, reason: str) -> None:
+    def fall_back(self, endpoint: str, backend: str, reason: str) -> None:
         first = (endpoint, backend) not in self._broken
         self._broken[(endpoint, backend)] = time.monotonic()
         if first:
@@ -151,16 +164,61 @@ class KvPuller:
         _check_share(share, ref)
         return share
 
-    async def _read_cuda_ipc(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
+    async def map_cache(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> cuda_ipc.MappedCache:
         cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")
         mapped = self._mappings.get(ref.endpoint, cache_id)
         if mapped is None:
-            share = await self._open(channel, ref, "cuda_ipc")
-            mapped = await asyncio.to_thread(self._mappings.put, ref.endpoint, share)
-        _check_block_ids(ref, mapped.shape[2])
-        return await gather.gather_on_device(mapped, list(ref.block_ids), self.device)
+            async with self._map_lock:  # the self-check and the first pull arrive together
+                mapped = self._mappings.get(ref.endpoint, cache_id)
+                if mapped is None:
+                    share = await self._open(channel, ref, "cuda_ipc")
+                    mapped = await asyncio.to_thread(self._mappings.put, ref.endpoint, share,
+                                                     ref.attributes.get(EPOCHS_ATTRIBUTE, ""))
+        _check_block_ids(ref, mapped.tensor.shape[2])
+        return mapped
 
-    async def _read_nixl(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
+    async def _cuda_ipc(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+                        timeout_s: float | None) -> PulledKv:
+        """Straight into our engine's blocks where the exporter fences its cache and the pool has room; else a
+        gather into a new tensor, confirmed by the Release."""
+        mapped = await self.map_cache(channel, ref)
+        if mapped.epochs is not None and direct.fence_of(ref) is not None and direct.can_place(mapped.tensor,
+                                                                                                 self.blocks):
+            pulled = await self._placed(channel, ref, mapped, timeout_s)
+            if pulled is not None:
+                return pulled
+
+        async def read(_channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
+            return await gather.gather_on_device(mapped.tensor, list(ref.block_ids), self.device)
+        return await self._one_sided(channel, ref, "cuda_ipc", read, timeout_s)
+
+    async def _placed(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, mapped: cuda_ipc.MappedCache,
+                      timeout_s: float | None) -> PulledKv | None:
+        start, sent = time.perf_counter(), []
+
+        def enqueued() -> None:
+            sent.append(self._release_later(channel, ref))
+        try:
+            placed = await asyncio.wait_for(direct.import_placed(
+                mapped.tensor, mapped.epochs, ref, layout_of(ref), self.blocks, enqueued), timeout_s)
+        except BaseException:
+            if not sent:
+                self._release_later(channel, ref)
+            raise
+        if placed is None:  # no room in the pool now: nothing was copied or released
+            return None
+        seconds = time.perf_counter() - start
+        num_bytes = len(ref.block_ids) * layout_of(ref).block_bytes()
+        return PulledKv(placed, num_bytes, seconds, "cuda_ipc", seconds)
+
+    def _release_later(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> asyncio.Task:
+        """The fenced read needs no answer: the Release only frees the exporter's blocks."""
+        task = asyncio.ensure_future(release_quietly(channel, ref.session_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
+
+    async def read_nixl(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
         from common.kv import nixl_plane
 
         cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")
@@ -191,6 +249,10 @@ class KvPuller:
         return self._nixl
 
     async def close(self) -> None:
+        if self.self_check is not None:
+            await self.self_check.close()
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
         self._mappings.close()
         if self._nixl is not None:
             self._nixl.close()

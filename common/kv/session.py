@@ -20,6 +20,7 @@ class KvSession:
     block_hashes: list[int] = field(default_factory=list)
     # Exports in flight (a gather still reading the blocks): the blocks stay out of the pool until 0.
     leases: int = 0
+    epoch: int | None = None  # its blocks' epoch sum when pinned, where the exporter fences one-sided reads
 
 
 class KvSessionTable:

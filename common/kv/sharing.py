@@ -3,20 +3,24 @@
 One KvCacheExporter per prefill worker, made once its engine has loaded. It names the cache
 allocation (`kv_cache_id`, new on every start), puts the offer into every KvSessionRef's
 attributes, and answers TensorStore.OpenKvCache with a CUDA IPC handle or a NIXL agent's metadata,
-each made once and reused for every importer.
+each made once and reused for every importer. Where it offers `cuda_ipc` it also keeps the fence of
+one-sided reads (common.kv.fence): a table of block epochs the engine bumps, named in the attributes.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import uuid
+from typing import Callable
 
 import torch
 
-from common.kv import cuda_ipc, shm
+from common.kv import cuda_ipc, fence, shm
 from common.kv.backends import (BACKENDS, KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable,
                                 name_of)
 from common.kv.chunks import dtype_name
+from common.kv.layout import KvLayout
+from common.kv.probe import PROBE_BLOCKS
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,8 @@ def _unavailable_reason(backend: str, kv_cache: torch.Tensor) -> str | None:
 
 
 class KvCacheExporter:
-    def __init__(self, kv_cache: torch.Tensor, allowed: tuple[str, ...], worker_id: str = ""):
+    def __init__(self, kv_cache: torch.Tensor, allowed: tuple[str, ...], worker_id: str = "",
+                 count_reuse: Callable[[fence.BlockEpochs | None], None] | None = None):
         self.kv_cache = kv_cache
         self.kv_cache_id = f"{worker_id or 'kv'}-{uuid.uuid4().hex[:12]}"
         self.offered: list[str] = []
@@ -60,7 +65,13 @@ class KvCacheExporter:
             self._attributes[cuda_ipc.DEVICE_UUID_ATTRIBUTE] = cuda_ipc.device_uuid(kv_cache.device)
         self._shares: dict[int, worker_pb2.KvCacheShare] = {}
         self._nixl = None
+        self._probe: torch.Tensor | None = None
         self._lock = threading.Lock()
+        self._count_reuse, self.epochs = count_reuse, None
+        if count_reuse is not None and "cuda_ipc" in self.offered:
+            self.epochs = fence.BlockEpochs.create(kv_cache.shape[2])
+            count_reuse(self.epochs)
+            self._attributes[fence.EPOCHS_ATTRIBUTE] = str(self.epochs.path)
         log.info("KV transfer backends offered: %s (cache %s)", ",".join(self.offered), self.kv_cache_id)
 
     @property
@@ -85,6 +96,14 @@ class KvCacheExporter:
                                          else self._share_nixl())
             return self._shares[backend]
 
+    def probe_blocks(self, layout: KvLayout) -> torch.Tensor:
+        """Blocks of zeros on the cache's device that importers' self-checks pull (common.kv.probe), made once."""
+        with self._lock:
+            if self._probe is None:
+                self._probe = torch.zeros(layout.block_shape(PROBE_BLOCKS), dtype=self.kv_cache.dtype,
+                                          device=self.kv_cache.device)
+            return self._probe
+
     def _share_nixl(self) -> worker_pb2.KvCacheShare:
         from common.kv import nixl_plane
 
@@ -95,6 +114,10 @@ class KvCacheExporter:
                                        nixl=share)
 
     def close(self) -> None:
+        if self.epochs is not None:
+            self._count_reuse(None)  # the engine stops writing the table before it goes
+            self.epochs.close()
+            self.epochs = None
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None

@@ -20,7 +20,8 @@ from common.errors import InvalidRequest, LayoutMismatch
 from common.kv import shm
 from common.kv.chunks import (MAX_CHUNK_BYTES, ChunkAssembler, dtype_name, parse_chunk, tensor_from_bytes,
                               torch_dtype)
-from common.kv.layout import KvExport, KvLayout
+from common.kv.fence import EPOCH_ATTRIBUTE
+from common.kv.layout import KvExport, KvLayout, PlacedKv
 from common.kv.session import KvSession
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -36,7 +37,7 @@ _PULLABLE = (common_pb2.TRANSFER_BACKEND_UNSPECIFIED, common_pb2.TRANSFER_BACKEN
 
 
 class PulledKv(NamedTuple):
-    export: KvExport
+    export: KvExport | PlacedKv  # PlacedKv: already in the importing engine's blocks (common.kv.direct)
     num_bytes: int
     seconds: float
     backend: str = "grpc"  # how the bytes came: a name of common.kv.backends
@@ -57,6 +58,8 @@ def session_ref(layout: KvLayout, session: KvSession, endpoint: str,
     carry the exporter's offer of backends (common.kv.sharing.KvCacheExporter.attributes)."""
     if attributes is None:  # an importer on this host may pull through shm
         attributes = {shm.HOST_ID_ATTRIBUTE: shm.host_id()}
+    if session.epoch is not None:  # the fence of one-sided reads (common.kv.fence)
+        attributes = {**attributes, EPOCH_ATTRIBUTE: str(session.epoch)}
     return common_pb2.KvSessionRef(
         session_id=session.session_id, request_id=session.request_id, endpoint=endpoint,
         transfer_backend=transfer_backend, num_layers=layout.num_layers,

@@ -27,7 +27,7 @@ from common.engine.interface import Engine, KvImport
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
-from common.kv.layout import KvExport, KvLayout
+from common.kv.layout import KvExport, KvLayout, PlacedKv
 from common.kv.backends import BACKENDS, DATA_PLANE, check_kv_transfer
 from common.kv.pull import KvPuller
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
@@ -122,9 +122,17 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
 
     async def puller(self) -> KvPuller:
         if self._puller is None:
-            device = (await self.state.require_engine().facts()).kv_device
-            self._puller = KvPuller(self.channels, device, self.state.kv_transfer_backends, self._count_fallback)
+            engine = self.state.require_engine()
+            device = (await engine.facts()).kv_device
+            blocks = await engine.kv_blocks()  # cuda_ipc copies straight into its blocks
+            if self._puller is None:
+                self._puller = KvPuller(self.channels, device, self.state.kv_transfer_backends, self._count_fallback,
+                                        blocks, self._record_probe)
         return self._puller
+
+    def _record_probe(self, peer: str, backend: str, gbps: float) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.get("disagg_kv_probe_gbps", peer=peer, backend=backend).set(gbps)
 
     def _count_fallback(self, backend: str, reason: str) -> None:
         if self.state.metrics is not None:
@@ -174,6 +182,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
         owed = plan.handoff is not None  # the exporter's session, ours to release once the engine has the KV
+        kv = None
         try:
             with trace.use_span(span, end_on_exit=False):
                 kv = await self._kv_import(plan, progress)
@@ -201,6 +210,8 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             span.record_exception(exc)
             outbox.put_nowait(exc)
         finally:
+            if isinstance(kv, PlacedKv):
+                kv.discard()  # blocks pulled into our pool but never taken by the engine (a no-op once taken)
             if owed:
                 self._release_later(plan.session)
             span.set_attribute("disagg.decode.tokens", progress.usage.completion_tokens)
@@ -217,7 +228,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             return plan.handoff
         return await self._load_kv(plan, progress) if plan.session is not None else None
 
-    async def _load_kv(self, plan: _Plan, progress: Progress) -> KvExport | None:
+    async def _load_kv(self, plan: _Plan, progress: Progress) -> KvExport | PlacedKv | None:
         """The session's KV, or None to recompute the prompt here when the pull failed and the policy allows it."""
         try:
             with tracing.tracer().start_as_current_span("kv_pull", attributes={
@@ -239,7 +250,8 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_kv_load_failures_total", action=action).inc()
 
-    async def _pull(self, ref: common_pb2.KvSessionRef, time_left_s: float | None, usage: common_pb2.Usage) -> KvExport:
+    async def _pull(self, ref: common_pb2.KvSessionRef, time_left_s: float | None,
+                    usage: common_pb2.Usage) -> KvExport | PlacedKv:
         timeout_s = self.pull_timeout_s if time_left_s is None else min(self.pull_timeout_s, time_left_s)
         try:
             pulled = await (await self.puller()).pull_and_release(ref, timeout_s=timeout_s)

@@ -75,15 +75,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             response.first_token_logprob = logprob.logprob
             response.first_token_top_logprobs.extend(logprob.top_logprobs)
         if output.session_id is not None:
-            ref = await self._session_ref(engine, output.session_id)
+            ref = await self._session_ref(engine, output)
             ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
             response.session.CopyFrom(ref)
             if self.state.metrics is not None:
                 self.state.metrics.get("disagg_kv_sessions_exported_total").inc()
         return response
 
-    async def _session_ref(self, engine: Engine, session_id: str) -> common_pb2.KvSessionRef:
-        state, session = self.state, await engine.session(session_id)
+    async def _session_ref(self, engine: Engine, output: RequestOutput) -> common_pb2.KvSessionRef:
+        # The output carries the session where the engine can (ours): asking for it again would wait for a step.
+        state, session_id = self.state, output.session_id
+        session = output.session if output.session is not None else await engine.session(session_id)
         if state.kv_transfer == DATA_PLANE:  # the engine adds nothing (session_attributes is {}): skip its thread
             exporter = state.kv_exporter
             return session_ref(state.kv_layout, session, state.endpoint, exporter.best_backend, exporter.attributes())

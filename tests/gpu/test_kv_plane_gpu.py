@@ -1,6 +1,7 @@
 """The KV data plane on a GPU, between real prefill and decode processes: cuda_ipc (GPU→GPU, no host
-copy), nixl (VRAM, when NIXL runs) and grpc (side-stream gather into pinned memory) each give the
-aggregated engine's greedy tokens, and cancels leave no block held on either worker. Skipped without CUDA.
+copy, straight into decode's blocks), nixl (VRAM, when NIXL runs) and grpc (side-stream gather into pinned
+memory) each give the aggregated engine's greedy tokens, cancels leave no block held on either worker, and a
+cuda_ipc read of blocks the exporter reused is detected and recomputed, never served. Skipped without CUDA.
 
     python -m pytest -q -s tests/gpu/test_kv_plane_gpu.py      # on the GPU machine
 """
@@ -21,7 +22,11 @@ except RuntimeError as exc:  # the generated code needs a newer grpcio than this
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
-from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff  # noqa: E402
+from common.engine.request import SamplingParams  # noqa: E402
+from common.pb.disagg.v1 import worker_pb2  # noqa: E402
+from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything, check_handoff,  # noqa: E402
+                                                decode_start, prefill)
+from tests.integration.worker_client import assert_pool_full, split  # noqa: E402
 
 ENGINE_ARGS = ("--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64")
 PROMPT = list(range(3, 40))  # 37 tokens: ten blocks of 4, the last partial
@@ -52,3 +57,19 @@ def test_cuda_ipc_is_chosen_when_both_workers_share_the_gpu(cluster, reference):
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 def test_cancels_on_the_gpu_free_every_block_on_both_workers(cluster, backend):
     check_cancels_free_everything(cluster["prefill"], cluster[backend], PROMPT)
+
+
+def test_a_cuda_ipc_read_of_reused_blocks_is_recomputed_never_served(cluster, reference):
+    expected = reference.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    stale = prefill(cluster["prefill"], PROMPT, 24)
+    store = cluster["prefill"].store
+    assert store.Release(worker_pb2.ReleaseRequest(handle=stale.session.session_id), timeout=10).released
+    for i in range(8):  # 8 prompts of ten blocks each cycle through all 64 blocks of the exporter's pool
+        other = prefill(cluster["prefill"], [7 + i] * 37, 2)
+        store.Release(worker_pb2.ReleaseRequest(handle=other.session.session_id), timeout=10)
+    messages = cluster["cuda_ipc"].decoder.Decode(iter([decode_start(stale, PROMPT, 24)]), timeout=60)
+    tokens, finished = split(messages)
+    assert [stale.first_token, *tokens] == expected  # recomputed from the prompt, not decoded on reused blocks
+    assert finished.usage.kv_transfer_bytes == 0  # nothing pulled was used
+    for client in (cluster["prefill"], cluster["cuda_ipc"]):
+        assert_pool_full(client)

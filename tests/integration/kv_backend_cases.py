@@ -27,7 +27,8 @@ def backend_cluster(args: tuple[str, ...], backends: list[str], extra: list[tupl
              *extra]
     processes: list[ServiceProcess] = start_services(specs, env=env)
     clients = [WorkerClient.connect(p) for p in processes]
-    named = {"prefill": clients[0], "decode_any": clients[1], "decode_any_process": processes[1],
+    named = {"prefill": clients[0], "prefill_process": processes[0], "decode_any": clients[1],
+             "decode_any_process": processes[1],
              **dict(zip(backends, clients[2:])), **{f"extra{i}": c for i, c in enumerate(clients[2 + len(backends):])}}
     try:
         yield named

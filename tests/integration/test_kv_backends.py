@@ -13,7 +13,8 @@ from common.kv import shm
 from common.kv.sharing import nixl_unavailable_reason
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
 from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
-from tests.integration.observed import scrape
+from tests.integration.observed import scrape, wait_for
+from tests.integration.worker_client import assert_pool_full
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
 BACKENDS_HERE = [b for b, ok in (("shm", bool(shm.host_id())), ("nixl", nixl_unavailable_reason() is None),
@@ -60,3 +61,18 @@ def test_an_offer_the_exporter_cannot_serve_falls_back_logged_once_and_counted(c
     assert log.count("KV transfer backend nixl unavailable") == 1, log
     assert "does not offer nixl" in log
     assert scrape(decode)['disagg_kv_pull_fallbacks_total{backend="nixl"}'] >= 1
+
+
+def test_the_first_pull_from_a_peer_self_checks_every_backend_and_reports_its_gbps(cluster, reference):
+    """The self-check (common.kv.probe): one small pull through each backend the exporter offers, its GB/s exported
+    as disagg_kv_probe_gbps{peer,backend} (and logged); the exporter holds nothing afterwards."""
+    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, BACKENDS_HERE[0])
+    decode, peer = cluster["decode_any_process"], cluster["prefill_process"].address
+    keys = [f'disagg_kv_probe_gbps{{backend="{backend}",peer="{peer}"}}' for backend in BACKENDS_HERE]
+
+    def figures() -> dict[str, float] | None:
+        found = scrape(decode)
+        return found if all(key in found for key in keys) else None
+    samples = wait_for(figures, 30, "a self-check figure for every backend")
+    assert all(samples[key] > 0 for key in keys), samples
+    assert_pool_full(cluster["prefill"])

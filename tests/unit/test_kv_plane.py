@@ -10,6 +10,7 @@ from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
 from common.kv import gather, shm
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable, parse_backends
+from common.kv.probe import PROBE_BLOCKS, PROBE_HANDLE
 from common.kv.pull import KvPuller
 from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import ChannelCache
@@ -112,7 +113,7 @@ def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(cap
     if not shm.host_id():
         pytest.skip("no /dev/shm host id here")
     for _ in range(2):
-        puller._fall_back(ref.endpoint, "shm", "the exporter cannot open the file")
+        puller.fall_back(ref.endpoint, "shm", "the exporter cannot open the file")
     assert puller.candidates(ref) == ["grpc"]
     assert failures == ["shm", "shm"]
     warnings = [r for r in caplog.records if "KV transfer backend shm unavailable" in r.getMessage()]
@@ -161,3 +162,27 @@ def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_
             engine.shutdown()
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_is_skipped(caplog, monkeypatch):
+    if not shm.host_id():
+        pytest.skip("no /dev/shm host id here")
+    figures, failures = [], []
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"),
+                      on_fallback=lambda backend, reason: failures.append(backend),
+                      on_probe=lambda peer, backend, gbps: figures.append((backend, gbps)))
+
+    async def pull_gbps(channel, probe, backend):
+        assert probe.session_id == PROBE_HANDLE and list(probe.block_ids) == list(range(PROBE_BLOCKS))
+        if backend == "shm":
+            raise BackendUnavailable("the exporter cannot open the file")
+        return 1.5
+
+    monkeypatch.setattr(puller.self_check, "_gbps", pull_gbps)
+    ref = _ref("shm,grpc", host_id=shm.host_id())
+    asyncio.run(puller.self_check.run(None, ref))
+    assert figures == [("shm", 0.0), ("grpc", 1.5)] and failures == ["shm"]
+    assert puller.candidates(ref) == ["grpc"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("shm unavailable" in w and "cannot open the file" in w for w in warnings), warnings
+    assert any("fall back to grpc (1.50 GB/s" in w for w in warnings), warnings

@@ -1,0 +1,49 @@
+"""Copy blocks from one paged KV cache into another: dst[:, :, dst_ids] = src[:, :, src_ids], all layers at once.
+
+Both caches are [layers, 2, blocks, block_size, kv_heads, head_dim]. On one GPU it is one Triton kernel
+(each program moves one tile of one (layer, K/V, block) from the source block to its destination block;
+the source may be another process's cache mapped through CUDA IPC), with no staging buffer and no loop
+on the host. Elsewhere (CPU caches, two GPUs) it is the torch reference below.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_TILE_WORDS = 2048  # 8 KiB per program
+
+
+def copy_blocks_reference(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
+                          dst_ids: Sequence[int]) -> None:
+    src_index = torch.tensor(list(src_ids), dtype=torch.long, device=src.device)
+    dst_index = torch.tensor(list(dst_ids), dtype=torch.long, device=dst.device)
+    dst.index_copy_(2, dst_index, src.index_select(2, src_index).to(dst.device))
+
+
+def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+    """Enqueue the copy on the current stream (returns at once on a GPU)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
+        raise ValueError(f"caches {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} hold different blocks")
+    if not src_ids:
+        return
+    if not (src.is_cuda and src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
+            and (_block_bytes(src) % 4 == 0)):
+        copy_blocks_reference(src, src_ids, dst, dst_ids)
+        return
+    _copy_blocks_triton(src, src_ids, dst, dst_ids)
+
+
+def _block_bytes(cache: torch.Tensor) -> int:
+    return cache[0, 0, 0].numel() * cache.element_size()
+
+
+def _copy_blocks_triton(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+    from common.kv import block_copy_triton
+
+    words = _block_bytes(src) // 4
+    ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32).pin_memory().to(src.device, non_blocking=True)
+    block_copy_triton.launch(src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), ids, len(src_ids),
+                             src.shape[0] * 2, src.shape[2], dst.shape[2], words, _TILE_WORDS)

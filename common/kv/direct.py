@@ -1,0 +1,72 @@
+"""A one-sided import straight into the importer's own blocks: reserve, copy, fence.
+
+The importer reserves blocks from its engine's pool (KvBlocks.reserve: no engine step is waited for),
+enqueues one copy of every layer's blocks from the exporter's cache (mapped through CUDA IPC) into them
+on the data plane's side stream (common.kv.block_copy: one kernel, no staging buffer), and, once the copy
+has finished, checks the exporter's epoch table (common.kv.fence): the blocks are the session's only if
+none was reused meanwhile. The session's Release is the caller's to send as soon as the copy is enqueued
+(`enqueued`), so it never sits on the critical path. The result is a PlacedKv the engine adopts as it is.
+
+On a CPU cache (tests) the same steps run synchronously through the torch reference copy.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from common.engine.interface import KvBlocks
+from common.kv import gather
+from common.kv.block_copy import copy_blocks
+from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs
+from common.kv.layout import KvLayout, PlacedKv
+from common.pb.disagg.v1 import common_pb2
+
+
+def fence_of(ref: common_pb2.KvSessionRef) -> int | None:
+    """The session's epoch sum at pin time, where its exporter fences one-sided reads."""
+    text = ref.attributes.get(EPOCH_ATTRIBUTE, "")
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
+    """Whether a copy can go straight from `source` into the engine's blocks (same device, same block layout)."""
+    if blocks is None:
+        return False
+    cache = blocks.cache
+    return (source.device == cache.device and source.dtype == cache.dtype and source.shape[:2] == cache.shape[:2]
+            and source.shape[3:] == cache.shape[3:])
+
+
+async def import_placed(source: torch.Tensor, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
+                        layout: KvLayout, blocks: KvBlocks, enqueued: Callable[[], None]) -> PlacedKv | None:
+    """The session's KV copied from `source` (the exporter's whole cache) into reserved blocks of ours, fenced;
+    None when the pool cannot spare the blocks now (the caller pulls another way). StaleKv when the exporter
+    reused a block before the copy ended: the reserved blocks are back in the pool then."""
+    expected = fence_of(ref)
+    if expected is None:
+        raise ValueError(f"KV session {ref.session_id} carries no {EPOCH_ATTRIBUTE}")
+    # Room for the first generated token too, so the engine admits the request without allocating.
+    reserved = blocks.reserve(-(-(ref.num_tokens + 1) // ref.block_size))
+    if reserved is None:
+        return None
+    src_ids, dst_ids = list(ref.block_ids), reserved[: len(ref.block_ids)]
+    event = None
+    try:
+        if source.is_cuda:
+            with torch.cuda.device(source.device), torch.cuda.stream(gather.side_stream(source.device)):
+                copy_blocks(source, src_ids, blocks.cache, dst_ids)
+                event = torch.cuda.Event()
+                event.record()
+        else:
+            copy_blocks(source, src_ids, blocks.cache, dst_ids)
+        enqueued()
+        if event is not None:
+            await gather.wait_event(event)
+        epochs.check(src_ids, expected, f"KV session {ref.session_id} at {ref.endpoint}")
+    except BaseException:
+        if event is not None:
+            event.synchronize()  # the copy may still write them: at most a copy's time (microseconds)
+        blocks.free(reserved)
+        raise
+    return PlacedKv(layout, ref.num_tokens, reserved, blocks.free)

@@ -1,0 +1,113 @@
+"""The transport self-check: the first time a decode worker meets an exporter, it pulls a few blocks through
+every backend the exporter offers and this worker can use, logs the GB/s of each, and reports them
+(`disagg_kv_probe_gbps{peer,backend}`). A backend that fails here is marked broken for that peer at once,
+with a WARNING that gives the reason and names the backend pulls fall back to, and counted in
+`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so.
+
+A probe reads no session: one-sided backends read the first blocks of the exporter's cache into scratch
+memory; two-sided ones pull the handle PROBE_HANDLE, which the exporter answers with blocks of zeros
+(tensor_store.KvSessionSource) without touching its engine. Nothing is held, so nothing is released.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+import torch
+
+from common.kv import gather
+from common.kv.backends import BackendUnavailable
+from common.kv.block_copy import copy_blocks
+from common.kv.fence import EPOCH_ATTRIBUTE
+from common.kv.transfer import layout_of, pull_kv
+from common.pb.disagg.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
+
+log = logging.getLogger(__name__)
+PROBE_HANDLE = "kv-transfer-probe"
+PROBE_BLOCKS = 4
+
+
+def probe_ref(ref: common_pb2.KvSessionRef, num_blocks: int = PROBE_BLOCKS) -> common_pb2.KvSessionRef:
+    """A ref of the same exporter and layout naming the probe handle and blocks 0..num_blocks-1."""
+    probe = common_pb2.KvSessionRef()
+    probe.CopyFrom(ref)
+    probe.session_id = PROBE_HANDLE
+    probe.num_tokens = num_blocks * ref.block_size
+    del probe.block_ids[:]
+    probe.block_ids.extend(range(num_blocks))
+    probe.attributes.pop(EPOCH_ATTRIBUTE, None)
+    return probe
+
+
+class SelfCheck:
+    """Probes each exporter endpoint once, in the background of the first pull from it."""
+
+    def __init__(self, puller: "KvPuller", on_result: Callable[[str, str, float], None] | None = None):
+        self.puller = puller
+        self.on_result = on_result  # (peer, backend, GB/s; 0 when it failed)
+        self.results: dict[str, dict[str, float]] = {}  # peer → backend → GB/s
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
+        if ref.endpoint not in self._tasks:
+            self._tasks[ref.endpoint] = asyncio.ensure_future(self.run(channel, ref))
+
+    async def wait(self, endpoint: str) -> dict[str, float]:
+        await self._tasks[endpoint]
+        return self.results[endpoint]
+
+    async def run(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
+        probe, results = probe_ref(ref), {}
+        for backend in self.puller.candidates(ref):
+            try:
+                results[backend] = await self._gbps(channel, probe, backend)
+            except (BackendUnavailable, grpc.aio.AioRpcError, OSError, RuntimeError) as exc:
+                results[backend] = 0.0
+                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                self.puller.fall_back(ref.endpoint, backend, f"the self-check pull failed: {reason}")
+        self.results[ref.endpoint] = results
+        log.info("KV transfer self-check with %s (%d blocks): %s", ref.endpoint, PROBE_BLOCKS,
+                 ", ".join(f"{b} {gbps:.2f} GB/s" if gbps else f"{b} failed" for b, gbps in results.items()))
+        working = [b for b, gbps in results.items() if gbps]
+        if working and working[0] != next(iter(results)):
+            log.warning("KV pulls from %s fall back to %s (%.2f GB/s in the self-check): %s failed there",
+                        ref.endpoint, working[0], results[working[0]], ", ".join(b for b in results if not results[b]))
+        for backend, gbps in results.items():
+            if self.on_result is not None:
+                self.on_result(ref.endpoint, backend, gbps)
+
+    async def _gbps(self, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef, backend: str) -> float:
+        start = time.perf_counter()
+        if backend == "cuda_ipc":
+            num_bytes = await self._cuda_ipc(channel, probe)
+        elif backend == "nixl":
+            out = await self.puller.read_nixl(channel, probe)
+            num_bytes = out.numel() * out.element_size()
+        else:
+            pulled = await pull_kv(channel, probe, backend=backend,
+                                   allocate=lambda n: gather.pinned_empty(n, self.puller.device), timeout_s=30)
+            await gather.to_device(pulled.export.blocks, self.puller.device)
+            num_bytes = pulled.num_bytes
+        return num_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
+
+    async def _cuda_ipc(self, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
+        mapped = (await self.puller.map_cache(channel, probe)).tensor
+        ids = list(probe.block_ids)
+        scratch = torch.empty(layout_of(probe).block_shape(len(ids)), dtype=mapped.dtype, device=self.puller.device)
+        with torch.cuda.device(mapped.device), torch.cuda.stream(gather.side_stream(mapped.device)):
+            copy_blocks(mapped, ids, scratch, range(len(ids)))
+            event = torch.cuda.Event()
+            event.record()
+        await gather.wait_event(event)
+        return scratch.numel() * scratch.element_size()
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -1,0 +1,183 @@
+"""The fenced import straight into the importer's blocks (common.kv.direct, common.kv.fence): it gives the
+aggregated tokens, a read of blocks the exporter reused (before or while the copy ran) is detected and
+never served, and no block is lost either way. On the CPU through the torch copy; on a GPU (when there is
+one) through the Triton kernel and the side stream, the path `cuda_ipc` takes."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Callable
+
+import pytest
+import torch
+
+from common.engine.block_manager import BlockManager
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.request import Request, RequestType, SamplingParams
+from common.errors import InvalidRequest
+from common.kv import direct, fence
+from common.kv.block_copy import copy_blocks, copy_blocks_reference
+from common.kv.fence import BlockEpochs, StaleKv
+from common.kv.transfer import layout_of, session_ref
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = list(range(10, 27))  # 17 tokens: 5 blocks of 4
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def _context(engine: LLMEngine, request_id: str, prompt: list[int]) -> str:
+    engine.add_request(request_id, prompt, GREEDY, RequestType.CONTEXT_ONLY)
+    _run(engine)
+    return next(s for s in engine.sessions.sessions.values() if s.request_id == request_id).session_id
+
+
+@pytest.fixture(params=DEVICES)
+def pair(request, tiny_llama):
+    config = EngineConfig(model=tiny_llama, device=request.param, block_size=4, num_kv_blocks=24)
+    exporter, importer = LLMEngine(config), LLMEngine(config)
+    epochs = BlockEpochs.create(exporter.block_manager.num_blocks)
+    exporter.kv_blocks().count_reuse(epochs)
+    yield exporter, importer, epochs
+    exporter.kv_blocks().count_reuse(None)
+    epochs.close()
+
+
+def _import(exporter: LLMEngine, importer: LLMEngine, epochs: BlockEpochs, session_id: str,
+            enqueued: Callable[[], None] = lambda: None):
+    ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
+    reader = BlockEpochs.open(str(epochs.path), epochs.num_blocks)  # as the importer maps it
+    try:
+        return asyncio.run(direct.import_placed(exporter.kv_cache, reader, ref, layout_of(ref), importer.kv_blocks(),
+                                                enqueued))
+    finally:
+        reader.close()
+
+
+def test_a_fenced_import_into_our_blocks_gives_the_aggregated_tokens(pair):
+    exporter, importer, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+    first = exporter.sessions.get(session_id).first_token
+    placed = _import(exporter, importer, epochs, session_id)
+    assert len(placed.block_ids) == 5 and importer.block_manager.num_free_blocks == 24 - 5
+    importer.add_request("d", PROMPT, GREEDY, RequestType.GENERATION_ONLY, placed, first)
+    assert placed.adopt() is None  # the engine owns the blocks now
+    decoded = [first] + _run(importer)["d"]
+    importer.add_request("a", PROMPT, GREEDY)
+    assert decoded == _run(importer)["a"]
+    assert importer.block_manager.num_free_blocks == 24
+
+
+def test_a_read_of_blocks_reused_before_the_copy_is_never_served(pair):
+    exporter, importer, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+    ref_blocks = list(exporter.sessions.get(session_id).block_ids)
+    stale_ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
+    exporter.release_session(session_id)
+    exporter.add_request("other", [5] * 90, GREEDY)  # 96 tokens: every block of the pool is written again
+    _run(exporter)
+    assert set(ref_blocks) & set(range(24))
+    reader = BlockEpochs.open(str(epochs.path), epochs.num_blocks)
+    with pytest.raises(StaleKv, match="reused"):
+        asyncio.run(direct.import_placed(exporter.kv_cache, reader, stale_ref, layout_of(stale_ref),
+                                         importer.kv_blocks(), lambda: None))
+    reader.close()
+    assert importer.block_manager.num_free_blocks == 24  # the reserved blocks went back
+
+
+def test_a_reuse_racing_the_copy_is_detected_after_it(pair):
+    """The Release goes out once the copy is enqueued; the exporter may free and reuse the blocks before the copy
+    ends. Here that happens inside `enqueued`, between the copy and the check."""
+    exporter, importer, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+
+    def release_and_reuse() -> None:
+        exporter.release_session(session_id)
+        exporter.add_request("other", [5] * 90, GREEDY)
+        _run(exporter)
+    with pytest.raises(StaleKv):
+        _import(exporter, importer, epochs, session_id, release_and_reuse)
+    assert importer.block_manager.num_free_blocks == 24
+
+
+def test_freed_blocks_reused_through_the_prefix_cache_keep_their_epochs(pair):
+    exporter, importer, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+    old_blocks = exporter.sessions.get(session_id).block_ids
+    before = [epochs.total([b]) for b in old_blocks[:4]]
+    exporter.release_session(session_id)  # back in the pool, its four full blocks still cached
+    again = _context(exporter, "q", PROMPT)  # a prefix-cache hit: the same four blocks, nothing written in them
+    assert exporter.sessions.get(again).block_ids[:4] == old_blocks[:4]
+    assert [epochs.total([b]) for b in old_blocks[:4]] == before
+    placed = _import(exporter, importer, epochs, again)
+    assert len(placed.block_ids) == 5
+    placed.discard()
+    placed.discard()  # once
+    assert importer.block_manager.num_free_blocks == 24
+
+
+def test_block_epochs_count_allocations_for_new_content():
+    epochs = BlockEpochs.create(4)
+    try:
+        manager = BlockManager(4, block_size=2)
+        manager.count_reuse(epochs)
+        request = Request("r", [1, 2, 3])
+        assert manager.allocate_slots(request, 3) and request.block_table == [0, 1]
+        assert [epochs.total([b]) for b in range(4)] == [1, 1, 0, 0]
+        manager.free(request)
+        assert manager.reserve(4) == [2, 3, 1, 0]  # least recently freed first
+        assert [epochs.total([b]) for b in range(4)] == [2, 2, 1, 1]
+    finally:
+        epochs.close()
+    assert not epochs.path.exists()
+
+
+def test_reserve_skips_blocks_a_step_in_flight_may_still_write():
+    manager = BlockManager(3, block_size=2)
+    request = Request("r", [1, 2])
+    manager.allocate_slots(request, 2)
+    manager.steps_launched, manager.steps_done = 5, 4  # step 5 (launched ahead) may still write request's block
+    manager.free(request)
+    assert manager.reserve(3) is None
+    assert manager.reserve(2) == [1, 2]
+    manager.steps_done = 5
+    assert manager.reserve(1) == [0]
+
+
+def test_an_epoch_table_left_by_a_dead_process_is_swept():
+    dead = fence.SHM_DIR / f"{fence.PREFIX}{_dead_pid()}-0123456789ab"
+    dead.write_bytes(bytes(8))
+    mine = BlockEpochs.create(2)  # creating a table sweeps first
+    try:
+        assert not dead.exists() and mine.path.exists()
+        with pytest.raises(InvalidRequest, match="must name a file"):
+            BlockEpochs.open("/tmp/elsewhere", 2)
+    finally:
+        mine.close()
+
+
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_moves_every_layer_of_each_block_to_its_destination(device):
+    src = torch.randn(3, 2, 9, 4, 2, 8, device=device).to(torch.bfloat16)
+    dst = torch.full((3, 2, 7, 4, 2, 8), float("nan"), device=device, dtype=torch.bfloat16)
+    expected = dst.clone()
+    src_ids, dst_ids = [8, 0, 3, 4], [2, 6, 0, 1]
+    copy_blocks(src, src_ids, dst, dst_ids)
+    copy_blocks_reference(src, src_ids, expected, dst_ids)
+    assert torch.equal(dst.cpu().view(torch.int16), expected.cpu().view(torch.int16))
+    assert torch.equal(dst[:, :, 2].cpu(), src[:, :, 8].cpu()) and dst[:, :, 3].isnan().all()
