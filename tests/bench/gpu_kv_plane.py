@@ -9,6 +9,9 @@ worker and pulls sessions of `--tokens` tokens from this process through each ba
 decode worker's own code: negotiation, the read, the release that proves the blocks were held), next
 to a plain cross-process CUDA IPC copy of the same bytes, a device→pinned-host copy and HBM bandwidth.
 Part 2 runs `disagg up` twice (--prefill 1 and --prefill 0) and `disagg bench` against each.
+The cuda_ipc pull goes where a decode worker's goes: straight into blocks of a local cache (KvBlocks), fenced
+by the exporter's block epochs, its Release sent in the background (so "pull" is the critical path: map
+once, reserve, one copy kernel, the fence check); the other backends pull into a tensor and then release.
 """
 from __future__ import annotations
 
@@ -30,17 +33,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from common.engine.block_manager import BlockManager  # noqa: E402
+from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import cuda_ipc  # noqa: E402
+from common.kv.chunks import torch_dtype  # noqa: E402
+from common.kv.layout import PlacedKv  # noqa: E402
 from common.kv.pull import KvPuller  # noqa: E402
 from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
-from common.kv.transfer import ChannelCache  # noqa: E402
+from common.kv.transfer import ChannelCache, layout_of  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, make_model  # noqa: E402
 from tests.integration.processes import start_service  # noqa: E402
 
 GB = 1e9
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-TARGETS = {"cuda_ipc_gbps": 100.0, "grpc_gbps": 5.0, "throughput_ratio": 0.9, "ttft_ratio": 1.3}
+TARGETS = {"cuda_ipc_ms": 0.6, "grpc_gbps": 5.0, "throughput_ratio": 0.9, "ttft_ratio": 1.5}
 
 
 def model_dir(shape: str, tokenizer_from: Path, root: Path) -> Path:
@@ -60,16 +67,27 @@ def prefill_session(stub: worker_pb2_grpc.PrefillerStub, tokens: int, rng: rando
     return response.session
 
 
+def local_blocks(ref: common_pb2.KvSessionRef, num_blocks: int) -> KvBlocks:
+    """A decode engine's cache and pool as the puller sees them (KvBlocks): cuda_ipc copies straight into it."""
+    cache = torch.empty(layout_of(ref).block_shape(num_blocks), dtype=torch_dtype(ref.dtype), device="cuda")
+    manager = BlockManager(num_blocks, ref.block_size)
+    return KvBlocks(cache, manager.reserve, manager.free_block_ids, manager.count_reuse)
+
+
 async def pull_backend(address: str, backend: str, tokens: int, repeats: int) -> dict:
     device = torch.device("cuda")
-    puller = KvPuller(ChannelCache(), device, (backend,))
     rng = random.Random(0)
-    times, reads, used, size = [], [], set(), 0
+    times, reads, used, size, puller = [], [], set(), 0, None
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.PrefillerStub(channel)
         for i in range(repeats + 1):  # the first pull maps / connects: reported apart
             ref = await asyncio.to_thread(prefill_session, stub, tokens, rng)
+            if puller is None:
+                puller = KvPuller(ChannelCache(), device, (backend,), blocks=local_blocks(ref, 2 * len(ref.block_ids)),
+                                  self_check=False)
             pulled = await puller.pull_and_release(ref, timeout_s=60)
+            if isinstance(pulled.export, PlacedKv):
+                pulled.export.discard()  # (an engine would adopt them)
             used.add(pulled.backend)
             size = pulled.num_bytes
             if i == 0:
@@ -178,7 +196,7 @@ def main() -> None:
     emit("hbm", gbps=round(hbm_bandwidth() / GB, 1), device=torch.cuda.get_device_name())
     if not args.skip_pulls:
         figures = kv_pulls(model, args.tokens, args.repeats)
-        emit("targets", cuda_ipc_gbps=figures["pulls"]["cuda_ipc"]["gbps"], cuda_ipc_target=TARGETS["cuda_ipc_gbps"],
+        emit("targets", cuda_ipc_ms=figures["pulls"]["cuda_ipc"]["median_ms"], cuda_ipc_target_ms=TARGETS["cuda_ipc_ms"],
              grpc_gbps=figures["pulls"]["grpc"]["gbps"], grpc_target=TARGETS["grpc_gbps"])
     if not args.skip_serving:
         torch.cuda.empty_cache()

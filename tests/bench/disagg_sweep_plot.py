@@ -1,0 +1,110 @@
+"""The crossover, table and plot of tests/bench/disagg_sweep.py's runs (plain dicts, as in its sweep.json).
+
+    python -m tests.bench.disagg_sweep_plot OUT/sweep.json   # redraw OUT/sweep.png and reprint the table
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+PANELS = (("output_tok_s", "output tok/s"), ("ttft_mean_ms", "TTFT mean (ms)"), ("itl_p99_ms", "ITL p99 (ms)"))
+STYLES = {"aggregated": ("tab:gray", "o"), "remote": ("tab:red", "s"), "conditional": ("tab:blue", "^")}
+
+
+def _runs(results: list[dict], mode: str, output: int) -> dict[int, dict]:
+    return {int(r["input"]): r for r in results if r["mode"] == mode and r["output"] == output and r["input"].isdigit()}
+
+
+def crossover_of(ratios: list[tuple[int, float]]) -> float:
+    """The input length at which `remote` / `aggregated` output tok/s reaches 1 for good (log-linear between the
+    two cells around it); 0 when remote pays at every length, inf when at none."""
+    ratios = sorted(ratios)
+    if all(ratio >= 1 for _, ratio in ratios):
+        return 0.0
+    last_below = max(i for i, (_, ratio) in enumerate(ratios) if ratio < 1)
+    if last_below == len(ratios) - 1:
+        return math.inf
+    (x0, r0), (x1, r1) = ratios[last_below], ratios[last_below + 1]
+    t = (1 - r0) / (r1 - r0)
+    return 2 ** (math.log2(x0) + t * (math.log2(x1) - math.log2(x0)))
+
+
+def crossover(results: list[dict], inputs: list[str]) -> int:
+    """The conditional rule's threshold: prompts up to it prefill locally. The largest crossover over the output
+    lengths (remote only where it pays at every one), rounded up to a multiple of 64; the longest input tested when
+    remote never pays."""
+    points = []
+    for output in sorted({r["output"] for r in results}):
+        agg, remote = _runs(results, "aggregated", output), _runs(results, "remote", output)
+        ratios = [(x, remote[x]["output_tok_s"] / agg[x]["output_tok_s"]) for x in sorted(agg) if x in remote]
+        if ratios:
+            points.append(crossover_of(ratios))
+    longest = max((int(s) for s in inputs if s.isdigit()), default=0)
+    if not points:
+        return 0
+    point = max(points)
+    return longest if math.isinf(point) else int(math.ceil(point / 64) * 64)
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| input | output | mode | output tok/s (× aggregated) | TTFT mean / p90 (ms) | ITL p99 (ms) | "
+             "KV pull mean (ms, pulls) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    base = {(r["input"], r["output"]): r for r in results if r["mode"] == "aggregated"}
+    for r in sorted(results, key=lambda r: (r["output"], _order(r["input"]), list(STYLES).index(r["mode"]))):
+        agg = base.get((r["input"], r["output"]))
+        ratio = f" ({r['output_tok_s'] / agg['output_tok_s']:.2f}×)" if agg and r["mode"] != "aggregated" else ""
+        pull = f"{r['kv_pull_mean_ms']:.2f} ({r['kv_pulls']})" if r.get("kv_pull_mean_ms") is not None else "—"
+        mode = r["mode"] + (f" (≤ {r['threshold']} local)" if r.get("threshold") is not None else "")
+        lines.append(f"| {r['input']} | {r['output']} | {mode} | {r['output_tok_s']:.0f}{ratio} | "
+                     f"{r['ttft_mean_ms']:.1f} / {r['ttft_p90_ms']:.1f} | {r['itl_p99_ms']:.1f} | {pull} |")
+    return "\n".join(lines) + "\n"
+
+
+def _order(spec: str) -> float:
+    return float(spec) if spec.isdigit() else math.inf
+
+
+def plot(results: list[dict], threshold: int, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outputs = sorted({r["output"] for r in results})
+    fig, axes = plt.subplots(len(outputs), len(PANELS), figsize=(4.2 * len(PANELS), 3.2 * len(outputs)), squeeze=False)
+    for row, output in enumerate(outputs):
+        for col, (key, label) in enumerate(PANELS):
+            ax = axes[row][col]
+            for mode, (color, marker) in STYLES.items():
+                runs = _runs(results, mode, output)
+                if runs:
+                    xs = sorted(runs)
+                    ax.plot(xs, [runs[x][key] for x in xs], color=color, marker=marker, label=mode)
+            if threshold:
+                ax.axvline(threshold, color="tab:blue", linestyle=":", linewidth=1)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("input tokens")
+            ax.set_title(f"{label}, output {output}", fontsize=10)
+            if key == "ttft_mean_ms":
+                ax.set_yscale("log")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{title}; dotted: conditional threshold {threshold} (the measured crossover)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    path = Path(sys.argv[1])
+    data = json.loads(path.read_text())
+    results = data["runs"]
+    threshold = next((r["threshold"] for r in results if r.get("threshold") is not None), 0)
+    plot(results, threshold, path.with_suffix(".png"), data.get("config", {}).get("shape", ""))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
