@@ -4,6 +4,7 @@
     ... start the gRPC server (its interceptors pick tracing up) ...
     await obs.start(bind_host, advertised_host, grpc_port, meta={...})   # metrics HTTP + Consul register
     ...
+    await obs.deregister()                                       # draining: out of Consul
     await obs.stop()                                             # deregister, flush spans
 """
 from __future__ import annotations
@@ -54,8 +55,13 @@ class Observability:
                 grpc_use_tls=tls.current().serves_tls)
             await self.registration.register()
 
-    async def stop(self) -> None:
-        """Deregister first, so the router stops sending work before this process drains."""
+    async def deregister(self) -> None:
+        """Leave Consul, so that routers stop sending work: the first step of a drain."""
         if self.registration is not None:
             await self.registration.deregister()
+            self.registration = None
+
+    async def stop(self) -> None:
+        """Deregister (if the drain has not yet), then flush the spans."""
+        await self.deregister()
         tracing.shutdown_tracing()

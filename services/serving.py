@@ -62,12 +62,35 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+class HealthServicer(health.aio.HealthServicer):
+    """grpc's, plus `end_watches`: a Watch stream (the router follows every worker's) never ends by itself, and
+    would hold the server's shutdown for its whole grace period."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ended = asyncio.Event()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        watching = asyncio.ensure_future(super().Watch(request, context))
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait({watching, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if watching.done():
+                watching.result()  # its error, if it failed
+        finally:
+            watching.cancel()
+            ended.cancel()
+
+    def end_watches(self) -> None:
+        self._ended.set()
+
+
 @dataclass
 class Server:
     """A started grpc.aio server with its health servicer; `serving(...)` flips health per service."""
 
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: HealthServicer
     service_names: list[str]
     port: int
 
@@ -77,10 +100,12 @@ class Server:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float, drain: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Graceful shutdown: NOT_SERVING, stop accepting, let `drain` finish or cancel work, then stop."""
+        """Graceful shutdown: NOT_SERVING, let `drain` finish or end the work, end the health watches, then stop
+        (RPCs still running after `grace_s` are cancelled)."""
         await self.set_serving(False)
         if drain is not None:
             await drain()
+        self.health.end_watches()
         await self.server.stop(grace_s)
 
 
@@ -97,7 +122,7 @@ async def start_server(
     interceptors = [*tracing.server_interceptors(), *interceptors]  # tracing first: it opens the RPC's span
     server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
     add_servicers(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_full_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -26,6 +26,7 @@ from common.telemetry.metrics import Metrics, observe_engine_load
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.convert import kv_event_to_proto
 from services.engine_flags import add_engine_args, engine_config_from_args
+from services.drain import Admission
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
 from services.tensor_store import KvSessionSource, TensorSource
 
@@ -44,7 +45,8 @@ class WorkerState:
     engine: Engine | None = None
     kv_layout: KvLayout | None = None
     tensor_source: TensorSource | None = None
-    shutting_down: bool = False
+    admission: Admission = field(default_factory=Admission)  # new requests, until the drain starts
+    stopped: str = ""  # why requests in flight were ended (the drain ran out of time); "" while they may run
     metrics: Metrics | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -59,11 +61,20 @@ class WorkerState:
         return ROLE_NAMES[self.role]
 
     def require_engine(self) -> Engine:
-        if self.shutting_down:
-            raise Unavailable(f"the {self.role_name} worker is shutting down")
+        if self.stopped:
+            raise Unavailable(self.stopped)
         if self.engine is None:
             raise Unavailable(f"the {self.role_name} worker is still loading its model")
         return self.engine
+
+    def admit(self) -> Engine:
+        """The engine for a new request; Unavailable while loading, and once the drain has started."""
+        self.admission.check()
+        return self.require_engine()
+
+    def ended(self) -> Unavailable:
+        """What a request the engine aborted ends with (only the end of a drain aborts them all)."""
+        return Unavailable(self.stopped or f"the {self.role_name} worker aborted the request")
 
     def spawn(self, coro: Coroutine) -> None:
         """Run cleanup that must finish even when the RPC that started it is gone; drained at shutdown."""
@@ -213,6 +224,10 @@ class EngineRole:
 
     async def load_report(self, state: WorkerState) -> worker_pb2.Load:
         return _load_proto(await state.require_engine().load())
+
+    async def held(self, state: WorkerState) -> int:
+        """Exported KV sessions a decode worker has still to pull or release."""
+        return (await state.engine.load()).active_sessions if state.engine is not None else 0
 
     async def abort(self, state: WorkerState) -> int:
         return await state.engine.abort_all() if state.engine is not None else 0

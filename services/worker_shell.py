@@ -2,8 +2,9 @@
 
 Lifecycle: parse flags (a bad setting is one line, `disagg <role>: error: ...`), start the gRPC server
 (health NOT_SERVING), load the role's model off the event loop, flip to SERVING and print
-`disagg-<role> serving on HOST:PORT`, register (metrics, Consul); on SIGTERM/SIGINT deregister, go
-NOT_SERVING, stop accepting, end in-flight work, drain, and free what the role holds.
+`disagg-<role> serving on HOST:PORT`, register (metrics, Consul); on SIGTERM/SIGINT drain (services.drain):
+NOT_SERVING and out of Consul at once, new requests refused, those in flight and the pulls of what it holds
+run on, up to --drain-timeout; then end what is left, stop the server and free what the role holds; exit 0.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import Any, Protocol, Sequence
 
 import grpc
@@ -22,13 +24,15 @@ from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
+from services.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
 from services.observability import Observability, add_observability_args
 from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
 from services.wire import ParseRequests
 from services.worker_service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
 
 log = logging.getLogger(__name__)
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5.0  # past --drain-timeout: for the ended requests to send their status
+_LAST_CALLS_GRACE_S = 1.0  # drained: for calls still open (a Release answering, a KV-event stream) to end
 _WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -59,8 +63,11 @@ class RoleSpec(WorkerRoleAnswers, Protocol):
     async def background(self, state: WorkerState, stop: asyncio.Event) -> None:
         """Work kept up while serving (gauges, expiry); returns soon after `stop` is set."""
 
+    async def held(self, state: WorkerState) -> int:
+        """What other workers have still to pull from this one (the drain waits for it)."""
+
     async def abort(self, state: WorkerState) -> int:
-        """End in-flight work so the server's grace period need not run out; how many requests ended."""
+        """End in-flight work (past --drain-timeout); how many requests ended."""
 
     async def close(self, state: WorkerState) -> str:
         """Free what the role holds once no RPC runs; a summary for the `stopped:` log line."""
@@ -85,6 +92,8 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
     try:
         config = spec.configure(args)
         configure_tls(tls_from_args(args))
+        if args.drain_timeout < 0:
+            raise InvalidConfig(f"--drain-timeout must be >= 0, got {args.drain_timeout:g}")
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     try:
@@ -103,6 +112,9 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
                    help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="seconds requests in flight (and the pulls of what this worker holds) may take after "
+                        "SIGTERM before they are ended")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -135,8 +147,7 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
             state.spawn(spec.background(state, stop))
             await stop.wait()
     finally:
-        await obs.stop()
-        await _shutdown(spec, server, state)
+        await _shutdown(spec, server, state, obs, args.drain_timeout)
 
 
 async def _load(spec: RoleSpec, state: WorkerState, config: Any, stop: asyncio.Event) -> bool:
@@ -151,13 +162,30 @@ async def _load(spec: RoleSpec, state: WorkerState, config: Any, stop: asyncio.E
     return True
 
 
-async def _shutdown(spec: RoleSpec, server: Server, state: WorkerState) -> None:
-    state.shutting_down = True
-    await server.set_serving(False)
-    stopping = asyncio.ensure_future(server.server.stop(SHUTDOWN_GRACE_S))  # refuses new RPCs at once
-    aborted = await spec.abort(state)
-    await stopping
+async def _shutdown(spec: RoleSpec, server: Server, state: WorkerState, obs: Observability,
+                    drain_timeout_s: float) -> None:
+    """Drain, then stop: see the module doc."""
+    await server.set_serving(False)  # the router watches health: it stops picking this worker at once
+    who = f"{state.role_name} worker {state.endpoint}"
+    state.admission.close(f"{who} is draining and takes no new requests; send this one to another "
+                          f"{state.role_name} worker")
+    await obs.deregister()
+    log.info("draining: NOT_SERVING; %d requests in flight, %d held for pulls (up to --drain-timeout %gs)",
+             state.admission.inflight, await spec.held(state), drain_timeout_s)
+    aborted = 0
+    if not await until_idle(state.admission, drain_timeout_s, lambda: spec.held(state)):
+        state.stopped = f"{who} draining: --drain-timeout {drain_timeout_s:g}s passed; retry the request"
+        log.warning("--drain-timeout %gs passed with %d requests in flight and %d held for pulls; ending them",
+                    drain_timeout_s, state.admission.inflight, await spec.held(state))
+        aborted = await spec.abort(state)
+        await until_idle(state.admission, SHUTDOWN_GRACE_S)  # the ended requests send their status
+    drained_s = time.monotonic() - state.admission.closed_at
+    state.stopped = state.stopped or f"{who} has stopped"
+    await server.stop(_LAST_CALLS_GRACE_S)
     await state.drain(SHUTDOWN_GRACE_S)
     for close in state.closers:
         await close()
-    log.info("stopped: aborted %d requests, %s", aborted, await spec.close(state))
+    log.info("stopped: drained in %.2fs (%s); aborted %d requests, %s", drained_s, state.admission.summary(),
+             aborted, await spec.close(state))
+    await obs.stop()
+

@@ -8,7 +8,7 @@ kv_import, its own transceiver fetches the KV, and the session is released once 
 A ref for the other kind of engine is refused (FAILED_PRECONDITION). Once this worker accepts a
 DecodeStart with a session it owns the session and releases it whatever happens next (also
 when it refuses the request as invalid or mismatched); only when it is UNAVAILABLE (loading,
-shutting down) does the caller keep it, to try another decode worker.
+draining) does the caller keep it, to try another decode worker.
 """
 from __future__ import annotations
 
@@ -148,30 +148,31 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             start = await _read_start(request_iterator)
         except InvalidRequest as exc:
             await abort_with(context, exc)
-        try:
-            engine = self.state.require_engine()
-            plan = _plan(start, self.state.kv_layout, self.state.engine_name, self.state.kv_transfer)
-            plan.time_left_s = context.time_remaining()
-            if plan.session is not None and self.state.kv_transfer != DATA_PLANE:
-                plan.handoff = engine.kv_import_from_attributes(plan.session.attributes)
-        except Exception as exc:
-            await self._refuse(context, start, exc)
-        outbox: asyncio.Queue = asyncio.Queue()
-        work = asyncio.create_task(self._work(engine, plan, outbox))
-        work.add_done_callback(lambda _: outbox.put_nowait(None))  # the stream ends however the work ends
-        watcher = asyncio.create_task(_watch(request_iterator, work, outbox))
-        try:
-            while (item := await outbox.get()) is not None:
-                if isinstance(item, BaseException):
-                    await abort_with(context, item)
-                yield item
-        finally:  # also when the client disappears: the work's cleanup frees everything
-            watcher.cancel()
-            work.cancel()
+        with self.state.admission.counted():  # the drain waits for the whole stream
+            try:
+                engine = self.state.admit()
+                plan = _plan(start, self.state.kv_layout, self.state.engine_name, self.state.kv_transfer)
+                plan.time_left_s = context.time_remaining()
+                if plan.session is not None and self.state.kv_transfer != DATA_PLANE:
+                    plan.handoff = engine.kv_import_from_attributes(plan.session.attributes)
+            except Exception as exc:
+                await self._refuse(context, start, exc)
+            outbox: asyncio.Queue = asyncio.Queue()
+            work = asyncio.create_task(self._work(engine, plan, outbox))
+            work.add_done_callback(lambda _: outbox.put_nowait(None))  # the stream ends however the work ends
+            watcher = asyncio.create_task(_watch(request_iterator, work, outbox))
+            try:
+                while (item := await outbox.get()) is not None:
+                    if isinstance(item, BaseException):
+                        await abort_with(context, item)
+                    yield item
+            finally:  # also when the client disappears: the work's cleanup frees everything
+                watcher.cancel()
+                work.cancel()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, start: worker_pb2.DecodeStart, exc: Exception) -> None:
         """End the RPC with exc's status, releasing the refused request's session unless another
-        decode worker could take it (this one is loading or shutting down)."""
+        decode worker could take it (this one is loading or draining)."""
         ref = start.session
         if start.HasField("session") and ref.endpoint and ref.session_id and not isinstance(exc, Unavailable):
             await asyncio.shield(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
@@ -197,7 +198,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                     self._release_later(plan.session)
                     owed = False
                 if out.finish_reason is FinishReason.ABORT:
-                    raise Unavailable("the decode worker is shutting down; the request was aborted")
+                    raise self.state.ended()
                 if out.new_token_ids and progress.usage.completion_tokens == 0:
                     span.add_event("first_token")
                 for message in progress.messages(out):

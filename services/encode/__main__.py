@@ -127,6 +127,10 @@ class EncodeRole:
         stored, num_bytes = state.table.stored()
         return worker_pb2.Load(stored_tensors=stored, stored_tensor_bytes=num_bytes)
 
+    async def held(self, state: EncodeState) -> int:
+        """Stored embeddings a prefill (or decode) worker has still to pull."""
+        return state.table.stored()[0]
+
     async def abort(self, state: EncodeState) -> int:
         return 0  # an Encode call ends with its batch; the grace period covers it
 

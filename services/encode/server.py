@@ -13,7 +13,7 @@ import grpc
 from common.engine.image_encoder import ImageEncoder
 from common.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
 from common.kv.chunks import tensor_to_bytes
-from common.kv.embeddings import EmbeddingTable, embedding_header, embedding_ref
+from common.kv.embeddings import EmbeddingTable, StoredEmbedding, embedding_header, embedding_ref
 from common.media import MediaConfig, load_image
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.serving import abort_with
@@ -36,8 +36,8 @@ class EncodeState(WorkerState):
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="encode"))
 
     def require_encoder(self) -> ImageEncoder:
-        if self.shutting_down:
-            raise Unavailable("the encode worker is shutting down")
+        if self.stopped:
+            raise Unavailable(self.stopped)
         if self.encoder is None:
             raise Unavailable("the encode worker is still loading its model")
         return self.encoder
@@ -78,24 +78,31 @@ class EncoderServicer(worker_pb2_grpc.EncoderServicer):
     async def Encode(self, request: worker_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> worker_pb2.EncodeResponse:
         started = time.perf_counter()
-        try:
-            encoder = self.state.require_encoder()
-            self._check_count(len(request.images))
-            loop = asyncio.get_running_loop()
-            embeddings = await loop.run_in_executor(self.state.executor, _encode, encoder, request, self.state.media)
-            entries = []
+        with self.state.admission.counted():  # the drain waits for it
             try:
-                for tensor, content_hash in embeddings:
-                    entries.append(self.state.table.put(tensor, content_hash))
-            except ResourceExhausted:
-                for entry in entries:
-                    self.state.table.release(entry.handle)
-                raise
-        except Exception as exc:
-            await abort_with(context, exc)
+                self.state.admission.check()
+                entries = await self._store(request)
+            except Exception as exc:
+                await abort_with(context, exc)
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_encode_latency_seconds").observe(time.perf_counter() - started)
         return worker_pb2.EncodeResponse(embeddings=[embedding_ref(e, self.state.endpoint) for e in entries])
+
+    async def _store(self, request: worker_pb2.EncodeRequest) -> list[StoredEmbedding]:
+        """Encode the request's images and keep the embeddings (all of them, or none when they do not fit)."""
+        encoder = self.state.require_encoder()
+        self._check_count(len(request.images))
+        loop = asyncio.get_running_loop()
+        embeddings = await loop.run_in_executor(self.state.executor, _encode, encoder, request, self.state.media)
+        entries = []
+        try:
+            for tensor, content_hash in embeddings:
+                entries.append(self.state.table.put(tensor, content_hash))
+        except ResourceExhausted:
+            for entry in entries:
+                self.state.table.release(entry.handle)
+            raise
+        return entries
 
     def _check_count(self, count: int) -> None:
         if count == 0:

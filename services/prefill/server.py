@@ -15,7 +15,7 @@ import grpc
 
 from common.engine.interface import Engine
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
-from common.errors import InvalidRequest, Unavailable
+from common.errors import InvalidRequest
 from common.engine.multimodal import ImageEmbedding
 from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS
 from common.kv.embeddings import pull_and_release_embeddings
@@ -48,26 +48,27 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         # Unique in the engine even when a router retries the same request id.
         engine_id = f"{request.request_id or 'prefill'}-{uuid.uuid4().hex[:8]}"
         received = time.monotonic()
-        try:
-            engine = self.state.require_engine()
-            sampling = _sampling(request)
-            # Pulled and released before the engine sees the request: a cancel here leaves nothing held.
-            images = await pull_and_release_embeddings(self.channels.get, request.embeddings,
-                                                       context.time_remaining())
-            output = await _context_only(engine, engine_id, request, sampling, images)
-            response = await self._response(engine, output, request.request_id)
-            response.ttft_breakdown.CopyFrom(prompt_parts(received, output))
-        except asyncio.CancelledError:
-            self._release_sessions_of(engine_id)  # the caller left; a session made meanwhile must not wait for its TTL
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
-        return response
+        with self.state.admission.counted():
+            try:
+                engine = self.state.admit()
+                sampling = _sampling(request)
+                # Pulled and released before the engine sees the request: a cancel here leaves nothing held.
+                images = await pull_and_release_embeddings(self.channels.get, request.embeddings,
+                                                           context.time_remaining())
+                output = await _context_only(engine, engine_id, request, sampling, images)
+                response = await self._response(engine, output, request.request_id)
+                response.ttft_breakdown.CopyFrom(prompt_parts(received, output))
+            except asyncio.CancelledError:
+                self._release_sessions_of(engine_id)  # the caller left: a session made meanwhile must not wait
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
+            return response
 
     async def _response(self, engine: Engine, output: RequestOutput,
                         request_id: str) -> worker_pb2.PrefillResponse:
         if output.finish_reason is FinishReason.ABORT:
-            raise Unavailable("the prefill worker is shutting down; the request was aborted")
+            raise self.state.ended()
         response = worker_pb2.PrefillResponse(first_token=output.new_token_ids[0],
                                               cached_tokens=output.num_cached_tokens)
         if output.new_logprobs:

@@ -1,5 +1,7 @@
 """The streaming half of a request: a decode worker's Decode stream, and migration when the worker is lost.
 
+A decode worker that refuses the request before answering anything (UNAVAILABLE: draining, loading, gone) hands
+the same start, KV session included (prefill still holds it), to another decode worker; the client sees nothing.
 A decode worker lost mid-stream (UNAVAILABLE after it answered) is replaced by another one, up to
 --migration-limit times, which continues aggregated from the prompt and the tokens delivered so far.
 A stop string matched here cancels the worker's request and waits for its Finished (its blocks are free then).
@@ -36,9 +38,12 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP, common_pb2.
                    common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED}
 
 
+# Picks a ready decode worker other than those given; None when there is none.
+PickDecode = Callable[[set[WorkerClient]], Awaitable[WorkerClient | None]]
+
+
 class DecodeStream:
-    def __init__(self, pool: WorkerPool, pick_decode: Callable[[], Awaitable[WorkerClient | None]],
-                 migration_limit: int):
+    def __init__(self, pool: WorkerPool, pick_decode: PickDecode, migration_limit: int):
         self._pool = pool
         self._pick_decode = pick_decode
         self._migration_limit = migration_limit
@@ -46,17 +51,27 @@ class DecodeStream:
     async def run(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                   start: worker_pb2.DecodeStart, deadline: Deadline,
                   session: KvSession | None = None) -> AsyncIterator[Event]:
-        """Stream from a decode worker; if it is lost mid-stream, migrate (up to --migration-limit times)
-        to another decode worker, which continues from the prompt and the tokens delivered so far."""
+        """Stream from a decode worker; one that refuses before answering passes the request on to another; one
+        lost mid-stream is replaced (up to --migration-limit times) by another decode worker, which continues from
+        the prompt and the tokens delivered so far."""
+        refused_by: set[WorkerClient] = set()
         for migration in itertools.count():
             try:
                 async with contextlib.aclosing(self._on(worker, req, out, start, deadline, session)) as responses:
                     async for response in responses:
                         yield response
                 return
+            except _DecodeRefused as refused:
+                refused_by.add(worker)
+                other = await self._pick_decode(refused_by)
+                if other is None:
+                    raise refused.error from None
+                log.info("request %s: decode worker %s refused it (%s); sending it to %s", req.request_id,
+                         worker.endpoint, refused.error.details(), other.endpoint)
+                worker = other
             except _DecodeLost as lost:
-                other = await self._pick_decode() if migration < self._migration_limit else None
-                if other is None or other is worker:
+                other = await self._pick_decode({worker}) if migration < self._migration_limit else None
+                if other is None:
                     raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} "
                                       f"after {out.completion_tokens} tokens were delivered ({lost}); "
                                       "retry the request") from None
@@ -105,7 +120,7 @@ class DecodeStream:
                 raise
             self._pool.mark_down(worker, exc.details())
             if not answered:
-                raise
+                raise _DecodeRefused(exc) from None
             raise _DecodeLost(exc.details()) from None
         finally:
             call.cancel()
@@ -171,3 +186,12 @@ async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | N
 
 class _DecodeLost(Exception):
     """The decode worker went away (UNAVAILABLE) after it had started streaming."""
+
+
+class _DecodeRefused(Exception):
+    """The decode worker was UNAVAILABLE before it answered anything (draining, loading, gone): the request, and
+    the KV session with it, are still the router's to send elsewhere."""
+
+    def __init__(self, error: grpc.aio.AioRpcError):
+        super().__init__(error.details())
+        self.error = error

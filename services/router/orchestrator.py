@@ -18,6 +18,7 @@ import grpc
 
 from common.discovery import Role
 from common.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
+from common.pb.disagg.v1 import common_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
 from services.router.config import RouterConfig
@@ -52,11 +53,14 @@ class Orchestrator:
             DisaggConfig(config.min_remote_prefill_tokens, config.max_local_prefill_tokens,
                          config.max_prefill_queue_tokens), kv if isinstance(kv, KvAware) else None, metrics)
         self._handoff = Handoff(pool, kv, config.policy, metrics)
-        self._decode = DecodeStream(pool, lambda: self._pick(Role.DECODE), config.migration_limit)
+        self._decode = DecodeStream(pool, lambda refused: self._pick(Role.DECODE, exclude=refused),
+                                    config.migration_limit)
         # One thread: HF tokenizers are not meant to be driven from several threads at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0
         self.draining = False
+        self._running: set[asyncio.Task] = set()  # the tasks of the requests in flight, for end_inflight
+        self._ended: str | None = None
 
     def response(self, request_id: str) -> ResponseBuilder:
         return ResponseBuilder(request_id, self._preparer.tokenizer, metrics=self._metrics)
@@ -77,6 +81,13 @@ class Orchestrator:
         """A request a front door refused before the core saw it (bad JSON, a bad sampling value) still counts
         in disagg_requests_total under its status."""
         self.response("").close(status_of(exc))
+
+    def end_inflight(self, reason: str) -> None:
+        """Past the router's --drain-timeout: every request still running ends with UNAVAILABLE(reason), its
+        worker calls cancelled (which frees their KV)."""
+        self._ended = reason
+        for task in self._running:
+            task.cancel()
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -124,16 +135,24 @@ class Orchestrator:
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[None]:
         if self.draining:
-            raise Unavailable("the router is shutting down; send the request to another router")
+            raise Unavailable("the router is draining and takes no new requests; send this one to another router")
         limit = self._config.max_inflight_requests
         if self.inflight >= limit:
             raise ResourceExhausted(f"the router has {self.inflight} requests in flight, its limit "
                                     f"(--max-inflight-requests={limit}); retry later")
+        task = asyncio.current_task()
+        self._running.add(task)
         self.inflight += 1
         try:
             yield
+        except asyncio.CancelledError:
+            if self._ended is None:
+                raise
+            task.uncancel()  # end_inflight's cancel becomes the request's status
+            raise Unavailable(self._ended) from None
         finally:
             self.inflight -= 1
+            self._running.discard(task)
 
     async def _run(self, req: PreparedRequest, out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         decode = await self._pick(Role.DECODE)
@@ -151,8 +170,9 @@ class Orchestrator:
                 async for response in responses:
                     yield response
 
-    async def _pick(self, role: Role, prompt: list[int] | None = None) -> WorkerClient | None:
-        workers = self._pool.ready(role)
+    async def _pick(self, role: Role, prompt: list[int] | None = None,
+                    exclude: set[WorkerClient] = frozenset()) -> WorkerClient | None:
+        workers = [w for w in self._pool.ready(role) if w not in exclude]
         return await self._policies[role].pick(workers, prompt) if workers else None
 
     async def _disaggregated(self, prefill: WorkerClient, decode: WorkerClient, req: PreparedRequest,
@@ -171,11 +191,7 @@ class Orchestrator:
                            out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         """encode → prefill (pulls and releases the embeddings) → decode with the KV session; without a
         prefill worker (or below --min-remote-prefill-tokens) the decode worker pulls them and runs aggregated."""
-        encoder = await self._pick(Role.ENCODE)
-        if encoder is None:
-            raise FailedPrecondition(f"the request has {len(req.images)} images but no encode worker is available; "
-                                     "start one (disagg encode) and list it in --encode-workers")
-        refs = await self._handoff.encode(encoder, req, deadline)
+        refs = await self._encode(req, deadline)
         ready = None
         try:
             if prefill is not None:
@@ -193,6 +209,22 @@ class Orchestrator:
         finally:
             if ready is None:  # whoever pulled them released them; this frees what a failure or cancel left
                 self._handoff.releaser.embeddings(refs)
+
+    async def _encode(self, req: PreparedRequest, deadline: Deadline) -> list[common_pb2.EmbeddingRef]:
+        """The embeddings of the request's images; an encode worker that refuses (UNAVAILABLE: draining, gone)
+        passes the request on to another."""
+        refused: set[WorkerClient] = set()
+        while (encoder := await self._pick(Role.ENCODE, exclude=refused)) is not None:
+            try:
+                return await self._handoff.encode(encoder, req, deadline)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                log.info("request %s: encode worker %s refused it (%s)", req.request_id, encoder.endpoint,
+                         exc.details())
+                refused.add(encoder)
+        raise FailedPrecondition(f"the request has {len(req.images)} images but no encode worker is available; "
+                                 "start one (disagg encode) and list it in --encode-workers")
 
     async def _after_prefill(self, ready: PrefillReady, decode: WorkerClient, req: PreparedRequest,
                              out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:

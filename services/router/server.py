@@ -24,6 +24,8 @@ from services.wire import ParseRequests
 log = logging.getLogger(__name__)
 
 _HEALTH_POLL_S = 0.1
+_DRAIN_POLL_S = 0.05
+_END_GRACE_S = 5.0  # past --drain-timeout: for the ended requests to send their status
 
 
 async def serve(config: RouterConfig, discovery: Discovery, obs: Observability | None = None) -> None:
@@ -53,10 +55,11 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         await wait_for_signal()
         if obs is not None:
             await obs.stop()  # out of Consul first: no new requests while draining
-        log.info("draining %d requests (up to %.0fs)", orchestrator.inflight, config.drain_timeout_s)
-        orchestrator.draining = True
+        log.info("draining %d requests (up to %gs)", orchestrator.inflight, config.drain_timeout_s)
+        orchestrator.draining = True  # new requests on every front door: UNAVAILABLE (HTTP 503)
         health.cancel()
-        await server.stop(grace_s=1.0, drain=lambda: _drain(orchestrator, config.drain_timeout_s))
+        await server.stop(grace_s=1.0, drain=lambda: _drain(orchestrator, config.drain_timeout_s,
+                                                            f"{advertised}:{server.port}"))
     finally:
         if http is not None:
             await http.stop()
@@ -89,8 +92,16 @@ async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: st
         await asyncio.sleep(_HEALTH_POLL_S)
 
 
-async def _drain(orchestrator: Orchestrator, timeout_s: float) -> None:
+async def _drain(orchestrator: Orchestrator, timeout_s: float, endpoint: str) -> None:
+    """Until the requests in flight have finished; past `timeout_s` they end with UNAVAILABLE naming the drain."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while orchestrator.inflight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(_DRAIN_POLL_S)
+    if orchestrator.inflight:
+        log.warning("--drain-timeout %gs passed with %d requests in flight; ending them", timeout_s,
+                    orchestrator.inflight)
+        orchestrator.end_inflight(f"router {endpoint} draining: --drain-timeout {timeout_s:g}s passed; "
+                                  "retry the request")
+        while orchestrator.inflight and loop.time() < deadline + _END_GRACE_S:
+            await asyncio.sleep(_DRAIN_POLL_S)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Coroutine, Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import channels
 from common.discovery import Discovery, Role
@@ -28,6 +29,7 @@ _ACCEPTED_ROLES = {
 _KV_ROLES = (Role.PREFILL, Role.DECODE)  # encode workers hold no KV
 _GET_INFO_TIMEOUT_S = 5.0
 _MAX_RETRY_S = 5.0
+_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass(eq=False)
@@ -36,7 +38,9 @@ class WorkerClient:
     endpoint: str
     channel: grpc.aio.Channel
     info: worker_pb2.WorkerInfo | None = None
-    healthy: bool = False
+    healthy: bool = False  # answered GetInfo with the right role, and no request found it gone since
+    serving: bool = False  # its grpc.health.v1 Watch says SERVING (a draining worker turns NOT_SERVING at once)
+    health_watch: asyncio.Task | None = None
     # Requests this router has on the worker right now (a tie-breaker for least_loaded).
     inflight: int = 0
     # Uncached prompt tokens this router has sent the worker to prefill, not answered yet (kv_aware's load).
@@ -54,6 +58,11 @@ class WorkerClient:
         self.prefiller = worker_pb2_grpc.PrefillerStub(self.channel)
         self.decoder = worker_pb2_grpc.DecoderStub(self.channel)
         self.encoder = worker_pb2_grpc.EncoderStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and self.serving
 
     @contextlib.contextmanager
     def prefilling(self, num_tokens: int) -> Iterator[None]:
@@ -73,10 +82,12 @@ class WorkerClient:
 
 
 class WorkerPool:
-    """Follows discovery per role; a worker is usable once it answered GetInfo with the right role.
+    """Follows discovery per role; a worker is usable once it has answered GetInfo with the right role, and while
+    its health Watch (server-pushed, followed from then on) says SERVING.
 
-    A worker that fails with UNAVAILABLE is set aside (`mark_down`) and probed with GetInfo until
-    it answers again. `settled` is False while a newly discovered worker has not answered yet
+    A draining worker turns NOT_SERVING: it is picked no more at once, but stays known, so requests in flight
+    and releases still reach it. A worker that fails with UNAVAILABLE is set aside (`mark_down`) and probed with
+    GetInfo until it answers again. `settled` is False while a newly discovered worker has not answered yet
     (within `contact_timeout_s`), so the router does not report SERVING with half its workers.
 
     With a `kv_index` (kv_aware routing) the pool owns the KV-event subscriptions: a prefill or decode
@@ -99,14 +110,15 @@ class WorkerPool:
         for role in _ACCEPTED_ROLES:
             self.spawn(self._follow(role))
 
-    def spawn(self, coro: Coroutine) -> None:
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
         """Run a background task the pool owns (cancelled on close)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def ready(self, role: Role) -> list[WorkerClient]:
-        return [c for c in self._clients[role].values() if c.healthy]
+        return [c for c in self._clients[role].values() if c.usable]
 
     @property
     def settled(self) -> bool:
@@ -170,6 +182,8 @@ class WorkerPool:
         for endpoint in set(current) - set(endpoints):
             client = current.pop(endpoint)
             client.healthy = False
+            if client.health_watch is not None:
+                client.health_watch.cancel()
             self._pending.discard(client)
             log.info("%s worker %s left discovery", role.value, endpoint)
             if self.kv_index is not None and role in _KV_ROLES and not any(
@@ -208,7 +222,41 @@ class WorkerPool:
                             "their KV is not interchangeable", client.role.value, client.endpoint, info.fingerprint,
                             info.model, other.role.value, other.endpoint, other.info.fingerprint, other.info.model)
         client.info, client.healthy = info, True
+        if not client.serving:
+            client.down_reason = "has not reported SERVING on its health watch yet"
+        if client.health_watch is None:
+            client.health_watch = self.spawn(self._watch_health(client))
         if self.kv_index is not None and client.role in _KV_ROLES:
             self.kv_index.follow(client)
         log.info("%s worker %s ready: model=%s fingerprint=%s max_model_len=%d", client.role.value, client.endpoint,
                  info.model, info.fingerprint, info.max_model_len)
+
+    async def _watch_health(self, client: WorkerClient) -> None:
+        """Follow the worker's health until it leaves discovery; a broken watch is opened again (with back-off)."""
+        delay = self._retry_s
+        while self._clients[client.role].get(client.endpoint) is client:
+            try:
+                async for response in client.health.Watch(health_pb2.HealthCheckRequest()):
+                    self._set_serving(client, response.status == _SERVING,
+                                      health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+                    delay = self._retry_s
+                reason = "its health watch ended"  # the worker stopped
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:  # no health service: GetInfo and errors alone say
+                    self._set_serving(client, True, "")
+                    return
+                reason = f"its health watch failed: {exc.code().name}"
+            self._set_serving(client, False, reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _MAX_RETRY_S)
+
+    def _set_serving(self, client: WorkerClient, serving: bool, status: str) -> None:
+        if serving == client.serving:
+            return
+        client.serving = serving
+        if serving:
+            log.info("%s worker %s is SERVING", client.role.value, client.endpoint)
+        else:
+            client.down_since, client.down_reason = time.time(), f"is not serving ({status})"
+            log.info("%s worker %s is not serving (%s); no new requests go to it", client.role.value,
+                     client.endpoint, status)

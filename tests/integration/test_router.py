@@ -27,11 +27,11 @@ PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "
 MAX_TOKENS = 12
 
 
-def make_text_model(directory: Path) -> Path:
+def make_text_model(directory: Path, max_position_embeddings: int = 256) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                          bos_token_id=1, eos_token_id=2, initializer_range=0.2)
     LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
