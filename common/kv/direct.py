@@ -4,8 +4,9 @@ The importer reserves blocks from its engine's pool (KvBlocks.reserve: no engine
 enqueues one copy of every layer's blocks from the exporter's cache (mapped through CUDA IPC) into them
 on the data plane's side stream (common.kv.block_copy: one kernel, no staging buffer), and, once the copy
 has finished, checks the exporter's epoch table (common.kv.fence): the blocks are the session's only if
-none was reused meanwhile. The session's Release is the caller's to send as soon as the copy is enqueued
-(`enqueued`), so it never sits on the critical path. The result is a PlacedKv the engine adopts as it is.
+none was reused meanwhile. The session's Release is the caller's to send once the copy has finished
+(`copied`), without waiting for its answer: it never sits on the critical path, and its own work on the
+event loop does not delay noticing the copy's end. The result is a PlacedKv the engine adopts as it is.
 
 On a CPU cache (tests) the same steps run synchronously through the torch reference copy.
 """
@@ -39,7 +40,7 @@ def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
 
 
 async def import_placed(source: torch.Tensor, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
-                        layout: KvLayout, blocks: KvBlocks, enqueued: Callable[[], None]) -> PlacedKv | None:
+                        layout: KvLayout, blocks: KvBlocks, copied: Callable[[], None]) -> PlacedKv | None:
     """The session's KV copied from `source` (the exporter's whole cache) into reserved blocks of ours, fenced;
     None when the pool cannot spare the blocks now (the caller pulls another way). StaleKv when the exporter
     reused a block before the copy ended: the reserved blocks are back in the pool then."""
@@ -60,9 +61,9 @@ async def import_placed(source: torch.Tensor, epochs: BlockEpochs, ref: common_p
                 event.record()
         else:
             copy_blocks(source, src_ids, blocks.cache, dst_ids)
-        enqueued()
         if event is not None:
             await gather.wait_event(event)
+        copied()
         epochs.check(src_ids, expected, f"KV session {ref.session_id} at {ref.endpoint}")
     except BaseException:
         if event is not None:

@@ -21,11 +21,12 @@ _streams_lock = threading.Lock()
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The data plane's own stream on `device` (created once)."""
+    """The data plane's own stream on `device` (created once), of the highest priority: a KV copy is on a
+    request's critical path, so the GPU starts its blocks ahead of the model steps' queued ones."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _streams_lock:
         if index not in _streams:
-            _streams[index] = torch.cuda.Stream(device=index)
+            _streams[index] = torch.cuda.Stream(device=index, priority=-100)  # clamped to the highest
         return _streams[index]
 
 

@@ -196,11 +196,11 @@ class KvPuller:
                       timeout_s: float | None) -> PulledKv | None:
         start, sent = time.perf_counter(), []
 
-        def enqueued() -> None:
+        def copied() -> None:
             sent.append(self._release_later(channel, ref))
         try:
             placed = await asyncio.wait_for(direct.import_placed(
-                mapped.tensor, mapped.epochs, ref, layout_of(ref), self.blocks, enqueued), timeout_s)
+                mapped.tensor, mapped.epochs, ref, layout_of(ref), self.blocks, copied), timeout_s)
         except BaseException:
             if not sent:
                 self._release_later(channel, ref)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import cuda_ipc  # noqa: E402
+from common.kv.block_copy import copy_blocks  # noqa: E402
 from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
 from common.kv.pull import KvPuller  # noqa: E402
@@ -121,12 +122,31 @@ def peer_copies(address: str, num_bytes: int) -> dict:
     with grpc.insecure_channel(address) as channel:
         share = worker_pb2_grpc.TensorStoreStub(channel).OpenKvCache(
             worker_pb2.OpenKvCacheRequest(backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC), timeout=30)
-    mapped = cuda_ipc.open_cache(share).view(-1).view(torch.uint8)[:num_bytes]
+    cache = cuda_ipc.open_cache(share)
+    mapped = cache.view(-1).view(torch.uint8)[:num_bytes]
     local = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     ipc_s, host_s = _time_copy(local, mapped), _time_copy(pinned, local)
+    kernel_ms = _time_block_copy(cache, num_bytes // (cache[:, :, 0].numel() * cache.element_size()))
     return emit("peer_copies", bytes=num_bytes, cuda_ipc_copy_gbps=round(num_bytes / ipc_s / GB, 1),
-                pinned_d2h_gbps=round(num_bytes / host_s / GB, 1))
+                pinned_d2h_gbps=round(num_bytes / host_s / GB, 1), block_copy_kernel_ms=round(kernel_ms, 3),
+                block_copy_kernel_gbps=round(num_bytes / kernel_ms / 1e6, 1))
+
+
+def _time_block_copy(cache: torch.Tensor, num_blocks: int, repeats: int = 20) -> float:
+    """GPU time (ms, median) of the import's copy (common.kv.block_copy) of `num_blocks` blocks of the mapped
+    cache into a local cache, as a pull issues it: ids built on the host, one kernel."""
+    local = torch.empty((*cache.shape[:2], 2 * num_blocks, *cache.shape[3:]), dtype=cache.dtype, device="cuda")
+    src, dst = list(range(100, 100 + num_blocks)), list(range(num_blocks, 2 * num_blocks))
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        copy_blocks(cache, src, local, dst)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
 
 
 def kv_pulls(model: Path, tokens: int, repeats: int) -> dict:

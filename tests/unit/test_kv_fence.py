@@ -52,12 +52,12 @@ def pair(request, tiny_llama):
 
 
 def _import(exporter: LLMEngine, importer: LLMEngine, epochs: BlockEpochs, session_id: str,
-            enqueued: Callable[[], None] = lambda: None):
+            copied: Callable[[], None] = lambda: None):
     ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
     reader = BlockEpochs.open(str(epochs.path), epochs.num_blocks)  # as the importer maps it
     try:
         return asyncio.run(direct.import_placed(exporter.kv_cache, reader, ref, layout_of(ref), importer.kv_blocks(),
-                                                enqueued))
+                                                copied))
     finally:
         reader.close()
 
@@ -94,8 +94,8 @@ def test_a_read_of_blocks_reused_before_the_copy_is_never_served(pair):
 
 
 def test_a_reuse_racing_the_copy_is_detected_after_it(pair):
-    """The Release goes out once the copy is enqueued; the exporter may free and reuse the blocks before the copy
-    ends. Here that happens inside `enqueued`, between the copy and the check."""
+    """The Release goes out once the copy has finished; the exporter may free and reuse the blocks before the check
+    (or, on a GPU, while a copy it raced still ran). Here that happens inside `copied`, between copy and check."""
     exporter, importer, epochs = pair
     session_id = _context(exporter, "p", PROMPT)
 
