@@ -79,13 +79,15 @@ def bench(router: ServiceProcess, decode: ServiceProcess, spec: str, output: int
     summary = json.loads(result.read_text())["summary"]
     after = pull_totals(decode)
     pulls = after[1] - before[1]
-    breakdown = {part: round(d["mean"], 2) for part, d in (summary.get("ttft_breakdown") or {}).items()}
+    result.unlink()
+    breakdown = {part: {"mean": round(d["mean"], 2), "p90": round(d["p90"], 2)}
+                 for part, d in (summary.get("ttft_breakdown") or {}).items() if d["count"]}
     return {"completed": summary["completed"], "failed": summary["failed"],
             "output_tok_s": round(summary["output_throughput"], 1),
             "ttft_mean_ms": round(summary["ttft"]["mean"], 1), "ttft_p90_ms": round(summary["ttft"]["p90"], 1),
             "itl_p99_ms": round(summary["itl"]["p99"], 2), "tpot_mean_ms": round(summary["tpot"]["mean"], 2),
             "kv_pulls": int(pulls), "kv_pull_mean_ms": round((after[0] - before[0]) / pulls * 1000, 3) if pulls else None,
-            "ttft_breakdown_mean_ms": breakdown}
+            "ttft_breakdown_ms": breakdown}
 
 
 def run_mode(mode: str, model: Path, workers: list[ServiceProcess], threshold: int, cells: list[tuple[str, int]],
