@@ -6,7 +6,6 @@ between the client's first and second tokens; the router exports it on /metrics 
 from __future__ import annotations
 
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import scrape, wait_for
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services
+from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, start_services
 from tests.integration.test_router import make_text_model
 
 PARTS = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_handoff_ms", "first_decode_step_ms")
@@ -36,12 +35,6 @@ SERVER = 2  # opentelemetry.proto.trace.v1.Span.SpanKind
 MIN_REMOTE = 16  # prompt tokens from which the router sends the prompt to the prefill worker
 LONG = "the lighthouse keeper said that the sea was calm tonight and every ship would come home before dawn"
 SHORT = "the harbour master said"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def stack(tmp_path_factory, receiver) -> Iterator[Stack]:
         prefill, decode = processes
         processes += start_services([("router", (
             "--model", model, "--prefill-workers", prefill.address, "--decode-workers", decode.address,
-            "--min-remote-prefill-tokens", str(MIN_REMOTE), "--http-port", str(_free_port())))], env=env)
+            "--min-remote-prefill-tokens", str(MIN_REMOTE), "--http-port", str(free_port())))], env=env)
         yield Stack(model, processes)
     finally:
         with ThreadPoolExecutor() as pool:
