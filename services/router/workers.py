@@ -216,7 +216,7 @@ class WorkerPool:
             return
         kv_roles = [] if client.role is Role.ENCODE else [client.role, Role.DECODE if client.role is Role.PREFILL
                                                          else Role.PREFILL]  # encode holds no KV
-        for other in [c for role in kv_roles for c in self.ready(role)]:
+        for other in [c for role in kv_roles for c in self._clients[role].values() if c.healthy]:  # info known
             if other is not client and other.info.fingerprint != info.fingerprint:
                 log.warning("%s worker %s serves fingerprint %s (model %s) but %s worker %s serves %s (model %s); "
                             "their KV is not interchangeable", client.role.value, client.endpoint, info.fingerprint,
