@@ -1,8 +1,9 @@
 """A worker's parts of a request's TTFT breakdown (disagg.v1.TtftBreakdown, whose comments define each part).
 
 Durations on this process's monotonic clock: from when the servicer received the request, to the engine's stamps
-on the output carrying the first generated token (RequestOutput.first_scheduled_time, first_token_time). An
-engine that does not stamp (trtllm) has its whole received → first token counted as compute.
+on the output carrying the first generated token (RequestOutput.first_scheduled_time, first_token_time); each stamp
+is taken after the one before it, so no part is negative. An engine that does not stamp (trtllm) has its whole
+received → first token counted as compute.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from common.pb.disagg.v1 import common_pb2
 
 
 def _ms(seconds: float) -> float:
-    return max(0.0, seconds * 1000)
+    return seconds * 1000
 
 
 def _first_token_at(out: RequestOutput) -> float:
