@@ -21,10 +21,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import channels
+from services.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 _READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)")
 _METRICS_LINE = re.compile(r"disagg-[\w-]+ metrics on (http://\S+/metrics)")
-_STOP_GRACE_S = 15.0
+_STOP_GRACE_S = DEFAULT_DRAIN_TIMEOUT_S + 10.0  # SIGTERM drains a child (up to its --drain-timeout); then SIGKILL
 _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 30.0
 _STABLE_S = 60.0  # a child that ran this long starts its back-off afresh

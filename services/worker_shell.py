@@ -90,10 +90,10 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     setup_logging(name, args.log_level)
     try:
-        config = spec.configure(args)
-        configure_tls(tls_from_args(args))
         if args.drain_timeout < 0:
             raise InvalidConfig(f"--drain-timeout must be >= 0, got {args.drain_timeout:g}")
+        config = spec.configure(args)
+        configure_tls(tls_from_args(args))
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from common.discovery import Role, StaticDiscovery
 from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
+from services.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's OpenAI server port, where OpenAI clients are usually pointed
@@ -36,7 +37,7 @@ class RouterConfig:
     max_inflight_requests: int = 256
     worker_wait_s: float = 60.0
     """How long a newly discovered worker may stay silent before the router serves without it."""
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     migration_limit: int = 0
     kv_overlap_weight: float = 1.0
     """kv_aware: cost of one prompt block a prefill worker must compute (not cached there)."""
@@ -96,8 +97,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight before new ones get RESOURCE_EXHAUSTED")
     parser.add_argument("--worker-wait", type=float, default=60.0,
                         help="seconds a listed worker may stay silent before the router serves without it")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may take to finish after SIGTERM")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="seconds requests in flight may take to finish after SIGTERM, before they are ended "
+                             "with UNAVAILABLE")
     parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
                         help="kv_aware: cost per prompt block a prefill worker does not hold in its prefix cache")
     parser.add_argument("--kv-load-weight", type=float, default=1.0,

@@ -30,6 +30,7 @@ def test_a_bad_setting_is_one_line_naming_the_worker(role, capsys):
      "--gpu-memory-utilization sizes the KV cache on a CUDA"),
     ("decode", ["--kv-load-failure-policy", "retry"], "argument --kv-load-failure-policy: invalid choice: 'retry'"),
     ("decode", ["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    ("prefill", ["--drain-timeout", "-1"], "--drain-timeout must be >= 0, got -1"),
     ("encode", ["--model", "default"], "no vision tower; the encode worker needs a LLaVA-style checkpoint"),
 ])
 def test_flag_errors_are_one_line_without_the_usage_block(role, argv, message, capsys):
