@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-_TILE_WORDS = 2048  # 8 KiB per program
+_TILE_WORDS, _WARPS = 2048, 4  # 8 KiB per program (tests/bench/kv_import_phases.py tries others)
 
 
 def copy_blocks_reference(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
@@ -46,4 +46,4 @@ def _copy_blocks_triton(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Te
     words = _block_bytes(src) // 4
     ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32).pin_memory().to(src.device, non_blocking=True)
     block_copy_triton.launch(src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), ids, len(src_ids),
-                             src.shape[0] * 2, src.shape[2], dst.shape[2], words, _TILE_WORDS)
+                             src.shape[0] * 2, src.shape[2], dst.shape[2], words, _TILE_WORDS, _WARPS)

@@ -24,7 +24,7 @@ def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, n, src_blocks, dst_blocks, wo
 
 
 def launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, n: int, planes: int, src_blocks: int,
-           dst_blocks: int, words: int, tile_words: int) -> None:
+           dst_blocks: int, words: int, tile_words: int, num_warps: int) -> None:
     tile = min(tile_words, triton.next_power_of_2(words))
     grid = (planes * n, triton.cdiv(words, tile))
-    _copy_blocks_kernel[grid](src, dst, ids, n, src_blocks, dst_blocks, words, TILE=tile, num_warps=4)
+    _copy_blocks_kernel[grid](src, dst, ids, n, src_blocks, dst_blocks, words, TILE=tile, num_warps=num_warps)

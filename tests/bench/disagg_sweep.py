@@ -6,13 +6,14 @@
 Saves a random bf16 model of the shape (with DIR's tokenizer files), starts one prefill and one decode worker on
 the GPU and three routers over them: `aggregated` (the decode worker alone), `remote` (every prefill on the
 prefill worker) and `conditional` (--max-local-prefill-tokens T: prompts of at most T tokens prefill on the decode
-worker). For each (input, output) cell it runs `disagg bench` (fixed lengths, --concurrency requests in flight,
-the same seed) through `aggregated` and `remote` first; T is then the crossover those runs measured (the shortest
-input at which `remote` gives at least `aggregated`'s output tok/s, at every output length; --threshold sets it),
-and every cell runs through `conditional`. An input may be a distribution (uniform:512:2048). Each run records
-output tok/s, TTFT mean/p90, ITL p99, the router's TTFT breakdown and decode's mean KV pull (its own
-disagg_kv_pull_seconds); everything lands in OUT/sweep.json as it is measured, then OUT/sweep.md (the table) and
-OUT/sweep.png (the plot; tests/bench/disagg_sweep_plot.py).
+worker). Through each router it first runs a few requests of every input length untimed (Triton compiles a
+kernel at its first use of a shape), then for each (input, output) cell `disagg bench` (fixed lengths,
+--concurrency requests in flight, the same seed): `aggregated` and `remote` first, then `conditional`, with T
+the crossover those two measured (the shortest input at which `remote` gives at least `aggregated`'s output
+tok/s, at every output length; --threshold sets it). An input may be a distribution (uniform:512:2048). Each
+run records output tok/s, TTFT mean/p90, ITL p99, the router's TTFT breakdown and decode's mean KV pull (its
+own disagg_kv_pull_seconds); all of it lands in OUT/sweep.json as it is measured, then OUT/sweep.md (the
+table) and OUT/sweep.png (the plot; tests/bench/disagg_sweep_plot.py).
 """
 from __future__ import annotations
 
@@ -67,12 +68,12 @@ def pull_totals(decode: ServiceProcess) -> tuple[float, float]:
 
 
 def bench(router: ServiceProcess, decode: ServiceProcess, spec: str, output: int, args: argparse.Namespace,
-          out: Path) -> dict:
+          out: Path, num_prompts: int | None = None) -> dict:
     before = pull_totals(decode)
     result = out / "bench.json"
     input_len = spec if ":" in spec else f"fixed:{spec}"
     command = [sys.executable, "-m", "services", "bench", "--router", router.address, "--num-prompts",
-               str(args.num_prompts), "--input-len", input_len, "--output-len", f"fixed:{output}",
+               str(num_prompts or args.num_prompts), "--input-len", input_len, "--output-len", f"fixed:{output}",
                "--max-concurrency", str(args.concurrency), "--warmup", "2", "--token-range", "1000", "120000",
                "--seed", "7", "--no-progress", "--json", str(result)]
     subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=600)
@@ -94,6 +95,8 @@ def run_mode(mode: str, model: Path, workers: list[ServiceProcess], threshold: i
              args: argparse.Namespace, results: list[dict]) -> None:
     router = start_router(model, workers, mode, threshold)
     try:
+        for spec in dict.fromkeys(spec for spec, _ in cells):  # warm up: kernels of every shape compiled, not timed
+            bench(router, workers[1], spec, 4, args, args.out, num_prompts=args.concurrency)
         for spec, output in cells:
             started = time.monotonic()
             figures = bench(router, workers[1], spec, output, args, args.out)
