@@ -94,7 +94,7 @@ class DecodeStream:
         answered = False
         try:
             out.dispatched()
-            await call.write(worker_pb2.DecodeClientMessage(start=start))
+            await _write(call, worker_pb2.DecodeClientMessage(start=start))
             async for message in call:
                 if not answered and session is not None:
                     session.taken()  # until now the handoff's owner releases it if this stream fails
@@ -123,7 +123,7 @@ class DecodeStream:
                 raise _DecodeRefused(exc) from None
             raise _DecodeLost(exc.details()) from None
         finally:
-            call.cancel()
+            await _end_call(call)
             span.set_attribute("disagg.decode.tokens", out.completion_tokens - delivered_before)
             span.end()
 
@@ -175,13 +175,34 @@ async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | N
     try:
         async with asyncio.timeout(_CANCEL_ACK_TIMEOUT_S):
             with contextlib.suppress(asyncio.InvalidStateError):  # the worker has ended the stream already
-                await call.write(worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel()))
+                await _write(call, worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel()))
             async for message in call:
                 if message.HasField("finished"):
                     return message.finished
     except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError) as exc:
         log.debug("decode worker did not confirm a cancel: %s", exc)
     return None
+
+
+async def _write(call: grpc.aio.StreamStreamCall, message: worker_pb2.DecodeClientMessage) -> None:
+    """call.write, with this task's cancellation kept a cancellation: a call with interceptors (tracing on) turns a
+    CancelledError that lands while the call is still being set up into InvalidStateError ("RPC already
+    finished"), which would end a request its client cancelled as an internal error."""
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:
+        if asyncio.current_task().cancelling():
+            raise asyncio.CancelledError() from None
+        raise
+
+
+async def _end_call(call: grpc.aio.StreamStreamCall) -> None:
+    """Cancel the call, or half-close it when the worker has ended it already: with interceptors (tracing on) the
+    call's writes go through a task that waits for the next one until the call is cancelled or half-closed, and
+    a call that is over is neither, so that task would wait forever ("Task was destroyed but it is pending!")."""
+    if not call.cancel():
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.UsageError):
+            await call.done_writing()
 
 
 class _DecodeLost(Exception):

@@ -51,11 +51,12 @@ class Releaser:
         for ref in refs:
             self._release(ref.endpoint, ref.handle, "embedding")
 
-    def once_answered(self, call: grpc.aio.UnaryUnaryCall, release: Callable[[object], None]) -> None:
-        """Let a call whose caller went away answer, then free what its answer names."""
+    def once_answered(self, answer: asyncio.Future, release: Callable[[object], None]) -> None:
+        """Let a call whose caller went away answer, then free what its answer names. `answer` is the task the
+        caller shielded: reading its outcome here also retrieves its error ("Task exception was never retrieved")."""
         async def wait() -> None:
             try:
-                response = await call
+                response = await answer  # (cancelled with the call: nothing to free)
             except grpc.aio.AioRpcError:
                 return
             release(response)
@@ -132,14 +133,15 @@ class Handoff:
         request = worker_pb2.EncodeRequest(request_id=req.worker_request_id,
                                            images=[image_to_proto(image) for image in req.images])
         call = worker.encoder.Encode(request, timeout=deadline.remaining_s())
+        answer = asyncio.ensure_future(call)
         with tracing.tracer().start_as_current_span("encode", attributes={
                 "disagg.worker": worker.endpoint, "disagg.images": len(req.images)}):
             try:
                 with worker.busy():
-                    return list((await asyncio.shield(call)).embeddings)
+                    return list((await asyncio.shield(answer)).embeddings)
             except asyncio.CancelledError:
-                if not call.cancel():  # it had already answered: free what it stored
-                    self.releaser.once_answered(call, lambda r: self.releaser.embeddings(list(r.embeddings)))
+                call.cancel()  # had it answered already, what it stored is freed once read:
+                self.releaser.once_answered(answer, lambda r: self.releaser.embeddings(list(r.embeddings)))
                 raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
@@ -165,12 +167,12 @@ class Handoff:
 
     async def _prefill_call(self, worker: WorkerClient, req: PreparedRequest, request: worker_pb2.PrefillRequest,
                             deadline: Deadline) -> worker_pb2.PrefillResponse | None:
-        call = worker.prefiller.Prefill(request, timeout=deadline.remaining_s())
+        answer = asyncio.ensure_future(worker.prefiller.Prefill(request, timeout=deadline.remaining_s()))
         try:
             with worker.busy():
-                return await asyncio.shield(call)
+                return await asyncio.shield(answer)
         except asyncio.CancelledError:
-            self.releaser.once_answered(call, self._release_session_of)  # not call.cancel(): see the module doc
+            self.releaser.once_answered(answer, self._release_session_of)  # not cancelled: see the module doc
             raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.UNAVAILABLE:

@@ -1,0 +1,92 @@
+"""The router's handoff when the client leaves while a Prefill or Encode call runs: the call is let answer (or
+cancelled), what its answer names is released, and a call that fails afterwards leaves no error behind for
+nobody to read ("Task exception was never retrieved … NOT_FOUND: embedding handle … expired", seen in a run)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+
+import grpc
+
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+from services.router.deadline import Deadline
+from services.router.handoff import Handoff
+
+EXPIRED = grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               "embedding handle h1 is unknown, released or expired")
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task] = []
+
+    def spawn(self, coro) -> asyncio.Task:
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+        return self.tasks[-1]
+
+
+class _Call:
+    """A unary call that answers (or fails) after `delay_s`; cancel() works until then."""
+
+    def __init__(self, outcome, delay_s: float) -> None:
+        self._task = asyncio.ensure_future(self._run(outcome, delay_s))
+
+    @staticmethod
+    async def _run(outcome, delay_s: float):
+        await asyncio.sleep(delay_s)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def __await__(self):
+        return self._task.__await__()
+
+    def cancel(self) -> bool:
+        return self._task.cancel()
+
+
+class _Worker:
+    endpoint = "prefill:1"
+
+    def __init__(self, call: _Call) -> None:
+        self.prefiller = self.encoder = self
+        self._call = call
+
+    def Prefill(self, request, timeout=None) -> _Call:
+        return self._call
+
+    busy = prefilling = staticmethod(lambda *_: contextlib.nullcontext())
+
+
+async def _leave_during_prefill(outcome) -> tuple[_Pool, list[dict]]:
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    pool = _Pool()
+    handoff = Handoff(pool, None, "round_robin")
+    pool.released = []
+    handoff.releaser.session = lambda ref: pool.released.append(ref.session_id)
+    worker = _Worker(_Call(outcome, 0.1))
+    request = asyncio.ensure_future(handoff._prefill_call(worker, None, worker_pb2.PrefillRequest(), Deadline.of(0, None)))
+    await asyncio.sleep(0.02)
+    request.cancel()  # the client left
+    await asyncio.gather(request, return_exceptions=True)
+    await asyncio.sleep(0.2)  # the call answers meanwhile
+    await asyncio.gather(*pool.tasks)
+    gc.collect()  # an unread task error is reported when the task is collected
+    await asyncio.sleep(0)
+    return pool, errors
+
+
+def test_a_prefill_that_fails_after_its_client_left_leaves_no_unread_error():
+    pool, errors = asyncio.run(_leave_during_prefill(EXPIRED))
+    assert not errors, errors
+    assert pool.released == []
+
+
+def test_a_prefill_that_answers_after_its_client_left_has_its_session_released():
+    answer = worker_pb2.PrefillResponse(first_token=5, session=common_pb2.KvSessionRef(session_id="s1"))
+    pool, errors = asyncio.run(_leave_during_prefill(answer))
+    assert not errors, errors
+    assert pool.released == ["s1"]
