@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -38,6 +39,15 @@ log = logging.getLogger(__name__)
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A request being generated: its task, and whether the task is with the request's consumer (a front door
+    writing the last event) rather than inside the request."""
+
+    task: asyncio.Task
+    with_consumer: bool = False
+
+
 class Orchestrator:
     def __init__(self, pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig,
                  metrics: Metrics | None = None):
@@ -59,7 +69,7 @@ class Orchestrator:
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0
         self.draining = False
-        self._running: set[asyncio.Task] = set()  # the tasks of the requests in flight, for end_inflight
+        self._running: set[_InFlight] = set()  # for end_inflight
         self._ended: str | None = None
 
     def response(self, request_id: str) -> ResponseBuilder:
@@ -86,8 +96,9 @@ class Orchestrator:
         """Past the router's --drain-timeout: every request still running ends with UNAVAILABLE(reason), its
         worker calls cancelled (which frees their KV)."""
         self._ended = reason
-        for task in self._running:
-            task.cancel()
+        for flight in self._running:
+            if not flight.with_consumer:  # one with its consumer ends when it asks for its next event
+                flight.task.cancel()
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -115,7 +126,7 @@ class Orchestrator:
         worker call as its gRPC deadline, so a worker cancels the request (freeing its blocks) when it passes.
         """
         deadline = Deadline.of(request.timeout_ms, rpc_time_remaining_s)
-        with self._admitted():
+        with self._admitted() as flight:
             model = self.served_model()
             loop = asyncio.get_running_loop()
             with tracing.tracer().start_as_current_span("tokenize") as span:
@@ -125,7 +136,11 @@ class Orchestrator:
             try:
                 async with contextlib.aclosing(self._run(prepared, out, deadline)) as responses:
                     async for response in responses:
+                        flight.with_consumer = True
                         yield response
+                        flight.with_consumer = False
+                        if self._ended is not None:
+                            raise Unavailable(self._ended)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is not _DEADLINE_EXCEEDED:
                     raise
@@ -133,26 +148,26 @@ class Orchestrator:
                                        f"after {out.completion_tokens} tokens were delivered") from None
 
     @contextlib.contextmanager
-    def _admitted(self) -> Iterator[None]:
+    def _admitted(self) -> Iterator[_InFlight]:
         if self.draining:
             raise Unavailable("the router is draining and takes no new requests; send this one to another router")
         limit = self._config.max_inflight_requests
         if self.inflight >= limit:
             raise ResourceExhausted(f"the router has {self.inflight} requests in flight, its limit "
                                     f"(--max-inflight-requests={limit}); retry later")
-        task = asyncio.current_task()
-        self._running.add(task)
+        flight = _InFlight(asyncio.current_task())
+        self._running.add(flight)
         self.inflight += 1
         try:
-            yield
+            yield flight
         except asyncio.CancelledError:
             if self._ended is None:
                 raise
-            task.uncancel()  # end_inflight's cancel becomes the request's status
+            flight.task.uncancel()  # end_inflight's cancel becomes the request's status
             raise Unavailable(self._ended) from None
         finally:
             self.inflight -= 1
-            self._running.discard(task)
+            self._running.discard(flight)
 
     async def _run(self, req: PreparedRequest, out: ResponseBuilder, deadline: Deadline) -> AsyncIterator[Event]:
         decode = await self._pick(Role.DECODE)

@@ -148,7 +148,9 @@ class WorkerPool:
         return self._stores[endpoint]
 
     def mark_down(self, client: WorkerClient, reason: str) -> None:
-        if client.healthy:
+        """A request found the worker UNAVAILABLE. One whose health already says NOT_SERVING (draining) was
+        expected to refuse: its health watch says when it serves again."""
+        if client.healthy and client.serving:
             client.healthy = False
             client.down_since, client.down_reason = time.time(), f"is down ({reason})"
             log.warning("%s worker %s is down (%s); probing it until it answers", client.role.value,

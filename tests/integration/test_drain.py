@@ -6,9 +6,9 @@ says how many new requests still came after it turned NOT_SERVING and when the l
 these tests see the router stop sending it work.
 
 One cluster serves the module, its processes started at once on ports chosen beforehand: two prefill and two
-decode workers and two routers. The tests use it in file order: the load test drains prefill 0 and decode 0
-(--drain-timeout 20); the router drain stops router 0; decode 1 and prefill 1 (--drain-timeout 1) then drain past
-their timeout.
+decode workers and three routers. The tests use it in file order: the load test drains prefill 0 and decode 0
+(--drain-timeout 20) under router 0; router 0 drains, then router 1 (--drain-timeout 1) past its timeout; decode 1
+(under router 2) and prefill 1 (--drain-timeout 1) then drain past theirs.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ _STOPPED = re.compile(r"stopped: drained in (?P<drained>[\d.]+)s \((?:no new req
 class Cluster:
     prefill: list[ServiceProcess]  # [0]: --drain-timeout 20, [1]: 1
     decode: list[ServiceProcess]  # the same
-    routers: list[ServiceProcess]  # [0]: over all four, with HTTP; [1]: over prefill 1 and decode 1
+    routers: list[ServiceProcess]  # [0]: over all four, with HTTP; [1] (--drain-timeout 1), [2]: over the 1s
     http_url: str
 
     @property
@@ -74,14 +74,16 @@ def cluster(text_model) -> Iterator[Cluster]:
                       "--drain-timeout", str(drain_s), "--log-level", "info")
 
     router_args = ("--model", text_model, "--log-level", "info")
+    ones = ("--prefill-workers", addr["p1"], "--decode-workers", addr["d1"])
     specs = [worker("prefill", "p0", LONG_DRAIN_S), worker("prefill", "p1", SHORT_DRAIN_S),
              worker("decode", "d0", LONG_DRAIN_S), worker("decode", "d1", SHORT_DRAIN_S),
              ("router", (*router_args, "--prefill-workers", f"{addr['p0']},{addr['p1']}",
                          "--decode-workers", f"{addr['d0']},{addr['d1']}", "--http-port", str(ports["http"]))),
-             ("router", (*router_args, "--prefill-workers", addr["p1"], "--decode-workers", addr["d1"]))]
+             ("router", (*router_args, *ones, "--drain-timeout", str(SHORT_DRAIN_S))),
+             ("router", (*router_args, *ones))]
     processes = start_services(specs, env=ENV)
     try:
-        yield Cluster(processes[0:2], processes[2:4], processes[4:6], f"http://{addr['http']}")
+        yield Cluster(processes[0:2], processes[2:4], processes[4:7], f"http://{addr['http']}")
     finally:
         for process in processes:
             process.stop()
@@ -252,8 +254,27 @@ def test_router_drain_finishes_streams_in_flight_refuses_new_ones_then_exits(clu
 
 # --- past --drain-timeout ---
 
+def test_a_router_drain_past_its_timeout_ends_streams_with_unavailable_naming_it(cluster):
+    router = cluster.routers[1]
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(_request(PROMPTS[1], CONTEXT - 32))
+            await call.read()
+            router.signal(signal.SIGTERM)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await _read_rest(call)
+            return ended.value
+
+    ended = asyncio.run(scenario())
+    assert router.popen.wait(10) == 0, router.log()
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+    assert ended.details() == f"router {router.address} draining: --drain-timeout 1s passed; retry the request"
+    assert_no_leaks([cluster.prefill[1], cluster.decode[1]])  # its worker calls were cancelled: their KV freed
+
+
 def test_a_decode_drain_past_its_timeout_ends_requests_with_unavailable_naming_it(cluster):
-    decode, router = cluster.decode[1], cluster.routers[1]
+    decode, router = cluster.decode[1], cluster.routers[2]
 
     async def scenario() -> grpc.aio.AioRpcError:
         async with grpc.aio.insecure_channel(router.address) as channel:

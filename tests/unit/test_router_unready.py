@@ -18,7 +18,7 @@ def test_unready_message_names_each_decode_worker_and_since_when():
             with pytest.raises(Unavailable) as never:
                 pool.model()
             client = pool._clients[Role.DECODE]["127.0.0.1:1"]
-            client.healthy = True  # as if it had answered, then a request found it gone
+            client.healthy = client.serving = True  # as if it had answered, then a request found it gone
             pool.mark_down(client, "connection refused")
             with pytest.raises(Unavailable) as down:
                 pool.model()
