@@ -44,6 +44,6 @@ def _copy_blocks_triton(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Te
     from common.kv import block_copy_triton
 
     words = _block_bytes(src) // 4
-    ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32).pin_memory().to(src.device, non_blocking=True)
+    ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device=src.device)
     block_copy_triton.launch(src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), ids, len(src_ids),
                              src.shape[0] * 2, src.shape[2], dst.shape[2], words, _TILE_WORDS, _WARPS)

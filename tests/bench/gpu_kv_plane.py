@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
-from common.kv import cuda_ipc  # noqa: E402
+from common.kv import cuda_ipc, direct  # noqa: E402
 from common.kv.block_copy import copy_blocks  # noqa: E402
 from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
@@ -96,12 +96,32 @@ async def pull_backend(address: str, backend: str, tokens: int, repeats: int) ->
             else:
                 times.append(pulled.seconds)
                 reads.append(pulled.read_seconds)
+    apart = await _pull_apart(puller, ref, repeats) if backend == "cuda_ipc" else {}
     await puller.close()
     median, read = statistics.median(times), statistics.median(reads)
     read_figures = {"read_ms": round(read * 1e3, 3), "read_gbps": round(size / read / GB, 1)} if read else {}
     return emit("kv_pull", backend=backend, used=sorted(used), tokens=tokens, bytes=size,
                 median_ms=round(median * 1e3, 3), first_ms=round(first * 1e3, 3), gbps=round(size / median / GB, 2),
-                **read_figures)
+                **read_figures, **apart)
+
+
+async def _pull_apart(puller: KvPuller, ref: common_pb2.KvSessionRef, repeats: int) -> dict:
+    """The last session pulled again and again with no prefill in between (its Release answers false by now, which
+    a fenced read ignores; nothing reuses its blocks meanwhile), and common.kv.direct.import_placed alone on the
+    same mapping: what the puller adds, and what a pull right after the exporter's prefill costs beyond that."""
+    again, alone = [], []
+    mapped = await puller.map_cache(puller.channels.get(ref.endpoint), ref)
+    for _ in range(repeats):
+        pulled = await puller.pull_and_release(ref, timeout_s=60)
+        pulled.export.discard()
+        again.append(pulled.seconds)
+        start = time.perf_counter()
+        placed = await direct.import_placed(mapped.tensor, mapped.epochs, ref, layout_of(ref), puller.blocks,
+                                            lambda: None)
+        alone.append(time.perf_counter() - start)
+        placed.discard()
+    return {"pull_again_ms": round(statistics.median(again) * 1e3, 3),
+            "import_placed_ms": round(statistics.median(alone) * 1e3, 3)}
 
 
 def _time_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int = 20) -> float:

@@ -111,7 +111,14 @@ def main() -> None:
     num_bytes = n * src[:, :, 0].numel() * src.element_size()
     kernels = kernel_variants(src, dst, n)
     src_ids, dst_ids = list(range(100, 100 + n)), list(range(n, 2 * n))
+    ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device="cuda")
+    words, planes = src[0, 0, 0].numel() * src.element_size() // 4, src.shape[0] * 2
+    s32, d32 = src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32)
+    launch_ms = host_ms(lambda: block_copy_triton.launch(s32, d32, ids, n, planes, src.shape[2], dst.shape[2], words,
+                                                         2048, 4))
+    ids_ms = host_ms(lambda: torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device="cuda"))
     print(json.dumps({"figure": "kv_import_phases", "bytes": num_bytes, "kernel_ms": kernels,
+                      "ids_to_gpu_host_ms": round(ids_ms, 4), "triton_launch_host_ms": round(launch_ms, 4),
                       "copy_blocks_host_ms": round(host_ms(lambda: block_copy.copy_blocks(src, src_ids, dst, dst_ids)), 4),
                       "import_placed_ms": round(import_ms(src, n, args.block_size), 4)}), flush=True)
 
