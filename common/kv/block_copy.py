@@ -21,29 +21,38 @@ def copy_blocks_reference(src: torch.Tensor, src_ids: Sequence[int], dst: torch.
     dst.index_copy_(2, dst_index, src.index_select(2, src_index).to(dst.device))
 
 
+class BlockCopier:
+    """copy_blocks between two fixed caches (an exporter's mapped cache and this engine's), with everything that
+    does not change between calls worked out once: a pull then pays for its block ids and one launch."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor):
+        if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
+            raise ValueError(f"caches {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} hold "
+                             "different blocks")
+        self.src, self.dst = src, dst
+        block_bytes = src[0, 0, 0].numel() * src.element_size()
+        self._kernel = None
+        if (src.is_cuda and src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
+                and block_bytes % 4 == 0):
+            from common.kv import block_copy_triton
+
+            self._kernel = block_copy_triton.launch
+            self._words = (src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32))
+            self._shape = (src.shape[0] * 2, src.shape[2], dst.shape[2], block_bytes // 4, _TILE_WORDS, _WARPS)
+
+    def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Enqueue the copy on the current stream (returns at once on a GPU)."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+        if not len(src_ids):
+            return
+        if self._kernel is None:
+            copy_blocks_reference(self.src, src_ids, self.dst, dst_ids)
+            return
+        ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device=self.src.device)
+        self._kernel(*self._words, ids, len(src_ids), *self._shape)
+
+
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
     """Enqueue the copy on the current stream (returns at once on a GPU)."""
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
-        raise ValueError(f"caches {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} hold different blocks")
-    if not src_ids:
-        return
-    if not (src.is_cuda and src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
-            and (_block_bytes(src) % 4 == 0)):
-        copy_blocks_reference(src, src_ids, dst, dst_ids)
-        return
-    _copy_blocks_triton(src, src_ids, dst, dst_ids)
-
-
-def _block_bytes(cache: torch.Tensor) -> int:
-    return cache[0, 0, 0].numel() * cache.element_size()
-
-
-def _copy_blocks_triton(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
-    from common.kv import block_copy_triton
-
-    words = _block_bytes(src) // 4
-    ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device=src.device)
-    block_copy_triton.launch(src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), ids, len(src_ids),
-                             src.shape[0] * 2, src.shape[2], dst.shape[2], words, _TILE_WORDS, _WARPS)
+    BlockCopier(src, dst)(src_ids, dst_ids)

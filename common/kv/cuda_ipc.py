@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
 
 from common.errors import InvalidRequest, NotFound
 from common.kv.backends import BackendUnavailable
+from common.kv.block_copy import BlockCopier
 from common.kv.chunks import dtype_name, torch_dtype
 from common.kv.fence import BlockEpochs
 from common.pb.disagg.v1 import common_pb2, worker_pb2
@@ -87,6 +88,7 @@ class MappedCache:
     kv_cache_id: str
     tensor: torch.Tensor
     epochs: BlockEpochs | None  # the exporter's fence of one-sided reads, where this process can map it
+    copier: BlockCopier | None = None  # into this engine's cache (common.kv.direct), made at the first import
 
     def close(self) -> None:
         if self.epochs is not None:

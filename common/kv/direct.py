@@ -18,7 +18,7 @@ import torch
 
 from common.engine.interface import KvBlocks
 from common.kv import gather
-from common.kv.block_copy import copy_blocks
+from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs
 from common.kv.layout import KvLayout, PlacedKv
 from common.pb.disagg.v1 import common_pb2
@@ -39,11 +39,12 @@ def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
             and source.shape[3:] == cache.shape[3:])
 
 
-async def import_placed(source: torch.Tensor, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
+async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
                         layout: KvLayout, blocks: KvBlocks, copied: Callable[[], None]) -> PlacedKv | None:
-    """The session's KV copied from `source` (the exporter's whole cache) into reserved blocks of ours, fenced;
-    None when the pool cannot spare the blocks now (the caller pulls another way). StaleKv when the exporter
-    reused a block before the copy ended: the reserved blocks are back in the pool then."""
+    """The session's KV copied by `copier` from the exporter's whole cache into reserved blocks of ours (its
+    destination: blocks.cache), fenced; None when the pool cannot spare the blocks now (the caller pulls another
+    way). StaleKv when the exporter reused a block before the copy ended: the reserved blocks are back in the
+    pool then."""
     expected = fence_of(ref)
     if expected is None:
         raise ValueError(f"KV session {ref.session_id} carries no {EPOCH_ATTRIBUTE}")
@@ -54,13 +55,14 @@ async def import_placed(source: torch.Tensor, epochs: BlockEpochs, ref: common_p
     src_ids, dst_ids = list(ref.block_ids), reserved[: len(ref.block_ids)]
     event = None
     try:
+        source = copier.src
         if source.is_cuda:
             with torch.cuda.device(source.device), torch.cuda.stream(gather.side_stream(source.device)):
-                copy_blocks(source, src_ids, blocks.cache, dst_ids)
+                copier(src_ids, dst_ids)
                 event = torch.cuda.Event()
                 event.record()
         else:
-            copy_blocks(source, src_ids, blocks.cache, dst_ids)
+            copier(src_ids, dst_ids)
         if event is not None:
             await gather.wait_event(event)
         copied()

@@ -24,6 +24,7 @@ from common.errors import LayoutMismatch, NotFound, Unavailable
 from common.engine.interface import KvBlocks
 from common.kv import cuda_ipc, direct, gather, shm
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, PREFERENCE, BACKENDS, BackendUnavailable, offered
+from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE
 from common.kv.probe import SelfCheck
 from common.kv.chunks import torch_dtype
@@ -198,9 +199,11 @@ class KvPuller:
 
         def copied() -> None:
             sent.append(self._release_later(channel, ref))
+        if mapped.copier is None:
+            mapped.copier = BlockCopier(mapped.tensor, self.blocks.cache)
         try:
             placed = await asyncio.wait_for(direct.import_placed(
-                mapped.tensor, mapped.epochs, ref, layout_of(ref), self.blocks, copied), timeout_s)
+                mapped.copier, mapped.epochs, ref, layout_of(ref), self.blocks, copied), timeout_s)
         except BaseException:
             if not sent:
                 self._release_later(channel, ref)

@@ -116,7 +116,7 @@ async def _pull_apart(puller: KvPuller, ref: common_pb2.KvSessionRef, repeats: i
         pulled.export.discard()
         again.append(pulled.seconds)
         start = time.perf_counter()
-        placed = await direct.import_placed(mapped.tensor, mapped.epochs, ref, layout_of(ref), puller.blocks,
+        placed = await direct.import_placed(mapped.copier, mapped.epochs, ref, layout_of(ref), puller.blocks,
                                             lambda: None)
         alone.append(time.perf_counter() - start)
         placed.discard()

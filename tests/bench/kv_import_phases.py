@@ -4,7 +4,7 @@
 
 - `kernel`: GPU time of common.kv.block_copy's kernel alone, for each tile size and warp count tried (the GPU is
   kept busy while the host launches, so host overhead stays out), next to a contiguous copy of the same bytes;
-- `copy_blocks`: the host time of one copy_blocks call (ids to the GPU, the launch), without waiting;
+- `copier`: the host time of one BlockCopier call (ids to the GPU, the launch), without waiting;
 - `import`: common.kv.direct.import_placed end to end (reserve, copy on the side stream, wait, fence check),
   which is what a decode worker's pull adds to it, bar the lookup of the mapping.
 The default shape is a 1500-token session of Llama-3.2-3B (bf16, blocks of 16).
@@ -80,10 +80,11 @@ def import_ms(src: torch.Tensor, n: int, block_size: int, repeats: int = 30) -> 
                                   block_size=block_size, block_ids=list(range(100, 100 + n)),
                                   attributes={EPOCH_ATTRIBUTE: "0"})
     layout = KvLayout(src.shape[0], src.shape[4], src.shape[5], block_size, "bfloat16", "x")
+    copier = block_copy.BlockCopier(src, local)
 
     async def one() -> float:
         start = time.perf_counter()
-        placed = await direct.import_placed(src, epochs, ref, layout, blocks, lambda: None)
+        placed = await direct.import_placed(copier, epochs, ref, layout, blocks, lambda: None)
         took = time.perf_counter() - start
         placed.discard()
         return took
@@ -111,6 +112,7 @@ def main() -> None:
     num_bytes = n * src[:, :, 0].numel() * src.element_size()
     kernels = kernel_variants(src, dst, n)
     src_ids, dst_ids = list(range(100, 100 + n)), list(range(n, 2 * n))
+    copier = block_copy.BlockCopier(src, dst)
     ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device="cuda")
     words, planes = src[0, 0, 0].numel() * src.element_size() // 4, src.shape[0] * 2
     s32, d32 = src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32)
@@ -119,7 +121,7 @@ def main() -> None:
     ids_ms = host_ms(lambda: torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device="cuda"))
     print(json.dumps({"figure": "kv_import_phases", "bytes": num_bytes, "kernel_ms": kernels,
                       "ids_to_gpu_host_ms": round(ids_ms, 4), "triton_launch_host_ms": round(launch_ms, 4),
-                      "copy_blocks_host_ms": round(host_ms(lambda: block_copy.copy_blocks(src, src_ids, dst, dst_ids)), 4),
+                      "copier_host_ms": round(host_ms(lambda: copier(src_ids, dst_ids)), 4),
                       "import_placed_ms": round(import_ms(src, n, args.block_size), 4)}), flush=True)
 
 

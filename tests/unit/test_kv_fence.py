@@ -17,7 +17,7 @@ from common.engine.engine import LLMEngine
 from common.engine.request import Request, RequestType, SamplingParams
 from common.errors import InvalidRequest
 from common.kv import direct, fence
-from common.kv.block_copy import copy_blocks, copy_blocks_reference
+from common.kv.block_copy import BlockCopier, copy_blocks, copy_blocks_reference
 from common.kv.fence import BlockEpochs, StaleKv
 from common.kv.transfer import layout_of, session_ref
 
@@ -56,8 +56,8 @@ def _import(exporter: LLMEngine, importer: LLMEngine, epochs: BlockEpochs, sessi
     ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
     reader = BlockEpochs.open(str(epochs.path), epochs.num_blocks)  # as the importer maps it
     try:
-        return asyncio.run(direct.import_placed(exporter.kv_cache, reader, ref, layout_of(ref), importer.kv_blocks(),
-                                                copied))
+        copier = BlockCopier(exporter.kv_cache, importer.kv_cache)
+        return asyncio.run(direct.import_placed(copier, reader, ref, layout_of(ref), importer.kv_blocks(), copied))
     finally:
         reader.close()
 
@@ -87,8 +87,8 @@ def test_a_read_of_blocks_reused_before_the_copy_is_never_served(pair):
     assert set(ref_blocks) & set(range(24))
     reader = BlockEpochs.open(str(epochs.path), epochs.num_blocks)
     with pytest.raises(StaleKv, match="reused"):
-        asyncio.run(direct.import_placed(exporter.kv_cache, reader, stale_ref, layout_of(stale_ref),
-                                         importer.kv_blocks(), lambda: None))
+        asyncio.run(direct.import_placed(BlockCopier(exporter.kv_cache, importer.kv_cache), reader, stale_ref,
+                                         layout_of(stale_ref), importer.kv_blocks(), lambda: None))
     reader.close()
     assert importer.block_manager.num_free_blocks == 24  # the reserved blocks went back
 
