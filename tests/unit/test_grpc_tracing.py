@@ -4,7 +4,6 @@ client span when the caller cancels early or the call fails while nobody reads i
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
