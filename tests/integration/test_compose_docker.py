@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -119,12 +120,13 @@ class Stack:
         return sorted(e["Service"]["ID"] for e in _get(f"{self.url('CONSUL_UI_PORT')}/v1/health/service/{service}"
                                                       "?passing"))
 
-    def generate(self, prompt: str, max_tokens: int = 12) -> str:
+    def generate(self, prompt: str, max_tokens: int = 12, metadata: tuple = ()) -> str:
         request = generation_pb2.GenerateRequest(
             chat=generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=prompt)]),
             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
         with grpc.insecure_channel(f"127.0.0.1:{self.ports['ROUTER_PORT']}") as channel:
-            responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120))
+            responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120,
+                                                                                   metadata=metadata))
         assert responses[-1].HasField("finished"), responses[-1]
         return "".join(r.delta.text for r in responses if r.HasField("delta"))
 
@@ -165,19 +167,20 @@ def test_prometheus_scrapes_every_service_it_finds_in_consul(stack):
 
 
 def test_one_trace_spans_router_prefill_and_decode(stack):
-    stack.generate("Trace this request.")
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)  # as a traced client would send them
+    stack.generate("Trace this request.", metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),))
 
-    def whole(trace: dict) -> bool:  # spans come in batches: the root, which ends last, may come later
-        ids = {s["spanID"] for s in trace["spans"]}
-        return (sum(not s["references"] for s in trace["spans"]) == 1
-                and all(r["spanID"] in ids for s in trace["spans"] for r in s["references"]))
-
-    def across() -> list[dict]:
+    def whole() -> dict | None:  # spans come in batches: the root, which ends last, may come later
         traces = _get(f"{stack.url('JAEGER_UI_PORT')}/api/traces?service=disagg-router")["data"]
-        return [t for t in traces if whole(t) and {p["serviceName"] for p in t["processes"].values()} >= SERVICES]
+        trace = next((t for t in traces if t["traceID"] == trace_id), None)
+        if trace is None or {p["serviceName"] for p in trace["processes"].values()} < SERVICES:
+            return None
+        ids = {s["spanID"] for s in trace["spans"]} | {client_span}
+        linked = all(r["spanID"] in ids for s in trace["spans"] for r in s["references"])
+        return trace if linked and all(s["references"] for s in trace["spans"]) else None
 
-    trace = wait_for(across, 60, "a whole trace with spans of router, prefill and decode", every_s=1)[0]
-    root = next(s for s in trace["spans"] if not s["references"])
+    trace = wait_for(whole, 60, "the request's trace with spans of router, prefill and decode", every_s=1)
+    [root] = [s for s in trace["spans"] if s["references"][0]["spanID"] == client_span]
     assert trace["processes"][root["processID"]]["serviceName"] == "disagg-router" and root["operationName"].endswith(
         "Generate"), root
 
