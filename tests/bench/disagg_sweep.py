@@ -9,8 +9,9 @@ prefill worker) and `conditional` (--max-local-prefill-tokens T: prompts of at m
 worker). Through each router it first runs a few requests of every input length untimed (Triton compiles a
 kernel at its first use of a shape), then for each (input, output) cell `disagg bench` (fixed lengths,
 --concurrency requests in flight, the same seed): `aggregated` and `remote` first, then `conditional`, with T
-the crossover those two measured (the shortest input at which `remote` gives at least `aggregated`'s output
-tok/s, at every output length; --threshold sets it). An input may be a distribution (uniform:512:2048). Each
+the crossover those two measured (disagg_sweep_plot.crossover: the prompt length from which `remote` meets
+issue #24's targets against `aggregated`: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better), or each
+T of --threshold. An input may be a distribution (uniform:512:2048). Each
 run records output tok/s, TTFT mean/p90, ITL p99, the router's TTFT breakdown and decode's mean KV pull (its
 own disagg_kv_pull_seconds); all of it lands in OUT/sweep.json as it is measured, then OUT/sweep.md (the
 table) and OUT/sweep.png (the plot; tests/bench/disagg_sweep_plot.py).
@@ -124,8 +125,9 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kv-blocks", type=int, default=6144)
-    parser.add_argument("--threshold", type=int, default=None,
-                        help="conditional's --max-local-prefill-tokens (default: the crossover measured here)")
+    parser.add_argument("--threshold", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                        help="conditional's --max-local-prefill-tokens, one run each (default: the crossover measured "
+                             "here)")
     parser.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -137,16 +139,18 @@ def main() -> int:
     try:
         for mode in [m for m in args.modes if m != "conditional"]:
             run_mode(mode, model, workers, 0, cells, args, results)
-        threshold = args.threshold if args.threshold is not None else crossover(results, args.inputs)
-        print(json.dumps({"crossover_threshold": threshold}), flush=True)
-        if "conditional" in args.modes:
+        measured = crossover(results, args.inputs) if "remote" in args.modes else None
+        thresholds = args.threshold if args.threshold is not None else [measured]
+        print(json.dumps({"crossover_threshold": measured, "conditional_thresholds": thresholds}), flush=True)
+        for threshold in thresholds if "conditional" in args.modes else []:
             run_mode("conditional", model, workers, threshold, cells, args, results)
     finally:
         for worker in workers:
             worker.stop()
     (args.out / "sweep.md").write_text(table(results))
     if len({spec for spec, _ in cells}) > 1:
-        plot(results, threshold, args.out / "sweep.png", f"{args.shape}, bf16, one GPU, concurrency {args.concurrency}")
+        plot(results, thresholds[0], args.out / "sweep.png",
+             f"{args.shape}, bf16, one GPU, concurrency {args.concurrency}")
     print(table(results), flush=True)
     return 0 if all(r["failed"] == 0 for r in results) else 1
 

@@ -17,35 +17,46 @@ def _runs(results: list[dict], mode: str, output: int) -> dict[int, dict]:
     return {int(r["input"]): r for r in results if r["mode"] == mode and r["output"] == output and r["input"].isdigit()}
 
 
-def crossover_of(ratios: list[tuple[int, float]]) -> float:
-    """The input length at which `remote` / `aggregated` output tok/s reaches 1 for good (log-linear between the
-    two cells around it); 0 when remote pays at every length, inf when at none."""
-    ratios = sorted(ratios)
-    if all(ratio >= 1 for _, ratio in ratios):
+# When every prefill remote "pays" in a cell: issue #24's targets for it, against aggregated on the same GPU.
+PAYS = {"throughput": 0.9, "ttft": 1.5, "itl_gain": 2.0}
+
+
+def pays(agg: dict, remote: dict) -> bool:
+    return (remote["output_tok_s"] >= PAYS["throughput"] * agg["output_tok_s"]
+            and remote["ttft_mean_ms"] <= PAYS["ttft"] * agg["ttft_mean_ms"]
+            and agg["itl_p99_ms"] >= PAYS["itl_gain"] * remote["itl_p99_ms"])
+
+
+def crossover_of(points: list[tuple[int, float, bool]]) -> float:
+    """The input length from which remote pays at every longer length, from (input, ITL p99 gain, pays) per
+    cell: log-linear in the gain between the last cell that does not pay and the next, 0 when remote pays at
+    every length, inf when it does not pay at the longest."""
+    points = sorted(points)
+    if all(ok for _, _, ok in points):
         return 0.0
-    last_below = max(i for i, (_, ratio) in enumerate(ratios) if ratio < 1)
-    if last_below == len(ratios) - 1:
+    last = max(i for i, (_, _, ok) in enumerate(points) if not ok)
+    if last == len(points) - 1:
         return math.inf
-    (x0, r0), (x1, r1) = ratios[last_below], ratios[last_below + 1]
-    t = (1 - r0) / (r1 - r0)
+    (x0, g0, _), (x1, g1, _) = points[last], points[last + 1]
+    t = min(max((PAYS["itl_gain"] - g0) / (g1 - g0), 0.0), 1.0) if g1 != g0 else 1.0
     return 2 ** (math.log2(x0) + t * (math.log2(x1) - math.log2(x0)))
 
 
 def crossover(results: list[dict], inputs: list[str]) -> int:
-    """The conditional rule's threshold: prompts up to it prefill locally. The largest crossover over the output
-    lengths (remote only where it pays at every one), rounded up to a multiple of 64; the longest input tested when
-    remote never pays."""
-    points = []
+    """The conditional rule's threshold (prompts up to it prefill locally): the shortest crossover over the output
+    lengths at which remote pays at all (the rule sees the prompt, not the output), rounded up to a multiple of 64;
+    the longest input tested when remote pays at none."""
+    found = []
     for output in sorted({r["output"] for r in results}):
         agg, remote = _runs(results, "aggregated", output), _runs(results, "remote", output)
-        ratios = [(x, remote[x]["output_tok_s"] / agg[x]["output_tok_s"]) for x in sorted(agg) if x in remote]
-        if ratios:
-            points.append(crossover_of(ratios))
-    longest = max((int(s) for s in inputs if s.isdigit()), default=0)
-    if not points:
-        return 0
-    point = max(points)
-    return longest if math.isinf(point) else int(math.ceil(point / 64) * 64)
+        points = [(x, agg[x]["itl_p99_ms"] / remote[x]["itl_p99_ms"], pays(agg[x], remote[x]))
+                  for x in sorted(agg) if x in remote]
+        if points:
+            found.append(crossover_of(points))
+    finite = [x for x in found if not math.isinf(x)]
+    if not finite:
+        return max((int(s) for s in inputs if s.isdigit()), default=0)
+    return int(math.ceil(min(finite) / 64) * 64)
 
 
 def table(results: list[dict]) -> str:
@@ -78,7 +89,7 @@ def plot(results: list[dict], threshold: int, path: Path, title: str) -> None:
         for col, (key, label) in enumerate(PANELS):
             ax = axes[row][col]
             for mode, (color, marker) in STYLES.items():
-                runs = _runs(results, mode, output)
+                runs = _runs([r for r in results if r.get("threshold") in (None, threshold)], mode, output)
                 if runs:
                     xs = sorted(runs)
                     ax.plot(xs, [runs[x][key] for x in xs], color=color, marker=marker, label=mode)
@@ -90,7 +101,7 @@ def plot(results: list[dict], threshold: int, path: Path, title: str) -> None:
             if key == "ttft_mean_ms":
                 ax.set_yscale("log")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{title}; dotted: conditional threshold {threshold} (the measured crossover)", fontsize=10)
+    fig.suptitle(f"{title}; dotted: the conditional rule's threshold, {threshold} prompt tokens", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
