@@ -5,10 +5,10 @@ Release rules, each written once here:
   a decode worker took it over (answered on its Decode stream; it pulls and releases the KV itself). So the
   session is released when the first token ends the request, when the client cancels after prefill answered,
   and when decode refuses or fails before answering (UNAVAILABLE included: no other decode worker gets it).
-- A client cancel racing prefill's answer does not cancel the call (the ref would be lost on the wire while the
-  worker exported the session and held its blocks until their TTL): prefill answers, then its session is released.
-- Embeddings encode stored are released unless a prefill worker ran with them (it pulls and releases them);
-  a cancel racing encode's answer cancels the call, or, if it had answered already, releases what it stored.
+- A client cancel racing prefill's or encode's answer does not cancel the call (the ref would be lost on the wire
+  while the worker exported the session or stored the embeddings, held until their TTL): the worker answers,
+  then what its answer names is released.
+- Embeddings encode stored are released unless a prefill worker ran with them (it pulls and releases them).
 Releases run in the background (the pool's tasks), so a cancelled request still does them.
 """
 from __future__ import annotations
@@ -132,15 +132,13 @@ class Handoff:
                      deadline: Deadline) -> list[common_pb2.EmbeddingRef]:
         request = worker_pb2.EncodeRequest(request_id=req.worker_request_id,
                                            images=[image_to_proto(image) for image in req.images])
-        call = worker.encoder.Encode(request, timeout=deadline.remaining_s())
-        answer = asyncio.ensure_future(call)
+        answer = asyncio.ensure_future(worker.encoder.Encode(request, timeout=deadline.remaining_s()))
         with tracing.tracer().start_as_current_span("encode", attributes={
                 "disagg.worker": worker.endpoint, "disagg.images": len(req.images)}):
             try:
                 with worker.busy():
                     return list((await asyncio.shield(answer)).embeddings)
-            except asyncio.CancelledError:
-                call.cancel()  # had it answered already, what it stored is freed once read:
+            except asyncio.CancelledError:  # not cancelled: see the module doc
                 self.releaser.once_answered(answer, lambda r: self.releaser.embeddings(list(r.embeddings)))
                 raise
             except grpc.aio.AioRpcError as exc:

@@ -46,6 +46,10 @@ class _Call:
         return self._task.cancel()
 
 
+class _Images:
+    worker_request_id, images = "r1", []
+
+
 class _Worker:
     endpoint = "prefill:1"
 
@@ -56,10 +60,12 @@ class _Worker:
     def Prefill(self, request, timeout=None) -> _Call:
         return self._call
 
+    Encode = Prefill
+
     busy = prefilling = staticmethod(lambda *_: contextlib.nullcontext())
 
 
-async def _leave_during_prefill(outcome) -> tuple[_Pool, list[dict]]:
+async def _leave_during(stage: str, outcome) -> tuple[_Pool, list[dict]]:
     loop = asyncio.get_running_loop()
     errors: list[dict] = []
     loop.set_exception_handler(lambda _, context: errors.append(context))
@@ -67,8 +73,11 @@ async def _leave_during_prefill(outcome) -> tuple[_Pool, list[dict]]:
     handoff = Handoff(pool, None, "round_robin")
     pool.released = []
     handoff.releaser.session = lambda ref: pool.released.append(ref.session_id)
-    worker = _Worker(_Call(outcome, 0.1))
-    request = asyncio.ensure_future(handoff._prefill_call(worker, None, worker_pb2.PrefillRequest(), Deadline.of(0, None)))
+    handoff.releaser.embeddings = lambda refs: pool.released.extend(ref.handle for ref in refs)
+    worker, deadline = _Worker(_Call(outcome, 0.1)), Deadline.of(0, None)
+    request = asyncio.ensure_future(
+        handoff._prefill_call(worker, None, worker_pb2.PrefillRequest(), deadline) if stage == "prefill"
+        else handoff.encode(worker, _Images(), deadline))
     await asyncio.sleep(0.02)
     request.cancel()  # the client left
     await asyncio.gather(request, return_exceptions=True)
@@ -80,13 +89,22 @@ async def _leave_during_prefill(outcome) -> tuple[_Pool, list[dict]]:
 
 
 def test_a_prefill_that_fails_after_its_client_left_leaves_no_unread_error():
-    pool, errors = asyncio.run(_leave_during_prefill(EXPIRED))
+    pool, errors = asyncio.run(_leave_during("prefill", EXPIRED))
     assert not errors, errors
     assert pool.released == []
 
 
 def test_a_prefill_that_answers_after_its_client_left_has_its_session_released():
     answer = worker_pb2.PrefillResponse(first_token=5, session=common_pb2.KvSessionRef(session_id="s1"))
-    pool, errors = asyncio.run(_leave_during_prefill(answer))
+    pool, errors = asyncio.run(_leave_during("prefill", answer))
     assert not errors, errors
     assert pool.released == ["s1"]
+
+
+def test_an_encode_that_answers_after_its_client_left_has_its_embeddings_released():
+    """Not cancelled: a cancel that raced the answer lost the refs on the wire while encode held the tensors."""
+    answer = worker_pb2.EncodeResponse(embeddings=[common_pb2.EmbeddingRef(handle="e1"),
+                                                   common_pb2.EmbeddingRef(handle="e2")])
+    pool, errors = asyncio.run(_leave_during("encode", answer))
+    assert not errors, errors
+    assert pool.released == ["e1", "e2"]
