@@ -4,7 +4,8 @@ On when OTEL_EXPORTER_OTLP_ENDPOINT is set (OTLP over gRPC; OTEL_EXPORTER_OTLP_I
 other standard OTEL_* variables apply), with OTEL_SERVICE_NAME or `disagg-<role>` as the service
 name. opentelemetry-instrumentation-grpc's interceptors carry W3C `traceparent` in gRPC metadata:
 the server interceptor continues a caller's trace (a client's own traceparent included), the
-client interceptors start child spans for every call to another process. Our own spans
+client interceptors start child spans for every call to another process; opentelemetry-instrumentation-aiohttp-server
+does the server's part for the router's HTTP front door. Our own spans
 (tokenize, prefill, kv_pull, decode, first_token) hang under them. Off, every helper is a no-op.
 """
 from __future__ import annotations
@@ -64,6 +65,20 @@ def client_interceptors() -> Sequence[grpc.aio.ClientInterceptor]:
     from common.telemetry import grpc_tracing
 
     return grpc_tracing.client_interceptors(_provider)
+
+
+def instrument_http_server() -> None:
+    """For the router's OpenAI front door (aiohttp): every aiohttp Application made afterwards gets a SERVER span
+    per request that continues the client's W3C `traceparent` header, so an HTTP request is one trace as a gRPC one
+    is. /health is not traced (nor is gRPC health). A no-op when tracing is off or already instrumented."""
+    if _provider is None:
+        return
+    os.environ.setdefault("OTEL_PYTHON_AIOHTTP_SERVER_EXCLUDED_URLS", "/health")
+    from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+
+    instrumentor = AioHttpServerInstrumentor()
+    if not instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.instrument(tracer_provider=_provider)
 
 
 def tracer() -> trace.Tracer:

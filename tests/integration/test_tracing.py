@@ -3,7 +3,9 @@ to a real TraceService receiver, with the right parent links across the three pr
 W3C traceparent is the trace's root."""
 from __future__ import annotations
 
+import json
 import secrets
+import urllib.request
 from typing import Iterator
 
 import grpc
@@ -12,7 +14,7 @@ import pytest
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.integration.processes import ServiceProcess, start_service, start_services
+from tests.integration.processes import ServiceProcess, free_port, start_service, start_services
 from tests.integration.test_router import make_text_model
 
 MAX_TOKENS = 5
@@ -38,7 +40,7 @@ def traced(tmp_path_factory, receiver) -> Iterator[ServiceProcess]:
     try:
         prefill, decode = processes
         processes.append(start_service("router", "--model", model, "--prefill-workers", prefill.address,
-                                       "--decode-workers", decode.address,
+                                       "--decode-workers", decode.address, "--http-port", str(free_port()),
                                        env={**env, "OTEL_SERVICE_NAME": "edge-router"}))
         yield processes[-1]
     finally:
@@ -121,3 +123,20 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced, receiver):
     assert len(new) == 1
     spans = wait_for(_complete(receiver, new.pop()), 20, "the new trace's spans")
     assert _one(spans, "edge-router", "/disagg.v1.Generation/Generate", SERVER).parent_span_id == ""
+
+
+def test_an_openai_http_request_is_one_trace_too(traced, receiver):
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    body = {"prompt": "The lighthouse keeper said", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(f"{traced.http_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "traceparent": f"00-{trace_id}-{client_span}-01"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == MAX_TOKENS
+    spans = wait_for(_complete(receiver, trace_id), 20, "the HTTP request's spans from all three processes")
+    by_id = {s.span_id: s for s in spans}
+    http = _one(spans, "edge-router", "POST /v1/completions", SERVER)
+    assert http.parent_span_id == client_span  # the client's traceparent header is honoured
+    for name in ("tokenize", "prefill", "decode"):
+        assert by_id[_one(spans, "edge-router", name).parent_span_id] is http
+    assert all(s is http or s.parent_span_id in by_id for s in spans)

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 from aiohttp import web
 
 from common.errors import DisaggError
+from common.telemetry import tracing
 
 from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
                                                        parse_completion)
@@ -69,6 +70,7 @@ async def start_http(core: Core, host: str, port: int, max_body_bytes: int) -> H
 def make_app(core: Core, max_body_bytes: int) -> web.Application:
     """The routes; bodies over `max_body_bytes` are refused with 413 (as JSON, by the middleware)."""
     handlers = _Handlers(core)
+    tracing.instrument_http_server()  # before the Application is made: the instrumentor wraps the class
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors_as_json])
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_post("/v1/completions", handlers.completions)
