@@ -127,6 +127,12 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops everything the way Ctrl-C does
 
 
+# Every worker of `disagg up --device cuda` shares one GPU. There, a remote prefill pays (issue #24's targets against
+# aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from about this prompt length on: the
+# crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays").
+ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="disagg up", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,8 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--policy", default="round_robin", choices=POLICY_NAMES)
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
-    parser.add_argument("--max-local-prefill-tokens", type=int, default=0,
-                        help="prompts with at most this many uncached tokens prefill on the decode worker")
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
+                        help="prompts with at most this many uncached tokens prefill on the decode worker (default: "
+                             f"{ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} on a GPU, where every worker shares it; 0 elsewhere)")
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
                         help="prefill tokens queued on a prefill worker before prompts stay on decode (0: no limit)")
     parser.add_argument("--metrics-port-base", type=int, default=0,
@@ -151,6 +158,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.decode < 1 or args.prefill < 0:
         parser.error("--decode must be >= 1 and --prefill >= 0")
+    if args.max_local_prefill_tokens is None:
+        args.max_local_prefill_tokens = ONE_GPU_MAX_LOCAL_PREFILL_TOKENS if args.device.startswith("cuda") else 0
     if not -1 <= args.metrics_port_base <= 65535 - len(child_names(args)):
         parser.error(f"--metrics-port-base must be -1 or 0..{65535 - len(child_names(args))}, "
                      f"got {args.metrics_port_base}")

@@ -44,6 +44,7 @@ from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
 from common.kv.transfer import ChannelCache, layout_of  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, make_model  # noqa: E402
+from services.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS  # noqa: E402
 from tests.integration.processes import start_service  # noqa: E402
 
 GB = 1e9
@@ -187,7 +188,7 @@ def serve_and_bench(model: Path, prefill_workers: int, args: argparse.Namespace,
     port = 50177 + prefill_workers + (2 if router_flags else 0)
     up = [sys.executable, "-m", "services", "up", "--model", str(model), "--device", "cuda", "--dtype", "bfloat16",
           "--num-kv-blocks", "4096", "--max-model-len", "4096", "--router-port", str(port),
-          "--prefill", str(prefill_workers), "--decode", "1", *(router_flags or [])]
+          "--prefill", str(prefill_workers), "--decode", "1", *(router_flags or ["--max-local-prefill-tokens", "0"])]
     name = f"{prefill_workers}p{'_cond' if router_flags else ''}"
     log = open(out / f"up_{name}.log", "w")
     cluster = subprocess.Popen(up, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -226,7 +227,7 @@ def main() -> None:
     parser.add_argument("--input-len", default="uniform:512:2048")
     parser.add_argument("--output-len", default="fixed:128")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-local-prefill-tokens", type=int, default=1024,
+    parser.add_argument("--max-local-prefill-tokens", type=int, default=ONE_GPU_MAX_LOCAL_PREFILL_TOKENS,
                         help="a third run: 1P1D with conditional disaggregation (0 skips it)")
     parser.add_argument("--skip-pulls", action="store_true")
     parser.add_argument("--skip-serving", action="store_true")

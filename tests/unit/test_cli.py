@@ -17,7 +17,7 @@ from services.router.config import POLICY_NAMES
 from services.router.policies import POLICIES
 from services.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
                                      add_sampling_args)
-from services.up import check_metrics_ports, metrics_ports, parse_args
+from services.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, check_metrics_ports, metrics_ports, parse_args
 from tests.integration.processes import REPO_ROOT
 
 
@@ -187,3 +187,10 @@ def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything():
     assert result.returncode == 2 and result.stderr == (
         f"disagg up: 127.0.0.1:{port} (router's metrics port) is already in use; choose another --metrics-port-base "
         "(or leave it out: free ports)\n"), result.stderr
+
+
+def test_up_prefills_short_prompts_locally_on_a_shared_gpu_and_sends_every_prompt_remote_elsewhere():
+    """On a GPU every `disagg up` worker shares it: the measured crossover (README, "When disaggregation pays")."""
+    assert parse_args(["--device", "cuda"]).max_local_prefill_tokens == ONE_GPU_MAX_LOCAL_PREFILL_TOKENS == 1536
+    assert parse_args([]).max_local_prefill_tokens == 0
+    assert parse_args(["--device", "cuda", "--max-local-prefill-tokens", "0"]).max_local_prefill_tokens == 0
