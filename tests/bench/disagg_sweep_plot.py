@@ -112,7 +112,9 @@ def main() -> int:
     data = json.loads(path.read_text())
     results = data["runs"]
     threshold = next((r["threshold"] for r in results if r.get("threshold") is not None), 0)
-    plot(results, threshold, path.with_suffix(".png"), data.get("config", {}).get("shape", ""))
+    config = data.get("config", {})
+    plot(results, threshold, path.with_suffix(".png"),
+         f"{config.get('shape', '')}, bf16, one GPU, concurrency {config.get('concurrency', '')}")
     print(table(results))
     return 0
 
