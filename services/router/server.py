@@ -54,7 +54,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
             await obs.start(config.host, advertised, server.port)
         await wait_for_signal()
         if obs is not None:
-            await obs.stop()  # out of Consul first: no new requests while draining
+            await obs.deregister()  # out of Consul first: no new requests while draining
         log.info("draining %d requests (up to %gs)", orchestrator.inflight, config.drain_timeout_s)
         orchestrator.draining = True  # new requests on every front door: UNAVAILABLE (HTTP 503)
         health.cancel()
@@ -67,6 +67,8 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         await pool.close()
         await discovery.close()
         await orchestrator.close()
+        if obs is not None:
+            await obs.stop()  # the drain's spans are flushed too
 
 
 def _add_grpc_front_doors(server: grpc.aio.Server, orchestrator: Orchestrator) -> None:
