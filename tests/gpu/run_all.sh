@@ -11,8 +11,8 @@ if [ "${BENCH_S:-240}" != 0 ]; then
   echo "== bench"; timeout "${BENCH_S:-240}" python3 -m tests.bench.gpu_engine_vs_hf --model llama-3.2-1b --skip-hf \
     --skip-hf-continuous --profile-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"; echo "bench rc=$?"
 fi
-if [ "${TESTS_S:-150}" != 0 ]; then
-  echo "== gpu tests"; timeout "${TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_kernels.py \
+if [ "${TESTS_S:-300}" != 0 ]; then
+  echo "== gpu tests"; timeout "${TESTS_S:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_kernels.py \
     tests/gpu/test_gemv.py tests/gpu/test_gpu_kernels.py tests/gpu/test_decode_tunings.py tests/unit/test_async_scheduling.py \
     tests/gpu/test_kv_plane_gpu.py tests/unit/test_kv_fence.py \
     ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"
