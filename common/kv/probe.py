@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 
 from common.kv import gather
 from common.kv.backends import BackendUnavailable
@@ -24,6 +25,7 @@ from common.kv.block_copy import copy_blocks
 from common.kv.fence import EPOCH_ATTRIBUTE
 from common.kv.transfer import layout_of, pull_kv
 from common.pb.disagg.v1 import common_pb2
+from common.telemetry import tracing
 
 if TYPE_CHECKING:
     from common.kv.pull import KvPuller
@@ -63,6 +65,12 @@ class SelfCheck:
         return self.results[endpoint]
 
     async def run(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
+        # A trace of its own: the request whose pull met the peer first is not where the probes belong.
+        with tracing.tracer().start_as_current_span("kv_self_check", context=otel_context.Context(),
+                                                    attributes={"disagg.exporter": ref.endpoint}):
+            await self._probe_all(channel, ref)
+
+    async def _probe_all(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
         probe, results = probe_ref(ref), {}
         for backend in self.puller.candidates(ref):
             try:
