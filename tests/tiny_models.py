@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -20,6 +20,7 @@ TINY_FAMILIES = {
     "qwen2-bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False)),
 }
 
 

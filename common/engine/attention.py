@@ -57,6 +57,9 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, wi
 class TorchPagedAttention:
     """Reference paged attention: gathers blocks, then SDPA. Decodes are batched; prefills run one by one."""
 
+    fused_rope_store = False  # the model applies RoPE and calls `forward`, which writes K/V into the cache
+    graphable = False  # no `host_arrays`: decode steps are not captured in CUDA graphs
+
     def __init__(self, block_size: int, windows: set[int | None], device: torch.device):
         self.block_size = block_size
         self.windows = windows

@@ -212,6 +212,7 @@ def _pow2(n: int, least: int = 1) -> int:
 
 class TritonPagedAttention:
     fused_rope_store = True  # the model writes roped K/V with kernels.rope_store_kv and calls `attend`
+    graphable = True  # cuda_graphs.DecodeGraphs replays decode steps over `host_arrays`
 
     def __init__(self, block_size: int, windows: set[int | None], device: torch.device,
                  tuning: DecodeTuning = DecodeTuning()):

@@ -7,7 +7,6 @@ import torch
 
 from common.engine.attention import BatchLayout, make_attention_backend
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
-from common.engine.models.llama import head_dim_of, sliding_windows
 from common.engine.models.loader import load_model
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
@@ -51,22 +50,21 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
         c = self.hf_config
-        self.num_layers = c.num_hidden_layers
-        self.num_kv_heads = c.num_key_value_heads
-        self.head_dim = head_dim_of(c)
+        shape = self.model.kv_shape()
+        self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
         self.kv_cache = torch.zeros(
             (self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim),
             dtype=self.dtype, device=self.device,
         )
-        self.attention = make_attention_backend(self.block_size, set(sliding_windows(c)), self.device)
+        self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device)
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)
 
     def _make_graphs(self, config: EngineConfig):
         """CUDA graphs for decode steps, when the GPU attention backend runs and eager mode is not forced."""
-        if config.enforce_eager or self.device.type != "cuda" or not hasattr(self.attention, "host_arrays"):
+        if config.enforce_eager or self.device.type != "cuda" or not self.attention.graphable:
             return None
         from common.engine.cuda_graphs import DecodeGraphs
 
@@ -156,7 +154,7 @@ class ModelRunner:
         """Token embeddings with image embedding rows over the placeholders this step covers; None without images."""
         if all(r.mm is None for r in batch.requests):
             return None
-        embeds = self.model.model.embed_tokens(ids)
+        embeds = self.model.embed(ids)
         row = 0
         for request, n in zip(batch.requests, batch.num_new_tokens):
             if request.mm is not None:  # a chunk (or a prefix-cache hit) may cover any part of an image

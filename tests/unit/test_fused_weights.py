@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.engine.kernels import reference
-from common.engine.models.llama import RotaryEmbedding, apply_rope
+from common.engine.models.llama import LlamaForCausalLM, RotaryEmbedding, apply_rope
 from common.engine.models.loader import fuse_projections, load_config, load_model
 
 
@@ -42,7 +42,7 @@ def test_qwen3_keeps_its_q_and_k_norms_beside_the_fused_qkv(tiny_model_dirs):
 def test_an_incomplete_projection_set_is_left_unfused_for_the_key_check():
     state = {"model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2),
              "model.layers.0.self_attn.k_proj.weight": torch.ones(1, 2)}
-    assert set(fuse_projections(state)) == set(state)
+    assert set(fuse_projections(state, LlamaForCausalLM.packed_modules_mapping)) == set(state)
 
 
 def test_reference_rope_store_kv_matches_the_model_rope_and_a_plain_cache_write(tiny_model_dirs):

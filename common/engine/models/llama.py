@@ -14,9 +14,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.engine.attention import TorchAttentionMetadata, TorchPagedAttention
 from common.engine.kernels import add_rms_norm, linear, norm_linear, rms_norm, rope_store_kv, silu_linear
+from common.engine.models.contract import CausalLM, KvShape, head_dim_of
 from common.errors import InvalidConfig
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +107,7 @@ class Attention(nn.Module):
         rope: (cos, sin) [T, D] for a backend that stores K/V itself; else the rotary cos_sin_cache
         [max_positions, D], and one kernel applies q/k norms and RoPE while it writes K and V into the cache."""
         T = qkv.shape[0]
-        if getattr(backend, "fused_rope_store", False):
+        if backend.fused_rope_store:
             q = rope_store_kv(qkv, positions, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
                               self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
             out = backend.attend(q, kv_cache, meta, self.scale, self.window)
@@ -153,10 +152,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(gate_up), residual
 
 
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def sliding_windows(config: PretrainedConfig) -> list[int | None]:
     """Per-layer sliding window (None = full attention), as the HF config declares it."""
     window = getattr(config, "sliding_window", None)
@@ -169,25 +164,34 @@ def sliding_windows(config: PretrainedConfig) -> list[int | None]:
 
 
 class Model(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, windows: list[int | None]):
         super().__init__()
         head_dim = head_dim_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, w) for w in sliding_windows(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    packed_modules_mapping = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise InvalidConfig(f"model_type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         self.config = config
-        self.model = Model(config)
+        self.windows = self.layer_windows(config)
+        self.model = Model(config, self.windows)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.tied_keys = ("lm_head.weight",)
+
+    @staticmethod
+    def layer_windows(config: PretrainedConfig) -> list[int | None]:
+        return sliding_windows(config)
 
     def forward(
         self,
@@ -200,10 +204,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = self.model.rotary_emb
-        if getattr(backend, "fused_rope_store", False):
-            rope = rotary.cos_sin_cache(x.dtype)
-        else:
-            rope = rotary(positions, x.dtype)
+        rope = rotary.cos_sin_cache(x.dtype) if backend.fused_rope_store else rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta, backend)
@@ -211,3 +212,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def kv_shape(self) -> KvShape:
+        c = self.config
+        return KvShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c), tuple(self.windows))
+
+    def finish_loading(self, device: torch.device) -> None:
+        if self.tied_keys:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary_emb = RotaryEmbedding(self.config, head_dim_of(self.config)).to(device)

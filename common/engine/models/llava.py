@@ -1,6 +1,7 @@
 """LLaVA (Hugging Face LlavaForConditionalGeneration checkpoints): HF's vision tower and projector, our language model.
 
-The language model is our paged-KV Llama (models/llama.py) loaded from `model.language_model.*`;
+The language model is any registered family (models/registry.py, by the text config) loaded from
+`model.language_model.*`;
 the encode worker runs only the vision half (`model.vision_tower.*`, `model.multi_modal_projector.*`)
 with transformers' own modules, so image features match HF exactly.
 """
@@ -13,6 +14,9 @@ from torch import nn
 from transformers import AutoModel, PretrainedConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from common.engine.models.checkpoint import load_config, load_state
+from common.engine.models.contract import CausalLM, KvShape
+from common.engine.models.registry import model_class
 from common.errors import InvalidConfig
 
 VISION_MODEL_TYPES = ("llava",)
@@ -62,6 +66,37 @@ def language_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in _normalised(state).items() if not k.startswith(_VISION_PREFIXES)}
 
 
+class LlavaForConditionalGeneration(CausalLM):
+    """The language half of a LLaVA checkpoint: the registered model of its text config, under `language_model.`
+    (the encode worker runs the vision half, VisionEncoder below)."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config.text_config
+        self.language_model = model_class(self.config)(self.config)
+        self.packed_modules_mapping = self.language_model.packed_modules_mapping
+        self.tied_keys = tuple(f"language_model.{k}" for k in self.language_model.tied_keys)
+
+    def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        inner = self.language_model.checkpoint_state(language_state(state))
+        return {f"language_model.{k}": v for k, v in inner.items()}
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend, inputs_embeds=None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, meta, backend, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed(input_ids)
+
+    def kv_shape(self) -> KvShape:
+        return self.language_model.kv_shape()
+
+    def finish_loading(self, device: torch.device) -> None:
+        self.language_model.finish_loading(device)
+
+
 class VisionEncoder(nn.Module):
     """pixel_values [N, 3, H, W] → image embeddings [N, num_image_tokens, text hidden], as HF's get_image_features."""
 
@@ -83,8 +118,6 @@ class VisionEncoder(nn.Module):
 
 
 def load_vision_encoder(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> VisionEncoder:
-    from common.engine.models.loader import load_config, load_state  # loader imports this module
-
     config = load_config(model_dir)
     if not is_vision_language(config):
         raise InvalidConfig(f"model {model_dir} ({config.model_type}) has no vision tower; "
