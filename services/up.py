@@ -20,7 +20,8 @@ import time
 from common import tls
 from common.errors import InvalidConfig
 from services.engine_flags import add_engine_args, engine_argv, engine_config_from_args
-from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, POLICY_NAMES
+from services.router import policies
+from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from services.supervise import Child, log, stop_all, wait_ready
 
 
@@ -142,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"the router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; 0 turns it off)")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated on decode)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--policy", default="round_robin", choices=POLICY_NAMES)
+    parser.add_argument("--policy", default="round_robin", choices=policies.names())
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
     parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
                         help="prompts with at most this many uncached tokens prefill on the decode worker (default: "

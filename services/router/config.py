@@ -9,12 +9,10 @@ from common.discovery import Role, StaticDiscovery
 from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
 from services.drain import DEFAULT_DRAIN_TIMEOUT_S
+from services.router import policies
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's OpenAI server port, where OpenAI clients are usually pointed
-# The names services.router.policies implements; spelled out here so that clients and `disagg up`, which
-# import this module, load no torch (a unit test keeps the two in step).
-POLICY_NAMES = ("round_robin", "least_loaded", "kv_aware")
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class RouterConfig:
         checks = [
             (0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}"),
             (0 <= self.http_port < 65536, f"--http-port must be in [0, 65535] (0 turns HTTP off), got {self.http_port}"),
-            (self.policy in POLICY_NAMES, f"--policy must be one of {list(POLICY_NAMES)}, got {self.policy!r}"),
+            (self.policy in policies.names(), f"--policy must be one of {list(policies.names())}, got {self.policy!r}"),
             (self.min_remote_prefill_tokens >= 0,
              f"--min-remote-prefill-tokens must be >= 0, got {self.min_remote_prefill_tokens}"),
             (self.max_local_prefill_tokens >= 0,
@@ -85,7 +83,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="host:port,... of decode workers (env DISAGG_DECODE_WORKERS)")
     parser.add_argument("--encode-workers", default=None,
                         help="host:port,... of encode workers, for requests with images (env DISAGG_ENCODE_WORKERS)")
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="round_robin")
+    parser.add_argument("--policy", choices=policies.names(), default="round_robin")
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
                         help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
     parser.add_argument("--max-local-prefill-tokens", type=int, default=0,

@@ -24,7 +24,7 @@ from common.telemetry import tracing
 from services.convert import sampling_to_proto, worker_stop_conditions
 from services.router.deadline import Deadline
 from services.router.generation import Event, FinishReason
-from services.router.handoff import KvSession
+from services.router.handoff import ExportedSession
 from services.router.prepare import PreparedRequest
 from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
@@ -50,7 +50,7 @@ class DecodeStream:
 
     async def run(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                   start: worker_pb2.DecodeStart, deadline: Deadline,
-                  session: KvSession | None = None) -> AsyncIterator[Event]:
+                  session: ExportedSession | None = None) -> AsyncIterator[Event]:
         """Stream from a decode worker; one that refuses before answering passes the request on to another; one
         lost mid-stream is replaced (up to --migration-limit times) by another decode worker, which continues from
         the prompt and the tokens delivered so far."""
@@ -81,7 +81,7 @@ class DecodeStream:
 
     async def _on(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
                   start: worker_pb2.DecodeStart, deadline: Deadline,
-                  session: KvSession | None) -> AsyncIterator[Event]:
+                  session: ExportedSession | None) -> AsyncIterator[Event]:
         handoff = start.HasField("session")
         span = tracing.tracer().start_span("decode", attributes={
             "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})

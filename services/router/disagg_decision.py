@@ -18,7 +18,8 @@ from opentelemetry import trace
 
 from common.pb.disagg.v1 import worker_pb2
 from common.telemetry.metrics import Metrics
-from services.router.policies import KvAware, fetch_load
+from services.router.policies import Policy
+from services.router.policies.least_loaded import fetch_load
 from services.router.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ class PrefillPlacement:
     are counted before the next request is placed.
     """
 
-    def __init__(self, config: DisaggConfig, kv: KvAware | None = None, metrics: Metrics | None = None):
+    def __init__(self, config: DisaggConfig, policy: Policy | None = None, metrics: Metrics | None = None):
         self.config = config
-        self._kv = kv
+        self._policy = policy
         self._metrics = metrics
 
     async def place(self, prompt: list[int], decode: WorkerClient,
@@ -136,11 +137,12 @@ class PrefillPlacement:
         return prefill if remote else None
 
     def _uncached(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """Prompt tokens the worker would compute: beyond what its KV events say it caches (kv_aware)."""
-        if self._kv is None:
+        """Prompt tokens the worker would compute: beyond what the policy predicts it caches (kv_aware)."""
+        cached = self._policy.cached_tokens(worker, prompt) if self._policy is not None else None
+        if cached is None:
             return len(prompt)
         # at least one: a fully cached prompt still computes its last token to sample the first output
-        return max(len(prompt) - self._kv.cached_tokens(worker, prompt), 1)
+        return max(len(prompt) - cached, 1)
 
     def _record(self, remote: bool, reason: str, demand: Demand) -> None:
         where = "remote" if remote else "local"

@@ -1,7 +1,7 @@
 """The unary half of a request (encode → prefill → first token) and every rule for freeing what it leaves on workers.
 
 Release rules, each written once here:
-- A KV session prefill exported belongs to one `KvSession`, released on its prefill worker exactly once unless
+- A KV session prefill exported belongs to one `ExportedSession`, released on its prefill worker exactly once unless
   a decode worker took it over (answered on its Decode stream; it pulls and releases the KV itself). So the
   session is released when the first token ends the request, when the client cancels after prefill answered,
   and when decode refuses or fails before answering (UNAVAILABLE included: no other decode worker gets it).
@@ -28,7 +28,7 @@ from common.telemetry.metrics import Metrics
 from services.convert import sampling_to_proto
 from services.router.deadline import Deadline
 from services.router.generation import FinishReason, ImageInput
-from services.router.policies import KvAware, Policy
+from services.router.policies import Policy
 from services.router.prepare import PreparedRequest
 from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
@@ -74,7 +74,7 @@ class Releaser:
         self._pool.spawn(release())
 
 
-class KvSession:
+class ExportedSession:
     """The one owner of a KV session prefill exported: released exactly once, unless a decode worker took it over.
 
     Used as a context manager around everything that follows prefill: on exit, whatever the path, the
@@ -95,7 +95,7 @@ class KvSession:
             self._settled = True
             self._releaser.session(self.ref)
 
-    def __enter__(self) -> "KvSession":
+    def __enter__(self) -> "ExportedSession":
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -106,7 +106,7 @@ class KvSession:
 class PrefillReady:
     """Prefill's answer: the first token (and its logprobs) and the KV session it exported, if any."""
     response: worker_pb2.PrefillResponse
-    session: KvSession
+    session: ExportedSession
 
     @property
     def first_token(self) -> int:
@@ -152,7 +152,7 @@ class Handoff:
         sampling, _, output = sampling_to_proto(req.params)
         request = worker_pb2.PrefillRequest(request_id=req.worker_request_id, token_ids=req.prompt,
                                             sampling=sampling, output=output, embeddings=embeddings)
-        predicted = self._policy.cached_tokens(worker, req.prompt) if isinstance(self._policy, KvAware) else None
+        predicted = self._policy.cached_tokens(worker, req.prompt)
         with tracing.tracer().start_as_current_span("prefill", attributes={
                 "disagg.worker": worker.endpoint, "disagg.prompt_tokens": len(req.prompt)}):
             with worker.prefilling(len(req.prompt) - (predicted or 0)):  # the tokens it must compute
@@ -160,7 +160,7 @@ class Handoff:
         self._count_routing(predicted, response)
         if response is None:
             return None
-        return PrefillReady(response, KvSession(response.session if response.HasField("session") else None,
+        return PrefillReady(response, ExportedSession(response.session if response.HasField("session") else None,
                                                 self.releaser))
 
     async def _prefill_call(self, worker: WorkerClient, req: PreparedRequest, request: worker_pb2.PrefillRequest,

@@ -26,8 +26,8 @@ from services.router.config import RouterConfig
 from services.router.deadline import Deadline
 from services.router.decode_stream import DecodeStream, aggregated_start, continuation_start, handoff_start
 from services.router.disagg_decision import DisaggConfig, PrefillPlacement
+from services.router import policies
 from services.router.handoff import Handoff, PrefillReady, first_token_ends
-from services.router.policies import KvAware, KvAwareWeights, make_policy
 from services.router.generation import Event, GenerationRequest, ServedModel
 from services.router.prepare import PreparedRequest, RequestPreparer
 from services.router.streaming import ResponseBuilder
@@ -55,14 +55,14 @@ class Orchestrator:
         self._pool = pool
         self._preparer = preparer
         self._config = config
-        weights = KvAwareWeights(config.kv_overlap_weight, config.kv_load_weight)
-        self._policies = {role: make_policy(config.policy, role, pool.kv_index, weights)
+        context = policies.PolicyContext(pool.kv_index, config.kv_overlap_weight, config.kv_load_weight)
+        self._policies = {role: policies.build(config.policy, role, context)
                           for role in (Role.PREFILL, Role.DECODE, Role.ENCODE)}
-        kv = self._policies[Role.PREFILL]
+        prefill_policy = self._policies[Role.PREFILL]
         self._placement = PrefillPlacement(
             DisaggConfig(config.min_remote_prefill_tokens, config.max_local_prefill_tokens,
-                         config.max_prefill_queue_tokens), kv if isinstance(kv, KvAware) else None, metrics)
-        self._handoff = Handoff(pool, kv, config.policy, metrics)
+                         config.max_prefill_queue_tokens), prefill_policy, metrics)
+        self._handoff = Handoff(pool, prefill_policy, config.policy, metrics)
         self._decode = DecodeStream(pool, lambda refused: self._pick(Role.DECODE, exclude=refused),
                                     config.migration_limit)
         # One thread: HF tokenizers are not meant to be driven from several threads at once.

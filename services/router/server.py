@@ -14,6 +14,7 @@ from common.errors import InvalidConfig
 from services.observability import Observability
 from services.router.config import RouterConfig
 from services.router.frontends import grpc as generation_api, kserve, openai
+from services.router import policies
 from services.router.kv_index import KvIndex
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
@@ -31,8 +32,7 @@ _END_GRACE_S = 5.0  # past --drain-timeout: for the ended requests to send their
 async def serve(config: RouterConfig, discovery: Discovery, obs: Observability | None = None) -> None:
     """Load the tokenizer, follow the workers, serve until SIGINT/SIGTERM, then drain."""
     preparer = await asyncio.to_thread(RequestPreparer.from_model_dir, config.model)
-    pool = WorkerPool(discovery, contact_timeout_s=config.worker_wait_s,
-                      kv_index=KvIndex() if config.policy == "kv_aware" else None)
+    pool = worker_pool(config, discovery)
     orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)
     server = await start_server(lambda s: _add_grpc_front_doors(s, orchestrator),
                                 [generation_api.SERVICE_NAME, kserve.SERVICE_NAME], config.host, config.port,
@@ -69,6 +69,13 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         await orchestrator.close()
         if obs is not None:
             await obs.stop()  # the drain's spans are flushed too
+
+
+def worker_pool(config: RouterConfig, discovery: Discovery) -> WorkerPool:
+    """The router's workers; it follows their KV events only when its policy needs the KV index."""
+    needs_kv_index = policies.factory_of(config.policy).needs_kv_index
+    return WorkerPool(discovery, contact_timeout_s=config.worker_wait_s,
+                      kv_index=KvIndex() if needs_kv_index else None)
 
 
 def _add_grpc_front_doors(server: grpc.aio.Server, orchestrator: Orchestrator) -> None:

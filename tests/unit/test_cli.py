@@ -13,8 +13,6 @@ import pytest
 
 from services import client, run_local
 from services.engine_flags import add_engine_args, engine_argv
-from services.router.config import POLICY_NAMES
-from services.router.policies import POLICIES
 from services.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
                                      add_sampling_args)
 from services.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, check_metrics_ports, metrics_ports, parse_args
@@ -61,10 +59,6 @@ def test_generate_help_imports_no_torch():
               "print('HEAVY', len(heavy), heavy[:3])")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert "--greedy" in result.stdout and "HEAVY 0 []" in result.stdout, result.stdout + result.stderr
-
-
-def test_router_policy_names_are_the_implemented_policies():
-    assert set(POLICY_NAMES) == set(POLICIES)
 
 
 def test_up_takes_kv_aware_and_the_workers_engine_flags():

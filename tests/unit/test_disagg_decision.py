@@ -15,7 +15,7 @@ from services.router.disagg_decision import (
     LOCAL_REASONS, REMOTE_REASONS, DecodeLoad, Demand, DisaggConfig, PrefillPlacement, PrefillQueue, decide,
 )
 from services.router.kv_index import KvIndex
-from services.router.policies import KvAware
+from services.router.policies.kv_aware import KvAware
 from services.router.workers import WorkerClient
 
 CONFIG = DisaggConfig(min_remote_prefill_tokens=16, max_local_prefill_tokens=64, max_prefill_queue_tokens=1000)

@@ -13,7 +13,7 @@ from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.convert import kv_event_to_proto
 from services.router import kv_index as kv_index_module
 from services.router.kv_index import KvIndex
-from services.router.policies import KvAware, KvAwareWeights
+from services.router.policies.kv_aware import KvAware, KvAwareWeights
 from services.router.workers import WorkerClient
 
 

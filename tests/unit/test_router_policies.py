@@ -5,7 +5,9 @@ import grpc
 
 from common.discovery import Role
 from common.pb.disagg.v1 import worker_pb2
-from services.router.policies import LeastLoaded, RoundRobin, load_score
+from services.router import policies
+from services.router.policies.least_loaded import LeastLoaded, load_score
+from services.router.policies.round_robin import RoundRobin
 from services.router.workers import WorkerClient
 
 
@@ -62,3 +64,10 @@ def test_least_loaded_counts_requests_not_yet_seen_by_the_worker():
         return (await LeastLoaded().pick(workers)).endpoint
 
     assert asyncio.run(pick()) == "b:1"
+
+
+def test_every_registered_policy_builds_for_every_role():
+    for name in policies.names():
+        for role in Role:
+            policy = policies.build(name, role, policies.PolicyContext())
+            assert callable(policy.pick) and callable(policy.cached_tokens), (name, role)
