@@ -8,8 +8,9 @@ import sys
 import time
 
 from common.engine.config import resolve_max_model_len
-from common.engine.interface import Engine, start_engine
+from common.engine.interface import Engine
 from common.engine.request import SamplingParams, check_fits_context
+from common.engine.start import start_engine
 from common.errors import DisaggError
 from common.model_facts import load_model_facts
 from common.text_stream import IncrementalDetokenizer

@@ -19,7 +19,8 @@ from common.engine.config import EngineConfig
 from common.engine.interface import Engine, EngineLoad, start_engine
 from common.engine.request import SamplingParams
 from common.errors import DisaggError, Unavailable
-from common.kv.backends import BACKENDS, DATA_PLANE, ENGINE_TRANSFERS, PREFERENCE, parse_backends
+from common.kv import transport
+from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS, PREFERENCE, parse_backends
 from common.kv.layout import KvLayout
 from common.kv.sharing import KvCacheExporter
 from common.telemetry.metrics import Metrics, observe_engine_load
@@ -170,7 +171,7 @@ class EngineRole:
         parser.add_argument(
             "--kv-transfer-backends", default=os.environ.get("DISAGG_KV_TRANSFER_BACKENDS", "auto"),
             help="KV transfer backends this worker offers (prefill) or accepts (decode), best first: "
-                 "'auto' or a subset of cuda_ipc,nixl,shm,grpc (grpc is always kept as the fallback)")
+                 f"'auto' or a subset of {','.join(transport.names())} (grpc is always kept as the fallback)")
         self.add_role_args(parser)
         add_engine_args(parser)
 
@@ -244,7 +245,8 @@ def _transfer_backends(state: WorkerState) -> list[int]:
     if state.kv_transfer != DATA_PLANE:
         return [ENGINE_TRANSFERS[state.kv_transfer]]
     exporter = state.kv_exporter
-    return [BACKENDS[name] for name in (exporter.offered if exporter is not None else state.kv_transfer_backends)]
+    names = exporter.offered if exporter is not None else state.kv_transfer_backends
+    return [transport.number_of(name) for name in names]
 
 
 def _limits(config: EngineConfig) -> worker_pb2.WorkerLimits:

@@ -6,7 +6,7 @@ block `block_table[p // block_size]`, offset `p % block_size`.
 
 `TorchPagedAttention` is the reference that runs everywhere (CPU included): it gathers each
 request's blocks and calls scaled_dot_product_attention. A GPU kernel implements the same
-two methods (`prepare`, `forward`) and is chosen in `make_attention_backend`.
+two methods (`prepare`, `forward`) and is chosen in model_runner.make_attention_backend.
 """
 from __future__ import annotations
 
@@ -137,14 +137,3 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
-
-
-def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device):
-    """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else."""
-    if device.type == "cuda":
-        try:
-            from common.engine.attention_triton import TritonPagedAttention
-        except ImportError:
-            return TorchPagedAttention(block_size, windows, device)
-        return TritonPagedAttention(block_size, windows, device)
-    return TorchPagedAttention(block_size, windows, device)

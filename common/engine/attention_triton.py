@@ -9,7 +9,7 @@ Three kernels over the same cache layout as `TorchPagedAttention` (per layer `[2
 
 All metadata is built on the host in `prepare` and copied with non-blocking pinned copies: the step loop
 never waits on the GPU here. Decode-only batches keep fixed-shape metadata so a CUDA graph can replay them.
-Importing this module needs triton; `make_attention_backend` only does so on a CUDA device.
+Importing this module needs triton; model_runner.make_attention_backend only does so on a CUDA device.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ import torch
 
 from common.errors import InvalidConfig
 
-ENGINES = ("torch", "trtllm")
+# --engine's choices → "module:class" under common.engine that common.engine.start loads (one line per engine).
+ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
 # A CPU prefill chunk of this many tokens runs in a few tenths of a second (SmolLM2-135M, 2 cores), so a
 # request arriving behind a long prompt gets its first token within about a second.
 CPU_LONG_PREFILL_TOKENS = 64

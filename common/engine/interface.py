@@ -147,15 +147,3 @@ class Engine(Protocol):
     def unsubscribe_kv_events(self, subscriber: Any) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def start_engine(config: EngineConfig) -> Engine:
-    """Load the engine `config.engine` names (blocking: call it in a thread): our PyTorch engine, started on its
-    own thread, or TensorRT-LLM (InvalidConfig where it is not installed)."""
-    if config.engine == "trtllm":
-        from common.engine.trtllm import TrtLlmEngine
-
-        return TrtLlmEngine.from_config(config)
-    from common.engine.async_engine import AsyncLLMEngine
-
-    return AsyncLLMEngine.from_config(config)

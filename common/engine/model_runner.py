@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.attention import BatchLayout, make_attention_backend
+from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
 from common.engine.models.loader import load_model
 from common.engine.request import Request, TokenLogprob
@@ -18,6 +18,17 @@ from common.kv.layout import KvExport, KvLayout
 def _plain_greedy(request: Request) -> bool:
     s = request.sampling
     return s.greedy and s.repetition_penalty == 1.0 and not s.logprobs
+
+
+def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device):
+    """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else."""
+    if device.type == "cuda":
+        try:
+            from common.engine.attention_triton import TritonPagedAttention
+        except ImportError:
+            return TorchPagedAttention(block_size, windows, device)
+        return TritonPagedAttention(block_size, windows, device)
+    return TorchPagedAttention(block_size, windows, device)
 
 
 @dataclass

@@ -15,15 +15,16 @@ import pytest
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
-from common.engine.interface import Engine, start_engine
+from common.engine.interface import Engine
 from common.engine.request import RequestType, SamplingParams
+from common.engine.start import start_engine
 from common.errors import FailedPrecondition, NotFound
 from common.kv.backends import DATA_PLANE
 from services.cli import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_MODULES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "services").rglob("*.py"))
-INTERFACE = {"common.engine.interface", "common.engine.image_encoder"}
+INTERFACE = {"common.engine.interface", "common.engine.start", "common.engine.image_encoder"}
 PLAIN_TYPES = {"common.engine.request", "common.engine.config", "common.engine.multimodal",
                "common.engine.default_model", "common.engine.stopping"}
 ALLOWED = INTERFACE | PLAIN_TYPES

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from common.engine.config import EngineConfig
-from common.engine.interface import start_engine
 from common.engine.request import RequestType, SamplingParams
+from common.engine.start import start_engine
 from common.engine.trtllm import (KV_TRANSFER, OPAQUE_STATE, KvEventTranslator, TrtLlmEngine, TrtLlmHandoff,
                                   disaggregated_kwargs, llm_kwargs, load_from_stats, sampling_kwargs)
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest

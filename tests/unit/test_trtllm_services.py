@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.interface import Engine, EngineFacts, start_engine
+from common.engine.interface import Engine, EngineFacts
+from common.engine.start import start_engine
 from common.engine.trtllm import ATTRIBUTE_PREFIX, KV_TRANSFER, OPAQUE_STATE, TrtLlmEngine
 from common.kv.backends import ENGINE_TRANSFERS
 from common.kv.layout import KvLayout

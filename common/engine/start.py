@@ -1,0 +1,14 @@
+"""Start the engine a config names, from config.ENGINES (the engines import the interface; this imports them)."""
+from __future__ import annotations
+
+from importlib import import_module
+
+from common.engine.config import ENGINES, EngineConfig
+from common.engine.interface import Engine
+
+
+def start_engine(config: EngineConfig) -> Engine:
+    """Load the engine `config.engine` names (blocking: call it in a thread): our PyTorch engine, started on its
+    own thread, or TensorRT-LLM (InvalidConfig where it is not installed)."""
+    module, name = ENGINES[config.engine].split(":")
+    return getattr(import_module(f"common.engine.{module}"), name).from_config(config)
