@@ -86,10 +86,10 @@ class KvSessionSource:
             return str(exc)
         return ""
 
-    def share(self, backend: int) -> worker_pb2.KvCacheShare:
+    def share(self, transport: str) -> worker_pb2.KvCacheShare:
         if self.exporter is None:
             raise BackendUnavailable("this worker exports no KV cache")
-        return self.exporter.share(backend)
+        return self.exporter.share(transport)
 
 
 class TensorHolder(Protocol):
@@ -157,7 +157,7 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
         try:
             if not isinstance(source, KvSessionSource):
                 raise BackendUnavailable("this worker's TensorStore holds embeddings, not a KV cache")
-            return await asyncio.to_thread(source.share, request.backend)
+            return await asyncio.to_thread(source.share, request.transport)
         except Exception as exc:
             await abort_with(context, exc)
 

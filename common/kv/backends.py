@@ -15,6 +15,8 @@ same way (`check_kv_transfer`).
 from __future__ import annotations
 
 from common.errors import FailedPrecondition, InvalidConfig
+from common.kv import transport
+from common.kv.transport import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2
 
 BACKENDS = {"cuda_ipc": common_pb2.TRANSFER_BACKEND_CUDA_IPC, "shm": common_pb2.TRANSFER_BACKEND_SHM,
@@ -33,20 +35,17 @@ _HOW = {DATA_PLANE: "over the KV data plane (TensorStore: " + ", ".join(PREFEREN
         "trtllm": "through TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)"}
 
 
-class BackendUnavailable(FailedPrecondition):
-    """This backend cannot move KV between these two workers; the importer tries the next one."""
-
-
 def parse_backends(text: str) -> tuple[str, ...]:
     """`auto` (every backend) or a comma-separated subset, kept in preference order, grpc always included."""
+    known = transport.names()
     if text.strip() in ("", "auto"):
-        return PREFERENCE
+        return known
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise InvalidConfig(f"--kv-transfer-backends: unknown backend(s) {unknown}; choose from {list(PREFERENCE)} "
+        raise InvalidConfig(f"--kv-transfer-backends: unknown backend(s) {unknown}; choose from {list(known)} "
                             "or 'auto'")
-    return tuple(n for n in PREFERENCE if n in names or n == "grpc")
+    return tuple(n for n in known if n in names or n == transport.FALLBACK)
 
 
 def name_of(number: int) -> str:
@@ -55,7 +54,8 @@ def name_of(number: int) -> str:
 
 def offered(attributes, transfer_backend: int) -> list[str]:
     """What an exporter offers for a session: its list attribute, else the ref's one backend, else grpc."""
-    listed = [n for n in attributes.get(OFFERED_ATTRIBUTE, "").split(",") if n in BACKENDS]
+    known = transport.names()
+    listed = [n for n in attributes.get(OFFERED_ATTRIBUTE, "").split(",") if n in known]
     if listed:
         return listed
     single = NAMES.get(transfer_backend)

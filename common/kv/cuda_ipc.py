@@ -23,7 +23,7 @@ from common.kv.backends import BackendUnavailable
 from common.kv.block_copy import BlockCopier
 from common.kv.chunks import dtype_name, torch_dtype
 from common.kv.fence import BlockEpochs
-from common.pb.disagg.v1 import common_pb2, worker_pb2
+from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 DEVICE_UUID_ATTRIBUTE = "cuda_device_uuid"
@@ -63,13 +63,13 @@ def share_cache(kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheS
         ref_counter_offset=ref_counter_offset, event_handle=event_handle or b"",
         event_sync_required=bool(event_sync_required), stride=list(stride), tensor_offset=tensor_offset,
     )
-    return worker_pb2.KvCacheShare(backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC, kv_cache_id=kv_cache_id,
-                                   shape=list(size), dtype=dtype_name(dtype), cuda_ipc=share)
+    return worker_pb2.KvCacheShare(transport="cuda_ipc", kv_cache_id=kv_cache_id, shape=list(size),
+                                   dtype=dtype_name(dtype), payload=share.SerializeToString())
 
 
 def open_cache(share: worker_pb2.KvCacheShare) -> torch.Tensor:
     """The importer's side: the exporter's cache tensor, mapped into this process (no copy)."""
-    ipc = share.cuda_ipc
+    ipc = worker_pb2.CudaIpcShare.FromString(share.payload)
     index = local_index_of(ipc.device_uuid)
     if index is None:
         raise CudaIpcUnavailable(f"the exporter's GPU {ipc.device_uuid} is not visible to this process")

@@ -1,5 +1,5 @@
 """The transport self-check: the first time a decode worker meets an exporter, it pulls a few blocks through
-every backend the exporter offers and this worker can use, logs the GB/s of each, and reports them
+every transport the exporter offers and this worker can use, logs the GB/s of each, and reports them
 (`disagg_kv_probe_gbps{peer,backend}`). A backend that fails here is marked broken for that peer at once,
 with a WARNING that gives the reason and names the backend pulls fall back to, and counted in
 `disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so.
@@ -16,14 +16,10 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 import grpc
-import torch
 from opentelemetry import context as otel_context
 
-from common.kv import gather
 from common.kv.backends import BackendUnavailable
-from common.kv.block_copy import copy_blocks
 from common.kv.fence import EPOCH_ATTRIBUTE
-from common.kv.transfer import layout_of, pull_kv
 from common.pb.disagg.v1 import common_pb2
 from common.telemetry import tracing
 
@@ -90,30 +86,10 @@ class SelfCheck:
             if self.on_result is not None:
                 self.on_result(ref.endpoint, backend, gbps)
 
-    async def _gbps(self, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef, backend: str) -> float:
+    async def _gbps(self, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef, name: str) -> float:
         start = time.perf_counter()
-        if backend == "cuda_ipc":
-            num_bytes = await self._cuda_ipc(channel, probe)
-        elif backend == "nixl":
-            out = await self.puller.read_nixl(channel, probe)
-            num_bytes = out.numel() * out.element_size()
-        else:
-            pulled = await pull_kv(channel, probe, backend=backend,
-                                   allocate=lambda n: gather.pinned_empty(n, self.puller.device), timeout_s=30)
-            await gather.to_device(pulled.export.blocks, self.puller.device)
-            num_bytes = pulled.num_bytes
+        num_bytes = await self.puller.transports[name].probe(self.puller, channel, probe)
         return num_bytes / max(time.perf_counter() - start, 1e-9) / 1e9
-
-    async def _cuda_ipc(self, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
-        mapped = (await self.puller.map_cache(channel, probe)).tensor
-        ids = list(probe.block_ids)
-        scratch = torch.empty(layout_of(probe).block_shape(len(ids)), dtype=mapped.dtype, device=self.puller.device)
-        with torch.cuda.device(mapped.device), torch.cuda.stream(gather.side_stream(mapped.device)):
-            copy_blocks(mapped, ids, scratch, range(len(ids)))
-            event = torch.cuda.Event()
-            event.record()
-        await gather.wait_event(event)
-        return scratch.numel() * scratch.element_size()
 
     async def close(self) -> None:
         for task in self._tasks.values():

@@ -1,10 +1,11 @@
-"""The exporter's side of the KV data plane: which backends a worker offers, and its cache shares.
+"""The exporter's side of the KV data plane: which transports a worker offers, and its cache shares.
 
 One KvCacheExporter per prefill worker, made once its engine has loaded. It names the cache
 allocation (`kv_cache_id`, new on every start), puts the offer into every KvSessionRef's
-attributes, and answers TensorStore.OpenKvCache with a CUDA IPC handle or a NIXL agent's metadata,
-each made once and reused for every importer. Where it offers `cuda_ipc` it also keeps the fence of
-one-sided reads (common.kv.fence): a table of block epochs the engine bumps, named in the attributes.
+attributes, and answers TensorStore.OpenKvCache with the share of the transport asked for (a CUDA IPC
+handle, a NIXL agent's metadata), each made once and reused for every importer. Where it offers a transport
+whose reads are fenced (cuda_ipc) it also keeps the fence of one-sided reads (common.kv.fence): a table of
+block epochs the engine bumps, named in the attributes.
 """
 from __future__ import annotations
 
@@ -15,33 +16,26 @@ from typing import Callable
 
 import torch
 
-from common.kv import cuda_ipc, fence, shm
-from common.kv.backends import (BACKENDS, KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable,
-                                name_of)
-from common.kv.chunks import dtype_name
+from common.kv import cuda_ipc, fence, shm, transport
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable
 from common.kv.layout import KvLayout
 from common.kv.probe import PROBE_BLOCKS
-from common.pb.disagg.v1 import common_pb2, worker_pb2
+from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
 
-def nixl_unavailable_reason() -> str | None:
-    try:
-        from common.kv import nixl_plane
-    except ImportError as exc:
-        return f"NIXL support cannot be imported ({exc})"
-    return nixl_plane.nixl_unavailable_reason()
-
-
-def _unavailable_reason(backend: str, kv_cache: torch.Tensor) -> str | None:
-    if backend == "cuda_ipc":
-        return None if kv_cache.device.type == "cuda" else "the KV cache is in host memory"
-    if backend == "nixl":
-        return nixl_unavailable_reason()
-    if backend == "shm":
-        return None if shm.host_id() else "no /dev/shm or host id here"
-    return None
+def _offerable(allowed: tuple[str, ...], kv_cache: torch.Tensor) -> dict[str, transport.KvTransport]:
+    offered = {}
+    for name in allowed:
+        candidate = transport.create(name)
+        reason = candidate.unavailable_reason(kv_cache.device)
+        if reason is None:
+            offered[name] = candidate
+        elif name != transport.FALLBACK:
+            log.info("KV transfer backend %s not offered: %s", name, reason)
+    offered.setdefault(transport.FALLBACK, transport.create(transport.FALLBACK))
+    return offered
 
 
 class KvCacheExporter:
@@ -49,26 +43,18 @@ class KvCacheExporter:
                  count_reuse: Callable[[fence.BlockEpochs | None], None] | None = None):
         self.kv_cache = kv_cache
         self.kv_cache_id = f"{worker_id or 'kv'}-{uuid.uuid4().hex[:12]}"
-        self.offered: list[str] = []
-        for backend in allowed:
-            reason = _unavailable_reason(backend, kv_cache)
-            if reason is None:
-                self.offered.append(backend)
-            elif backend != "grpc":
-                log.info("KV transfer backend %s not offered: %s", backend, reason)
-        if "grpc" not in self.offered:
-            self.offered.append("grpc")
+        self.transports = _offerable(allowed, kv_cache)
+        self.offered: list[str] = list(self.transports)
         self._attributes = {OFFERED_ATTRIBUTE: ",".join(self.offered), KV_CACHE_ID_ATTRIBUTE: self.kv_cache_id}
         if shm.host_id():
             self._attributes[shm.HOST_ID_ATTRIBUTE] = shm.host_id()
         if kv_cache.device.type == "cuda":
             self._attributes[cuda_ipc.DEVICE_UUID_ATTRIBUTE] = cuda_ipc.device_uuid(kv_cache.device)
-        self._shares: dict[int, worker_pb2.KvCacheShare] = {}
-        self._nixl = None
+        self._shares: dict[str, worker_pb2.KvCacheShare] = {}
         self._probe: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._count_reuse, self.epochs = count_reuse, None
-        if count_reuse is not None and "cuda_ipc" in self.offered:
+        if count_reuse is not None and any(t.fences_reads for t in self.transports.values()):
             self.epochs = fence.BlockEpochs.create(kv_cache.shape[2])
             count_reuse(self.epochs)
             self._attributes[fence.EPOCHS_ATTRIBUTE] = str(self.epochs.path)
@@ -76,25 +62,23 @@ class KvCacheExporter:
 
     @property
     def best_backend(self) -> int:
-        return BACKENDS[self.offered[0]]
+        """The TransferBackend a ref names its best transport by (UNSPECIFIED for one the enum lacks)."""
+        return self.transports[self.offered[0]].number
 
     def attributes(self) -> dict[str, str]:
         """What every KvSessionRef of this worker carries: the offer, the cache id, host and GPU ids."""
         return dict(self._attributes)
 
-    def share(self, backend: int) -> worker_pb2.KvCacheShare:
-        """The cache shared for a one-sided backend (made once); BackendUnavailable with the reason otherwise."""
-        name = name_of(backend)
-        if name not in ("cuda_ipc", "nixl"):
-            raise BackendUnavailable(f"OpenKvCache shares the cache for cuda_ipc or nixl, not {name}")
-        if name not in self.offered:
-            raise BackendUnavailable(f"this worker does not offer {name}: "
-                                     f"{_unavailable_reason(name, self.kv_cache) or 'not in --kv-transfer-backends'}")
+    def share(self, name: str) -> worker_pb2.KvCacheShare:
+        """The cache shared through a one-sided transport (made once); BackendUnavailable with the reason otherwise."""
+        if name not in self.transports:
+            reason = (transport.create(name).unavailable_reason(self.kv_cache.device) if name in transport.names()
+                      else "no such transport")
+            raise BackendUnavailable(f"this worker does not offer {name}: {reason or 'not in --kv-transfer-backends'}")
         with self._lock:
-            if backend not in self._shares:
-                self._shares[backend] = (cuda_ipc.share_cache(self.kv_cache, self.kv_cache_id) if name == "cuda_ipc"
-                                         else self._share_nixl())
-            return self._shares[backend]
+            if name not in self._shares:
+                self._shares[name] = self.transports[name].share(self.kv_cache, self.kv_cache_id)
+            return self._shares[name]
 
     def probe_blocks(self, layout: KvLayout) -> torch.Tensor:
         """Blocks of zeros on the cache's device that importers' self-checks pull (common.kv.probe), made once."""
@@ -104,20 +88,10 @@ class KvCacheExporter:
                                           device=self.kv_cache.device)
             return self._probe
 
-    def _share_nixl(self) -> worker_pb2.KvCacheShare:
-        from common.kv import nixl_plane
-
-        self._nixl = nixl_plane.NixlExporter(self.kv_cache)
-        share = worker_pb2.NixlShare(**self._nixl.info().to_fields())
-        return worker_pb2.KvCacheShare(backend=common_pb2.TRANSFER_BACKEND_NIXL, kv_cache_id=self.kv_cache_id,
-                                       shape=list(self.kv_cache.shape), dtype=dtype_name(self.kv_cache.dtype),
-                                       nixl=share)
-
     def close(self) -> None:
         if self.epochs is not None:
             self._count_reuse(None)  # the engine stops writing the table before it goes
             self.epochs.close()
             self.epochs = None
-        if self._nixl is not None:
-            self._nixl.close()
-            self._nixl = None
+        for one in self.transports.values():
+            one.close()

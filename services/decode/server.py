@@ -28,7 +28,8 @@ from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout, PlacedKv
-from common.kv.backends import BACKENDS, DATA_PLANE, check_kv_transfer
+from common.kv import transport
+from common.kv.backends import DATA_PLANE, check_kv_transfer
 from common.kv.pull import KvPuller
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -267,7 +268,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         span.set_attribute("disagg.kv_pull.bytes", pulled.num_bytes)
         span.set_attribute("disagg.kv_pull.seconds", pulled.seconds)
         span.set_attribute("disagg.kv_pull.backend", pulled.backend)
-        usage.kv_transfer_backend = BACKENDS[pulled.backend]
+        usage.kv_transfer_backend = transport.number_of(pulled.backend)
         usage.kv_transfer_bytes, usage.kv_transfer_ms = pulled.num_bytes, pulled.seconds * 1000
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_kv_pull_bytes_total", backend=pulled.backend).inc(pulled.num_bytes)

@@ -40,7 +40,7 @@ from common.kv.block_copy import copy_blocks  # noqa: E402
 from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
 from common.kv.pull import KvPuller  # noqa: E402
-from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
+from common.kv.transports.nixl import nixl_unavailable_reason  # noqa: E402
 from common.kv.transfer import ChannelCache, layout_of  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, make_model  # noqa: E402
@@ -111,7 +111,7 @@ async def _pull_apart(puller: KvPuller, ref: common_pb2.KvSessionRef, repeats: i
     a fenced read ignores; nothing reuses its blocks meanwhile), and common.kv.direct.import_placed alone on the
     same mapping: what the puller adds, and what a pull right after the exporter's prefill costs beyond that."""
     again, alone = [], []
-    mapped = await puller.map_cache(puller.channels.get(ref.endpoint), ref)
+    mapped = await puller.transports["cuda_ipc"].map_cache(puller.channels.get(ref.endpoint), ref)
     for _ in range(repeats):
         pulled = await puller.pull_and_release(ref, timeout_s=60)
         pulled.export.discard()
@@ -142,7 +142,7 @@ def peer_copies(address: str, num_bytes: int) -> dict:
     and a device→pinned-host copy of the same bytes: what the two kinds of backend could reach."""
     with grpc.insecure_channel(address) as channel:
         share = worker_pb2_grpc.TensorStoreStub(channel).OpenKvCache(
-            worker_pb2.OpenKvCacheRequest(backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC), timeout=30)
+            worker_pb2.OpenKvCacheRequest(transport="cuda_ipc"), timeout=30)
     cache = cuda_ipc.open_cache(share)
     mapped = cache.view(-1).view(torch.uint8)[:num_bytes]
     local = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")

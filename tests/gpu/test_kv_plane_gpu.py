@@ -21,7 +21,7 @@ except RuntimeError as exc:  # the generated code needs a newer grpcio than this
 
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
-from common.kv.sharing import nixl_unavailable_reason  # noqa: E402
+from common.kv.transports.nixl import nixl_unavailable_reason  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
 from common.pb.disagg.v1 import worker_pb2  # noqa: E402
 from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything, check_handoff,  # noqa: E402

@@ -9,7 +9,7 @@ from typing import Iterator, Mapping
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.kv.backends import BACKENDS
+from common.kv import transport
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
 from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, split
@@ -65,7 +65,8 @@ def check_handoff(prefill_client: WorkerClient, decode_client: WorkerClient, ref
     tokens, finished = split(messages)
     assert [prefilled.first_token, *tokens] == expected
     usage = finished.usage
-    assert usage.kv_transfer_backend == BACKENDS[backend], common_pb2.TransferBackend.Name(usage.kv_transfer_backend)
+    assert usage.kv_transfer_backend == transport.number_of(backend), \
+        common_pb2.TransferBackend.Name(usage.kv_transfer_backend)
     assert usage.kv_transfer_bytes == len(prefilled.session.block_ids) * reference.kv_layout.block_bytes()
     assert usage.kv_transfer_ms > 0
     for client in (prefill_client, decode_client):

@@ -10,7 +10,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.kv import shm
-from common.kv.sharing import nixl_unavailable_reason
+from common.kv.transports.nixl import nixl_unavailable_reason
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
 from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
 from tests.integration.observed import scrape, wait_for

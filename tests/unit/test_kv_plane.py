@@ -85,7 +85,7 @@ def test_a_cpu_exporter_offers_no_cuda_ipc_and_says_what_it_offers(engine):
     assert attributes[OFFERED_ATTRIBUTE] == ",".join(exporter.offered)
     assert attributes[KV_CACHE_ID_ATTRIBUTE].startswith("w1-")
     with pytest.raises(BackendUnavailable, match="does not offer cuda_ipc: the KV cache is in host memory"):
-        exporter.share(common_pb2.TRANSFER_BACKEND_CUDA_IPC)
+        exporter.share("cuda_ipc")
 
 
 def _ref(offer: str, **attributes) -> common_pb2.KvSessionRef:

@@ -117,26 +117,33 @@ class DecodeServerMessage(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[_common_pb2.Delta, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
 class OpenKvCacheRequest(_message.Message):
-    __slots__ = ("backend",)
-    BACKEND_FIELD_NUMBER: _ClassVar[int]
-    backend: _common_pb2.TransferBackend
-    def __init__(self, backend: _Optional[_Union[_common_pb2.TransferBackend, str]] = ...) -> None: ...
+    __slots__ = ("transport",)
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    def __init__(self, transport: _Optional[str] = ...) -> None: ...
 
 class KvCacheShare(_message.Message):
-    __slots__ = ("backend", "kv_cache_id", "shape", "dtype", "cuda_ipc", "nixl")
-    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kv_cache_id", "shape", "dtype", "transport", "attributes", "payload")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     KV_CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
-    NIXL_FIELD_NUMBER: _ClassVar[int]
-    backend: _common_pb2.TransferBackend
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     kv_cache_id: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    cuda_ipc: CudaIpcShare
-    nixl: NixlShare
-    def __init__(self, backend: _Optional[_Union[_common_pb2.TransferBackend, str]] = ..., kv_cache_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcShare, _Mapping]] = ..., nixl: _Optional[_Union[NixlShare, _Mapping]] = ...) -> None: ...
+    transport: str
+    attributes: _containers.ScalarMap[str, str]
+    payload: bytes
+    def __init__(self, kv_cache_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., transport: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcShare(_message.Message):
     __slots__ = ("device_uuid", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "stride", "tensor_offset")

@@ -325,8 +325,8 @@ class TensorStoreServicer:
 
     def OpenKvCache(self, request, context):
         """Shares this worker's whole KV cache once with an importer, for one-sided block reads by
-        session block ids: a CUDA IPC handle (same host, GPU) or a NIXL agent's metadata.
-        FAILED_PRECONDITION with the reason when this worker cannot offer the backend asked for.
+        session block ids, through the transport asked for (e.g. a CUDA IPC handle or a NIXL agent's
+        metadata). FAILED_PRECONDITION with the reason when this worker cannot offer that transport.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

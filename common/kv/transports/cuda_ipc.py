@@ -1,0 +1,100 @@
+"""`cuda_ipc`: same host, the exporter's GPU visible here: its whole cache mapped once (common.kv.cuda_ipc) and
+read GPU-side. Where the exporter fences its cache (common.kv.fence) and our pool has room, blocks go straight
+into our engine's blocks (common.kv.direct), the epochs prove the copy and the Release goes out in the background;
+else a gather into a new tensor, confirmed by the Release."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import torch
+
+from common.kv import cuda_ipc, direct, gather, shm
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
+from common.kv.block_copy import BlockCopier, copy_blocks
+from common.kv.fence import EPOCHS_ATTRIBUTE
+from common.kv.transfer import PulledKv, layout_of
+from common.kv.transport import KvTransport
+from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+
+
+class CudaIpcTransport(KvTransport):
+    name = "cuda_ipc"
+    number = common_pb2.TRANSFER_BACKEND_CUDA_IPC
+    fences_reads = True
+
+    def __init__(self) -> None:
+        self._mappings = cuda_ipc.CudaIpcMappings()
+        self._map_lock = asyncio.Lock()
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return None if device.type == "cuda" else "the KV cache is in host memory"
+
+    def applies(self, ref: common_pb2.KvSessionRef) -> bool:
+        uuid = ref.attributes.get(cuda_ipc.DEVICE_UUID_ATTRIBUTE, "")
+        return shm.same_host(ref.attributes) and cuda_ipc.local_index_of(uuid) is not None
+
+    def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
+        return cuda_ipc.share_cache(kv_cache, kv_cache_id)
+
+    async def map_cache(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> cuda_ipc.MappedCache:
+        cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")
+        mapped = self._mappings.get(ref.endpoint, cache_id)
+        if mapped is None:
+            async with self._map_lock:  # the self-check and the first pull arrive together
+                mapped = self._mappings.get(ref.endpoint, cache_id)
+                if mapped is None:
+                    share = await open_share(channel, ref, self.name)
+                    mapped = await asyncio.to_thread(self._mappings.put, ref.endpoint, share,
+                                                     ref.attributes.get(EPOCHS_ATTRIBUTE, ""))
+        check_block_ids(ref, mapped.tensor.shape[2])
+        return mapped
+
+    async def pull(self, puller, channel, ref, timeout_s):
+        mapped = await self.map_cache(channel, ref)
+        if mapped.epochs is not None and direct.fence_of(ref) is not None and direct.can_place(mapped.tensor,
+                                                                                                 puller.blocks):
+            pulled = await self._placed(puller, channel, ref, mapped, timeout_s)
+            if pulled is not None:
+                return pulled
+
+        async def read(_channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
+            return await gather.gather_on_device(mapped.tensor, list(ref.block_ids), puller.device)
+        return await read_one_sided(channel, ref, self.name, read, timeout_s)
+
+    async def _placed(self, puller, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+                      mapped: cuda_ipc.MappedCache, timeout_s: float | None) -> PulledKv | None:
+        start, sent = time.perf_counter(), []
+
+        def copied() -> None:
+            sent.append(puller.release_later(channel, ref))
+        if mapped.copier is None:
+            mapped.copier = BlockCopier(mapped.tensor, puller.blocks.cache)
+        try:
+            placed = await asyncio.wait_for(direct.import_placed(
+                mapped.copier, mapped.epochs, ref, layout_of(ref), puller.blocks, copied), timeout_s)
+        except BaseException:
+            if not sent:
+                puller.release_later(channel, ref)
+            raise
+        if placed is None:  # no room in the pool now: nothing was copied or released
+            return None
+        seconds = time.perf_counter() - start
+        num_bytes = len(ref.block_ids) * layout_of(ref).block_bytes()
+        return PulledKv(placed, num_bytes, seconds, self.name, seconds)
+
+    async def probe(self, puller, channel, probe):
+        mapped = (await self.map_cache(channel, probe)).tensor
+        ids = list(probe.block_ids)
+        scratch = torch.empty(layout_of(probe).block_shape(len(ids)), dtype=mapped.dtype, device=puller.device)
+        with torch.cuda.device(mapped.device), torch.cuda.stream(gather.side_stream(mapped.device)):
+            copy_blocks(mapped, ids, scratch, range(len(ids)))
+            event = torch.cuda.Event()
+            event.record()
+        await gather.wait_event(event)
+        return scratch.numel() * scratch.element_size()
+
+    def close(self) -> None:
+        self._mappings.close()

@@ -1,0 +1,92 @@
+"""`nixl`: one-sided reads by descriptor from a NIXL agent that registered the exporter's whole cache
+(common.kv.nixl_plane): any host NIXL reaches, the cross-host fast path on RDMA fabrics."""
+from __future__ import annotations
+
+import grpc
+import torch
+
+from common.errors import Unavailable
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
+from common.kv.chunks import dtype_name, torch_dtype
+from common.kv.transfer import layout_of
+from common.kv.transport import KvTransport
+from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
+from common.pb.disagg.v1 import common_pb2, worker_pb2
+
+
+def nixl_unavailable_reason() -> str | None:
+    try:
+        from common.kv import nixl_plane
+    except ImportError as exc:
+        return f"NIXL support cannot be imported ({exc})"
+    return nixl_plane.nixl_unavailable_reason()
+
+
+class NixlTransport(KvTransport):
+    name = "nixl"
+    number = common_pb2.TRANSFER_BACKEND_NIXL
+
+    def __init__(self) -> None:
+        self._exporter = None  # the exporter's agent, made on the first share
+        self._importer = None  # the importer's agent, made on the first read
+        self._peers: dict[str, tuple[str, object]] = {}  # endpoint → (kv_cache_id, NixlCacheInfo)
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return nixl_unavailable_reason()
+
+    def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
+        from common.kv import nixl_plane
+
+        self._exporter = nixl_plane.NixlExporter(kv_cache)
+        payload = worker_pb2.NixlShare(**self._exporter.info().to_fields()).SerializeToString()
+        return worker_pb2.KvCacheShare(transport=self.name, kv_cache_id=kv_cache_id, shape=list(kv_cache.shape),
+                                       dtype=dtype_name(kv_cache.dtype), payload=payload)
+
+    async def pull(self, puller, channel, ref, timeout_s):
+        return await read_one_sided(channel, ref, self.name, lambda c, r: self.read(puller.device, c, r), timeout_s)
+
+    async def probe(self, puller, channel, probe):
+        out = await self.read(puller.device, channel, probe)
+        return out.numel() * out.element_size()
+
+    async def read(self, device: torch.device, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
+        from common.kv import nixl_plane
+
+        info = await self._peer(channel, ref)
+        check_block_ids(ref, info.num_blocks)
+        out = torch.empty(layout_of(ref).block_shape(len(ref.block_ids)), dtype=torch_dtype(ref.dtype), device=device)
+        try:
+            await self._agent().read_blocks_async(info, list(ref.block_ids), out)
+        except nixl_plane.TransferFailed as exc:
+            self._peers.pop(ref.endpoint, None)
+            raise Unavailable(f"NIXL read of KV session {ref.session_id} from {ref.endpoint} failed: {exc}") from None
+        return out
+
+    async def _peer(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef):
+        """The exporter's registered cache, opened again when its cache changed (a restarted worker)."""
+        from common.kv import nixl_plane
+
+        cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")
+        known = self._peers.get(ref.endpoint)
+        if known is None or known[0] != cache_id:
+            share = await open_share(channel, ref, self.name)
+            fields = worker_pb2.NixlShare.FromString(share.payload)
+            info = nixl_plane.NixlCacheInfo.from_fields({f.name: getattr(fields, f.name)
+                                                         for f in fields.DESCRIPTOR.fields})
+            if known is not None:
+                self._agent().forget_peer(known[1].agent_name)
+            self._peers[ref.endpoint] = known = (cache_id, info)
+        return known[1]
+
+    def _agent(self):
+        if self._importer is None:
+            from common.kv import nixl_plane
+
+            self._importer = nixl_plane.NixlImporter()
+        return self._importer
+
+    def close(self) -> None:
+        for agent in (self._exporter, self._importer):
+            if agent is not None:
+                agent.close()
+        self._exporter = self._importer = None

@@ -1,0 +1,74 @@
+"""What one-sided transports share: the exporter's cache opened through TensorStore.OpenKvCache, checked
+against the session before any byte moves, and a read that counts only if the Release then says the session
+held its blocks throughout."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+import grpc
+import torch
+
+from common.errors import LayoutMismatch, NotFound, Unavailable
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, BackendUnavailable
+from common.kv.layout import KvExport
+from common.kv.transfer import PulledKv, layout_of, release_quietly, release_session
+from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+
+async def open_share(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str) -> worker_pb2.KvCacheShare:
+    request = worker_pb2.OpenKvCacheRequest(transport=name)
+    try:
+        share = await worker_pb2_grpc.TensorStoreStub(channel).OpenKvCache(request, timeout=10.0)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+            raise BackendUnavailable(f"the exporter refused to share its cache: {exc.details()}") from None
+        raise
+    check_share(share, ref)
+    return share
+
+
+async def read_one_sided(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
+                         read: Callable[[grpc.aio.Channel, common_pb2.KvSessionRef], Awaitable[torch.Tensor]],
+                         timeout_s: float | None) -> PulledKv:
+    start = time.perf_counter()
+    try:
+        blocks = await asyncio.wait_for(read(channel, ref), timeout_s)
+        read_s = time.perf_counter() - start
+    except BackendUnavailable:
+        raise
+    except BaseException:
+        await asyncio.shield(release_quietly(channel, ref.session_id))
+        raise
+    try:  # the read is only good if the session still held its blocks when it ended
+        release = await asyncio.shield(release_session(channel, ref.session_id))
+    except grpc.aio.AioRpcError as exc:
+        raise Unavailable(f"KV session {ref.session_id} at {ref.endpoint} was read through {name}, but its "
+                          f"release failed ({exc.code().name}: {exc.details()}); the read cannot be trusted")
+    if not release.released:  # read blocks are not the session's: never use them
+        raise NotFound(f"KV session {ref.session_id} at {ref.endpoint} was not held through the {name} read: "
+                       f"{release.reason or 'expired or released'}")
+    export = KvExport(layout_of(ref), ref.num_tokens, blocks)
+    export.validate()
+    return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, name, read_s)
+
+
+def check_share(share: worker_pb2.KvCacheShare, ref: common_pb2.KvSessionRef) -> None:
+    """Refuse a cache whose layout is not the session's, before any byte moves."""
+    layout = layout_of(ref)
+    want = list(layout.block_shape(0))
+    got = list(share.shape)
+    if len(got) != 6 or got[:2] + got[3:] != want[:2] + want[3:] or share.dtype != ref.dtype:
+        raise LayoutMismatch(f"the exporter's shared KV cache {got} {share.dtype} does not hold the session's layout "
+                             f"{want[:2]}+[blocks]+{want[3:]} {ref.dtype}")
+    if share.kv_cache_id != ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, share.kv_cache_id):
+        raise NotFound(f"KV session {ref.session_id} belongs to cache {ref.attributes[KV_CACHE_ID_ATTRIBUTE]}, but "
+                       f"{ref.endpoint} now holds cache {share.kv_cache_id} (the worker restarted)")
+
+
+def check_block_ids(ref: common_pb2.KvSessionRef, num_blocks: int) -> None:
+    bad = [b for b in ref.block_ids if b >= num_blocks]
+    if bad:
+        raise LayoutMismatch(f"KV session {ref.session_id} names blocks {bad[:8]} outside the exporter's "
+                             f"{num_blocks} blocks")

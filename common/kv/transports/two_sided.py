@@ -1,0 +1,41 @@
+"""Pulls through the exporter's TensorStore.Pull (grpc chunks, or its bytes written into our /dev/shm file):
+the exporter reads its own blocks, so the session is released once they have arrived."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import grpc
+
+from common.kv import gather
+from common.kv.backends import BackendUnavailable
+from common.kv.layout import KvExport
+from common.kv.transfer import PulledKv, pull_kv, release_quietly
+from common.pb.disagg.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
+
+
+async def pull_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
+                         timeout_s: float | None) -> PulledKv:
+    try:
+        pulled = await pull_kv(channel, ref, timeout_s=timeout_s, backend=name,
+                               allocate=lambda n: gather.pinned_empty(n, puller.device))
+        blocks = await gather.to_device(pulled.export.blocks, puller.device)
+    except BackendUnavailable:
+        raise  # the session stays pinned for the next transport
+    except BaseException:
+        await asyncio.shield(release_quietly(channel, ref.session_id))
+        raise
+    await asyncio.shield(release_quietly(channel, ref.session_id))
+    export = KvExport(pulled.export.layout, pulled.export.num_tokens, blocks)
+    return PulledKv(export, pulled.num_bytes, pulled.seconds, name)
+
+
+async def probe_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef,
+                          name: str) -> int:
+    pulled = await pull_kv(channel, probe, backend=name, allocate=lambda n: gather.pinned_empty(n, puller.device),
+                           timeout_s=30)
+    await gather.to_device(pulled.export.blocks, puller.device)
+    return pulled.num_bytes
