@@ -27,6 +27,7 @@ import torch
 from common.kv.block_hash import ROOT_HASH, hash_block
 from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.interface import EngineFacts, EngineLoad, KvBlocks
+from common.engine.models.contract import head_dim_of
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams, TokenLogprob
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
@@ -253,7 +254,7 @@ class TrtLlmEngine:
         kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
         kwargs["cache_transceiver_config"] = CacheTransceiverConfig(**kwargs["cache_transceiver_config"])
         layout = KvLayout(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads,
-                          head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+                          head_dim=head_dim_of(text),
                           block_size=config.block_size, dtype=config.dtype,
                           # never equal to a torch engine's: the two caches are not interchangeable
                           fingerprint="trtllm-" + model_fingerprint(hf_config, config.dtype))
