@@ -74,7 +74,9 @@ def add_consul_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--consul-deregister-after", default="30s",
                    help="Consul removes a service whose check stays critical this long")
     g.add_argument("--consul-check-interval", default="2s",
-                   help="how often the agent runs this service's GRPC health check (also its timeout)")
+                   help="how often the agent runs this service's GRPC health check")
+    g.add_argument("--consul-check-timeout", default=None,
+                   help="how long one check may take before it counts as failed (default: the interval)")
 
 
 def consul_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> ConsulSettings | None:
@@ -84,7 +86,7 @@ def consul_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.envir
         return None
     return ConsulSettings(address=args.consul_addr, token=args.consul_token,
                           deregister_after=args.consul_deregister_after, check_interval=args.consul_check_interval,
-                          check_timeout=args.consul_check_interval)
+                          check_timeout=args.consul_check_timeout or args.consul_check_interval)
 
 
 @dataclass

@@ -39,8 +39,10 @@ def consul_double() -> Iterator[ConsulDouble]:
 
 
 def _consul_args(double: ConsulDouble) -> tuple[str, ...]:
-    # deregister-after is long: a worker that leaves quickly must have deregistered itself
-    return ("--consul-addr", double.address, "--consul-check-interval", "0.3s", "--consul-deregister-after", "60s")
+    # deregister-after is long: a worker that leaves quickly must have deregistered itself. The timeout is longer
+    # than the interval: a check that takes 0.3 s on a loaded machine is not a worker that is down.
+    return ("--consul-addr", double.address, "--consul-check-interval", "0.3s", "--consul-check-timeout", "3s",
+            "--consul-deregister-after", "60s")
 
 
 def _worker(role: str, model: str, double: ConsulDouble) -> tuple[str, tuple[str, ...]]:
@@ -88,7 +90,8 @@ def test_workers_come_and_go_without_a_router_restart(text_model, consul_double,
         assert decode_entry["Meta"]["block_size"] == "16" and len(decode_entry["Meta"]["fingerprint"]) >= 8
         assert decode_entry["Meta"]["metrics_port"] == str(metrics_port(decode1))
         check = next(c for c in double.checks.values() if c.service_id == decode_entry["ID"])
-        assert (check.grpc_target, check.interval_s, check.deregister_after_s) == (decode1.address, 0.3, 60.0)
+        assert (check.grpc_target, check.interval_s, check.timeout_s, check.deregister_after_s) == (
+            decode1.address, 0.3, 3.0, 60.0)
         # The router found them through blocking queries on the passing health endpoint.
         queries = [q for method, path, q in double.requests if path == "/v1/health/service/disagg-decode"]
         assert any("passing" in q and "index=" in q and "wait=" in q for q in queries), queries
