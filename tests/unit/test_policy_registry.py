@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
+import sys
 from typing import ClassVar
 
 import grpc
@@ -18,6 +21,7 @@ from services.router.orchestrator import Orchestrator
 from services.router.server import worker_pool
 from services.router.workers import WorkerClient
 from services.up import parse_args
+from tests.integration.processes import REPO_ROOT
 
 
 class LastByEndpoint:
@@ -105,3 +109,10 @@ def test_the_prefill_placement_counts_what_the_policy_predicts_as_cached():
 
     assert asyncio.run(remote(12)) is False  # 4 uncached after the 8 the policy says decode holds
     assert asyncio.run(remote(13)) is True
+
+
+def test_a_router_process_takes_a_policy_from_a_module_named_in_the_environment():
+    env = {**os.environ, policies.MODULES_ENV: "tests.unit.test_policy_registry"}
+    result = subprocess.run([sys.executable, "-m", "services.router", "--help"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert "last_by_endpoint" in result.stdout, result.stdout + result.stderr

@@ -2,11 +2,13 @@
 
 The registry holds names and import paths only, so `--policy`'s choices (config.py, `disagg up`) load nothing
 but this module; a policy's module is imported when the router builds it. A new policy is its module and one
-`register` line (or a `register` call from the code that uses it, as the tests do).
+`register` line here; a policy kept outside the project is a module that calls `register`, named in
+DISAGG_ROUTER_POLICY_MODULES (comma separated), which the router and `disagg up` import before reading the names.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, Union
 
@@ -42,7 +44,10 @@ class PolicyFactory(Protocol):
         """The policy that picks workers of `role` (a policy may hand roles it does not route to another)."""
 
 
+MODULES_ENV = "DISAGG_ROUTER_POLICY_MODULES"
+
 _REGISTRY: dict[str, Union[str, type]] = {}
+_imported_modules: set[str] = set()
 
 
 def register(name: str, factory: Union[str, type]) -> None:
@@ -51,10 +56,12 @@ def register(name: str, factory: Union[str, type]) -> None:
 
 
 def names() -> tuple[str, ...]:
+    _import_listed_modules()
     return tuple(_REGISTRY)
 
 
 def factory_of(name: str) -> PolicyFactory:
+    _import_listed_modules()
     target = _REGISTRY.get(name)
     if target is None:
         raise KeyError(f"unknown policy {name!r}; registered: {list(_REGISTRY)}")
@@ -62,6 +69,13 @@ def factory_of(name: str) -> PolicyFactory:
         module, _, attr = target.partition(":")
         target = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
     return target
+
+
+def _import_listed_modules() -> None:
+    for module in os.environ.get(MODULES_ENV, "").split(","):
+        if module.strip() and module.strip() not in _imported_modules:
+            _imported_modules.add(module.strip())
+            importlib.import_module(module.strip())
 
 
 def build(name: str, role: "Role", context: PolicyContext) -> Policy:
