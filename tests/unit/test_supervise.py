@@ -89,3 +89,13 @@ def test_a_child_that_dies_while_starting_is_one_line_not_an_rpc_error():
         assert str(failure.value) == "demo exited with code 1; its last output: disagg-demo serving on 127.0.0.1:1"
     finally:
         stop_all([child])
+
+
+def test_stop_all_lets_the_router_drain_before_the_workers_stop(monkeypatch):
+    import services.supervise as supervise
+
+    waves = []
+    monkeypatch.setattr(supervise, "_stop_together", lambda children, grace_s: waves.append([c.name for c in children]))
+    stop_all([Child(name, f"services.{name.split('-')[0]}", []) for name in ("router", "prefill-0", "decode-0")])
+    # a stream the router is draining still finds a decode worker that takes it
+    assert waves == [["router"], ["prefill-0", "decode-0"]]
