@@ -12,17 +12,15 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Mapping, Sequence, TypeVar
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.engine.interface import EngineFacts, EngineLoad, KvBlocks, KvImport
+from common.engine.interface import EngineFacts, EngineLoad, KvBlocks
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
-from common.errors import FailedPrecondition
-from common.kv.backends import DATA_PLANE
 from common.kv.events import Subscriber
 from common.kv.layout import KvExport
 from common.kv.session import KvSession
@@ -141,10 +139,6 @@ class AsyncLLMEngine:
         """None of its own: the KV data plane moves this engine's KV, and its exporter names the session's backends."""
         await self.call(lambda e: e.sessions.get(session_id))
         return {}
-
-    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> KvImport:
-        raise FailedPrecondition(f"the torch engine imports KV pulled over the KV data plane ({DATA_PLANE}), not an "
-                                 "engine's own handoff from session attributes")
 
     async def kv_cache(self) -> torch.Tensor:
         return await self.call(lambda e: e.kv_cache)

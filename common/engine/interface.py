@@ -7,10 +7,10 @@ are TensorRT-LLM's: context_only (prefill: the prompt's KV stays pinned under a 
 (decode: from imported KV and the first token) and context_and_generation (aggregated).
 
 How a context's KV reaches the generation side is an engine fact (`EngineFacts.kv_transfer`):
-- DATA_PLANE (our engine): the engine exposes its paged cache (`kv_cache`) and pins a session's blocks
+- DATA_PLANE (our engine, a `KvSessionHost`): the engine exposes its paged cache (`kv_cache`) and pins a session's blocks
   (`lease_session` / `end_lease`); our TensorStore serves them and the decode side pulls them (KvPuller) into
   a KvExport, its `kv_import`.
-- an engine's own transfer ("trtllm": TensorRT-LLM's cache transceiver, TRANSFER_BACKEND_TRTLLM): the context
+- an engine's own transfer (an `OwnKvTransfer`; "trtllm": TensorRT-LLM's cache transceiver): the context
   side's `session_attributes` go into the KvSessionRef (its DisaggregatedParams), and the generation side turns
   them back into its `kv_import` with `kv_import_from_attributes`; the engine moves the bytes itself.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -111,11 +111,6 @@ class Engine(Protocol):
     async def session(self, session_id: str) -> KvSession:
         """A copy of a pinned session; NotFound / SessionExpired otherwise."""
 
-    async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
-        """Start an export: the blocks stay pinned (through a release or the TTL) until end_lease."""
-
-    async def end_lease(self, session_id: str) -> None: ...
-
     async def release_session(self, session_id: str) -> bool:
         """Free a session's blocks; False when it was unknown, expired or already released."""
 
@@ -128,17 +123,6 @@ class Engine(Protocol):
         as KvSessionRef.attributes (TensorRT-LLM: "trtllm.*", its DisaggregatedParams); {} on DATA_PLANE, where
         the KV data plane's exporter adds its own. NotFound / SessionExpired as `session`."""
 
-    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> KvImport:
-        """Generation side: a KvSessionRef's attributes → generate()'s kv_import for generation_only, for an
-        engine that moves KV itself (TensorRT-LLM: the context's DisaggregatedParams); InvalidRequest when they
-        are malformed. A DATA_PLANE engine raises FailedPrecondition: its kv_import is KV pulled by KvPuller."""
-
-    async def kv_cache(self) -> torch.Tensor:
-        """DATA_PLANE only: the paged cache [layers, 2, blocks, block_size, kv_heads, head_dim], for TensorStore."""
-
-    async def kv_blocks(self) -> KvBlocks:
-        """DATA_PLANE only: the cache and its pool (KvBlocks); BackendUnavailable on an engine that moves KV itself."""
-
     # --- KV events, for KV-aware routing ---
 
     async def subscribe_kv_events(self, loop: asyncio.AbstractEventLoop) -> Any | None:
@@ -147,3 +131,31 @@ class Engine(Protocol):
     def unsubscribe_kv_events(self, subscriber: Any) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class KvSessionHost(Protocol):
+    """An engine whose sessions' KV our KV data plane moves (DATA_PLANE: ours): it pins a session's blocks while
+    an export reads them and exposes its paged cache. Services ask `isinstance(engine, KvSessionHost)`."""
+
+    async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
+        """Start an export: the blocks stay pinned (through a release or the TTL) until end_lease."""
+
+    async def end_lease(self, session_id: str) -> None: ...
+
+    async def kv_cache(self) -> torch.Tensor:
+        """The paged cache [layers, 2, blocks, block_size, kv_heads, head_dim], for TensorStore."""
+
+    async def kv_blocks(self) -> KvBlocks:
+        """The cache and its pool (KvBlocks)."""
+
+
+@runtime_checkable
+class OwnKvTransfer(Protocol):
+    """An engine that moves KV itself (TensorRT-LLM's cache transceiver): its generation side rebuilds a
+    kv_import from the context side's session attributes."""
+
+    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> KvImport:
+        """Generation side: a KvSessionRef's attributes → generate()'s kv_import for generation_only, for an
+        engine that moves KV itself (TensorRT-LLM: the context's DisaggregatedParams); InvalidRequest when they
+        are malformed."""

@@ -8,8 +8,8 @@ pure mappings below are tested (against a recorded signature list, tests/unit/tr
   context's DisaggregatedParams (first_gen_tokens, ctx_request_id, opaque_state, ...) become the
   session's `KvSessionRef.attributes` ("trtllm.*", opaque_state base64), with TRANSFER_BACKEND_TRTLLM.
 - generation_only takes those attributes back (`kv_import_from_attributes` → `TrtLlmHandoff`, as `kv_import`):
-  the transceiver moves the KV (EngineFacts.kv_transfer "trtllm"), so our data plane (kv_cache,
-  lease/end_lease) has nothing to do.
+  the transceiver moves the KV (EngineFacts.kv_transfer "trtllm"): it is an `OwnKvTransfer`, not a
+  `KvSessionHost` (it has no kv_cache or leases for our data plane).
 - Its KV cache events are re-keyed to our chained block hashes (common.kv.block_hash), so the
   router's KV index works unchanged.
 """
@@ -20,26 +20,23 @@ import base64
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Mapping
 
 import torch
 
 from common.kv.block_hash import ROOT_HASH, hash_block
 from common.engine.config import EngineConfig, resolve_max_model_len
-from common.engine.interface import EngineFacts, EngineLoad, KvBlocks
+from common.engine.interface import EngineFacts, EngineLoad
 from common.engine.models.contract import head_dim_of
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams, TokenLogprob
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
-from common.kv.backends import BackendUnavailable
 from common.kv.events import EventBody, KvEventLog, Subscriber
 from common.kv.layout import KvExport, KvLayout, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
 
 NOT_INSTALLED = "TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's TensorRT-LLM image"
 KV_TRANSFER = "trtllm"  # EngineFacts.kv_transfer: TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)
-NO_DATA_PLANE = ("--engine trtllm moves KV with TensorRT-LLM's own cache transceiver (TRANSFER_BACKEND_TRTLLM); it "
-                 "exposes no cache to our KV data plane")
 ATTRIBUTE_PREFIX = "trtllm."
 OPAQUE_STATE = ATTRIBUTE_PREFIX + "opaque_state"
 EVENT_BUFFER_MAX_SIZE = 1024
@@ -354,13 +351,6 @@ class TrtLlmEngine:
         """generation_only's DisaggregatedParams, from the ref a context_only worker made (session_attributes)."""
         return TrtLlmHandoff.from_attributes(attributes)
 
-    async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
-        self._get(session_id)  # the transceiver moves the KV: there are no blocks of ours to pin
-        return []
-
-    async def end_lease(self, session_id: str) -> None:
-        return None
-
     async def release_session(self, session_id: str) -> bool:
         """Forget the handoff. The LLM API has no call to free a finished context's KV: TensorRT-LLM frees it
         once transferred or after kv_transfer_timeout_ms (set to our session TTL)."""
@@ -391,12 +381,6 @@ class TrtLlmEngine:
 
     async def abort_all(self) -> int:
         return sum([await self.abort(request_id) for request_id in list(self._running)])
-
-    async def kv_cache(self) -> torch.Tensor:
-        raise BackendUnavailable(NO_DATA_PLANE)
-
-    async def kv_blocks(self) -> KvBlocks:
-        raise BackendUnavailable(NO_DATA_PLANE)
 
     # --- KV events ---
 
