@@ -1,4 +1,5 @@
-"""KV transfer backends: their names, the order we prefer them in, and the session-ref attributes
+"""KV transfer backends (the transports of common.kv.transport, by name): the flag that narrows them, the
+TransferBackend numbers of the built-in ones (torch-free, for the router), and the session-ref attributes
 through which an exporter offers them and an importer picks one.
 
 Best first: `cuda_ipc` (same host, GPU memory read GPU-side), `shm` (same host, through /dev/shm),

@@ -1,0 +1,75 @@
+"""The KV transport registry: built-ins by name, loaded only when used; a transport from outside the core
+(tests/integration/fake_kv_transport.py) registered, offered by the exporter with its generic share, and
+negotiated by the importer; a module named in DISAGG_KV_TRANSPORT_MODULES registered before the first lookup."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import InvalidConfig
+from common.kv import transport
+from common.kv.backends import OFFERED_ATTRIBUTE, parse_backends
+from common.kv.pull import KvPuller
+from common.kv.sharing import KvCacheExporter
+from common.kv.transfer import ChannelCache
+from common.pb.disagg.v1 import common_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_MODULE = "tests.integration.fake_kv_transport"
+
+
+@pytest.fixture
+def fake():
+    """The fake registered (importing it registers it) for one test only."""
+    module = importlib.import_module(FAKE_MODULE)
+    transport.register(module.FakeTransport)
+    try:
+        yield module
+    finally:
+        transport.unregister(module.NAME)
+
+
+def test_the_built_in_transports_come_best_first_with_grpc_last():
+    assert transport.names() == ("cuda_ipc", "shm", "nixl", "grpc")
+    assert [transport.number_of(n) for n in transport.names()] == [
+        common_pb2.TRANSFER_BACKEND_CUDA_IPC, common_pb2.TRANSFER_BACKEND_SHM, common_pb2.TRANSFER_BACKEND_NIXL,
+        common_pb2.TRANSFER_BACKEND_GRPC]
+
+
+def test_an_unknown_transport_is_refused_with_the_known_ones_and_built_ins_stay():
+    with pytest.raises(InvalidConfig, match=r"unknown KV transport 'rdma'; known: \['cuda_ipc'"):
+        transport.create("rdma")
+    with pytest.raises(InvalidConfig, match="built-in"):
+        transport.unregister("grpc")
+
+
+def test_a_registered_transport_is_offered_with_its_generic_share_and_negotiated(fake):
+    chunk_bytes, fake = fake.CHUNK_BYTES, fake.NAME
+    assert parse_backends(f"{fake},grpc") == (fake, "grpc")
+    exporter = KvCacheExporter(torch.zeros(2, 2, 8, 4, 1, 4), parse_backends(f"{fake},grpc"), "w1")
+    assert exporter.offered == [fake, "grpc"]
+    assert exporter.best_backend == common_pb2.TRANSFER_BACKEND_UNSPECIFIED
+    share = exporter.share(fake)
+    assert (share.transport, dict(share.attributes), share.kv_cache_id) == \
+        (fake, {"chunk_bytes": str(chunk_bytes)}, exporter.kv_cache_id)
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"), self_check=False)
+    ref = common_pb2.KvSessionRef(session_id="s", endpoint="127.0.0.1:1", attributes=exporter.attributes())
+    assert ref.attributes[OFFERED_ATTRIBUTE] == f"{fake},grpc"
+    assert puller.candidates(ref) == [fake, "grpc"]
+
+
+def test_transport_modules_are_imported_from_the_environment_and_built_ins_only_when_used():
+    script = ("import json, sys; from common.kv import transport; names = transport.names(); "
+              "print(json.dumps([names, 'common.kv.transports.nixl' in sys.modules]))")
+    env = {**os.environ, transport.MODULES_ENV: FAKE_MODULE}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    names, nixl_loaded = json.loads(result.stdout)
+    assert names == ["cuda_ipc", "shm", "nixl", "fake", "grpc"]
+    assert not nixl_loaded
