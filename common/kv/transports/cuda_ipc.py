@@ -4,8 +4,10 @@ into our engine's blocks (common.kv.direct), the epochs prove the copy and the R
 else a gather into a new tensor, confirmed by the Release."""
 from __future__ import annotations
 
+
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -18,6 +20,9 @@ from common.kv.transfer import PulledKv, layout_of
 from common.kv.transport import KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
 from common.pb.disagg.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
 
 
 class CudaIpcTransport(KvTransport):
@@ -52,7 +57,8 @@ class CudaIpcTransport(KvTransport):
         check_block_ids(ref, mapped.tensor.shape[2])
         return mapped
 
-    async def pull(self, puller, channel, ref, timeout_s):
+    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+                   timeout_s: float | None) -> PulledKv:
         mapped = await self.map_cache(channel, ref)
         if mapped.epochs is not None and direct.fence_of(ref) is not None and direct.can_place(mapped.tensor,
                                                                                                  puller.blocks):
@@ -64,7 +70,7 @@ class CudaIpcTransport(KvTransport):
             return await gather.gather_on_device(mapped.tensor, list(ref.block_ids), puller.device)
         return await read_one_sided(channel, ref, self.name, read, timeout_s)
 
-    async def _placed(self, puller, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+    async def _placed(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                       mapped: cuda_ipc.MappedCache, timeout_s: float | None) -> PulledKv | None:
         start, sent = time.perf_counter(), []
 
@@ -85,7 +91,7 @@ class CudaIpcTransport(KvTransport):
         num_bytes = len(ref.block_ids) * layout_of(ref).block_bytes()
         return PulledKv(placed, num_bytes, seconds, self.name, seconds)
 
-    async def probe(self, puller, channel, probe):
+    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         mapped = (await self.map_cache(channel, probe)).tensor
         ids = list(probe.block_ids)
         scratch = torch.empty(layout_of(probe).block_shape(len(ids)), dtype=mapped.dtype, device=puller.device)

@@ -1,17 +1,26 @@
 """`grpc`: TensorStore.Pull chunks. Any host, always works: the last resort of every negotiation."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import grpc
+
+from common.kv.transfer import PulledKv
 from common.kv.transport import KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
 from common.pb.disagg.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
 
 
 class GrpcTransport(KvTransport):
     name = "grpc"
     number = common_pb2.TRANSFER_BACKEND_GRPC
 
-    async def pull(self, puller, channel, ref, timeout_s):
+    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+                   timeout_s: float | None) -> PulledKv:
         return await pull_two_sided(puller, channel, ref, self.name, timeout_s)
 
-    async def probe(self, puller, channel, probe):
+    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         return await probe_two_sided(puller, channel, probe, self.name)

@@ -2,16 +2,21 @@
 (common.kv.nixl_plane): any host NIXL reaches, the cross-host fast path on RDMA fabrics."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 import torch
 
 from common.errors import Unavailable
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.chunks import dtype_name, torch_dtype
-from common.kv.transfer import layout_of
+from common.kv.transfer import PulledKv, layout_of
 from common.kv.transport import KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
 from common.pb.disagg.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
 
 
 def nixl_unavailable_reason() -> str | None:
@@ -42,10 +47,11 @@ class NixlTransport(KvTransport):
         return worker_pb2.KvCacheShare(transport=self.name, kv_cache_id=kv_cache_id, shape=list(kv_cache.shape),
                                        dtype=dtype_name(kv_cache.dtype), payload=payload)
 
-    async def pull(self, puller, channel, ref, timeout_s):
+    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+                   timeout_s: float | None) -> PulledKv:
         return await read_one_sided(channel, ref, self.name, lambda c, r: self.read(puller.device, c, r), timeout_s)
 
-    async def probe(self, puller, channel, probe):
+    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         out = await self.read(puller.device, channel, probe)
         return out.numel() * out.element_size()
 

@@ -1,24 +1,34 @@
 """`shm`: same host; the exporter writes the session's bytes into the importer's /dev/shm file (common.kv.shm)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
 from common.kv import shm
+from common.kv.transfer import PulledKv
 from common.kv.transport import KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
 from common.pb.disagg.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
 
 
 class ShmTransport(KvTransport):
     name = "shm"
     number = common_pb2.TRANSFER_BACKEND_SHM
 
-    def unavailable_reason(self, device):
+    def unavailable_reason(self, device: torch.device) -> str | None:
         return None if shm.host_id() else "no /dev/shm or host id here"
 
-    def applies(self, ref):
+    def applies(self, ref: common_pb2.KvSessionRef) -> bool:
         return shm.same_host(ref.attributes)
 
-    async def pull(self, puller, channel, ref, timeout_s):
+    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+                   timeout_s: float | None) -> PulledKv:
         return await pull_two_sided(puller, channel, ref, self.name, timeout_s)
 
-    async def probe(self, puller, channel, probe):
+    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         return await probe_two_sided(puller, channel, probe, self.name)
