@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, Union
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from common.errors import InvalidConfig
 
 if TYPE_CHECKING:
     from common.discovery import Role
@@ -46,11 +48,11 @@ class PolicyFactory(Protocol):
 
 MODULES_ENV = "DISAGG_ROUTER_POLICY_MODULES"
 
-_REGISTRY: dict[str, Union[str, type]] = {}
+_REGISTRY: dict[str, str | type] = {}
 _imported_modules: set[str] = set()
 
 
-def register(name: str, factory: Union[str, type]) -> None:
+def register(name: str, factory: str | type) -> None:
     """`factory` is a PolicyFactory, or "module:Class" naming one (imported when the policy is first built)."""
     _REGISTRY[name] = factory
 
@@ -64,7 +66,7 @@ def factory_of(name: str) -> PolicyFactory:
     _import_listed_modules()
     target = _REGISTRY.get(name)
     if target is None:
-        raise KeyError(f"unknown policy {name!r}; registered: {list(_REGISTRY)}")
+        raise InvalidConfig(f"--policy: unknown policy {name!r}; registered: {list(_REGISTRY)}")
     if isinstance(target, str):
         module, _, attr = target.partition(":")
         target = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
