@@ -16,8 +16,9 @@ from typing import Awaitable, Callable, Coroutine, Protocol
 import grpc
 
 from common.engine.config import EngineConfig
-from common.engine.interface import Engine, EngineLoad, start_engine
+from common.engine.interface import Engine, EngineLoad
 from common.engine.request import SamplingParams
+from common.engine.start import start_engine
 from common.errors import DisaggError, Unavailable
 from common.kv import transport
 from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS, PREFERENCE, parse_backends
@@ -158,7 +159,7 @@ AddServicers = Callable[[grpc.aio.Server, WorkerState, argparse.Namespace], None
 
 @dataclass(frozen=True)
 class EngineRole:
-    """Prefill or decode: an engine from common.engine.interface.start_engine, and the services on it."""
+    """Prefill or decode: an engine from common.engine.start.start_engine, and the services on it."""
 
     role: int
     description: str
