@@ -1,5 +1,5 @@
 import sys
 
-from services.cli import main
+from services.cli.main import main
 
 sys.exit(main())

@@ -5,8 +5,8 @@ import sys
 
 from common.pb.disagg.v1 import worker_pb2
 from services.decode.server import SERVICE_NAMES, add_args, add_servicers
-from services.worker_service import EngineRole
-from services.worker_shell import run_worker
+from services.worker.service import EngineRole
+from services.worker.shell import run_worker
 
 SPEC = EngineRole(worker_pb2.WORKER_ROLE_DECODE, "The decode worker.", SERVICE_NAMES, add_servicers, add_args)
 

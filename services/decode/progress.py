@@ -5,8 +5,8 @@ import time
 
 from common.engine.request import FinishReason, RequestOutput
 from common.pb.disagg.v1 import common_pb2, worker_pb2
-from services.convert import finish_reason_to_proto, logprob_to_proto
-from services.ttft import handoff_parts, prompt_parts
+from services.kit.convert import finish_reason_to_proto, logprob_to_proto
+from services.worker.ttft import handoff_parts, prompt_parts
 
 
 class Progress:

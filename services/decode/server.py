@@ -33,11 +33,11 @@ from common.kv.backends import DATA_PLANE, check_kv_transfer
 from common.kv.pull import KvPuller
 from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.convert import request_type_from_proto, sampling_from_proto
+from services.kit.convert import request_type_from_proto, sampling_from_proto
 from services.decode.progress import Progress
 from common.telemetry import tracing
-from services.serving import abort_with
-from services.worker_service import WorkerState
+from services.kit.serving import abort_with
+from services.worker.service import WorkerState
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]

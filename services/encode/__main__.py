@@ -1,5 +1,5 @@
 """`python -m services.encode` / `disagg encode`: the encode worker process (images → embeddings), run by the
-worker shell (services.worker_shell) from the role spec here: its flags, an ImageEncoder, GetInfo / GetLoad."""
+worker shell (services.worker.shell) from the role spec here: its flags, an ImageEncoder, GetInfo / GetLoad."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,7 @@ from common.media import MediaConfig
 from common.model_facts import load_model_facts
 from common.pb.disagg.v1 import worker_pb2
 from services.encode.server import SERVICE_NAMES, EmbeddingSource, EncodeState, add_servicers
-from services.worker_shell import run_worker
+from services.worker.shell import run_worker
 
 _EXPIRE_EVERY_S = 0.25
 
@@ -78,7 +78,7 @@ def _require_vision_model(model: str | None) -> None:
 
 @dataclass(frozen=True)
 class EncodeRole:
-    """The encode worker's role spec for services.worker_shell: an ImageEncoder and its embedding table."""
+    """The encode worker's role spec for services.worker.shell: an ImageEncoder and its embedding table."""
 
     role: int = worker_pb2.WORKER_ROLE_ENCODE
     description: str = "The encode worker: images → embeddings."

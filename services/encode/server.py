@@ -16,9 +16,9 @@ from common.kv.chunks import tensor_to_bytes
 from common.kv.embeddings import EmbeddingTable, StoredEmbedding, embedding_header, embedding_ref
 from common.media import MediaConfig, load_image
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from services.serving import abort_with
-from services.tensor_store import TensorStoreServicer, add_tensor_store
-from services.worker_service import WorkerState
+from services.kit.serving import abort_with
+from services.worker.tensor_store import TensorStoreServicer, add_tensor_store
+from services.worker.service import WorkerState
 
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Encoder", "TensorStore")]
 

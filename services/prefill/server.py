@@ -21,11 +21,11 @@ from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.convert import logprob_to_proto, request_type_name, sampling_from_proto
-from services.serving import abort_with
-from services.tensor_store import TensorStoreServicer, add_tensor_store
-from services.ttft import prompt_parts
-from services.worker_service import WorkerState
+from services.kit.convert import logprob_to_proto, request_type_name, sampling_from_proto
+from services.kit.serving import abort_with
+from services.worker.tensor_store import TensorStoreServicer, add_tensor_store
+from services.worker.ttft import prompt_parts
+from services.worker.service import WorkerState
 
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Prefiller", "TensorStore")]
 _CONTEXT_ONLY = (common_pb2.REQUEST_TYPE_UNSPECIFIED, common_pb2.REQUEST_TYPE_CONTEXT_ONLY)

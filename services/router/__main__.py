@@ -11,7 +11,7 @@ from common.discovery.consul import ConsulDiscovery
 from common.engine.default_model import model_label
 from common.errors import InvalidConfig
 from services.router.config import add_router_args, config_from_args, discovery_from_args
-from services.observability import Observability, add_observability_args
+from services.kit.observability import Observability, add_observability_args
 from services.router.server import serve
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from common.discovery import Role, StaticDiscovery
 from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
-from services.drain import DEFAULT_DRAIN_TIMEOUT_S
+from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.router import policies
 
 DEFAULT_PORT = 50051

@@ -21,7 +21,7 @@ from common.errors import Unavailable
 from common.kv.backends import name_of
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
-from services.convert import sampling_to_proto, worker_stop_conditions
+from services.kit.convert import sampling_to_proto, worker_stop_conditions
 from services.router.deadline import Deadline
 from services.router.generation import Event, FinishReason
 from services.router.handoff import ExportedSession

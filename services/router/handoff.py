@@ -25,7 +25,7 @@ from common.engine.stopping import StopRule
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
-from services.convert import sampling_to_proto
+from services.kit.convert import sampling_to_proto
 from services.router.deadline import Deadline
 from services.router.generation import FinishReason, ImageInput
 from services.router.policies import Policy

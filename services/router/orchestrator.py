@@ -32,7 +32,7 @@ from services.router.generation import Event, GenerationRequest, ServedModel
 from services.router.prepare import PreparedRequest, RequestPreparer
 from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
-from services.serving import status_of
+from services.kit.serving import status_of
 
 log = logging.getLogger(__name__)
 

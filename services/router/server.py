@@ -11,7 +11,7 @@ import grpc
 
 from common.discovery import Discovery
 from common.errors import InvalidConfig
-from services.observability import Observability
+from services.kit.observability import Observability
 from services.router.config import RouterConfig
 from services.router.frontends import grpc as generation_api, kserve, openai
 from services.router import policies
@@ -19,8 +19,8 @@ from services.router.kv_index import KvIndex
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, start_server, wait_for_signal
-from services.wire import ParseRequests
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, start_server, wait_for_signal
+from services.kit.wire import ParseRequests
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from common.tokenizer import Tokenizer
 from services.router.generation import (Event, Finished, FinishReason, TextDelta, TokenLogprob, TopLogprob,
                                         TtftBreakdown, Usage)
 from services.router.prepare import PreparedRequest
-from services.serving import status_of
+from services.kit.serving import status_of
 
 
 class ResponseBuilder:

@@ -17,7 +17,7 @@ from common.errors import Unavailable
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.router.kv_index import KvIndex
 from services.router.generation import ServedModel
-from services.serving import channel_options
+from services.kit.serving import channel_options
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from common.kv.transports.nixl import nixl_unavailable_reason  # noqa: E402
 from common.kv.transfer import ChannelCache, layout_of  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, make_model  # noqa: E402
-from services.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS  # noqa: E402
+from services.cli.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS  # noqa: E402
 from tests.integration.processes import start_service  # noqa: E402
 
 GB = 1e9

@@ -21,7 +21,7 @@ from common.pb.disagg.v1 import (
     generation_pb2_grpc,
     worker_pb2,
 )
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
@@ -163,7 +163,7 @@ def test_garbage_bytes_on_the_wire(router, method, stream):
     assert error.code() == INVALID, error
     if stream:  # the router reads the stream itself
         assert "could not parse a GenerateStreamRequest: Error parsing message" in error.details(), error.details()
-    else:  # services.wire.ParseRequests
+    else:  # services.kit.wire.ParseRequests
         assert ("the /disagg.v1.Generation/Generate request is not a valid message: Error parsing message with type "
                 "'disagg.v1.GenerateRequest': Wire format was corrupt") in error.details(), error.details()
 

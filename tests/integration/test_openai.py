@@ -18,7 +18,7 @@ import pytest
 
 from common.pb.disagg.v1 import generation_pb2
 from common.tokenizer import Tokenizer
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES
 from tests.hf_reference import hf_greedy
 from tests.integration.front_doors import CONTEXT, Cluster
 from tests.integration.leaks import assert_no_leaks

@@ -20,7 +20,7 @@ from common.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
-from services.up import check_port_free
+from services.cli.up import check_port_free
 from tests.integration.observed import wait_for
 from tests.integration.processes import REPO_ROOT, start_services
 from tests.integration.test_router import make_text_model

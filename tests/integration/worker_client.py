@@ -9,7 +9,7 @@ from typing import Callable
 import grpc
 
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.serving import channel_options
+from services.kit.serving import channel_options
 from tests.integration.processes import ServiceProcess
 
 

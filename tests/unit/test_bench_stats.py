@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from services.bench.report import format_breakdown, format_table, write_json, write_plot
-from services.bench.stats import Distribution, RequestRecord, SloLimits, summarize
-from services.bench.workload import LengthDist, arrival_gaps, make_requests
+from services.cli.bench.report import format_breakdown, format_table, write_json, write_plot
+from services.cli.bench.stats import Distribution, RequestRecord, SloLimits, summarize
+from services.cli.bench.workload import LengthDist, arrival_gaps, make_requests
 
 
 def _record(index: int, start: float, token_times: list[float], tokens: int | None = None, prompt: int = 10,

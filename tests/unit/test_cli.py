@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from services import client, run_local
-from services.engine_flags import add_engine_args, engine_argv
-from services.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
-                                     add_sampling_args)
-from services.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, check_metrics_ports, metrics_ports, parse_args
+from services.cli import client, run_local
+from services.worker.engine_flags import add_engine_args, engine_argv
+from services.cli.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
+                                         add_sampling_args)
+from services.cli.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, check_metrics_ports, metrics_ports, parse_args
 from tests.integration.processes import REPO_ROOT
 
 
@@ -53,7 +53,7 @@ def test_run_applies_the_same_defaults_to_the_engine():
 
 
 def test_generate_help_imports_no_torch():
-    script = ("import sys\nfrom services.cli import main\ntry:\n    main(['generate', '--help'])\n"
+    script = ("import sys\nfrom services.cli.main import main\ntry:\n    main(['generate', '--help'])\n"
               "except SystemExit:\n    pass\n"
               "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
               "print('HEAVY', len(heavy), heavy[:3])")
@@ -74,7 +74,7 @@ def test_up_takes_kv_aware_and_the_workers_engine_flags():
 
 
 def test_the_gpu_step_switches_reach_the_engine_config_and_the_workers():
-    from services.engine_flags import engine_config_from_args
+    from services.worker.engine_flags import engine_config_from_args
 
     args = parse_args(["--enforce-eager", "--no-async-scheduling", "--model", "default"])
     worker = argparse.ArgumentParser()
@@ -125,7 +125,7 @@ def test_up_without_the_default_model_package_says_how_to_get_it_in_one_line(tmp
               f"        spec.submodule_search_locations = [{str(tmp_path)!r}]\n"
               "        return spec\n"
               "sys.meta_path.insert(0, Hidden)\n"
-              "from services.cli import main\n"
+              "from services.cli.main import main\n"
               "sys.exit(main(['up', '--router-port', '0']))\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                             env={**{k: v for k, v in os.environ.items() if k != "DISAGG_MODEL"},

@@ -9,7 +9,7 @@ from common.kv.block_hash import hash_blocks
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2
 from common.telemetry.metrics import Metrics
-from services.convert import kv_event_to_proto
+from services.kit.convert import kv_event_to_proto
 from services.router.config import RouterConfig
 from services.router.disagg_decision import (
     LOCAL_REASONS, REMOTE_REASONS, DecodeLoad, Demand, DisaggConfig, PrefillPlacement, PrefillQueue, decide,

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.discovery import Role, StaticDiscovery
 from common.errors import Unavailable
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from services.drain import Admission, until_idle
+from services.kit.drain import Admission, until_idle
 from services.router.workers import WorkerPool
-from services.serving import start_server
+from services.kit.serving import start_server
 
 _WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 

@@ -20,7 +20,7 @@ from common.engine.request import RequestType, SamplingParams
 from common.engine.start import start_engine
 from common.errors import NotFound
 from common.kv.backends import DATA_PLANE
-from services.cli import SUBCOMMANDS
+from services.cli.main import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE_MODULES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "services").rglob("*.py"))
@@ -73,7 +73,7 @@ def _engine_modules_reached(path: Path, root: Path = ROOT) -> dict[str, str]:
 
 def test_the_walk_covers_every_service_and_subcommand():
     assert {"services/router/server.py", "services/encode/__main__.py", "services/encode/server.py",
-            "services/run_local.py", "services/cli.py", "services/decode/server.py"} <= set(SERVICE_MODULES)
+            "services/cli/run_local.py", "services/cli/main.py", "services/decode/server.py"} <= set(SERVICE_MODULES)
     for module, _ in SUBCOMMANDS.values():
         assert _module_file(module).relative_to(ROOT).as_posix() in SERVICE_MODULES, module
 

@@ -10,7 +10,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from services.convert import kv_event_to_proto
+from services.kit.convert import kv_event_to_proto
 from services.router import kv_index as kv_index_module
 from services.router.kv_index import KvIndex
 from services.router.policies.kv_aware import KvAware, KvAwareWeights

@@ -134,7 +134,7 @@ def test_gather_blocks_equals_index_select_for_runs_and_scattered_ids(block_ids)
 
 def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_llama):
     from common.engine.async_engine import AsyncLLMEngine
-    from services.tensor_store import KvSessionSource
+    from services.worker.tensor_store import KvSessionSource
 
     async def scenario() -> int:
         engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=32)))

@@ -20,7 +20,7 @@ from services.router.disagg_decision import DisaggConfig, PrefillPlacement
 from services.router.orchestrator import Orchestrator
 from services.router.server import worker_pool
 from services.router.workers import WorkerClient
-from services.up import parse_args
+from services.cli.up import parse_args
 from tests.integration.processes import REPO_ROOT
 
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from services.supervise import Child, stop_all, wait_ready
+from services.cli.supervise import Child, stop_all, wait_ready
 
 
 def _dead(child: Child) -> Child:
@@ -92,7 +92,7 @@ def test_a_child_that_dies_while_starting_is_one_line_not_an_rpc_error():
 
 
 def test_stop_all_lets_the_router_drain_before_the_workers_stop(monkeypatch):
-    import services.supervise as supervise
+    import services.cli.supervise as supervise
 
     waves = []
     monkeypatch.setattr(supervise, "_stop_together", lambda children, grace_s: waves.append([c.name for c in children]))

@@ -19,7 +19,7 @@ from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
 from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS, check_kv_transfer, kv_transfer_of
 from common.kv.block_hash import hash_blocks
 from common.pb.disagg.v1 import common_pb2
-from services.engine_flags import add_engine_args, engine_argv
+from services.worker.engine_flags import add_engine_args, engine_argv
 
 API = json.loads((Path(__file__).parent / "trtllm_api_signatures.json").read_text())
 SAMPLING_FIELDS = set(API["SamplingParams"]["init_fields"])

@@ -27,8 +27,8 @@ from common.kv.layout import KvLayout
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.decode.__main__ import SPEC as DECODE
 from services.prefill.__main__ import SPEC as PREFILL
-from services.serving import start_server
-from services.worker_service import EngineRole, WorkerServicer, WorkerState
+from services.kit.serving import start_server
+from services.worker.service import EngineRole, WorkerServicer, WorkerState
 
 API = json.loads((Path(__file__).parent / "trtllm_api_signatures.json").read_text())
 LAYOUT = KvLayout(2, 2, 8, 4, "float32", "trtllm-tiny")

@@ -12,7 +12,7 @@ from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
 from services.router.frontends.grpc_convert import request_from_proto, response_of
 from services.router.frontends.grpc_stream import Multiplexer
 from services.router.orchestrator import Orchestrator
-from services.serving import abort_with
+from services.kit.serving import abort_with
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 

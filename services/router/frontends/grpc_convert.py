@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from common.kv.backends import BACKENDS, ENGINE_TRANSFERS
 from common.pb.disagg.v1 import common_pb2, generation_pb2
-from services.convert import sampling_from_proto
+from services.kit.convert import sampling_from_proto
 from services.router.generation import (ChatMessage, Event, Finished, FinishReason, GenerationRequest, ImageInput,
                                         TextDelta, TokenLogprob, Usage)
-from services.serving import message_of, status_of
+from services.kit.serving import message_of, status_of
 
 _FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
                    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,

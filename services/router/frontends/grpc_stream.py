@@ -14,7 +14,7 @@ from common.pb.disagg.v1 import generation_pb2
 from services.router.frontends.grpc_convert import request_from_proto, response_of
 from services.router.orchestrator import Orchestrator
 from services.router.streaming import ResponseBuilder
-from services.serving import status_of
+from services.kit.serving import status_of
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ tritonclient (and any KServe v2 gRPC client) talks to the router as to a Triton 
 model, with the tensors Triton's LLM backends and Dynamo use (kserve_model.py). ModelInfer answers with the whole
 text; ModelStreamInfer streams (kserve_stream.py). Statuses: NOT_FOUND for another model or version,
 INVALID_ARGUMENT naming the bad input, UNAVAILABLE with no decode worker ready, and the core's own statuses
-(services.serving.status_of). Model repository, statistics, shared memory, trace and log settings are
+(services.kit.serving.status_of). Model repository, statistics, shared memory, trace and log settings are
 UNIMPLEMENTED (the generated servicer's answer).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from common.pb.inference import grpc_service_pb2_grpc as pb_grpc
 from services.router.frontends.kserve_model import check_model, model_config, model_metadata
 from services.router.frontends.kserve_stream import Core, StreamSession, parse_for, whole_text
 from services.router.generation import ServedModel
-from services.serving import abort_with
+from services.kit.serving import abort_with
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 SERVER_NAME = "disagg"

@@ -21,7 +21,7 @@ from common.pb.inference import grpc_service_pb2 as pb
 from services.router.frontends.kserve_model import TEXT_OUTPUT, Reply, check_model
 from services.router.frontends.kserve_request import KserveRequest, parse_request
 from services.router.generation import Event, Finished, GenerationRequest, ServedModel
-from services.serving import message_of, status_of
+from services.kit.serving import message_of, status_of
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 aiohttp, embedded (AppRunner + TCPSite) in the router's running event loop beside grpc.aio, with no signal
 handling of its own. `handler_cancellation=True` cancels a handler whose client disconnected; the cancellation
 closes the core's stream (contextlib.aclosing), which cancels the request and frees its KV on every worker.
-Errors are OpenAI's error JSON; the status comes from services.serving.status_of and one table (responses).
+Errors are OpenAI's error JSON; the status comes from services.kit.serving.status_of and one table (responses).
 """
 from __future__ import annotations
 

@@ -9,13 +9,13 @@ import grpc
 from services.router.frontends.openai_fields import BadField, ModelNotFound
 from services.router.frontends.openai_requests import CHAT, ApiRequest
 from services.router.generation import Finished, TextDelta, TokenLogprob, Usage
-from services.serving import message_of, status_of
+from services.kit.serving import message_of, status_of
 
 Json = dict[str, Any]
 INTERNAL_MESSAGE = "internal server error; the router's log has the details"
 
 _S = grpc.StatusCode
-# The one table from the core's status (services.serving.status_of) to HTTP: (status, OpenAI error type, code).
+# The one table from the core's status (services.kit.serving.status_of) to HTTP: (status, OpenAI error type, code).
 _HTTP_OF: dict[grpc.StatusCode, tuple[int, str, str]] = {
     _S.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_request"),
     _S.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_request"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.bench.stats import AFTER_FIRST_TOKEN_PARTS, FIRST_TOKEN_PARTS, Distribution, RequestRecord, Summary
+from services.cli.bench.stats import AFTER_FIRST_TOKEN_PARTS, FIRST_TOKEN_PARTS, Distribution, RequestRecord, Summary
 
 _PART_NAMES = {"router_queue_ms": "router queue", "prefill_queue_ms": "prefill queue",
                "prefill_compute_ms": "prefill compute", "other_ms": "other (network, gRPC)",

@@ -1,5 +1,5 @@
 """What every worker (encode, prefill, decode) shares: its state and the Worker servicer; and the role
-spec of the engine workers (prefill, decode). The process itself is services.worker_shell.
+spec of the engine workers (prefill, decode). The process itself is services.worker.shell.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from common.kv.layout import KvLayout
 from common.kv.sharing import KvCacheExporter
 from common.telemetry.metrics import Metrics, observe_engine_load
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from services.convert import kv_event_to_proto
-from services.engine_flags import add_engine_args, engine_config_from_args
-from services.drain import Admission
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
-from services.tensor_store import KvSessionSource, TensorSource
+from services.kit.convert import kv_event_to_proto
+from services.worker.engine_flags import add_engine_args, engine_config_from_args
+from services.kit.drain import Admission
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
+from services.worker.tensor_store import KvSessionSource, TensorSource
 
 ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
               worker_pb2.WORKER_ROLE_ENCODE: "encode"}

@@ -6,14 +6,14 @@ import sys
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS = {
-    "run": ("services.run_local", "generate from a prompt with the engine in this process"),
+    "run": ("services.cli.run_local", "generate from a prompt with the engine in this process"),
     "prefill": ("services.prefill.__main__", "the prefill worker: context phase, exports KV sessions"),
     "encode": ("services.encode.__main__", "the encode worker: images → embeddings for a LLaVA-style model"),
     "decode": ("services.decode.__main__", "the decode worker: pulls KV, generates, streams tokens"),
     "router": ("services.router.__main__", "the router: tokenise, pick workers, orchestrate prefill → decode"),
-    "up": ("services.up", "start router + prefill + decode on this machine, until Ctrl-C"),
-    "generate": ("services.client", "stream an answer from a running router"),
-    "bench": ("services.bench.main", "load-test a running router: TTFT, ITL, throughput, goodput"),
+    "up": ("services.cli.up", "start router + prefill + decode on this machine, until Ctrl-C"),
+    "generate": ("services.cli.client", "stream an answer from a running router"),
+    "bench": ("services.cli.bench.main", "load-test a running router: TTFT, ITL, throughput, goodput"),
 }
 
 

@@ -14,8 +14,8 @@ import grpc
 from common import channels
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from common.pb.inference import grpc_service_pb2 as kserve_pb2, grpc_service_pb2_grpc as kserve_grpc
-from services.bench.stats import RequestRecord
-from services.bench.workload import BenchRequest
+from services.cli.bench.stats import RequestRecord
+from services.cli.bench.workload import BenchRequest
 
 API_NAMES = ("grpc", "openai", "kserve")
 

@@ -2,7 +2,7 @@
 
 Lifecycle: parse flags (a bad setting is one line, `disagg <role>: error: ...`), start the gRPC server
 (health NOT_SERVING), load the role's model off the event loop, flip to SERVING and print
-`disagg-<role> serving on HOST:PORT`, register (metrics, Consul); on SIGTERM/SIGINT drain (services.drain):
+`disagg-<role> serving on HOST:PORT`, register (metrics, Consul); on SIGTERM/SIGINT drain (services.kit.drain):
 NOT_SERVING and out of Consul at once, new requests refused, those in flight and the pulls of what it holds
 run on, up to --drain-timeout; then end what is left, stop the server and free what the role holds; exit 0.
 """
@@ -24,11 +24,11 @@ from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
-from services.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
-from services.observability import Observability, add_observability_args
-from services.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
-from services.wire import ParseRequests
-from services.worker_service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
+from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
+from services.kit.observability import Observability, add_observability_args
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
+from services.kit.wire import ParseRequests
+from services.worker.service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # past --drain-timeout: for the ended requests to send their status

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from common import channels
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
-from services.bench.clients import SendOptions
-from services.bench.stats import RequestRecord
-from services.bench.workload import BenchRequest, arrival_gaps
+from services.cli.bench.clients import SendOptions
+from services.cli.bench.stats import RequestRecord
+from services.cli.bench.workload import BenchRequest, arrival_gaps
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class LoadShape:
 
 async def run_load(client, requests: list[BenchRequest], shape: LoadShape, options: SendOptions,
                    progress=None) -> tuple[list[RequestRecord], float]:
-    """Every request of `requests` through `client` (services.bench.clients), shaped by `shape`; returns the
+    """Every request of `requests` through `client` (services.cli.bench.clients), shaped by `shape`; returns the
     records and the wall time from first send to last end."""
     limit = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
     records = [RequestRecord(r.index, len(r.prompt_token_ids), r.max_tokens) for r in requests]

@@ -1,4 +1,4 @@
-"""`python -m services.healthcheck [HOST:PORT] [--http PORT|URL]`: exit 0 when the server's grpc.health.v1 says
+"""`python -m services.cli.healthcheck [HOST:PORT] [--http PORT|URL]`: exit 0 when the server's grpc.health.v1 says
 SERVING (and, with --http, the router's OpenAI-compatible front door answers 200 on /health).
 
 For container health checks (docker compose `healthcheck`); the address defaults to this container's
@@ -19,7 +19,7 @@ from common import channels, tls
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck", description=__doc__)
     parser.add_argument("address", nargs="?", default=f"127.0.0.1:{os.environ.get('DISAGG_GRPC_PORT', '50051')}")
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)

@@ -15,8 +15,8 @@ from common.errors import DisaggError
 from common.model_facts import load_model_facts
 from common.text_stream import IncrementalDetokenizer
 from common.tokenizer import load_tokenizer
-from services.engine_flags import add_engine_args, engine_config_from_args
-from services.sampling_flags import add_sampling_args, sampling_from_args
+from services.worker.engine_flags import add_engine_args, engine_config_from_args
+from services.cli.sampling_flags import add_sampling_args, sampling_from_args
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -19,10 +19,10 @@ import time
 
 from common import tls
 from common.errors import InvalidConfig
-from services.engine_flags import add_engine_args, engine_argv, engine_config_from_args
+from services.worker.engine_flags import add_engine_args, engine_argv, engine_config_from_args
 from services.router import policies
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
-from services.supervise import Child, log, stop_all, wait_ready
+from services.cli.supervise import Child, log, stop_all, wait_ready
 
 
 def _bind_problem(host: str, port: int) -> str | None:

@@ -11,7 +11,7 @@ from common import channels, tls
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import DEFAULT_PORT
-from services.sampling_flags import add_sampling_args, sampling_from_args
+from services.cli.sampling_flags import add_sampling_args, sampling_from_args
 
 DEFAULT_ROUTER = os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}")
 

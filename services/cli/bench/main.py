@@ -22,11 +22,11 @@ from pathlib import Path
 
 from common import tls
 from common.errors import InvalidConfig
-from services.bench.clients import API_NAMES, SendOptions, make_client
-from services.bench.report import format_breakdown, format_comparison, format_table, write_json, write_plot
-from services.bench.runner import LoadShape, list_models, run_load
-from services.bench.stats import SloLimits, summarize
-from services.bench.workload import LengthDist, make_requests
+from services.cli.bench.clients import API_NAMES, SendOptions, make_client
+from services.cli.bench.report import format_breakdown, format_comparison, format_table, write_json, write_plot
+from services.cli.bench.runner import LoadShape, list_models, run_load
+from services.cli.bench.stats import SloLimits, summarize
+from services.cli.bench.workload import LengthDist, make_requests
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 

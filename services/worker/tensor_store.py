@@ -21,7 +21,7 @@ from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import HEADER_ROOM, kv_header
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.telemetry.metrics import Metrics
-from services.serving import abort_with
+from services.kit.serving import abort_with
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["TensorStore"].full_name
 
@@ -93,7 +93,7 @@ class KvSessionSource:
 
 
 class TensorHolder(Protocol):
-    """The worker state the servicer reads (services.worker_service.WorkerState)."""
+    """The worker state the servicer reads (services.worker.service.WorkerState)."""
 
     tensor_source: TensorSource | None  # None until the worker has loaded
     max_message_bytes: int

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import channels
-from services.drain import DEFAULT_DRAIN_TIMEOUT_S
+from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 _READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)")
 _METRICS_LINE = re.compile(r"disagg-[\w-]+ metrics on (http://\S+/metrics)")

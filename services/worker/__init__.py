@@ -1,0 +1,1 @@
+"""The worker base: the process every worker runs, the Worker and TensorStore services, the engine flags."""
