@@ -129,7 +129,7 @@ def test_a_popular_prefix_still_spreads_under_load(cluster):
             stub = generation_pb2_grpc.GenerationStub(channel)
 
             async def one(i: int) -> None:
-                question = [(11 * i + k) % 300 + 200 for k in range(12)]  # 3 uncached blocks each
+                question = [(11 * i + k) % 300 + 200 for k in range(48)]  # 12 uncached blocks each: a queue builds
                 request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=SYSTEM + question),
                                                          sampling=common_pb2.SamplingParams(temperature=0, max_tokens=2))
                 async for _ in stub.Generate(request, timeout=60):
