@@ -17,50 +17,13 @@ from common.pb.inference import model_config_pb2 as config_pb
 from services.router.frontends import kserve
 from services.router.frontends.kserve_request import parse_request
 from services.router.frontends.kserve_tensors import decode_inputs, encode_bytes
-from services.router.generation import Finished, FinishReason, ServedModel, TextDelta, Usage
+from services.router.generation import Finished, FinishReason, TextDelta, Usage
+from tests.fake_core import HANG, FakeCore
 from tests.kserve_cases import BAD_CASES, infer_request, prompt_request, raw_of
 
 MODEL = "tiny"
-HANG = object()  # in a script: wait until cancelled
 WORDS = [TextDelta((7,), "Hello"), TextDelta((8,), ""), TextDelta((9,), " sea"),
          Finished(FinishReason.LENGTH, Usage(prompt_tokens=3, completion_tokens=3))]
-
-
-class FakeCore:
-    """The core's contract: served_model, ready, stream (deltas then one Finished, or a raised error)."""
-
-    def __init__(self, script=WORDS, ready: bool = True):
-        self.script = list(script)
-        self.is_ready = ready
-        self.available = True
-        self.requests = []
-        self.timeouts = []
-        self.closed = 0  # streams closed (finished, failed or cancelled)
-        self.refused = []  # what the front door refused before calling stream (core.rejected)
-
-    def served_model(self) -> ServedModel:
-        if not self.available:
-            raise errors.Unavailable("no decode worker is ready; the router cannot serve yet")
-        return ServedModel(MODEL, 128)
-
-    def ready(self) -> bool:
-        return self.is_ready
-
-    def rejected(self, exc: BaseException) -> None:
-        self.refused.append(exc)
-
-    async def stream(self, request, timeout_s=None):
-        self.requests.append(request)
-        self.timeouts.append(timeout_s)
-        try:
-            for item in self.script:
-                if item is HANG:
-                    await asyncio.sleep(3600)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.closed += 1
 
 
 def serve(core: FakeCore, scenario):
@@ -190,7 +153,7 @@ def test_stream_and_streaming_together_are_refused():
 # --- the RPCs ---
 
 def test_health_and_server_metadata():
-    core = FakeCore(ready=False)
+    core = FakeCore(WORDS, ready=False)
 
     async def scenario(stub):
         return (await stub.ServerLive(pb.ServerLiveRequest()), await stub.ServerReady(pb.ServerReadyRequest()),
@@ -203,7 +166,7 @@ def test_health_and_server_metadata():
 
 
 def test_model_ready_follows_the_core_and_names_an_unknown_model():
-    core = FakeCore()
+    core = FakeCore(WORDS)
 
     async def scenario(stub):
         ready = await stub.ModelReady(pb.ModelReadyRequest(name=MODEL, version="1"))
@@ -226,7 +189,7 @@ def test_model_metadata_and_config_declare_the_llm_tensors_decoupled():
         return (await stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL)),
                 await stub.ModelConfig(pb.ModelConfigRequest(name=MODEL, version="1")))
 
-    metadata, config = serve(FakeCore(), scenario)
+    metadata, config = serve(FakeCore(WORDS), scenario)
     inputs = {t.name: (t.datatype, list(t.shape)) for t in metadata.inputs}
     assert metadata.name == MODEL and list(metadata.versions) == ["1"]
     assert inputs["text_input"] == ("BYTES", [1]) and inputs["stream"] == ("BOOL", [1])
@@ -244,7 +207,7 @@ def test_model_metadata_and_config_declare_the_llm_tensors_decoupled():
 
 
 def test_model_infer_answers_the_whole_text_with_the_id_and_the_deadline():
-    core = FakeCore()
+    core = FakeCore(WORDS)
 
     async def scenario(stub):
         full = await stub.ModelInfer(prompt_request(MODEL, request_id="abc"), timeout=30)
@@ -262,7 +225,7 @@ def test_model_infer_answers_the_whole_text_with_the_id_and_the_deadline():
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c.name for c in BAD_CASES])
 def test_each_bad_request_gets_its_status_and_names_what_is_wrong(case):
-    core = FakeCore()
+    core = FakeCore(WORDS)
 
     async def scenario(stub):
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -273,7 +236,7 @@ def test_each_bad_request_gets_its_status_and_names_what_is_wrong(case):
     assert error.code() == case.code, error.details()
     assert case.words in error.details()
     assert core.requests == []  # refused before the core saw it, and counted as such
-    assert len(core.refused) == 1 and case.words in str(core.refused[0])
+    assert len(core.rejections) == 1 and case.words in str(core.rejections[0])
 
 
 @pytest.mark.parametrize("exc, code", [
@@ -282,7 +245,7 @@ def test_each_bad_request_gets_its_status_and_names_what_is_wrong(case):
     (errors.InvalidRequest("the prompt has 200 tokens; max_model_len is 128"), grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_core_errors_keep_their_status_on_both_rpcs(exc, code):
-    core = FakeCore(script=[exc])
+    core = FakeCore([exc])
 
     async def scenario(stub):
         with pytest.raises(grpc.aio.AioRpcError) as unary:
@@ -295,7 +258,7 @@ def test_core_errors_keep_their_status_on_both_rpcs(exc, code):
     unary, streamed = serve(core, scenario)
     assert unary.code() == code and unary.details() == str(exc)
     assert [(r.error_message, r.infer_response.id) for r in streamed] == [(f"[{code}] {exc}", "s")]
-    assert core.refused == []  # the core counts its own errors
+    assert core.rejections == []  # the core counts its own errors
 
 
 def test_stream_sends_deltas_then_the_finish_flagged_final():
@@ -305,7 +268,7 @@ def test_stream_sends_deltas_then_the_finish_flagged_final():
         await call.done_writing()
         return [r async for r in call]
 
-    responses = serve(FakeCore(), scenario)
+    responses = serve(FakeCore(WORDS), scenario)
     assert [r.error_message for r in responses] == ["", "", ""]
     replies = [r.infer_response for r in responses]
     assert [outputs_of(r) for r in replies] == [{"text_output": "Hello"}, {"text_output": " sea"},
@@ -326,7 +289,7 @@ def test_empty_final_response_when_asked_and_whole_text_without_stream():
         await call.done_writing()
         return streamed, sorted([r.infer_response async for r in call], key=lambda r: (r.id, final_flag(r)))
 
-    streamed, whole = serve(FakeCore(), scenario)
+    streamed, whole = serve(FakeCore(WORDS), scenario)
     assert [final_flag(r) for r in streamed] == [False, False, False, True]
     assert len(streamed[-1].outputs) == 0 and not streamed[-1].raw_output_contents
     assert [(r.id, outputs_of(r), final_flag(r)) for r in whole] == [
@@ -336,7 +299,7 @@ def test_empty_final_response_when_asked_and_whole_text_without_stream():
 
 def test_a_bad_request_on_a_stream_answers_with_its_id_and_the_stream_goes_on():
     cases = [case for case in BAD_CASES if not case.unary_only]
-    core = FakeCore()
+    core = FakeCore(WORDS)
 
     async def scenario(stub):
         call = stub.ModelStreamInfer()
@@ -353,13 +316,13 @@ def test_a_bad_request_on_a_stream_answers_with_its_id_and_the_stream_goes_on():
     assert len(errors_by_id) == len(cases) >= 15
     for index, case in enumerate(cases):
         assert errors_by_id[f"bad-{index}"].startswith(f"[{case.code}] ") and case.words in errors_by_id[f"bad-{index}"]
-    assert len(core.refused) == len(cases)
+    assert len(core.rejections) == len(cases)
     good = [r.infer_response for r in responses if r.infer_response.id == "good"]
     assert [outputs_of(r)["text_output"] for r in good] == ["Hello sea"]
 
 
 def test_requests_on_one_stream_run_concurrently_and_closing_it_cancels_them():
-    core = FakeCore(script=[TextDelta((1,), "x"), HANG])
+    core = FakeCore([TextDelta((1,), "x"), HANG])
 
     async def scenario(stub):
         call = stub.ModelStreamInfer()
@@ -367,10 +330,7 @@ def test_requests_on_one_stream_run_concurrently_and_closing_it_cancels_them():
             await call.write(prompt_request(MODEL, stream=True, request_id=request_id))
         first = [await call.read() for _ in range(3)]  # one delta each: all three run at once
         call.cancel()
-        for _ in range(100):
-            if core.closed == 3:
-                break
-            await asyncio.sleep(0.01)
+        await core.wait_closed(3)
         return first
 
     first = serve(core, scenario)
@@ -379,15 +339,12 @@ def test_requests_on_one_stream_run_concurrently_and_closing_it_cancels_them():
 
 
 def test_a_client_leaving_a_unary_infer_closes_the_core_stream():
-    core = FakeCore(script=[TextDelta((1,), "x"), HANG])
+    core = FakeCore([TextDelta((1,), "x"), HANG])
 
     async def scenario(stub):
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.ModelInfer(prompt_request(MODEL), timeout=0.3)
-        for _ in range(100):
-            if core.closed:
-                break
-            await asyncio.sleep(0.01)
+        await core.wait_closed()
         return error.value
 
     assert serve(core, scenario).code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -14,48 +14,11 @@ from multidict import CIMultiDict
 from common import errors
 from services.router.frontends.openai import make_app, start_http
 from services.router.frontends.openai_responses import INTERNAL_MESSAGE
-from services.router.generation import (Finished, FinishReason, ServedModel, TextDelta, TokenLogprob, TopLogprob,
-                                        Usage)
+from services.router.generation import Finished, FinishReason, TextDelta, TokenLogprob, TopLogprob, Usage
+from tests.fake_core import HANG, FakeCore
 
-HANG = object()  # in a script: wait until cancelled
 USAGE = Usage(prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=4)
 TWO_WORDS = [TextDelta((7,), "Hello"), TextDelta((8,), " sea"), Finished(FinishReason.LENGTH, USAGE)]
-
-
-class FakeCore:
-    """The core's contract: served_model, ready, stream (deltas then one Finished, or a raised error)."""
-
-    def __init__(self, script=TWO_WORDS, image_token: str | None = None, ready: bool = True):
-        self.script = list(script)
-        self.model = ServedModel("tiny", 128, image_token=image_token)
-        self.is_ready = ready
-        self.available = True
-        self.requests = []
-        self.rejections = []
-        self.closed = asyncio.Event()
-
-    def served_model(self) -> ServedModel:
-        if not self.available:
-            raise errors.Unavailable("no decode worker is ready; the router cannot serve yet")
-        return self.model
-
-    def ready(self) -> bool:
-        return self.is_ready
-
-    def rejected(self, exc: BaseException) -> None:
-        self.rejections.append(exc)
-
-    async def stream(self, request, timeout_s=None):
-        self.requests.append(request)
-        try:
-            for item in self.script:
-                if item is HANG:
-                    await asyncio.sleep(3600)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.closed.set()
 
 
 def serve(core: FakeCore, scenario, max_body_bytes: int = 4096):
@@ -91,7 +54,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
 
 
 def test_chat_returns_openai_shape_with_usage_and_passes_sampling_to_the_core():
-    core = FakeCore()
+    core = FakeCore(TWO_WORDS)
     status, body, headers = post(core, "/v1/chat/completions", {
         **CHAT, "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
         "temperature": 0, "max_tokens": 9, "max_completion_tokens": 3, "stop": "\n", "seed": 5, "top_k": -1,
@@ -112,7 +75,7 @@ def test_chat_returns_openai_shape_with_usage_and_passes_sampling_to_the_core():
 
 
 def test_chat_stream_is_sse_role_first_then_text_finish_usage_and_done():
-    events, content_type = sse(FakeCore(), "/v1/chat/completions",
+    events, content_type = sse(FakeCore(TWO_WORDS), "/v1/chat/completions",
                                {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert content_type.startswith("text/event-stream")
     *chunks, usage, done = events
@@ -125,7 +88,7 @@ def test_chat_stream_is_sse_role_first_then_text_finish_usage_and_done():
 
 
 def test_completion_stream_without_include_usage_has_no_usage():
-    events, _ = sse(FakeCore(), "/v1/completions", {"prompt": "The sea", "stream": True})
+    events, _ = sse(FakeCore(TWO_WORDS), "/v1/completions", {"prompt": "The sea", "stream": True})
     assert [c["choices"][0]["text"] for c in events[:-1]] == ["Hello", " sea", ""]
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
     assert all("usage" not in c and c["object"] == "text_completion" for c in events[:-1])
@@ -138,7 +101,7 @@ def test_completion_stream_without_include_usage_has_no_usage():
     ([[5, 6]], {"prompt": None, "token_ids": (5, 6)}),
 ])
 def test_completion_prompt_is_a_string_or_token_ids_with_openai_default_max_tokens(prompt, expected):
-    core = FakeCore()
+    core = FakeCore(TWO_WORDS)
     status, body, _ = post(core, "/v1/completions", {"prompt": prompt})
     assert status == 200 and body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello sea"
     assert body["id"].startswith("cmpl-") and len(body["id"]) == len("cmpl-") + 32  # a generated request id
@@ -176,7 +139,7 @@ def test_chat_logprobs_have_content_entries_with_bytes_and_top_logprobs():
 
 
 def test_image_parts_become_the_models_image_token_and_image_inputs():
-    core = FakeCore(image_token="<image>")
+    core = FakeCore(TWO_WORDS, image_token="<image>")
     content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
                {"type": "text", "text": "What is this?"},
                {"type": "image_url", "image_url": {"url": "https://example.com/cat.png", "detail": "low"}}]
@@ -236,7 +199,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("path, body, param, words", BAD_INPUTS, ids=[f"{p[4:]}-{m}" for p, _, m, _ in BAD_INPUTS])
 def test_bad_input_is_400_naming_the_field(path, body, param, words):
-    core = FakeCore()
+    core = FakeCore(TWO_WORDS)
     status, response, _ = post(core, path, body)
     assert status == 400, response
     error = response["error"]
@@ -245,7 +208,7 @@ def test_bad_input_is_400_naming_the_field(path, body, param, words):
 
 
 def test_image_url_must_be_a_data_or_http_url_and_only_in_user_messages():
-    core = FakeCore(image_token="<image>")
+    core = FakeCore(TWO_WORDS, image_token="<image>")
     file_image = {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}
     status, body, _ = post(core, CHAT_PATH, _user([file_image]))
     assert status == 400 and body["error"]["param"] == "messages[0].content[0].image_url.url"
@@ -256,15 +219,16 @@ def test_image_url_must_be_a_data_or_http_url_and_only_in_user_messages():
 @pytest.mark.parametrize("raw, words", [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
                                         (b"\xff\xfe", "not valid JSON")])
 def test_a_body_that_is_not_a_json_object_is_400(raw, words):
-    status, body, _ = post(FakeCore(), COMPLETIONS, raw)
+    status, body, _ = post(FakeCore(TWO_WORDS), COMPLETIONS, raw)
     assert status == 400 and words in body["error"]["message"]
 
 
 def test_unknown_model_is_404_model_not_found_and_missing_model_is_the_served_one():
-    status, body, headers = post(FakeCore(), CHAT_PATH, {**CHAT, "model": "gpt-5"}, headers={"X-Request-Id": "r-9"})
+    status, body, headers = post(FakeCore(TWO_WORDS), CHAT_PATH, {**CHAT, "model": "gpt-5"},
+                                 headers={"X-Request-Id": "r-9"})
     assert status == 404 and headers["X-Request-Id"] == "r-9"  # errors name the request too and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
     assert "'gpt-5' does not exist" in body["error"]["message"] and "'tiny'" in body["error"]["message"]
-    status, body, _ = post(FakeCore(), COMPLETIONS, {"prompt": "x"})
+    status, body, _ = post(FakeCore(TWO_WORDS), COMPLETIONS, {"prompt": "x"})
     assert status == 200 and body["model"] == "tiny"
 
 
@@ -315,13 +279,13 @@ def test_a_client_that_walks_away_mid_stream_closes_the_core_stream():
         response = await client.post(COMPLETIONS, json={"prompt": "x", "stream": True})
         assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
         response.close()  # drop the connection mid-stream
-        await asyncio.wait_for(core.closed.wait(), 5)
+        await core.wait_closed()
     serve(core, scenario)
-    assert core.closed.is_set()
+    assert core.closed == 1
 
 
 def test_models_health_and_unknown_routes():
-    core = FakeCore(ready=False)
+    core = FakeCore(TWO_WORDS, ready=False)
 
     async def scenario(client):
         got = {}
@@ -350,20 +314,20 @@ async def _status(client, path: str) -> int:
 
 
 def test_no_ready_worker_is_503_on_models_and_generation():
-    core = FakeCore()
+    core = FakeCore(TWO_WORDS)
     core.available = False
     assert post(core, COMPLETIONS, {"prompt": "x"})[0] == 503
     assert serve(core, lambda client: _status(client, "/v1/models")) == 503
 
 
 def test_a_body_over_the_limit_is_413_json():
-    status, body, _ = post(FakeCore(), COMPLETIONS, {"prompt": "x" * 5000}, max_body_bytes=1024)
+    status, body, _ = post(FakeCore(TWO_WORDS), COMPLETIONS, {"prompt": "x" * 5000}, max_body_bytes=1024)
     assert status == 413 and body["error"]["code"] == "request_too_large" and "1024" in body["error"]["message"]
 
 
 def test_start_http_binds_a_free_port_serves_and_stops():
     async def main():
-        door = await start_http(FakeCore(), "127.0.0.1", 0, 1024)
+        door = await start_http(FakeCore(TWO_WORDS), "127.0.0.1", 0, 1024)
         try:
             async with aiohttp.ClientSession() as session:
                 async with session.post(f"http://127.0.0.1:{door.port}{COMPLETIONS}", json={"prompt": "x"}) as r:
@@ -379,7 +343,7 @@ def test_start_http_binds_a_free_port_serves_and_stops():
 
 
 def test_a_request_refused_while_parsing_is_still_counted_by_the_core():
-    core = FakeCore()
+    core = FakeCore(TWO_WORDS)
     status, body, _ = post(core, "/v1/chat/completions", {"messages": [], "n": 2})
     assert status == 400 and not core.requests
     assert len(core.rejections) == 1 and isinstance(core.rejections[0], errors.InvalidRequest)
