@@ -226,7 +226,8 @@ def test_a_body_that_is_not_a_json_object_is_400(raw, words):
 def test_unknown_model_is_404_model_not_found_and_missing_model_is_the_served_one():
     status, body, headers = post(FakeCore(TWO_WORDS), CHAT_PATH, {**CHAT, "model": "gpt-5"},
                                  headers={"X-Request-Id": "r-9"})
-    assert status == 404 and headers["X-Request-Id"] == "r-9"  # errors name the request too and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert status == 404 and headers["X-Request-Id"] == "r-9"  # errors name the request too
+    assert body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
     assert "'gpt-5' does not exist" in body["error"]["message"] and "'tiny'" in body["error"]["message"]
     status, body, _ = post(FakeCore(TWO_WORDS), COMPLETIONS, {"prompt": "x"})
     assert status == 200 and body["model"] == "tiny"
