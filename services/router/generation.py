@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Union
+from typing import AsyncIterator, Protocol, Union
 
 from common.engine.request import SamplingParams
 
@@ -137,3 +137,15 @@ class ServedModel:
     @property
     def supports_images(self) -> bool:
         return self.image_token is not None
+
+
+class Core(Protocol):
+    """What a front door needs of the router core (services/router/orchestrator.py's Orchestrator)."""
+
+    def served_model(self) -> ServedModel: ...
+
+    def ready(self) -> bool: ...
+
+    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
+
+    def rejected(self, exc: BaseException) -> None: ...

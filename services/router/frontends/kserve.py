@@ -18,8 +18,8 @@ from common.errors import DisaggError, InvalidRequest, NotFound, Unavailable
 from common.pb.inference import grpc_service_pb2 as pb
 from common.pb.inference import grpc_service_pb2_grpc as pb_grpc
 from services.router.frontends.kserve_model import check_model, model_config, model_metadata
-from services.router.frontends.kserve_stream import Core, StreamSession, parse_for, whole_text
-from services.router.generation import ServedModel
+from services.router.frontends.kserve_stream import StreamSession, parse_for, whole_text
+from services.router.generation import Core, ServedModel
 from services.kit.serving import abort_with
 
 SERVICE_NAME = "inference.GRPCInferenceService"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Protocol, Union
+from typing import AsyncIterator, Union
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -20,25 +20,13 @@ from common.errors import DisaggError, InvalidRequest
 from common.pb.inference import grpc_service_pb2 as pb
 from services.router.frontends.kserve_model import TEXT_OUTPUT, Reply, check_model
 from services.router.frontends.kserve_request import KserveRequest, parse_request
-from services.router.generation import Event, Finished, GenerationRequest, ServedModel
+from services.router.generation import Core, Finished
 from services.kit.serving import message_of, status_of
 
 log = logging.getLogger(__name__)
 
 # A response to write, the error that ends the whole stream, or None: the client half-closed, all done.
 _Item = Union[pb.ModelStreamInferResponse, InvalidRequest, None]
-
-
-class Core(Protocol):
-    """What the front door needs of the router core (services/router/orchestrator.py)."""
-
-    def served_model(self) -> ServedModel: ...
-
-    def ready(self) -> bool: ...
-
-    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
-
-    def rejected(self, exc: BaseException) -> None: ...
 
 
 def finish_reason(finished: Finished) -> str:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -23,7 +23,7 @@ from common.telemetry import tracing
 from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
                                                        parse_completion)
 from services.router.frontends.openai_responses import Json, Shapes, error_json, error_of
-from services.router.generation import Event, Finished, FinishReason, GenerationRequest, ServedModel, TextDelta
+from services.router.generation import Core, Event, Finished, FinishReason, ServedModel, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +33,6 @@ _SHUTDOWN_S = 5.0  # stop(): how long in-flight responses may take to finish bef
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # a proxy (nginx) must not buffer the stream
 _HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-
-
-class Core(Protocol):
-    def served_model(self) -> ServedModel: ...
-
-    def ready(self) -> bool: ...
-
-    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
-
-    def rejected(self, exc: BaseException) -> None: ...
 
 
 class HttpFrontDoor:
