@@ -6,7 +6,7 @@ from common.errors import InvalidRequest, NotFound
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from common.model_facts import ModelFacts
 from services.router.frontends.grpc_convert import request_from_proto
-from services.router.generation import ServedModel
+from services.router.generation import GenerationRequest, ServedModel
 from services.router.prepare import RequestPreparer
 
 MODEL = ServedModel(name="SmolLM2-135M-Instruct", max_model_len=64)
@@ -17,23 +17,24 @@ def preparer() -> RequestPreparer:
     return RequestPreparer.from_model_dir(default_model_dir())
 
 
-def _request(**kwargs) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(**kwargs)
+def _request(request_id: str = "r", **kwargs) -> GenerationRequest:
+    """The core's request for a disagg.v1 GenerateRequest, as the gRPC front door hands it over."""
+    return request_from_proto(generation_pb2.GenerateRequest(**kwargs), request_id)
 
 
 def test_prompt_chat_and_token_ids_become_token_ids(preparer):
     tok = preparer.tokenizer
-    assert preparer.prepare(request_from_proto(_request(prompt="The sea"), "r"), MODEL).prompt == tok.encode("The sea")
+    assert preparer.prepare(_request(prompt="The sea"), MODEL).prompt == tok.encode("The sea")
     chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="hi")])
-    assert preparer.prepare(request_from_proto(_request(chat=chat), "r"), MODEL).prompt == tok.apply_chat_template(
+    assert preparer.prepare(_request(chat=chat), MODEL).prompt == tok.apply_chat_template(
         [{"role": "user", "content": "hi"}])
     ids = generation_pb2.TokenIds(ids=[1, 2, 3])
-    assert preparer.prepare(request_from_proto(_request(token_ids=ids), "r"), MODEL).prompt == [1, 2, 3]
+    assert preparer.prepare(_request(token_ids=ids), MODEL).prompt == [1, 2, 3]
 
 
 def test_worker_request_ids_are_unique_per_call(preparer):
-    a = preparer.prepare(request_from_proto(_request(prompt="x"), "r1"), MODEL)
-    b = preparer.prepare(request_from_proto(_request(prompt="x"), "r1"), MODEL)
+    a = preparer.prepare(_request("r1", prompt="x"), MODEL)
+    b = preparer.prepare(_request("r1", prompt="x"), MODEL)
     assert a.request_id == b.request_id == "r1" and a.worker_request_id != b.worker_request_id
 
 
@@ -58,13 +59,13 @@ def test_model_facts_read_eos_and_vocab(preparer):
 ])
 def test_bad_requests_are_invalid_argument_with_a_clear_message(preparer, request_kwargs, match):
     with pytest.raises(InvalidRequest, match=match):
-        preparer.prepare(request_from_proto(_request(**request_kwargs), "r"), MODEL)
+        preparer.prepare(_request(**request_kwargs), MODEL)
 
 
 def test_unknown_model_is_not_found_and_names_the_served_one(preparer):
     with pytest.raises(NotFound, match="unknown model 'gpt-9'; this router serves 'SmolLM2-135M-Instruct'"):
-        preparer.prepare(request_from_proto(_request(model="gpt-9", prompt="x"), "r"), MODEL)
-    assert preparer.prepare(request_from_proto(_request(model=MODEL.name, prompt="x"), "r"), MODEL).prompt
+        preparer.prepare(_request(model="gpt-9", prompt="x"), MODEL)
+    assert preparer.prepare(_request(model=MODEL.name, prompt="x"), MODEL).prompt
 
 
 def test_text_input_without_a_tokenizer_asks_for_token_ids():
@@ -72,8 +73,8 @@ def test_text_input_without_a_tokenizer_asks_for_token_ids():
                        max_position_embeddings=512, eos_token_ids=frozenset({2}))
     preparer = RequestPreparer(None, facts)
     with pytest.raises(InvalidRequest, match="no tokenizer.*send token_ids"):
-        preparer.prepare(request_from_proto(_request(prompt="x"), "r"), MODEL)
-    assert preparer.prepare(request_from_proto(_request(token_ids=generation_pb2.TokenIds(ids=[7])), "r"), MODEL).prompt == [7]
+        preparer.prepare(_request(prompt="x"), MODEL)
+    assert preparer.prepare(_request(token_ids=generation_pb2.TokenIds(ids=[7])), MODEL).prompt == [7]
 
 
 def test_a_prompt_too_large_for_any_tokenisation_is_refused_before_it_is_tokenised(preparer, monkeypatch):
@@ -85,10 +86,10 @@ def test_a_prompt_too_large_for_any_tokenisation_is_refused_before_it_is_tokenis
     huge = "word " * 3_000_000  # 15 MB
     with pytest.raises(InvalidRequest, match=r"the prompt has 15000000 characters, at least \d+ tokens; the model's "
                                              r"context is 64 tokens"):
-        preparer.prepare(request_from_proto(_request(prompt=huge), "r"), MODEL)
+        preparer.prepare(_request(prompt=huge), MODEL)
     chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=huge)])
     with pytest.raises(InvalidRequest, match="at least"):
-        preparer.prepare(request_from_proto(_request(chat=chat), "r"), MODEL)
+        preparer.prepare(_request(chat=chat), MODEL)
 
 
 def test_the_token_bound_never_exceeds_the_real_count(preparer):
