@@ -18,8 +18,8 @@ def preparer() -> RequestPreparer:
 
 def _prepare(preparer, max_tokens: int | None):
     sampling = common_pb2.SamplingParams() if max_tokens is None else common_pb2.SamplingParams(max_tokens=max_tokens)
-    return preparer.prepare(request_from_proto(generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1] * 10),
-                                                           sampling=sampling), "r"), MODEL)
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1] * 10), sampling=sampling)
+    return preparer.prepare(request_from_proto(request, "r"), MODEL)
 
 
 def test_max_tokens_beyond_the_context_is_invalid_argument_naming_the_room_left(preparer):

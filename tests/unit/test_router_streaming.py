@@ -4,9 +4,8 @@ import pytest
 from common.engine.default_model import default_model_dir
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from services.router.frontends.grpc_convert import finished_to_proto, request_from_proto
-from services.router.generation import ServedModel
+from services.router.generation import Finished, FinishReason, ServedModel, TextDelta
 from services.router.prepare import RequestPreparer
-from services.router.generation import Finished, FinishReason, TextDelta
 from services.router.streaming import ResponseBuilder
 
 MODEL = ServedModel(name="m", max_model_len=512)
