@@ -16,6 +16,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from common.pb.inference import grpc_service_pb2 as kserve_pb2, grpc_service_pb2_grpc as kserve_grpc
 from services.cli.bench.stats import RequestRecord
 from services.cli.bench.workload import BenchRequest
+from services.router.frontends.kserve_tensors import encode_bytes
 
 API_NAMES = ("grpc", "openai", "kserve")
 
@@ -142,16 +143,12 @@ class KServeClient:
 def _kserve_request(request: BenchRequest, options: SendOptions) -> kserve_pb2.ModelInferRequest:
     sampling = {"max_tokens": request.max_tokens, "temperature": options.temperature, "ignore_eos": options.ignore_eos}
     message = kserve_pb2.ModelInferRequest(model_name=options.model, id=f"bench-{options.run_id}-{request.index}")
-    for name, datatype, raw in (("text_input", "BYTES", _bytes_element(request.prompt_text.encode())),
+    for name, datatype, raw in (("text_input", "BYTES", encode_bytes([request.prompt_text.encode()])),
                                 ("stream", "BOOL", b"\x01"),
-                                ("sampling_parameters", "BYTES", _bytes_element(json.dumps(sampling).encode()))):
+                                ("sampling_parameters", "BYTES", encode_bytes([json.dumps(sampling).encode()]))):
         message.inputs.add(name=name, datatype=datatype, shape=[1])
         message.raw_input_contents.append(raw)
     return message
-
-
-def _bytes_element(value: bytes) -> bytes:
-    return struct.pack("<I", len(value)) + value  # Triton's raw BYTES: each element length-prefixed
 
 
 def _outputs(response: kserve_pb2.ModelInferResponse) -> tuple[str, str]:
