@@ -20,6 +20,7 @@ from common.kv import transport
 from common.kv.transport import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2
 
+# The built-in transports take their `number` from here (common.kv.transports).
 BACKENDS = {"cuda_ipc": common_pb2.TRANSFER_BACKEND_CUDA_IPC, "shm": common_pb2.TRANSFER_BACKEND_SHM,
             "nixl": common_pb2.TRANSFER_BACKEND_NIXL, "grpc": common_pb2.TRANSFER_BACKEND_GRPC}
 PREFERENCE = tuple(BACKENDS)

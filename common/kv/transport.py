@@ -94,6 +94,15 @@ def names() -> tuple[str, ...]:
 
 def create(name: str) -> KvTransport:
     """A new instance of the transport of that name; its module is imported on first use."""
+    return _class_of(name)()
+
+
+def number_of(name: str) -> int:
+    """The TransferBackend a ref or usage names this transport by (UNSPECIFIED for one the enum lacks)."""
+    return _class_of(name).number
+
+
+def _class_of(name: str) -> type[KvTransport]:
     _load_modules()
     if name not in _registered:
         raise InvalidConfig(f"unknown KV transport {name!r}; known: {list(_registered)}")
@@ -101,12 +110,7 @@ def create(name: str) -> KvTransport:
     if isinstance(found, str):
         module, _, cls = found.partition(":")
         found = _registered[name] = getattr(importlib.import_module(module), cls)
-    return found()
-
-
-def number_of(name: str) -> int:
-    """The TransferBackend a ref or usage names this transport by (UNSPECIFIED for one the enum lacks)."""
-    return create(name).number
+    return found
 
 
 def _load_modules() -> None:

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from common.kv import cuda_ipc, direct, gather, shm
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
+from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier, copy_blocks
 from common.kv.fence import EPOCHS_ATTRIBUTE
 from common.kv.transfer import PulledKv, layout_of
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 class CudaIpcTransport(KvTransport):
     name = "cuda_ipc"
-    number = common_pb2.TRANSFER_BACKEND_CUDA_IPC
+    number = BACKENDS[name]
     fences_reads = True
 
     def __init__(self) -> None:

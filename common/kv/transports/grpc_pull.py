@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common.kv.backends import BACKENDS
 from common.kv.transfer import PulledKv
 from common.kv.transport import KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 class GrpcTransport(KvTransport):
     name = "grpc"
-    number = common_pb2.TRANSFER_BACKEND_GRPC
+    number = BACKENDS[name]
 
     async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> PulledKv:

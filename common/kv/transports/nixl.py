@@ -8,7 +8,7 @@ import grpc
 import torch
 
 from common.errors import Unavailable
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
+from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
 from common.kv.chunks import dtype_name, torch_dtype
 from common.kv.transfer import PulledKv, layout_of
 from common.kv.transport import KvTransport
@@ -29,7 +29,7 @@ def nixl_unavailable_reason() -> str | None:
 
 class NixlTransport(KvTransport):
     name = "nixl"
-    number = common_pb2.TRANSFER_BACKEND_NIXL
+    number = BACKENDS[name]
 
     def __init__(self) -> None:
         self._exporter = None  # the exporter's agent, made on the first share

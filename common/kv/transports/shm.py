@@ -7,6 +7,7 @@ import grpc
 import torch
 
 from common.kv import shm
+from common.kv.backends import BACKENDS
 from common.kv.transfer import PulledKv
 from common.kv.transport import KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 class ShmTransport(KvTransport):
     name = "shm"
-    number = common_pb2.TRANSFER_BACKEND_SHM
+    number = BACKENDS[name]
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None if shm.host_id() else "no /dev/shm or host id here"
