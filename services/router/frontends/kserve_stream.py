@@ -8,25 +8,21 @@ cancels every request on it, which frees their KV on every worker.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Union
+from typing import AsyncIterator
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from common.errors import DisaggError, InvalidRequest
 from common.pb.inference import grpc_service_pb2 as pb
 from services.router.frontends.kserve_model import TEXT_OUTPUT, Reply, check_model
 from services.router.frontends.kserve_request import KserveRequest, parse_request
+from services.router.frontends.stream_tasks import StreamTasks
 from services.router.generation import Core, Finished
 from services.kit.serving import message_of, status_of
 
 log = logging.getLogger(__name__)
-
-# A response to write, the error that ends the whole stream, or None: the client half-closed, all done.
-_Item = Union[pb.ModelStreamInferResponse, InvalidRequest, None]
 
 
 def finish_reason(finished: Finished) -> str:
@@ -73,37 +69,13 @@ class StreamSession:
     def __init__(self, core: Core, context: grpc.aio.ServicerContext):
         self._core = core
         self._context = context
-        self._tasks: set[asyncio.Task] = set()
-        self._out: asyncio.Queue[_Item] = asyncio.Queue()
-        self._reading = True
+        self._tasks = StreamTasks("ModelInferRequest")
 
     async def serve(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
         """Until the client half-closed and every request finished. Raises InvalidRequest for bytes that are
         no ModelInferRequest; leaving early (the call cancelled) cancels every request."""
-        reader = asyncio.create_task(self._read(requests))
-        try:
-            while (item := await self._out.get()) is not None:
-                if isinstance(item, InvalidRequest):
-                    raise item
-                await self._context.write(item)
-        finally:
-            reader.cancel()
-            tasks = list(self._tasks)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(reader, *tasks, return_exceptions=True)
-
-    async def _read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
-        try:
-            async for request in requests:
-                task = asyncio.create_task(self._run(request))
-                self._tasks.add(task)
-                task.add_done_callback(self._done)  # not a `finally`: a task cancelled before it ran has none
-        except DecodeError as exc:
-            self._out.put_nowait(InvalidRequest(f"could not parse a ModelInferRequest: {exc}"))
-        finally:
-            self._reading = False
-            self._end_if_idle()
+        await self._tasks.serve(requests, lambda request: self._tasks.start(self._run(request)),
+                                 self._context.write)
 
     async def _run(self, request: pb.ModelInferRequest) -> None:
         reply = Reply(request.model_name, request.id)
@@ -118,7 +90,7 @@ class StreamSession:
         except Exception as exc:
             if status_of(exc) is grpc.StatusCode.INTERNAL:
                 log.exception("KServe request %r failed", request.id)
-            self._out.put_nowait(reply.error(error_text(exc)))
+            self._tasks.send(reply.error(error_text(exc)))
 
     async def _stream(self, request: KserveRequest) -> None:
         reply = request.reply
@@ -128,17 +100,9 @@ class StreamSession:
                 if isinstance(event, Finished):
                     self._finish(request, reply.response("", finish_reason(event)))
                 elif event.text and TEXT_OUTPUT in reply.outputs:  # text may lag a token: nothing to send yet
-                    self._out.put_nowait(reply.stream_response(reply.response(event.text), final=False))
+                    self._tasks.send(reply.stream_response(reply.response(event.text), final=False))
 
     def _finish(self, request: KserveRequest, response: pb.ModelInferResponse) -> None:
-        self._out.put_nowait(request.reply.stream_response(response, final=not request.empty_final))
+        self._tasks.send(request.reply.stream_response(response, final=not request.empty_final))
         if request.empty_final:
-            self._out.put_nowait(request.reply.empty_final())
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        self._end_if_idle()
-
-    def _end_if_idle(self) -> None:
-        if not self._reading and not self._tasks:
-            self._out.put_nowait(None)
+            self._tasks.send(request.reply.empty_final())
