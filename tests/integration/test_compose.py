@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from tests.consul_double import ConsulDouble
 from tests.hf_reference import hf_greedy
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import REPO_ROOT, ServiceProcess
+from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port
 from tests.integration.test_router import make_text_model
 
 COMPOSE_DIR = REPO_ROOT / "deploy" / "compose"
@@ -49,12 +48,6 @@ def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run([str(COMPOSE), "-f", str(COMPOSE_FILE), *args], env={**base, **(env or {})},
                           capture_output=True, text=True, timeout=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_compose_config_is_valid_for_every_profile():
@@ -167,11 +160,11 @@ def _start_order(services: dict[str, dict]) -> list[list[str]]:
 
 def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins):
     model = str(make_text_model(tmp_path / "tiny-text"))
-    router_port, http_port = _free_port(), _free_port()
+    router_port, http_port = free_port(), free_port()
     variables = {"COMPOSE_PROFILES": "cpu", "DISAGG_MODEL": model, "OMP_NUM_THREADS": "1", "NUM_KV_BLOCKS": "128",
                  "ROUTER_PORT": str(router_port), "ROUTER_GRPC_PORT": str(router_port),
                  "ROUTER_HTTP_PORT": str(http_port), "ROUTER_HTTP_LISTEN_PORT": str(http_port),
-                 **{f"{role}_{kind}_PORT": str(_free_port()) for role in ("PREFILL", "DECODE", "ROUTER")
+                 **{f"{role}_{kind}_PORT": str(free_port()) for role in ("PREFILL", "DECODE", "ROUTER")
                     for kind in ("METRICS",) + (("GRPC",) if role != "ROUTER" else ())}}
     rendered = _compose("config", "--format", "json", env=variables)
     assert rendered.returncode == 0, rendered.stderr

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import wait_for
+from tests.integration.processes import free_port
 from tests.integration.test_compose import COMPOSE, COMPOSE_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
@@ -88,12 +88,6 @@ def test_model_files_in_the_image_are_readable_by_its_user(docker, images):
     assert uid == "10001" and readable == total and int(total) >= 5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str):
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.load(response)
@@ -104,7 +98,7 @@ class Stack:
 
     def __init__(self, docker: str) -> None:
         self.docker = docker
-        self.ports = {name: _free_port() for name in ("ROUTER_PORT", "ROUTER_HTTP_PORT", "CONSUL_UI_PORT",
+        self.ports = {name: free_port() for name in ("ROUTER_PORT", "ROUTER_HTTP_PORT", "CONSUL_UI_PORT",
                                                       "JAEGER_UI_PORT", "PROMETHEUS_PORT")}
         self.env = {"COMPOSE_PROJECT_NAME": f"disagg-test-{os.getpid()}", "COMPOSE_PROFILES": "cpu",
                     "OMP_NUM_THREADS": "1", "NUM_KV_BLOCKS": "256", **{k: str(v) for k, v in self.ports.items()}}

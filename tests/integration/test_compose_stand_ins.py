@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 import urllib.request
 from concurrent import futures
@@ -25,13 +24,7 @@ from tests.consul_double import ConsulDouble
 from tests.integration.compose_stand_ins import jaeger_query, json_server, run_prometheus
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import REPO_ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.integration.processes import REPO_ROOT, free_port
 
 
 def _get(url: str):
@@ -63,14 +56,14 @@ def service_serving_metrics():
 def test_prometheus_stand_in_scrapes_the_metrics_port_a_passing_service_registers(tmp_path, service_serving_metrics):
     grpc_port, metrics_port = service_serving_metrics
     double = ConsulDouble().start()
-    for service_id, port in (("decode-1", grpc_port), ("decode-gone", _free_port())):  # the second fails its check
+    for service_id, port in (("decode-1", grpc_port), ("decode-gone", free_port())):  # the second fails its check
         double.register({"Name": "disagg-decode", "ID": service_id, "Address": "127.0.0.1", "Port": port,
                          "Meta": {"metrics_port": str(metrics_port)},
                          "Check": {"GRPC": f"127.0.0.1:{port}", "Interval": "1s", "Timeout": "1s"}})
     config = tmp_path / "prometheus.yml"
     config.write_text((REPO_ROOT / "deploy/compose/prometheus.yml").read_text().replace("consul:8500", double.address))
-    listen, stop = f"127.0.0.1:{_free_port()}", threading.Event()
-    prometheus = threading.Thread(target=run_prometheus, args=(str(config), stop, listen, _free_port(), str(tmp_path)))
+    listen, stop = f"127.0.0.1:{free_port()}", threading.Event()
+    prometheus = threading.Thread(target=run_prometheus, args=(str(config), stop, listen, free_port(), str(tmp_path)))
     prometheus.start()
     try:
         def scraped() -> list[dict]:

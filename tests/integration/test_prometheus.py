@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -16,7 +15,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import metrics_url, scrape, wait_for
-from tests.integration.processes import ServiceProcess, start_service, start_services
+from tests.integration.processes import ServiceProcess, free_port, start_service, start_services
 from tests.integration.test_router import make_text_model
 
 PROMETHEUS = shutil.which("prometheus")
@@ -25,12 +24,6 @@ MAX_TOKENS = 4
 
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed "
                                                            "(deploy/install.sh installs the Debian package)")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def prometheus(services, tmp_path_factory) -> Iterator[str]:
     config = {"global": {"scrape_interval": "500ms", "scrape_timeout": "400ms"},
               "scrape_configs": [{"job_name": "disagg", "static_configs": [{"targets": targets}]}]}
     (root / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

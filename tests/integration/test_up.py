@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
 from services.cli.up import check_port_free
 from tests.integration.observed import wait_for
-from tests.integration.processes import REPO_ROOT, start_services
+from tests.integration.processes import REPO_ROOT, free_port, start_services
 from tests.integration.test_router import make_text_model
 
 BANNER = re.compile(r"disagg is up: router on (\S+)")
@@ -76,9 +75,7 @@ def _metrics_urls(up: Up) -> dict[str, str]:
 def _free_port_run(count: int) -> int:
     """The first of `count` consecutive ports that are free now."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
+        base = free_port()
         if base + count <= 65535 and all(check_port_free("127.0.0.1", base + i) is None for i in range(count)):
             return base
 
