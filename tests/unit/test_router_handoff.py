@@ -1,4 +1,4 @@
-"""The router's handoff when the client leaves while a Prefill or Encode call runs: the call is let answer (or
+"""The router's handoff when the client leaves while a Prefill or Encode call runs: the call is let answer (not
 cancelled), what its answer names is released, and a call that fails afterwards leaves no error behind for
 nobody to read ("Task exception was never retrieved … NOT_FOUND: embedding handle … expired", seen in a run)."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ class _Pool:
 
 
 class _Call:
-    """A unary call that answers (or fails) after `delay_s`; cancel() works until then."""
+    """A unary call that answers (or fails) after `delay_s`."""
 
     def __init__(self, outcome, delay_s: float) -> None:
         self._task = asyncio.ensure_future(self._run(outcome, delay_s))
@@ -41,9 +41,6 @@ class _Call:
 
     def __await__(self):
         return self._task.__await__()
-
-    def cancel(self) -> bool:
-        return self._task.cancel()
 
 
 class _Images:
