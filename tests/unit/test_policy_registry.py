@@ -8,16 +8,21 @@ import asyncio
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import ClassVar
 
 import grpc
 
 from common.discovery import Role, StaticDiscovery
+from common.engine.request import SamplingParams
 from common.pb.disagg.v1 import worker_pb2
 from services.router import policies
 from services.router.config import RouterConfig, add_router_args
+from services.router.deadline import Deadline
 from services.router.disagg_decision import DisaggConfig, PrefillPlacement
+from services.router.handoff import Handoff
 from services.router.orchestrator import Orchestrator
+from services.router.prepare import PreparedRequest
 from services.router.server import worker_pool
 from services.router.workers import WorkerClient
 from services.cli.up import parse_args
@@ -109,6 +114,27 @@ def test_the_prefill_placement_counts_what_the_policy_predicts_as_cached():
 
     assert asyncio.run(remote(12)) is False  # 4 uncached after the 8 the policy says decode holds
     assert asyncio.run(remote(13)) is True
+
+
+def test_the_handoff_charges_the_prefill_worker_only_what_the_policy_predicts_uncached():
+    policy = LastByEndpoint(Role.PREFILL, policies.PolicyContext())
+    handoff = Handoff(pool=None, prefill_policy=policy, policy_name="last_by_endpoint")
+    request = PreparedRequest("r", "r-1", prompt=list(range(12)), max_model_len=64, params=SamplingParams())
+    charged: list[int] = []
+
+    async def prefill() -> tuple[int, int]:
+        worker = _worker(Role.PREFILL, "p:1")
+
+        async def call(request, timeout=None) -> worker_pb2.PrefillResponse:
+            charged.append(worker.pending_prefill_tokens)  # while the call runs
+            return worker_pb2.PrefillResponse(first_token=3)
+
+        worker.prefiller = SimpleNamespace(Prefill=call)
+        ready = await handoff.prefill(worker, request, Deadline.of(0, None))
+        return ready.first_token, worker.pending_prefill_tokens
+
+    assert asyncio.run(prefill()) == (3, 0)
+    assert charged == [4]  # 12 prompt tokens less the 8 the policy says the worker caches
 
 
 def test_a_router_process_takes_a_policy_from_a_module_named_in_the_environment():
