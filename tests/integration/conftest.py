@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
+from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import ServiceProcess, start_services
 
 # Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
@@ -69,6 +70,16 @@ def service_factory() -> Iterator[ServiceFactory]:
         yield factory
     finally:
         factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    """An OTLP trace receiver on loopback for a module's processes (env=receiver.export_env)."""
+    receiver = OtlpReceiver().start()
+    try:
+        yield receiver
+    finally:
+        receiver.stop()
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,11 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def export_env(self) -> dict[str, str]:
+        """The environment that makes a disagg process export its spans here."""
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+
     def start(self) -> "OtlpReceiver":
         self._server.start()
         return self

@@ -20,7 +20,6 @@ import pytest
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.front_doors import WORKER_LINE
 from tests.integration.observed import wait_for
-from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import ServiceProcess, free_port, start_services, stop_cleanly
 from tests.integration.test_up import Up
 from tests.tiny_llava import make_tiny_llava, png_bytes
@@ -141,10 +140,8 @@ def _bad_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if BAD.search(line)]
 
 
-def test_a_normal_mixed_run_logs_no_error_and_no_traceback(tmp_path):
-    receiver = OtlpReceiver().start()
-    env = {"OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-           "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+def test_a_normal_mixed_run_logs_no_error_and_no_traceback(tmp_path, receiver):
+    env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
     model = str(make_tiny_llava(tmp_path / "llava"))
     ups, others = _start_ups(model, env), []
     try:
@@ -159,7 +156,6 @@ def test_a_normal_mixed_run_logs_no_error_and_no_traceback(tmp_path):
                  <= {s.service for s in receiver.spans} or None, 20, "spans from every kind of service")
     finally:
         codes = [up.stop() for up, _ in ups] + [p.stop() for p in others]
-        receiver.stop()
     logs = {" ".join(up.popen.args[3:]): "".join(up.lines) for up, _ in ups} | {p.name: p.log() for p in others}
     assert codes == [0] * len(codes), logs
     bad = {name: _bad_lines(log) for name, log in logs.items() if _bad_lines(log)}

@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from tests.consul_double import ConsulDouble
 from tests.integration.compose_stand_ins import jaeger_query, json_server, run_prometheus
 from tests.integration.observed import wait_for
-from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import REPO_ROOT, free_port
 
 
@@ -83,8 +82,7 @@ def test_prometheus_stand_in_scrapes_the_metrics_port_a_passing_service_register
     assert not prometheus.is_alive()
 
 
-def test_jaeger_stand_in_answers_the_query_api_with_one_trace_across_services():
-    receiver = OtlpReceiver().start()
+def test_jaeger_stand_in_answers_the_query_api_with_one_trace_across_services(receiver):
     query = json_server("127.0.0.1", 0, jaeger_query(receiver))
     try:
         providers = {name: TracerProvider(resource=Resource.create({"service.name": name}))
@@ -107,4 +105,3 @@ def test_jaeger_stand_in_answers_the_query_api_with_one_trace_across_services():
                                          "spanID": format(root.get_span_context().span_id, "016x")}]
     finally:
         query.shutdown()
-        receiver.stop()

@@ -22,20 +22,10 @@ SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    receiver = OtlpReceiver().start()
-    try:
-        yield receiver
-    finally:
-        receiver.stop()
-
-
-@pytest.fixture(scope="module")
 def traced(tmp_path_factory, receiver) -> Iterator[ServiceProcess]:
     """prefill + decode + router exporting to the receiver; the router under its own OTEL_SERVICE_NAME."""
     model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-    env = {"OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-           "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
     processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
     try:
         prefill, decode = processes

@@ -18,7 +18,6 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import scrape, wait_for
-from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, start_services
 from tests.integration.test_router import make_text_model
 
@@ -37,15 +36,6 @@ LONG = "the lighthouse keeper said that the sea was calm tonight and every ship 
 SHORT = "the harbour master said"
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    receiver = OtlpReceiver().start()
-    try:
-        yield receiver
-    finally:
-        receiver.stop()
-
-
 @dataclass
 class Stack:
     model: str
@@ -60,8 +50,7 @@ class Stack:
 def stack(tmp_path_factory, receiver) -> Iterator[Stack]:
     """prefill + decode + a router (HTTP on) that runs prompts shorter than MIN_REMOTE tokens aggregated."""
     model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-    env = {"OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-           "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
     processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
     try:
         prefill, decode = processes
