@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
@@ -92,13 +93,18 @@ def _up(*flags: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_up_refuses_a_busy_router_port_in_one_line_before_starting_anything():
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port that something listens on for the whole test."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
-        started = time.monotonic()
-        result = _up("--router-port", str(port), "--model", "/does/not/matter")
+        yield busy.getsockname()[1]
+
+
+def test_up_refuses_a_busy_router_port_in_one_line_before_starting_anything(busy_port):
+    port, started = busy_port, time.monotonic()
+    result = _up("--router-port", str(port), "--model", "/does/not/matter")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"127.0.0.1:{port} is already in use" in result.stderr and "--router-port" in result.stderr
     assert time.monotonic() - started < 60  # no model was loaded
@@ -147,12 +153,9 @@ def test_run_refuses_a_bad_sampling_flag_in_one_line_before_loading_the_model(fl
     assert "Traceback" not in result.stdout + result.stderr
 
 
-def test_up_refuses_a_busy_http_port_in_one_line():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        result = _up("--router-port", "0", "--http-port", str(port), "--model", "/does/not/matter")
+def test_up_refuses_a_busy_http_port_in_one_line(busy_port):
+    port = busy_port
+    result = _up("--router-port", "0", "--http-port", str(port), "--model", "/does/not/matter")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert f"127.0.0.1:{port} is already in use; choose another port with --http-port (0 turns it off)" in result.stderr
 
@@ -172,12 +175,9 @@ def test_up_refuses_metrics_ports_that_overlap_the_routers_in_one_line(flag):
                                          f"which include {flag} 60002; choose another base")
 
 
-def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        result = _up("--router-port", "0", "--metrics-port-base", str(port), "--model", "/does/not/matter")
+def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(busy_port):
+    port = busy_port
+    result = _up("--router-port", "0", "--metrics-port-base", str(port), "--model", "/does/not/matter")
     assert result.returncode == 2 and result.stderr == (
         f"disagg up: 127.0.0.1:{port} (router's metrics port) is already in use; choose another --metrics-port-base "
         "(or leave it out: free ports)\n"), result.stderr
