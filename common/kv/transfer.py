@@ -132,24 +132,27 @@ def _raw_pull(channel: grpc.aio.Channel, request: worker_pb2.PullRequest, timeou
 
 
 async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, max_chunk_bytes: int = 0,
-                  timeout_s: float | None = None, backend: str | None = None,
-                  allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
-    """Pull a session's blocks (does not release it). `target` is a channel that accepts messages
-    of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint. `backend` "shm" or "grpc"
-    (None: shm when the exporter is on this host, else grpc); `allocate` gives the receive buffer.
-    Raises grpc.aio.AioRpcError from the exporter (NOT_FOUND when expired), LayoutMismatch /
-    InvalidRequest on a bad stream, ShmUnavailable when an explicit shm pull cannot be made."""
+                  timeout_s: float | None = None) -> PulledKv:
+    """Pull a session's blocks (does not release it) the simplest way that works: through /dev/shm when the
+    exporter is on this host and can write there, else as chunks. The transports (common.kv.transports) call
+    pull_shm or pull_chunks themselves; this is for tools and tests."""
+    if shm.same_host(ref.attributes):
+        try:
+            return await pull_shm(target, ref, timeout_s=timeout_s)
+        except shm.ShmUnavailable as exc:
+            log.info("shm pull of KV session %s refused (%s); pulling over gRPC", ref.session_id, exc)
+    return await pull_chunks(target, ref, max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s)
+
+
+async def pull_chunks(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, max_chunk_bytes: int = 0,
+                      timeout_s: float | None = None,
+                      allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
+    """Pull a session's blocks as TensorStore.Pull chunks (does not release it). `target` is a channel that
+    accepts messages of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint; `allocate` gives the
+    receive buffer. Raises grpc.aio.AioRpcError from the exporter (NOT_FOUND when expired), LayoutMismatch /
+    InvalidRequest on a bad stream."""
     check_pullable(ref)
     start = time.perf_counter()
-    if backend == "shm" or (backend is None and shm.same_host(ref.attributes)):
-        try:
-            return await _pull_shm(target, ref, start, timeout_s, allocate)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            if backend == "shm":
-                raise shm.ShmUnavailable(f"the exporter cannot write into this host's /dev/shm: {exc.details()}") from None
-            log.info("shm pull of KV session %s refused (%s); pulling over gRPC", ref.session_id, exc.details())
     assembler = ChunkAssembler(allocate)
     async with _open(target) as channel:
         request = worker_pb2.PullRequest(handle=ref.session_id, max_chunk_bytes=max_chunk_bytes)
@@ -160,19 +163,27 @@ async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, 
     return PulledKv(export, len(assembler.buffer), time.perf_counter() - start)
 
 
-async def _pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, start: float,
-                    timeout_s: float | None, allocate: Callable[[int], torch.Tensor] | None) -> PulledKv:
-    """The exporter writes into a /dev/shm file of ours and answers just the header."""
-    with shm.shm_file() as path:
-        async with _open(target) as channel:
-            request = worker_pb2.PullRequest(handle=ref.session_id, shm_path=str(path))
-            chunks = [c async for c in worker_pb2_grpc.TensorStoreStub(channel).Pull(request, timeout=timeout_s)]
-        if len(chunks) != 1 or not chunks[0].HasField("header") or chunks[0].data:
-            raise InvalidRequest(f"an shm pull of session {ref.session_id} must answer one header-only chunk, "
-                                 f"got {len(chunks)} chunks")
-        header, total = chunks[0].header, chunks[0].total_bytes
-        buffer = (allocate or (lambda n: torch.empty(n, dtype=torch.uint8)))(total)
-        await asyncio.to_thread(shm.read_into, path, buffer)
+async def pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, timeout_s: float | None = None,
+                   allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
+    """Pull a session's blocks (does not release it): the exporter writes them into a /dev/shm file of ours and
+    answers just the header. Raises as pull_chunks does, and ShmUnavailable when the exporter cannot write there."""
+    check_pullable(ref)
+    start = time.perf_counter()
+    try:
+        with shm.shm_file() as path:
+            async with _open(target) as channel:
+                request = worker_pb2.PullRequest(handle=ref.session_id, shm_path=str(path))
+                chunks = [c async for c in worker_pb2_grpc.TensorStoreStub(channel).Pull(request, timeout=timeout_s)]
+            if len(chunks) != 1 or not chunks[0].HasField("header") or chunks[0].data:
+                raise InvalidRequest(f"an shm pull of session {ref.session_id} must answer one header-only chunk, "
+                                     f"got {len(chunks)} chunks")
+            header, total = chunks[0].header, chunks[0].total_bytes
+            buffer = (allocate or (lambda n: torch.empty(n, dtype=torch.uint8)))(total)
+            await asyncio.to_thread(shm.read_into, path, buffer)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise
+        raise shm.ShmUnavailable(f"the exporter cannot write into this host's /dev/shm: {exc.details()}") from None
     blocks = buffer.view(torch_dtype(header.dtype)).reshape(tuple(header.shape)) if total else \
         tensor_from_bytes(bytearray(), header.shape, header.dtype)
     export = kv_from_pull(header, blocks, ref)

@@ -10,7 +10,7 @@ import torch
 from common.kv import gather, transport
 from common.kv.chunks import dtype_name
 from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv, pull_kv, release_quietly
+from common.kv.transfer import PulledKv, pull_chunks, release_quietly
 from common.kv.transports.one_sided import open_share
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
@@ -46,8 +46,8 @@ class FakeTransport(transport.KvTransport):
         share = await open_share(channel, ref, NAME)
         if share.transport != NAME or share.payload != NAME.encode():
             raise transport.BackendUnavailable(f"the exporter shared {share.transport!r}, not the fake transport")
-        pulled = await pull_kv(channel, ref, max_chunk_bytes=int(share.attributes["chunk_bytes"]),
-                               timeout_s=timeout_s, backend="grpc")
+        pulled = await pull_chunks(channel, ref, max_chunk_bytes=int(share.attributes["chunk_bytes"]),
+                                   timeout_s=timeout_s)
         blocks = await gather.to_device(pulled.export.blocks, device)
         export = KvExport(pulled.export.layout, pulled.export.num_tokens, blocks)
         return PulledKv(export, pulled.num_bytes, pulled.seconds, NAME)

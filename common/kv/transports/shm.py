@@ -8,7 +8,7 @@ import torch
 
 from common.kv import shm
 from common.kv.backends import BACKENDS
-from common.kv.transfer import PulledKv
+from common.kv.transfer import PulledKv, pull_shm
 from common.kv.transport import KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
 from common.pb.disagg.v1 import common_pb2
@@ -29,7 +29,7 @@ class ShmTransport(KvTransport):
 
     async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> PulledKv:
-        return await pull_two_sided(puller, channel, ref, self.name, timeout_s)
+        return await pull_two_sided(puller, channel, ref, self.name, pull_shm, timeout_s)
 
     async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
-        return await probe_two_sided(puller, channel, probe, self.name)
+        return await probe_two_sided(puller, channel, probe, pull_shm)

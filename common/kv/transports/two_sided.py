@@ -3,25 +3,32 @@ the exporter reads its own blocks, so the session is released once they have arr
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import grpc
+import torch
 
 from common.kv import gather
 from common.kv.backends import BackendUnavailable
 from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv, pull_kv, release_quietly
+from common.kv.transfer import PulledKv, release_quietly
 from common.pb.disagg.v1 import common_pb2
 
 if TYPE_CHECKING:
     from common.kv.pull import KvPuller
 
+# common.kv.transfer.pull_chunks or pull_shm: (channel, ref, timeout_s=, allocate=) → the session's blocks.
+Pull = Callable[..., Awaitable[PulledKv]]
+
+
+def _pinned(puller: "KvPuller") -> Callable[[int], torch.Tensor]:
+    return lambda n: gather.pinned_empty(n, puller.device)
+
 
 async def pull_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
-                         timeout_s: float | None) -> PulledKv:
+                         pull: Pull, timeout_s: float | None) -> PulledKv:
     try:
-        pulled = await pull_kv(channel, ref, timeout_s=timeout_s, backend=name,
-                               allocate=lambda n: gather.pinned_empty(n, puller.device))
+        pulled = await pull(channel, ref, timeout_s=timeout_s, allocate=_pinned(puller))
         blocks = await gather.to_device(pulled.export.blocks, puller.device)
     except BackendUnavailable:
         raise  # the session stays pinned for the next transport
@@ -34,8 +41,7 @@ async def pull_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: com
 
 
 async def probe_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef,
-                          name: str) -> int:
-    pulled = await pull_kv(channel, probe, backend=name, allocate=lambda n: gather.pinned_empty(n, puller.device),
-                           timeout_s=30)
+                          pull: Pull) -> int:
+    pulled = await pull(channel, probe, timeout_s=30, allocate=_pinned(puller))
     await gather.to_device(pulled.export.blocks, puller.device)
     return pulled.num_bytes
