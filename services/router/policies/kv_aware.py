@@ -43,16 +43,29 @@ class KvAware:
 
     def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
         """The prompt tokens the worker's prefix cache holds, as far as its events tell."""
-        block_size = worker.info.block_size
-        return self.index.overlap_blocks(worker.endpoint, hash_blocks(prompt, block_size)) * block_size
+        return self._cached_blocks(worker, hash_blocks(prompt, worker.info.block_size)) * worker.info.block_size
 
-    def cost(self, worker: WorkerClient, prompt: list[int]) -> float:
+    def cost(self, worker: WorkerClient, prompt: list[int], hashes: list[int] | None = None) -> float:
+        """`hashes`: the prompt's block hashes at the worker's block size, when the caller has them already."""
         block_size = worker.info.block_size
-        new_blocks = max(-(-len(prompt) // block_size) - self.cached_tokens(worker, prompt) // block_size, 0)
+        if hashes is None:
+            hashes = hash_blocks(prompt, block_size)
+        new_blocks = max(-(-len(prompt) // block_size) - self._cached_blocks(worker, hashes), 0)
         queued_blocks = worker.pending_prefill_tokens / block_size
         return self.weights.overlap * new_blocks + self.weights.load * queued_blocks
 
     async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
         if prompt is None:
             return min(workers, key=lambda w: (w.pending_prefill_tokens, w.endpoint))
-        return min(workers, key=lambda w: (self.cost(w, prompt), w.endpoint))
+        by_block_size: dict[int, list[int]] = {}  # the prompt hashed once per block size, not once per worker
+
+        def cost(worker: WorkerClient) -> float:
+            size = worker.info.block_size
+            if size not in by_block_size:
+                by_block_size[size] = hash_blocks(prompt, size)
+            return self.cost(worker, prompt, by_block_size[size])
+
+        return min(workers, key=lambda w: (cost(w), w.endpoint))
+
+    def _cached_blocks(self, worker: WorkerClient, hashes: list[int]) -> int:
+        return self.index.overlap_blocks(worker.endpoint, hashes)
