@@ -68,7 +68,7 @@ class Scheduler:
             budget = self.max_num_batched_tokens - batch.num_tokens
             if budget <= 0:
                 break
-            if request not in self.running:
+            if request in batch.preempted:
                 continue  # preempted by an earlier row of this step
             n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
             if not self._allocate_or_preempt(request, n, batch):
