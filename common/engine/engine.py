@@ -10,7 +10,7 @@ from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.model_runner import ModelRunner, StepLaunch
 from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
-                                   SamplingParams, TokenLogprob)
+                                   SamplingParams, TokenLogprob, check_fits_context)
 from common.engine.scheduler import Scheduler
 from common.engine.stopping import StopRule
 from common.engine.interface import EngineLoad, KvBlocks
@@ -94,9 +94,7 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         if not prompt:
             raise InvalidRequest("prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is {self.max_model_len} "
-                                 "tokens, which must also hold at least one generated token")
+        check_fits_context(len(prompt), None, self.max_model_len)
         if -(-(len(prompt) + 1) // self.config.block_size) > self.block_manager.num_blocks:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens; the KV pool holds only "
                                  f"{self.block_manager.num_blocks * self.config.block_size}")
