@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import islice
 
+from common.engine.interface import KvBlocks
 from common.engine.request import Request
 from common.kv.block_hash import ROOT_HASH, hash_block, hash_blocks
 from common.kv.events import KvEventLog
@@ -104,6 +105,10 @@ class BlockManager:
             for block_id in chosen:
                 self._take_fresh(block_id)
         return chosen
+
+    def kv_blocks(self, cache) -> KvBlocks:
+        """This pool and the paged `cache` its block ids index, as the KV data plane sees them."""
+        return KvBlocks(cache, self.reserve, self.free_block_ids, self.count_reuse)
 
     def count_reuse(self, epochs: BlockEpochs | None) -> None:
         """Bump each block's epoch in `epochs` from now on (None: stop, before the table is closed)."""

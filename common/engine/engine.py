@@ -266,8 +266,7 @@ class LLMEngine:
         return self.runner.kv_cache
 
     def kv_blocks(self) -> KvBlocks:
-        manager = self.block_manager
-        return KvBlocks(self.kv_cache, manager.reserve, manager.free_block_ids, manager.count_reuse)
+        return self.block_manager.kv_blocks(self.kv_cache)
 
     def lease_session(self, session_id: str, block_ids: list[int] | None = None) -> list[int]:
         """Start an export: the session's blocks (or `block_ids`, a subset) stay pinned, also through a

@@ -72,8 +72,7 @@ def prefill_session(stub: worker_pb2_grpc.PrefillerStub, tokens: int, rng: rando
 def local_blocks(ref: common_pb2.KvSessionRef, num_blocks: int) -> KvBlocks:
     """A decode engine's cache and pool as the puller sees them (KvBlocks): cuda_ipc copies straight into it."""
     cache = torch.empty(layout_of(ref).block_shape(num_blocks), dtype=torch_dtype(ref.dtype), device="cuda")
-    manager = BlockManager(num_blocks, ref.block_size)
-    return KvBlocks(cache, manager.reserve, manager.free_block_ids, manager.count_reuse)
+    return BlockManager(num_blocks, ref.block_size).kv_blocks(cache)
 
 
 async def pull_backend(address: str, backend: str, tokens: int, repeats: int) -> dict:

@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
-from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import block_copy, block_copy_triton, direct  # noqa: E402
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs  # noqa: E402
 from common.kv.layout import KvLayout  # noqa: E402
@@ -74,8 +73,7 @@ def host_ms(call, repeats: int = 30) -> float:
 def import_ms(src: torch.Tensor, n: int, block_size: int, repeats: int = 30) -> float:
     epochs = BlockEpochs.create(src.shape[2])
     local = torch.empty((*src.shape[:2], 2 * n + 2, *src.shape[3:]), dtype=src.dtype, device="cuda")
-    manager = BlockManager(2 * n + 2, block_size)
-    blocks = KvBlocks(local, manager.reserve, manager.free_block_ids, manager.count_reuse)
+    blocks = BlockManager(2 * n + 2, block_size).kv_blocks(local)
     ref = common_pb2.KvSessionRef(session_id="s", endpoint="local", num_tokens=n * block_size - 3,
                                   block_size=block_size, block_ids=list(range(100, 100 + n)),
                                   attributes={EPOCH_ATTRIBUTE: "0"})
