@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.engine.models.checkpoint import load_config
+from common.engine.models.contract import CausalLM
 from common.engine.models.loader import load_model
 from common.engine.models.registry import MODELS, architecture_of, model_class
 from common.errors import InvalidConfig
@@ -16,6 +17,7 @@ from common.errors import InvalidConfig
 def test_every_registered_family_is_a_model_class():
     for name in MODELS:
         cls = model_class(type("C", (), {"architectures": [name], "model_type": ""})())
+        assert issubclass(cls, CausalLM) and not cls.__abstractmethods__, name
         assert callable(cls.forward) and callable(cls.kv_shape)
 
 
