@@ -158,5 +158,5 @@ def test_a_normal_mixed_run_logs_no_error_and_no_traceback(tmp_path, receiver):
         codes = [up.stop() for up, _ in ups] + [p.stop() for p in others]
     logs = {" ".join(up.popen.args[3:]): "".join(up.lines) for up, _ in ups} | {p.name: p.log() for p in others}
     assert codes == [0] * len(codes), logs
-    bad = {name: _bad_lines(log) for name, log in logs.items() if _bad_lines(log)}
+    bad = {name: lines for name, log in logs.items() if (lines := _bad_lines(log))}
     assert not bad, "\n\n".join(f"{name}:\n{log}" for name, log in logs.items() if name in bad)
