@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Sequence
 
 from common.errors import InvalidRequest, NotFound
+from common.kv.shm import SHM_DIR, named_file
 
 EPOCHS_ATTRIBUTE = "kv_epochs"  # the exporter's table (a path under /dev/shm)
 EPOCH_ATTRIBUTE = "kv_epoch"  # a session's blocks' epoch sum when it was pinned
-SHM_DIR = Path("/dev/shm")
 PREFIX = "disagg-epochs-"
 _WORD = 8
 
@@ -66,9 +66,7 @@ class BlockEpochs:
     @classmethod
     def open(cls, path_text: str, num_blocks: int) -> "BlockEpochs":
         """An exporter's table, read-only; only files this module makes are opened."""
-        path = Path(path_text)
-        if path.parent != SHM_DIR or not path.name.startswith(PREFIX) or "/" in path.name:
-            raise InvalidRequest(f"{EPOCHS_ATTRIBUTE} must name a file {SHM_DIR}/{PREFIX}*, got {path_text!r}")
+        path = named_file(path_text, PREFIX, EPOCHS_ATTRIBUTE)
         try:
             return cls(path, num_blocks, writable=False)
         except OSError as exc:

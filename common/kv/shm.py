@@ -55,11 +55,17 @@ def shm_file() -> Iterator[Path]:
             path.unlink()
 
 
+def named_file(path_text: str, prefix: str, what: str) -> Path:
+    """A peer's path, if it names a file of ours (`prefix`) directly in /dev/shm; InvalidRequest otherwise."""
+    path = Path(path_text)
+    if path.parent != SHM_DIR or not path.name.startswith(prefix) or "/" in path.name:
+        raise InvalidRequest(f"{what} must name a file {SHM_DIR}/{prefix}*, got {path_text!r}")
+    return path
+
+
 def write_into(path_text: str, data: memoryview) -> None:
     """Exporter side: write `data` into the importer's existing file; never creates or follows links."""
-    path = Path(path_text)
-    if path.parent != SHM_DIR or not path.name.startswith(PREFIX) or "/" in path.name:
-        raise InvalidRequest(f"shm_path must be a file {SHM_DIR}/{PREFIX}*, got {path_text!r}")
+    path = named_file(path_text, PREFIX, "shm_path")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
     except OSError as exc:
