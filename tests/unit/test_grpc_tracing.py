@@ -22,56 +22,6 @@ async def _count(request: bytes, context: grpc.aio.ServicerContext) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _run(read_all: bool) -> tuple[list[bytes], InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    server = grpc.aio.server(interceptors=grpc_tracing.server_interceptors(provider))
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Counter", {
-        "Count": grpc.unary_stream_rpc_method_handler(_count)})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             interceptors=grpc_tracing.client_interceptors(provider)) as channel:
-            call = channel.unary_stream(METHOD)(b"50")
-            received = []
-            async for message in call:
-                received.append(message)
-                if not read_all:
-                    call.cancel()
-                    break
-            for _ in range(100):  # the server span ends once the server sees the cancel
-                if len(exporter.get_finished_spans()) == 2:
-                    break
-                await asyncio.sleep(0.02)
-    finally:
-        await server.stop(None)
-    return received, exporter
-
-
-def _by_kind(exporter: InMemorySpanExporter):
-    spans = {span.kind.name: span for span in exporter.get_finished_spans()}
-    assert set(spans) == {"CLIENT", "SERVER"}, exporter.get_finished_spans()
-    return spans["CLIENT"], spans["SERVER"]
-
-
-def test_write_style_stream_is_served_and_traced_from_client_to_server():
-    received, exporter = asyncio.run(_run(read_all=True))
-    assert received == [str(i).encode() for i in range(50)]
-    client, server = _by_kind(exporter)
-    assert client.name == server.name == METHOD
-    assert server.parent.span_id == client.context.span_id
-    assert server.context.trace_id == client.context.trace_id
-
-
-def test_a_stream_cancelled_early_still_ends_its_client_span():
-    received, exporter = asyncio.run(_run(read_all=False))
-    assert received == [b"0"]
-    client, server = _by_kind(exporter)
-    assert server.parent.span_id == client.context.span_id
-
-
 class _Server:
     """A traced server with one streaming method, `handler`, and a traced channel to it."""
 
@@ -94,6 +44,45 @@ class _Server:
     async def __aexit__(self, *exc_info) -> None:
         await self.channel.close()
         await self.server.stop(None)
+
+
+async def _run(read_all: bool) -> tuple[list[bytes], InMemorySpanExporter]:
+    server = _Server(_count)
+    async with server as channel:
+        call = channel.unary_stream(METHOD)(b"50")
+        received = []
+        async for message in call:
+            received.append(message)
+            if not read_all:
+                call.cancel()
+                break
+        for _ in range(100):  # the server span ends once the server sees the cancel
+            if len(server.exporter.get_finished_spans()) == 2:
+                break
+            await asyncio.sleep(0.02)
+    return received, server.exporter
+
+
+def _by_kind(exporter: InMemorySpanExporter):
+    spans = {span.kind.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"CLIENT", "SERVER"}, exporter.get_finished_spans()
+    return spans["CLIENT"], spans["SERVER"]
+
+
+def test_write_style_stream_is_served_and_traced_from_client_to_server():
+    received, exporter = asyncio.run(_run(read_all=True))
+    assert received == [str(i).encode() for i in range(50)]
+    client, server = _by_kind(exporter)
+    assert client.name == server.name == METHOD
+    assert server.parent.span_id == client.context.span_id
+    assert server.context.trace_id == client.context.trace_id
+
+
+def test_a_stream_cancelled_early_still_ends_its_client_span():
+    received, exporter = asyncio.run(_run(read_all=False))
+    assert received == [b"0"]
+    client, server = _by_kind(exporter)
+    assert server.parent.span_id == client.context.span_id
 
 
 def test_a_generator_handler_cancelled_between_responses_is_closed_in_its_own_task(caplog):
