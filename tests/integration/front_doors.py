@@ -6,7 +6,6 @@ a stream a client leaves mid-way is still generating while the leak check runs.
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -64,10 +63,7 @@ class Cluster:
 
 
 def make_front_door_model(directory: Path) -> str:
-    model = make_text_model(directory)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
-    return str(model)
+    return str(make_text_model(directory, max_position_embeddings=CONTEXT))
 
 
 def run_cluster(model: str, mode: str) -> Iterator[Cluster]:
