@@ -152,17 +152,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(gate_up), residual
 
 
-def sliding_windows(config: PretrainedConfig) -> list[int | None]:
-    """Per-layer sliding window (None = full attention), as the HF config declares it."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    if config.model_type == "mistral":
-        return [window] * config.num_hidden_layers
-    return [None] * config.num_hidden_layers
-
-
 class Model(nn.Module):
     def __init__(self, config: PretrainedConfig, windows: list[int | None]):
         super().__init__()
@@ -191,7 +180,14 @@ class LlamaForCausalLM(CausalLM):
 
     @staticmethod
     def layer_windows(config: PretrainedConfig) -> list[int | None]:
-        return sliding_windows(config)
+        """Per-layer sliding window (None = full attention), as the HF config declares it."""
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            return [window if t == "sliding_attention" else None for t in layer_types]
+        if config.model_type == "mistral":
+            return [window] * config.num_hidden_layers
+        return [None] * config.num_hidden_layers
 
     def forward(
         self,
