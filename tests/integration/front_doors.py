@@ -7,7 +7,6 @@ a stream a client leaves mid-way is still generating while the leak check runs.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -71,21 +70,14 @@ def run_cluster(model: str, mode: str) -> Iterator[Cluster]:
     up = Up("--model", model, "--router-port", "0", "--http-port", str(http_port), *ENGINE, *MODES[mode])
     try:
         router = up.wait()
-        lines = _wait_for(up, "A process that dies is restarted")  # the banner's last line: it is all there
+        up.wait_line("A process that dies is restarted", 10)  # the banner's last line: it is all there
+        lines = "".join(up.lines)
         workers = [Worker(*m) for m in WORKER_LINE.findall(lines)]
         assert [w.name for w in workers] == (["decode-0"] if MODES[mode] else ["prefill-0", "decode-0"]), lines
         assert f"OpenAI-compatible HTTP on http://127.0.0.1:{http_port}/v1" in lines, lines
-        metrics = re.search(r"^\s+router\s+(http://\S+/metrics)$", lines, re.M).group(1)  # the banner's table
+        metrics = up.metrics_urls()["router"]  # the banner's table
         cluster = Cluster(up, mode, router, f"http://127.0.0.1:{http_port}", workers, metrics)
         cluster.model = cluster.sdk().models.list().data[0].id
         yield cluster
     finally:
         assert up.stop() == 0, "".join(up.lines)
-
-
-def _wait_for(up: Up, needle: str, timeout_s: float = 10) -> str:
-    deadline = time.monotonic() + timeout_s
-    while needle not in "".join(up.lines):
-        assert time.monotonic() < deadline, f"no {needle!r} in:\n" + "".join(up.lines)
-        time.sleep(0.05)
-    return "".join(up.lines)

@@ -66,10 +66,20 @@ class Up:
             self.popen.kill()
             return self.popen.wait()
 
+    def wait_line(self, needle: str, timeout_s: float) -> str:
+        """The first line with `needle` in it, once there is one."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = next((line for line in list(self.lines) if needle in line), None)
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no line with {needle!r} within {timeout_s}s:\n" + "".join(self.lines))
 
-def _metrics_urls(up: Up) -> dict[str, str]:
-    """The banner's Prometheus lines: child name → its /metrics URL."""
-    return dict(m.groups() for m in (re.search(r"^\s+(\S+)\s+(http://\S+/metrics)$", line) for line in up.lines) if m)
+    def metrics_urls(self) -> dict[str, str]:
+        """The banner's Prometheus lines: child name → its /metrics URL."""
+        return dict(m.groups() for m in (re.search(r"^\s+(\S+)\s+(http://\S+/metrics)$", line) for line in self.lines)
+                    if m)
 
 
 def _free_port_run(count: int) -> int:
@@ -93,7 +103,7 @@ def test_up_then_generate_streams_the_hf_answer(text_model):
         router = up.wait()
         children = _child_pids(up.popen.pid)
         assert len(children) == 3, "".join(up.lines)  # router, prefill, decode
-        metrics = _metrics_urls(up)
+        metrics = up.metrics_urls()
         assert set(metrics) == {"router", "prefill-0", "decode-0"} and len(set(metrics.values())) == 3, metrics
         result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--raw", "--greedy",
                                  "--max-tokens", "10", "The sea is"], cwd=REPO_ROOT, capture_output=True,
@@ -110,16 +120,6 @@ def test_up_then_generate_streams_the_hf_answer(text_model):
         while subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0:
             assert time.monotonic() < deadline, f"child {pid} outlived disagg up"
             time.sleep(0.1)
-
-
-def _wait_line(up: Up, needle: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = next((line for line in list(up.lines) if needle in line), None)
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"no line with {needle!r} within {timeout_s}s:\n" + "".join(up.lines))
 
 
 def _scrapes(url: str) -> bool:
@@ -140,11 +140,11 @@ def test_up_restarts_a_killed_worker_on_its_addresses_and_serves_again(text_mode
             "--block-size", "8", "--metrics-port-base", str(base))
     try:
         router = up.wait()
-        _wait_line(up, "A process that dies is restarted", 10)
+        up.wait_line("A process that dies is restarted", 10)
         addresses = {m.group(1): m.group(2) for m in (re.search(r"^\s+(prefill-0|decode-0)\s+(\S+)  \(gRPC", line)
                                                      for line in up.lines) if m}
         assert set(addresses) == {"prefill-0", "decode-0"}, "".join(up.lines)  # the banner names the workers
-        metrics = _metrics_urls(up)  # router, then prefill-0, decode-0, from the base
+        metrics = up.metrics_urls()  # router, then prefill-0, decode-0, from the base
         assert metrics == {name: f"http://127.0.0.1:{base + i}/metrics"
                            for i, name in enumerate(["router", "prefill-0", "decode-0"])}, "".join(up.lines)
         assert 'role="decode"' in urllib.request.urlopen(metrics["decode-0"], timeout=10).read().decode()
@@ -153,9 +153,9 @@ def test_up_restarts_a_killed_worker_on_its_addresses_and_serves_again(text_mode
         assert command[command.index("--max-num-seqs") + 1] == "4" and "--block-size" in command  # engine flags go on
 
         os.kill(decode, signal.SIGKILL)
-        assert _wait_line(up, "decode-0 was killed", 10).strip() == \
+        assert up.wait_line("decode-0 was killed", 10).strip() == \
             "disagg up: decode-0 was killed by SIGKILL; restarting it in 1s"
-        back = _wait_line(up, "decode-0 is back on", 120)
+        back = up.wait_line("decode-0 is back on", 120)
         assert back.strip().endswith(f"on {addresses['decode-0']} (restart 1)"), back
         wait_for(lambda: _scrapes(metrics["decode-0"]), 30, "the restarted decode's metrics on the same port")
         deadline = time.monotonic() + 60
