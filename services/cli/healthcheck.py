@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import urllib.error
 import urllib.request
 
 import grpc
@@ -47,7 +46,7 @@ def _check_http(target: str, timeout_s: float) -> int:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             print(f"{url}: HTTP {response.status}")
             return 0 if response.status == 200 else 1
-    except (urllib.error.URLError, OSError) as exc:  # HTTPError (503: not ready) is a URLError
+    except OSError as exc:  # URLError and HTTPError (503: not ready) are OSErrors
         print(f"{url}: {exc}", file=sys.stderr)
         return 1
 
