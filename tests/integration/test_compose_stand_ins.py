@@ -20,7 +20,6 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import set_span_in_context
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from tests.consul_double import ConsulDouble
 from tests.integration.compose_stand_ins import jaeger_query, json_server, run_prometheus
 from tests.integration.observed import wait_for
 from tests.integration.processes import REPO_ROOT, free_port
@@ -52,9 +51,9 @@ def service_serving_metrics():
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="the prometheus server is not installed "
                                                                "(deploy/install.sh installs the Debian package)")
-def test_prometheus_stand_in_scrapes_the_metrics_port_a_passing_service_registers(tmp_path, service_serving_metrics):
-    grpc_port, metrics_port = service_serving_metrics
-    double = ConsulDouble().start()
+def test_prometheus_stand_in_scrapes_the_metrics_port_a_passing_service_registers(tmp_path, service_serving_metrics,
+                                                                                 consul_double):
+    (grpc_port, metrics_port), double = service_serving_metrics, consul_double
     for service_id, port in (("decode-1", grpc_port), ("decode-gone", free_port())):  # the second fails its check
         double.register({"Name": "disagg-decode", "ID": service_id, "Address": "127.0.0.1", "Port": port,
                          "Meta": {"metrics_port": str(metrics_port)},
@@ -78,7 +77,6 @@ def test_prometheus_stand_in_scrapes_the_metrics_port_a_passing_service_register
     finally:
         stop.set()
         prometheus.join(30)
-        double.stop()
     assert not prometheus.is_alive()
 
 

@@ -7,7 +7,6 @@ with no router restart; a graceful shutdown deregisters at once.
 from __future__ import annotations
 
 import signal
-from typing import Iterator
 
 import grpc
 import pytest
@@ -27,15 +26,6 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory) -> str:
     return str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-
-
-@pytest.fixture
-def consul_double() -> Iterator[ConsulDouble]:
-    double = ConsulDouble().start()
-    try:
-        yield double
-    finally:
-        double.stop()
 
 
 def _consul_args(double: ConsulDouble) -> tuple[str, ...]:
