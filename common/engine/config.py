@@ -45,6 +45,8 @@ class EngineConfig:
     (plain greedy batches). None: on where decode steps run as CUDA graphs."""
     engine: str = "torch"
     """Which engine runs the model: "torch" (ours) or "trtllm" (TensorRT-LLM's LLM API; common.engine.trtllm)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is sharded over (one process each, common/engine/parallel.py); must divide its heads."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +63,13 @@ class EngineConfig:
             (self.engine in ENGINES, f"--engine must be one of {list(ENGINES)}, got {self.engine!r}"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.tensor_parallel_size == 1 or self.device == "cpu",
+             f"--tensor-parallel-size {self.tensor_parallel_size} runs on --device cpu (gloo) in this version; "
+             f"sharding across GPUs (NCCL) is not built yet, so --device {self.device!r} needs "
+             "--tensor-parallel-size 1"),
+            (self.tensor_parallel_size == 1 or not self.async_scheduling,
+             "--tensor-parallel-size > 1 reads each step's tokens before the next (no async scheduling)"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

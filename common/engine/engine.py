@@ -42,14 +42,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_limit)
         self.sessions = KvSessionTable(config.session_ttl_s)
-        # Released while an export was still reading them: freed when the last lease ends.
-        self._released_leased: dict[str, KvSession] = {}
         self.requests: dict[str, Request] = {}
         self._stop_rules: dict[str, StopRule] = {}
         self.num_preemptions = 0
         # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck).
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
-                                 else config.async_scheduling)
+                                 else config.async_scheduling) and self.runner.ranks is None
         self._ahead: StepLaunch | None = None  # the decode step launched before the last one was read
 
     # --- requests ---
@@ -268,31 +266,20 @@ class LLMEngine:
     def kv_blocks(self) -> KvBlocks:
         return self.block_manager.kv_blocks(self.kv_cache)
 
+    # Leases and releases are called from any thread (TensorStore's, never waiting for a step): the session
+    # table's lock guards the sessions, the block manager's lock the pool. A session's blocks are written by no
+    # step in flight (a context_only row is never launched ahead), so they may go back to the pool mid-step.
+
     def lease_session(self, session_id: str, block_ids: list[int] | None = None) -> list[int]:
         """Start an export: the session's blocks (or `block_ids`, a subset) stay pinned, also through a
         release or the TTL, until `end_lease`; the gather itself runs off the engine thread."""
-        session = self.sessions.get(session_id)
-        if block_ids:
-            foreign = sorted(set(block_ids) - set(session.block_ids))
-            if foreign:
-                raise InvalidRequest(f"block ids {foreign[:8]} are not in KV session {session_id}")
-        session.leases += 1
-        return list(block_ids) if block_ids else list(session.block_ids)
+        return self.sessions.lease(session_id, block_ids or ())
 
     def end_lease(self, session_id: str) -> None:
-        session = self.sessions.sessions.get(session_id) or self._released_leased.get(session_id)
-        if session is None or session.leases <= 0:
-            return
-        session.leases -= 1
-        if not session.leases and self._released_leased.pop(session_id, None) is not None:
-            self.block_manager.free_block_ids(session.block_ids)
+        self._free(self.sessions.end_lease(session_id))
 
     def release_session(self, session_id: str) -> None:
-        session = self.sessions.release(session_id)
-        if session.leases:  # an export is still reading: end_lease frees them
-            self._released_leased[session_id] = session
-        else:
-            self.block_manager.free_block_ids(session.block_ids)
+        self._free(self.sessions.release(session_id))  # nothing while an export still reads: end_lease frees them
 
     def release_session_if_held(self, session_id: str) -> bool:
         try:
@@ -303,29 +290,34 @@ class LLMEngine:
 
     def release_sessions_of(self, request_id: str | None) -> int:
         """Release the sessions one request made (None: every session, at shutdown)."""
-        ids = [s.session_id for s in self.sessions.sessions.values() if request_id in (None, s.request_id)]
-        for session_id in ids:
-            self.release_session(session_id)
-        return len(ids)
+        return sum(self.release_session_if_held(session_id) for session_id in self.sessions.ids_of(request_id))
+
+    def _free(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.block_manager.free_block_ids(block_ids)
 
     def load_snapshot(self) -> EngineLoad:
-        blocks, sessions = self.block_manager, self.sessions.sessions.values()
+        blocks, (num_sessions, session_blocks) = self.block_manager, self.sessions.held()
         return EngineLoad(
             running=self.num_running, waiting=self.num_waiting, kv_blocks_total=blocks.num_blocks,
-            kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage, active_sessions=len(sessions),
+            kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage, active_sessions=num_sessions,
             expired_sessions=self.sessions.num_expired,
-            session_bytes=sum(len(s.block_ids) for s in sessions) * self.kv_layout.block_bytes())
+            session_bytes=session_blocks * self.kv_layout.block_bytes())
 
     @property
     def num_leased_released(self) -> int:
-        return len(self._released_leased)
+        return self.sessions.num_released_leased
 
     def expire_sessions(self) -> int:
         expired = self.sessions.pop_expired()
         for session in expired:
             log.info("KV session %s of request %s expired unpulled", session.session_id, session.request_id)
-            self.block_manager.free_block_ids(session.block_ids)
+            self._free(session.block_ids)
         return len(expired)
+
+    def close(self) -> None:
+        """Stop what runs beside this engine (a tensor-parallel engine's follower ranks)."""
+        self.runner.close()
 
     # --- convenience for scripts and tests ---
 

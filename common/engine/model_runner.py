@@ -1,6 +1,12 @@
-"""Turns a ScheduledBatch into tensors, runs the model on the paged cache, and samples."""
+"""Turns a ScheduledBatch into tensors, runs the model on the paged cache, and samples.
+
+Under tensor parallelism rank 0's runner turns each batch into `StepInputs` and sends them to the follower
+ranks (tp_ranks.py), and every rank runs `run_step` on them: the same forward, on its share of the weights
+and its heads of the cache, meeting the others in the model's collectives. Only rank 0 samples.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +14,9 @@ import torch
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
 from common.engine.models.loader import load_model
+from common.engine.parallel import SINGLE, TensorParallel
+from common.engine.shared_cache import SharedKvCache
+from common.engine.tp_ranks import FollowerRanks
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
@@ -20,6 +29,21 @@ def _plain_greedy(request: Request) -> bool:
     return s.greedy and s.repetition_penalty == 1.0 and not s.logprobs
 
 
+def _image_rows(batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows of the packed batch, their image embeddings) over the placeholders this step covers; None without
+    images. A chunk (or a prefix-cache hit) may cover any part of an image."""
+    if all(r.mm is None for r in batch.requests):
+        return None
+    rows, values, row = [], [], 0
+    for request, n in zip(batch.requests, batch.num_new_tokens):
+        if request.mm is not None:
+            offsets, embeddings = request.mm.rows_in(request.num_computed_tokens, request.num_computed_tokens + n)
+            rows.append(row + offsets)
+            values.append(embeddings)
+        row += n
+    return torch.cat(rows), torch.cat(values)
+
+
 def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device):
     """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else."""
     if device.type == "cuda":
@@ -29,6 +53,18 @@ def make_attention_backend(block_size: int, windows: set[int | None], device: to
             return TorchPagedAttention(block_size, windows, device)
         return TritonPagedAttention(block_size, windows, device)
     return TorchPagedAttention(block_size, windows, device)
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs to run one forward pass: the packed tokens, their positions, the batch layout,
+    the rows whose logits are sampled, and image embedding rows (row indices, rows) spliced over placeholders."""
+
+    input_ids: list[int]
+    positions: list[int]
+    layout: BatchLayout
+    sample_rows: list[int]
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -55,23 +91,48 @@ class StepLaunch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, seed: int = 0):
+    """Rank 0's runner (the engine's), or with `tp` and `kv_cache` a follower rank's (tp_follower.py)."""
+
+    def __init__(self, config: EngineConfig, seed: int = 0, tp: TensorParallel | None = None,
+                 kv_cache: torch.Tensor | None = None):
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
+        self.ranks = FollowerRanks(config) if tp is None and config.tensor_parallel_size > 1 else None
+        self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
+        if self.tp.size > 1:  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
+        self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp)
         c = self.hf_config
         shape = self.model.kv_shape()
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
-        self.kv_cache = torch.zeros(
-            (self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim),
-            dtype=self.dtype, device=self.device,
-        )
+        cache_shape = (self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # Every KV head (what the KV data plane and the handoff see); rank_cache: the heads this rank computes.
+        self.kv_cache = kv_cache if kv_cache is not None else self._make_cache(cache_shape)
+        heads = self.num_kv_heads // self.tp.size
+        self.rank_cache = self.kv_cache[..., self.tp.rank * heads:(self.tp.rank + 1) * heads, :]
         self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device)
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)
+
+    def _make_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.ranks is None:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shared = SharedKvCache.create(shape, self.dtype)
+        try:
+            self.ranks.send(shared)
+            cache = shared.open()
+            self.tp.all_reduce(torch.zeros(1))  # every follower has mapped it and loaded its weights
+        finally:
+            shared.unlink()
+        return cache
+
+    def close(self) -> None:
+        """Stop the follower ranks (a runner without them has nothing to stop)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _make_graphs(self, config: EngineConfig):
         """CUDA graphs for decode steps, when the GPU attention backend runs and eager mode is not forced."""
@@ -109,15 +170,28 @@ class ModelRunner:
         scheduled = list(zip(batch.requests, batch.num_new_tokens))
         if self._graphed(layout, batch.requests):
             return self._sample(scheduled, sampled, *self.graphs.run(input_ids, positions, layout))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(
-            ids, torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_cache, self.attention.prepare(layout), self.attention, self._splice_images(batch, ids),
-        )
+        logits = self.run_step(StepInputs(input_ids, positions, layout, last_rows, _image_rows(batch)))
         if not sampled:
             return StepLaunch(scheduled, [], drawn=[])
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         return self._sample(scheduled, sampled, logits, None)
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """One forward pass on this rank (rank 0 first hands it to the followers): the logits of the sampled
+        rows, None when no row samples."""
+        if self.ranks is not None:
+            self.ranks.send(step)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        embeds = None
+        if step.image_rows is not None:
+            embeds = self.model.embed(ids)
+            rows, values = step.image_rows
+            embeds[rows.to(self.device)] = values.to(device=self.device, dtype=embeds.dtype)
+        hidden = self.model(ids, torch.tensor(step.positions, dtype=torch.long, device=self.device),
+                            self.rank_cache, self.attention.prepare(step.layout), self.attention, embeds)
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
 
     @torch.inference_mode()
     def launch_ahead(self, prev: StepLaunch, rows: list[int]) -> StepLaunch:
@@ -160,19 +234,6 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return StepLaunch(scheduled, sampled, tokens=tokens, host=host, ready=ready)
-
-    def _splice_images(self, batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor | None:
-        """Token embeddings with image embedding rows over the placeholders this step covers; None without images."""
-        if all(r.mm is None for r in batch.requests):
-            return None
-        embeds = self.model.embed(ids)
-        row = 0
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            if request.mm is not None:  # a chunk (or a prefix-cache hit) may cover any part of an image
-                offsets, rows = request.mm.rows_in(request.num_computed_tokens, request.num_computed_tokens + n)
-                embeds[row + offsets.to(self.device)] = rows.to(device=self.device, dtype=embeds.dtype)
-            row += n
-        return embeds
 
     # --- KV export / import: whole blocks with their layout ---
 

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from common.engine.models.sharding import Shard
+
 
 @dataclass(frozen=True)
 class KvShape:
@@ -28,7 +30,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class CausalLM(nn.Module, ABC):
-    """A language model on the paged KV cache. Built on the meta device, then loaded by models/loader.py."""
+    """A language model on the paged KV cache. Built on the meta device, then loaded by models/loader.py.
+    Constructed as `Family(config, tp)`: under tensor parallelism (common/engine/parallel.py) it builds this
+    rank's share of every layer, and its collectives run inside forward / embed / compute_logits."""
 
     # Our fused module → the checkpoint modules whose rows it holds, in order (the loader concatenates them).
     packed_modules_mapping: dict[str, tuple[str, ...]] = {}
@@ -50,7 +54,13 @@ class CausalLM(nn.Module, ABC):
         """Token embeddings [T, hidden] (images are spliced into them before forward)."""
 
     @abstractmethod
-    def kv_shape(self) -> KvShape: ...
+    def kv_shape(self) -> KvShape:
+        """The whole model's cache (every KV head); a rank holds num_kv_heads / tp_size of them."""
+
+    def tp_plan(self) -> dict[str, Shard]:
+        """How the checkpoint splits across ranks, per module (models/sharding.py); empty: this family runs on one
+        rank only."""
+        return {}
 
     def checkpoint_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors under this model's parameter names (a wrapper renames or drops some)."""

@@ -4,10 +4,13 @@ Module names mirror Hugging Face's, except two fused projections: `qkv_proj` (q 
 and `gate_up_proj` (gate ‖ up rows); the loader concatenates the checkpoint's tensors into them.
 embed → N × (norm, attention, norm, MLP) → norm → lm head, with each residual add fused into the next norm.
 On CUDA the norms, SiLU-and-mul and RoPE run as Triton kernels (common/engine/kernels); elsewhere in torch.
+Under tensor parallelism (common/engine/parallel.py) each rank builds its share: its heads, its slice of the
+MLP and of the vocabulary, cut from the checkpoint by `tp_plan`; o_proj and down_proj end in an all-reduce.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -15,6 +18,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from common.engine.attention import TorchAttentionMetadata, TorchPagedAttention
 from common.engine.kernels import add_rms_norm, linear, norm_linear, rms_norm, rope_store_kv, silu_linear
 from common.engine.models.contract import CausalLM, KvShape, head_dim_of
+from common.engine.models.sharding import Colwise, Rowwise, Shard, VocabRows
+from common.engine.parallel import SINGLE, TensorParallel
 from common.errors import InvalidConfig
 
 
@@ -84,11 +89,28 @@ def _attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
     return bias, bias
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embeddings of this rank's vocabulary rows; ids held by other ranks give zeros, summed over ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        self.start, self.end = tp.vocab_range(vocab_size)
+        super().__init__(-(-vocab_size // tp.size), hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        out = F.embedding((input_ids - self.start).masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, window: int | None):
+    def __init__(self, config: PretrainedConfig, head_dim: int, window: int | None, tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = tp.split(config.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.split(config.num_key_value_heads, "KV heads")
+        self.tp = tp
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.window = window
@@ -111,7 +133,7 @@ class Attention(nn.Module):
             q = rope_store_kv(qkv, positions, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
                               self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
             out = backend.attend(q, kv_cache, meta, self.scale, self.window)
-            return linear(out.reshape(T, -1), self.o_proj)
+            return self.tp.all_reduce(linear(out.reshape(T, -1), self.o_proj))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -121,26 +143,28 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
-        return linear(out.reshape(T, -1), self.o_proj)
+        return self.tp.all_reduce(linear(out.reshape(T, -1), self.o_proj))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        intermediate = tp.split(config.intermediate_size, "MLP columns (intermediate_size)")
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=bias)
+        self.tp = tp
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: this layer's gate_up_proj output (the decoder layer runs it, fused with the norm before it)."""
-        return silu_linear(gate_up, self.down_proj)
+        return self.tp.all_reduce(silu_linear(gate_up, self.down_proj))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, window: int | None):
+    def __init__(self, config: PretrainedConfig, head_dim: int, window: int | None, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(config, head_dim, window)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, head_dim, window, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,11 +177,11 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, windows: list[int | None]):
+    def __init__(self, config: PretrainedConfig, windows: list[int | None], tp: TensorParallel):
         super().__init__()
         head_dim = head_dim_of(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, w) for w in windows)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, head_dim, w, tp) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim)
 
@@ -168,12 +192,13 @@ class LlamaForCausalLM(CausalLM):
         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     }
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.windows = self.layer_windows(config)
-        self.model = Model(config, self.windows)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Model(config, self.windows, tp)
+        self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.tied_keys = ("lm_head.weight",)
@@ -207,7 +232,8 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        logits = self.tp.all_gather(linear(hidden, self.lm_head).float())
+        return logits if self.tp.size == 1 else logits[:, : self.config.vocab_size]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -215,6 +241,14 @@ class LlamaForCausalLM(CausalLM):
     def kv_shape(self) -> KvShape:
         c = self.config
         return KvShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c), tuple(self.windows))
+
+    def tp_plan(self) -> dict[str, Shard]:
+        c, head_dim = self.config, head_dim_of(self.config)
+        kv_rows = c.num_key_value_heads * head_dim
+        return {"self_attn.qkv_proj": Colwise((c.num_attention_heads * head_dim, kv_rows, kv_rows)),
+                "mlp.gate_up_proj": Colwise((c.intermediate_size, c.intermediate_size)),
+                "self_attn.o_proj": Rowwise(), "mlp.down_proj": Rowwise(),
+                "embed_tokens": VocabRows(c.vocab_size), "lm_head": VocabRows(c.vocab_size)}
 
     def finish_loading(self, device: torch.device) -> None:
         if self.tied_keys:

@@ -17,6 +17,8 @@ from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 from common.engine.models.checkpoint import load_config, load_state
 from common.engine.models.contract import CausalLM, KvShape
 from common.engine.models.registry import model_class
+from common.engine.models.sharding import Shard
+from common.engine.parallel import SINGLE, TensorParallel
 from common.errors import InvalidConfig
 
 VISION_MODEL_TYPES = ("llava",)
@@ -70,10 +72,10 @@ class LlavaForConditionalGeneration(CausalLM):
     """The language half of a LLaVA checkpoint: the registered model of its text config, under `language_model.`
     (the encode worker runs the vision half, VisionEncoder below)."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config.text_config
-        self.language_model = model_class(self.config)(self.config)
+        self.language_model = model_class(self.config)(self.config, tp)
         self.packed_modules_mapping = self.language_model.packed_modules_mapping
         self.tied_keys = tuple(f"language_model.{k}" for k in self.language_model.tied_keys)
 
@@ -92,6 +94,9 @@ class LlavaForConditionalGeneration(CausalLM):
 
     def kv_shape(self) -> KvShape:
         return self.language_model.kv_shape()
+
+    def tp_plan(self) -> dict[str, Shard]:
+        return self.language_model.tp_plan()
 
     def finish_loading(self, device: torch.device) -> None:
         self.language_model.finish_loading(device)

@@ -9,6 +9,8 @@ from transformers import PretrainedConfig
 from common.engine.models.checkpoint import load_config, load_state
 from common.engine.models.contract import CausalLM
 from common.engine.models.registry import model_class
+from common.engine.models.sharding import shard_state
+from common.engine.parallel import SINGLE, TensorParallel
 from common.errors import InvalidConfig
 
 __all__ = ["fuse_projections", "load_config", "load_model", "load_state"]
@@ -33,14 +35,19 @@ def fuse_projections(state: dict[str, torch.Tensor], packed: dict[str, tuple[str
     return out
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, PretrainedConfig]:
-    """The registered model for the checkpoint's architecture, its weights loaded, and its language config."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel = SINGLE) -> tuple[CausalLM, PretrainedConfig]:
+    """The registered model for the checkpoint's architecture, its weights loaded (this rank's share of them
+    under tensor parallelism), and its language config."""
     config = load_config(model_dir)
     with torch.device("meta"):
-        model = model_class(config)(config)
+        model = model_class(config)(config, tp)
+    if tp.size > 1 and not model.tp_plan():
+        raise InvalidConfig(f"{type(model).__name__} has no tensor-parallel plan; run it with --tensor-parallel-size 1")
     state = model.checkpoint_state(load_state(model_dir, device))
     state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in model.tied_keys}
-    result = model.load_state_dict(fuse_projections(state, model.packed_modules_mapping), strict=False, assign=True)
+    state = shard_state(fuse_projections(state, model.packed_modules_mapping), model.tp_plan(), tp)
+    result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if k not in model.tied_keys]
     if missing or result.unexpected_keys:
         raise InvalidConfig(f"checkpoint in {model_dir} does not match the {config.model_type} model: "

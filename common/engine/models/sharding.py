@@ -1,0 +1,74 @@
+"""A model's tensor-parallel plan, and the checkpoint cut to one rank's share by it.
+
+A family names, per module (matched on the end of its dotted name, after the loader fused the packed
+projections), how its weights split across ranks. The loader cuts the full checkpoint tensors with
+`shard_state` before assigning them, so every rank holds only its share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Output rows split across ranks. A fused module (q ‖ k ‖ v, gate ‖ up) lists its parts' full row counts,
+    and each part is split on its own, so every rank holds its q heads ‖ its k heads ‖ its v heads."""
+
+    parts: tuple[int, ...] = ()
+
+    def cut(self, tensor: torch.Tensor, param: str, tp: TensorParallel) -> torch.Tensor:
+        parts = tensor.split(list(self.parts)) if self.parts else (tensor,)
+        return torch.cat([part.chunk(tp.size)[tp.rank] for part in parts])
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Input columns split; each rank's product is a partial sum that one all-reduce adds up. The bias is
+    kept on rank 0 only (zeros elsewhere), so the sum counts it once."""
+
+    def cut(self, tensor: torch.Tensor, param: str, tp: TensorParallel) -> torch.Tensor:
+        if param == "bias":
+            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+        return tensor.chunk(tp.size, dim=-1)[tp.rank]
+
+
+@dataclass(frozen=True)
+class VocabRows:
+    """Vocabulary rows split in equal shares (TensorParallel.vocab_range), the last padded with zero rows."""
+
+    vocab_size: int
+
+    def cut(self, tensor: torch.Tensor, param: str, tp: TensorParallel) -> torch.Tensor:
+        start, end = tp.vocab_range(self.vocab_size)
+        rows = tensor[start:end]
+        per = -(-self.vocab_size // tp.size)
+        if len(rows) == per:
+            return rows
+        return torch.cat([rows, rows.new_zeros((per - len(rows), *rows.shape[1:]))])
+
+
+Shard = Colwise | Rowwise | VocabRows
+
+
+def _spec_of(module: str, plan: dict[str, Shard]) -> Shard | None:
+    for name, spec in plan.items():
+        if module == name or module.endswith("." + name):
+            return spec
+    return None
+
+
+def shard_state(state: dict[str, torch.Tensor], plan: dict[str, Shard],
+                tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's share of every checkpoint tensor (those of modules the plan does not name are kept whole)."""
+    if tp.size == 1:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        module, _, param = key.rpartition(".")
+        spec = _spec_of(module, plan)
+        out[key] = tensor if spec is None else spec.cut(tensor, param, tp).contiguous()
+    return out
