@@ -1,7 +1,9 @@
 """The asyncio bridge: the engine loop runs in its own thread; coroutines submit, stream and abort.
 
 Every touch of the engine happens on its thread (commands go through a queue), so the gRPC
-event loop never blocks on a model step and the engine needs no locks.
+event loop never blocks on a model step. A KV session's lookup, lease and release alone run on the caller's
+thread, under the session table's and the block manager's locks (held for microseconds), so that a pull or a
+Release never waits for a step.
 """
 from __future__ import annotations
 
@@ -18,11 +20,9 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.engine.interface import EngineFacts, EngineLoad, KvBlocks
-from common.engine.multimodal import ImageEmbedding
-from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
+from common.engine.interface import EngineFacts, EngineLoad, EngineRequest, KvBlocks
+from common.engine.request import FinishReason, RequestOutput
 from common.kv.events import Subscriber
-from common.kv.layout import KvExport
 from common.kv.session import KvSession
 
 log = logging.getLogger(__name__)
@@ -58,22 +58,15 @@ class AsyncLLMEngine:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams | None = None,
-        request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
-        kv_import: KvExport | None = None,
-        first_token: int | None = None,
-        images: list[ImageEmbedding] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Errors in the request raise before the first output;
         leaving the loop early (or being cancelled) aborts the request and frees its blocks."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request_id = request.request_id
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt_token_ids, sampling, request_type, kv_import, first_token, images)
+            engine.add_request(request_id, request.prompt_token_ids, request.sampling, request.request_type,
+                               request.kv_import, request.first_token, request.images)
             self._streams[request_id] = stream
 
         await self.call(add)
@@ -118,16 +111,16 @@ class AsyncLLMEngine:
         return sum(aborted)
 
     async def session(self, session_id: str) -> KvSession:
-        return await self.call(lambda e: dataclasses.replace(e.sessions.get(session_id)))
+        return dataclasses.replace(self.engine.sessions.get(session_id))
 
     async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
-        return await self.call(lambda e: e.lease_session(session_id, list(block_ids)))
+        return self.engine.lease_session(session_id, list(block_ids))
 
     async def end_lease(self, session_id: str) -> None:
-        await self.call(lambda e: e.end_lease(session_id))
+        self.engine.end_lease(session_id)
 
     async def release_session(self, session_id: str) -> bool:
-        return await self.call(lambda e: e.release_session_if_held(session_id))
+        return self.engine.release_session_if_held(session_id)
 
     async def release_sessions_of(self, request_id: str) -> int:
         return await self.call(lambda e: e.release_sessions_of(request_id))

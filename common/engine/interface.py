@@ -6,13 +6,14 @@ thread (or in its own runtime); results are plain values, never live engine stat
 are TensorRT-LLM's: context_only (prefill: the prompt's KV stays pinned under a session), generation_only
 (decode: from imported KV and the first token) and context_and_generation (aggregated).
 
-How a context's KV reaches the generation side is an engine fact (`EngineFacts.kv_transfer`):
-- DATA_PLANE (our engine, a `KvSessionHost`): the engine exposes its paged cache (`kv_cache`) and pins a session's blocks
-  (`lease_session` / `end_lease`); our TensorStore serves them and the decode side pulls them (KvPuller) into
-  a KvExport, its `kv_import`.
-- an engine's own transfer (an `OwnKvTransfer`; "trtllm": TensorRT-LLM's cache transceiver): the context
-  side's `session_attributes` go into the KvSessionRef (its DisaggregatedParams), and the generation side turns
-  them back into its `kv_import` with `kv_import_from_attributes`; the engine moves the bytes itself.
+How a context's KV reaches the generation side follows from what the engine can do (common.kv.paths picks it):
+- a `KvSessionHost` (our engine) exposes its paged cache (`kv_blocks`) and pins a session's blocks
+  (`lease_session` / `end_lease`); our KV data plane (TensorStore and the transports of common.kv.transport) serves
+  them and the decode side pulls them (KvPuller) into its `kv_import`.
+- an `OwnKvTransfer` (TensorRT-LLM) moves KV itself, through the transport it names (`kv_transport`, registered in
+  common.kv.transport: "trtllm", its cache transceiver): the context side's `session_attributes` go into the
+  KvSessionRef (its DisaggregatedParams), and the generation side turns them back into its `kv_import` with
+  `kv_import_from_attributes`.
 
 Besides this module, a service may import the plain types it speaks in (request, config, multimodal,
 stopping, default_model) and one more seam, common.engine.image_encoder (the encode worker's engine:
@@ -21,7 +22,7 @@ images → embeddings); tests/unit/test_engine_interface.py walks the imports of
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import torch
@@ -29,7 +30,6 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import RequestOutput, RequestType, SamplingParams
-from common.kv.backends import DATA_PLANE
 from common.kv.fence import BlockEpochs
 from common.kv.layout import KvExport, KvLayout, PlacedKv
 from common.kv.session import KvSession
@@ -45,8 +45,6 @@ class EngineFacts:
     image_token_id: int | None
     kv_device: torch.device
     name: str = "torch"
-    kv_transfer: str = DATA_PLANE
-    """DATA_PLANE, or the name of the engine's own KV transfer (common.kv.backends.ENGINE_TRANSFERS)."""
 
 
 class EngineHandoff(Protocol):
@@ -56,14 +54,30 @@ class EngineHandoff(Protocol):
         """As KvSessionRef.attributes."""
 
 
-# generate()'s kv_import: KV pulled over our data plane (into a tensor, or straight into the engine's blocks), or an
+# EngineRequest.kv_import: KV pulled over our data plane (into a tensor, or straight into the engine's blocks), or an
 # engine's own handoff.
 KvImport = Union[KvExport, PlacedKv, EngineHandoff]
 
 
+@dataclass
+class EngineRequest:
+    """One request for `Engine.generate`. `request_type` is TensorRT-LLM's DisaggregatedParams.request_type:
+    context_only (prefill: the prompt's KV stays pinned under a session), generation_only (decode: from
+    `kv_import` and `first_token`, the context phase's first_gen_tokens; without kv_import the engine recomputes the
+    prompt) or context_and_generation (aggregated)."""
+
+    request_id: str  # unique in the engine
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_type: RequestType = RequestType.CONTEXT_AND_GENERATION
+    kv_import: KvImport | None = None
+    first_token: int | None = None
+    images: list[ImageEmbedding] | None = None
+
+
 @dataclass(frozen=True)
 class KvBlocks:
-    """DATA_PLANE: the engine's paged cache and its pool, for the KV data plane. Every callable is safe from any
+    """A KvSessionHost's paged cache and its pool, for the KV data plane. Every callable is safe from any
     thread and never waits for a model step."""
 
     cache: torch.Tensor
@@ -96,10 +110,7 @@ class Engine(Protocol):
 
     async def load(self) -> EngineLoad: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
-                 request_type: RequestType = RequestType.CONTEXT_AND_GENERATION, kv_import: KvImport | None = None,
-                 first_token: int | None = None,
-                 images: list[ImageEmbedding] | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the stream early aborts it and frees its blocks."""
 
     async def abort(self, request_id: str) -> bool: ...
@@ -120,8 +131,8 @@ class Engine(Protocol):
 
     async def session_attributes(self, session_id: str) -> dict[str, str]:
         """Context side: what the generation side needs to import the session through the engine's own transfer,
-        as KvSessionRef.attributes (TensorRT-LLM: "trtllm.*", its DisaggregatedParams); {} on DATA_PLANE, where
-        the KV data plane's exporter adds its own. NotFound / SessionExpired as `session`."""
+        as KvSessionRef.attributes (TensorRT-LLM: "trtllm.*", its DisaggregatedParams); {} for a KvSessionHost,
+        whose KV data plane's exporter adds its own. NotFound / SessionExpired as `session`."""
 
     # --- KV events, for KV-aware routing ---
 
@@ -135,11 +146,12 @@ class Engine(Protocol):
 
 @runtime_checkable
 class KvSessionHost(Protocol):
-    """An engine whose sessions' KV our KV data plane moves (DATA_PLANE: ours): it pins a session's blocks while
-    an export reads them and exposes its paged cache. Services ask `isinstance(engine, KvSessionHost)`."""
+    """An engine whose sessions' KV our KV data plane moves (ours): it pins a session's blocks while an export reads
+    them and exposes its paged cache."""
 
     async def lease_session(self, session_id: str, block_ids: Sequence[int] = ()) -> list[int]:
-        """Start an export: the blocks stay pinned (through a release or the TTL) until end_lease."""
+        """Start an export: the blocks stay pinned (through a release or the TTL) until end_lease. Like
+        end_lease and release_session, it never waits for a model step."""
 
     async def end_lease(self, session_id: str) -> None: ...
 
@@ -154,6 +166,9 @@ class KvSessionHost(Protocol):
 class OwnKvTransfer(Protocol):
     """An engine that moves KV itself (TensorRT-LLM's cache transceiver): its generation side rebuilds a
     kv_import from the context side's session attributes."""
+
+    kv_transport: str
+    """The transport it drives, by its name in common.kv.transport's registry ("trtllm")."""
 
     def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> KvImport:
         """Generation side: a KvSessionRef's attributes → generate()'s kv_import for generation_only, for an

@@ -8,8 +8,8 @@ pure mappings below are tested (against a recorded signature list, tests/unit/tr
   context's DisaggregatedParams (first_gen_tokens, ctx_request_id, opaque_state, ...) become the
   session's `KvSessionRef.attributes` ("trtllm.*", opaque_state base64), with TRANSFER_BACKEND_TRTLLM.
 - generation_only takes those attributes back (`kv_import_from_attributes` → `TrtLlmHandoff`, as `kv_import`):
-  the transceiver moves the KV (EngineFacts.kv_transfer "trtllm"): it is an `OwnKvTransfer`, not a
-  `KvSessionHost` (it has no kv_cache or leases for our data plane).
+  the transceiver moves the KV (the `trtllm` transport, common.kv.transports.trtllm): it is an `OwnKvTransfer`,
+  not a `KvSessionHost` (it has no kv_cache or leases for our data plane).
 - Its KV cache events are re-keyed to our chained block hashes (common.kv.block_hash), so the
   router's KV index works unchanged.
 """
@@ -26,17 +26,16 @@ import torch
 
 from common.kv.block_hash import ROOT_HASH, hash_block
 from common.engine.config import EngineConfig, resolve_max_model_len
-from common.engine.interface import EngineFacts, EngineLoad
+from common.engine.interface import EngineFacts, EngineLoad, EngineRequest
 from common.engine.models.contract import head_dim_of
-from common.engine.multimodal import ImageEmbedding
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams, TokenLogprob
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
 from common.kv.events import EventBody, KvEventLog, Subscriber
-from common.kv.layout import KvExport, KvLayout, model_fingerprint
+from common.kv.layout import KvLayout, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
 
 NOT_INSTALLED = "TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's TensorRT-LLM image"
-KV_TRANSFER = "trtllm"  # EngineFacts.kv_transfer: TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)
+KV_TRANSPORT = "trtllm"  # the transport its cache transceiver is (common.kv.transports.trtllm)
 ATTRIBUTE_PREFIX = "trtllm."
 OPAQUE_STATE = ATTRIBUTE_PREFIX + "opaque_state"
 EVENT_BUFFER_MAX_SIZE = 1024
@@ -228,6 +227,8 @@ def load_from_stats(stats: Mapping[str, Any] | None, running: int, sessions: int
 class TrtLlmEngine:
     """The Engine protocol over tensorrt_llm.LLM. Every method runs on the asyncio loop: the LLM API is async."""
 
+    kv_transport = KV_TRANSPORT
+
     def __init__(self, trtllm: Any, llm: Any, facts: EngineFacts) -> None:
         self._trtllm, self._llm, self._facts = trtllm, llm, facts
         self._running: dict[str, Any] = {}  # request id → its tensorrt_llm RequestOutput (a live result)
@@ -255,8 +256,7 @@ class TrtLlmEngine:
                           block_size=config.block_size, dtype=config.dtype,
                           # never equal to a torch engine's: the two caches are not interchangeable
                           fingerprint="trtllm-" + model_fingerprint(hf_config, config.dtype))
-        facts = EngineFacts(layout, max_model_len, config, None, torch.device("cuda"), name="trtllm",
-                            kv_transfer=KV_TRANSFER)
+        facts = EngineFacts(layout, max_model_len, config, None, torch.device("cuda"), name="trtllm")
         return cls(trtllm, trtllm.LLM(**kwargs), facts)
 
     async def facts(self) -> EngineFacts:
@@ -271,19 +271,18 @@ class TrtLlmEngine:
         return load_from_stats(self._stats, len(self._running), len(self._sessions.sessions),
                                self._sessions.num_expired)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
-                       request_type: RequestType = RequestType.CONTEXT_AND_GENERATION,
-                       kv_import: KvExport | TrtLlmHandoff | None = None, first_token: int | None = None,
-                       images: list[ImageEmbedding] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving early aborts it (RequestOutput.abort) and TensorRT-LLM frees it."""
-        if images:
+        request_id, prompt_token_ids, request_type = request.request_id, request.prompt_token_ids, request.request_type
+        if request.images:
             raise FailedPrecondition("--engine trtllm serves text only here; run images on the torch engine")
         if request_id in self._running:
             raise InvalidRequest(f"request {request_id} is already running")
-        handoff = kv_import if isinstance(kv_import, TrtLlmHandoff) else None
+        handoff = request.kv_import if isinstance(request.kv_import, TrtLlmHandoff) else None
+        first_token = request.first_token
         if handoff is not None and first_token is not None and handoff.first_gen_tokens[:1] != (first_token,):
             raise InvalidRequest(f"first token {first_token} differs from the handoff's {handoff.first_gen_tokens}")
-        params = self._request_params(prompt_token_ids, sampling or SamplingParams(), request_type, handoff)
+        params = self._request_params(prompt_token_ids, request.sampling, request_type, handoff)
         result = self._llm.generate_async(prompt_token_ids, sampling_params=params[0], disaggregated_params=params[1],
                                           streaming=request_type is not RequestType.CONTEXT_ONLY)
         self._running[request_id] = result

@@ -8,33 +8,28 @@ fabrics; over plain TCP it measured slower than `shm` and `grpc`, so same-host `
 `grpc` (TensorStore.Pull chunks: any host, always works). A worker's `--kv-transfer-backends` narrows what it offers (prefill) or accepts
 (decode); `grpc` is always kept as the last resort.
 
-All of these are the KV *data plane* (DATA_PLANE): our TensorStore moves the bytes of an engine's paged cache.
-An engine may instead move KV itself (common.engine.interface.EngineFacts.kv_transfer): `trtllm`, TensorRT-LLM's
-cache transceiver, named in the ref as TRANSFER_BACKEND_TRTLLM. Both workers of a handoff must move KV the
-same way (`check_kv_transfer`).
+All of these are the KV *data plane*: our TensorStore moves the bytes of an engine's paged cache. An engine may
+instead drive a transport of its own (common.kv.transport.EngineTransport): `trtllm`, TensorRT-LLM's cache
+transceiver, named in the ref as TRANSFER_BACKEND_TRTLLM. Both workers of a handoff must move KV the same way
+(KvPath.check).
 """
 from __future__ import annotations
 
-from common.errors import FailedPrecondition, InvalidConfig
+from common.errors import InvalidConfig
 from common.kv import transport
 from common.kv.transport import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2
 
-# The built-in transports take their `number` from here (common.kv.transports).
+# The built-in transports take their `number` from here (common.kv.transports): the data plane's, and those an
+# engine drives (no TensorStore pull).
 BACKENDS = {"cuda_ipc": common_pb2.TRANSFER_BACKEND_CUDA_IPC, "shm": common_pb2.TRANSFER_BACKEND_SHM,
             "nixl": common_pb2.TRANSFER_BACKEND_NIXL, "grpc": common_pb2.TRANSFER_BACKEND_GRPC}
 PREFERENCE = tuple(BACKENDS)
 NAMES = {number: name for name, number in BACKENDS.items()}
+ENGINE_TRANSFERS = {"trtllm": common_pb2.TRANSFER_BACKEND_TRTLLM}
 # Session-ref attributes.
 OFFERED_ATTRIBUTE = "transfer_backends"  # what the exporter offers, best first, comma separated
 KV_CACHE_ID_ATTRIBUTE = "kv_cache_id"  # which cache allocation the session's block ids index
-
-
-DATA_PLANE = "data_plane"
-# Transfers an engine does itself, by the name EngineFacts.kv_transfer gives them: no TensorStore pull.
-ENGINE_TRANSFERS = {"trtllm": common_pb2.TRANSFER_BACKEND_TRTLLM}
-_HOW = {DATA_PLANE: "over the KV data plane (TensorStore: " + ", ".join(PREFERENCE) + ")",
-        "trtllm": "through TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)"}
 
 
 def parse_backends(text: str) -> tuple[str, ...]:
@@ -63,24 +58,3 @@ def offered(attributes, transfer_backend: int) -> list[str]:
     single = NAMES.get(transfer_backend)
     return [single] if single and single != "grpc" else ["grpc"]
 
-
-def kv_transfer_of(transfer_backend: int) -> str:
-    """Who moves the KV of a ref with this transfer_backend: an engine transfer's name, or DATA_PLANE."""
-    for name, number in ENGINE_TRANSFERS.items():
-        if number == transfer_backend:
-            return name
-    return DATA_PLANE
-
-
-def check_kv_transfer(session_id: str, transfer_backend: int, kv_transfer: str, engine: str) -> None:
-    """FailedPrecondition, naming both sides, when a ref's KV moves another way than this worker's engine
-    imports KV (a trtllm prefill's ref at a torch decode worker, or the reverse)."""
-    theirs = kv_transfer_of(transfer_backend)
-    if theirs == kv_transfer:
-        return
-    name = common_pb2.TransferBackend.Name(transfer_backend) if transfer_backend in \
-        common_pb2.TransferBackend.values() else str(transfer_backend)
-    raise FailedPrecondition(
-        f"KV session {session_id} was exported with transfer_backend {name}, to be moved {_HOW[theirs]}, but this "
-        f"decode worker runs --engine {engine}, which imports KV only {_HOW[kv_transfer]}; run prefill and decode "
-        "workers with the same --engine")

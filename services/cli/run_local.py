@@ -8,7 +8,7 @@ import sys
 import time
 
 from common.engine.config import resolve_max_model_len
-from common.engine.interface import Engine
+from common.engine.interface import Engine, EngineRequest
 from common.engine.request import SamplingParams, check_fits_context
 from common.engine.start import start_engine
 from common.errors import DisaggError
@@ -28,7 +28,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 async def stream(engine: Engine, prompt: list[int], sampling: SamplingParams, text: IncrementalDetokenizer) -> int:
     """Generate, writing the text as it comes; how many tokens were generated."""
     count = 0
-    async for out in engine.generate("run", prompt, sampling):
+    async for out in engine.generate(EngineRequest("run", prompt, sampling)):
         count += len(out.new_token_ids)
         sys.stdout.write(text.add(out.new_token_ids).text)
         sys.stdout.flush()

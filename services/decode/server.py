@@ -2,10 +2,10 @@
 
 With a KvSessionRef the worker checks the layout, pulls the prompt's KV from the exporter's
 TensorStore, releases the session and generates from the first token (GENERATION_ONLY);
-without one it runs the prompt itself (CONTEXT_AND_GENERATION). On an engine that moves KV itself
-(trtllm: a ref with TRANSFER_BACKEND_TRTLLM) nothing is pulled: the ref's attributes become the engine's
-kv_import, its own transceiver fetches the KV, and the session is released once the engine answers.
-A ref for the other kind of engine is refused (FAILED_PRECONDITION). Once this worker accepts a
+without one it runs the prompt itself (CONTEXT_AND_GENERATION). Where the worker's KvPath is a transport its
+engine drives (trtllm: a ref with TRANSFER_BACKEND_TRTLLM) nothing is pulled: the path makes the engine's
+kv_import from the ref, the engine fetches the KV, and the session is released once the engine answers.
+A ref whose KV moves another way than this worker's path is refused (FAILED_PRECONDITION). Once this worker accepts a
 DecodeStart with a session it owns the session and releases it whatever happens next (also
 when it refuses the request as invalid or mismatched); only when it is UNAVAILABLE (loading,
 draining) does the caller keep it, to try another decode worker.
@@ -23,15 +23,15 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from common.engine.interface import Engine, KvImport
+from common.engine.interface import Engine, EngineRequest, KvImport
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout, PlacedKv
 from common.kv import transport
-from common.kv.backends import DATA_PLANE, check_kv_transfer
 from common.kv.pull import KvPuller
-from common.kv.transfer import ChannelCache, check_pullable, layout_of, release_quietly
+from common.kv.transfer import ChannelCache, layout_of, release_quietly
+from common.kv.transport import KvPath
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import request_type_from_proto, sampling_from_proto
 from services.decode.progress import Progress
@@ -74,10 +74,10 @@ class _Plan:
     first_token: int | None
     time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
     embeddings: list[common_pb2.EmbeddingRef] | None = None  # aggregated image requests: pulled here
-    handoff: KvImport | None = None  # an engine that moves KV itself: its kv_import, from the ref's attributes
+    handoff: KvImport | None = None  # a transport the engine drives: its kv_import, made from the ref (KvPath.handoff)
 
 
-def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, engine: str, kv_transfer: str) -> _Plan:
+def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> _Plan:
     has_session = start.HasField("session")
     request_type = request_type_from_proto(
         start.request_type, RequestType.GENERATION_ONLY if has_session else RequestType.CONTEXT_AND_GENERATION)
@@ -90,19 +90,15 @@ def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, engine: str, kv_trans
         raise InvalidRequest("embeddings go with aggregated requests; with a session the KV already holds the images")
     sampling = sampling_from_proto(start.sampling, start.stop, start.output)
     if has_session:
-        _check_session(start, layout, engine, kv_transfer)
+        _check_session(start, layout, kv_path)
     return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
                  sampling, request_type, start.session if has_session else None,
                  start.first_token if has_session else None, embeddings=list(start.embeddings))
 
 
-def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout, engine: str, kv_transfer: str) -> None:
+def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> None:
     ref = start.session
-    check_kv_transfer(ref.session_id, ref.transfer_backend, kv_transfer, engine)
-    if kv_transfer == DATA_PLANE:
-        check_pullable(ref)
-    elif not ref.session_id or not ref.endpoint:
-        raise InvalidRequest("the KV session ref needs a session_id and an endpoint (its release goes there)")
+    kv_path.check(ref)
     if not start.HasField("first_token"):
         raise InvalidRequest("a DecodeStart with a session needs first_token")
     if start.first_token != ref.first_token:
@@ -152,10 +148,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         with self.state.admission.counted():  # the drain waits for the whole stream
             try:
                 engine = self.state.admit()
-                plan = _plan(start, self.state.kv_layout, self.state.engine_name, self.state.kv_transfer)
+                plan = _plan(start, self.state.kv_layout, self.state.kv_path)
                 plan.time_left_s = context.time_remaining()
-                if plan.session is not None and self.state.kv_transfer != DATA_PLANE:
-                    plan.handoff = engine.kv_import_from_attributes(plan.session.attributes)
+                if plan.session is not None:
+                    plan.handoff = self.state.kv_path.handoff(plan.session)
             except Exception as exc:
                 await self._refuse(context, start, exc)
             outbox: asyncio.Queue = asyncio.Queue()
@@ -193,8 +189,9 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                 images = (await pull_and_release_embeddings(self.channels.get, plan.embeddings, plan.time_left_s)
                           if plan.embeddings else None)
             self.state.require_engine()  # not if shutdown began during the pull
-            async for out in engine.generate(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
-                                             plan.first_token, images):
+            request = EngineRequest(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
+                                    plan.first_token, images)
+            async for out in engine.generate(request):
                 if owed:  # the engine answers once its transfer has brought the KV
                     self._release_later(plan.session)
                     owed = False
@@ -224,7 +221,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         self.state.spawn(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
 
     async def _kv_import(self, plan: _Plan, progress: Progress) -> KvImport | None:
-        """generate()'s kv_import: the engine's own handoff, or KV pulled over the data plane (None: recompute)."""
+        """The request's kv_import: the engine's own handoff, or KV pulled over the data plane (None: recompute)."""
         if plan.handoff is not None:
             progress.usage.kv_transfer_backend = plan.session.transfer_backend
             return plan.handoff

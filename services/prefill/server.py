@@ -1,8 +1,9 @@
 """Prefiller servicer: runs a prompt context_only, answers the first token and a KV session ref.
 
-The ref names how the KV moves: over our KV data plane (this worker's TensorStore, the exporter's best backend
-first), or through the engine itself (trtllm: TRANSFER_BACKEND_TRTLLM, the context's DisaggregatedParams in
-`attributes`). Either way the importer releases the session through this worker's TensorStore.
+The ref names how the KV moves (the worker's KvPath): over our KV data plane (this worker's TensorStore, the
+exporter's best backend first), or through a transport the engine drives (trtllm: TRANSFER_BACKEND_TRTLLM, the
+context's DisaggregatedParams in `attributes`). Either way the importer releases the session through this worker's
+TensorStore.
 """
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import uuid
 
 import grpc
 
-from common.engine.interface import Engine
+from common.engine.interface import Engine, EngineRequest
 from common.engine.request import FinishReason, RequestOutput, RequestType, SamplingParams
 from common.errors import InvalidRequest
 from common.engine.multimodal import ImageEmbedding
-from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -87,11 +87,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         # The output carries the session where the engine can (ours): asking for it again would wait for a step.
         state, session_id = self.state, output.session_id
         session = output.session if output.session is not None else await engine.session(session_id)
-        if state.kv_transfer == DATA_PLANE:  # the engine adds nothing (session_attributes is {}): skip its thread
-            exporter = state.kv_exporter
-            return session_ref(state.kv_layout, session, state.endpoint, exporter.best_backend, exporter.attributes())
-        return session_ref(state.kv_layout, session, state.endpoint, ENGINE_TRANSFERS[state.kv_transfer],
-                           await engine.session_attributes(session_id))
+        transfer_backend, attributes = await state.kv_path.ref_fields(session_id)
+        return session_ref(state.kv_layout, session, state.endpoint, transfer_backend, attributes)
 
     def _release_sessions_of(self, engine_id: str) -> None:
         if self.state.engine is not None:
@@ -106,8 +103,9 @@ def _sampling(request: worker_pb2.PrefillRequest) -> SamplingParams:
 
 async def _context_only(engine: Engine, engine_id: str, request: worker_pb2.PrefillRequest,
                         sampling: SamplingParams, images: list[ImageEmbedding]) -> RequestOutput:
-    outputs = [out async for out in engine.generate(engine_id, list(request.token_ids), sampling,
-                                                    RequestType.CONTEXT_ONLY, images=images or None)]
+    context_only = EngineRequest(engine_id, list(request.token_ids), sampling, RequestType.CONTEXT_ONLY,
+                                 images=images or None)
+    outputs = [out async for out in engine.generate(context_only)]
     return outputs[-1]
 
 

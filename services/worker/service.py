@@ -21,9 +21,10 @@ from common.engine.request import SamplingParams
 from common.engine.start import start_engine
 from common.errors import DisaggError, Unavailable
 from common.kv import transport
-from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS, PREFERENCE, parse_backends
+from common.kv.backends import PREFERENCE, parse_backends
 from common.kv.layout import KvLayout
-from common.kv.sharing import KvCacheExporter
+from common.kv.paths import open_path
+from common.kv.transport import KvPath
 from common.telemetry.metrics import Metrics, observe_engine_load
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.kit.convert import kv_event_to_proto
@@ -53,9 +54,7 @@ class WorkerState:
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     kv_transfer_backends: tuple[str, ...] = PREFERENCE  # offered (prefill) or accepted (decode)
-    kv_exporter: KvCacheExporter | None = None  # prefill on DATA_PLANE: the cache shared with importers
-    engine_name: str = "torch"
-    kv_transfer: str = DATA_PLANE  # who moves a session's KV: our data plane, or the engine (EngineFacts.kv_transfer)
+    kv_path: KvPath | None = None  # how its sessions' KV moves (common.kv.paths), known once the engine is loaded
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property
@@ -189,17 +188,15 @@ class EngineRole:
         return start_engine(config)
 
     async def attach(self, state: WorkerState, engine: Engine) -> None:
-        """A prefill worker on DATA_PLANE shares its engine's cache with importers; on an engine that moves KV
-        itself (trtllm) there is no cache to share, and its TensorStore only releases sessions."""
-        facts = await engine.facts()
-        state.kv_layout, state.engine_name, state.kv_transfer = facts.kv_layout, facts.name, facts.kv_transfer
-        if state.role == worker_pb2.WORKER_ROLE_PREFILL and state.kv_transfer == DATA_PLANE:
-            blocks = await engine.kv_blocks()
-            state.kv_exporter = KvCacheExporter(blocks.cache, state.kv_transfer_backends, state.worker_id,
-                                                blocks.count_reuse)
-            state.closers.append(_closer(state.kv_exporter))
+        """The worker's KV path, by what its engine can do: over our data plane a prefill worker shares its
+        engine's cache with importers; through an engine's own transport (trtllm) its TensorStore only releases
+        sessions."""
+        state.kv_layout = (await engine.facts()).kv_layout
+        state.kv_path = await open_path(engine, state.role == worker_pb2.WORKER_ROLE_PREFILL,
+                                        state.kv_transfer_backends, state.worker_id)
+        state.closers.append(_closer(state.kv_path))
         state.engine = engine
-        state.tensor_source = KvSessionSource(engine, state.kv_layout, state.kv_exporter, state.kv_transfer)
+        state.tensor_source = KvSessionSource(engine, state.kv_layout, state.kv_path)
 
     def registration_meta(self, state: WorkerState) -> dict[str, str]:
         layout = state.kv_layout
@@ -220,7 +217,7 @@ class EngineRole:
             fingerprint=layout.fingerprint, block_size=layout.block_size, num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
             max_model_len=facts.max_model_len, limits=_limits(facts.config), engine=facts.name,
-            transfer_backends=_transfer_backends(state),
+            transfer_backends=state.kv_path.transfer_backends(),
             supports_images=facts.image_token_id is not None,
         )
 
@@ -242,14 +239,6 @@ class EngineRole:
         return f"released {released} KV sessions"
 
 
-def _transfer_backends(state: WorkerState) -> list[int]:
-    if state.kv_transfer != DATA_PLANE:
-        return [ENGINE_TRANSFERS[state.kv_transfer]]
-    exporter = state.kv_exporter
-    names = exporter.offered if exporter is not None else state.kv_transfer_backends
-    return [transport.number_of(name) for name in names]
-
-
 def _limits(config: EngineConfig) -> worker_pb2.WorkerLimits:
     return worker_pb2.WorkerLimits(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -267,7 +256,7 @@ def _load_proto(load: EngineLoad) -> worker_pb2.Load:
     )
 
 
-def _closer(exporter: KvCacheExporter) -> Callable[[], Awaitable[None]]:
+def _closer(kv_path: KvPath) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
-        exporter.close()
+        kv_path.close()
     return close

@@ -13,12 +13,12 @@ import grpc
 from common.engine.interface import Engine
 from common.errors import InvalidRequest, NotFound
 from common.kv import gather, shm
-from common.kv.backends import DATA_PLANE, BackendUnavailable
+from common.kv.backends import BackendUnavailable
 from common.kv.chunks import chunk_size, encoded_chunks, tensor_to_bytes
 from common.kv.layout import KvLayout
 from common.kv.probe import PROBE_HANDLE
-from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import HEADER_ROOM, kv_header
+from common.kv.transport import KvPath
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.telemetry.metrics import Metrics
 from services.kit.serving import abort_with
@@ -40,31 +40,26 @@ class TensorSource(Protocol):
 
 
 class KvSessionSource:
-    """Exported KV sessions of the engine. The engine only leases a session (its blocks stay pinned
-    through a release or the TTL until the lease ends); the gather runs on a side stream into pinned
-    host memory, off the engine thread, which keeps stepping other requests meanwhile."""
+    """Exported KV sessions of the engine. Pulled ones (our data plane) are only leased by the engine (its blocks
+    stay pinned through a release or the TTL until the lease ends); the gather runs on a side stream into pinned
+    host memory, off the engine thread, which keeps stepping other requests meanwhile. Where the engine moves its
+    sessions' KV itself, they are only released here."""
 
-    def __init__(self, engine: Engine, layout: KvLayout, exporter: KvCacheExporter | None = None,
-                 kv_transfer: str = DATA_PLANE):
+    def __init__(self, engine: Engine, layout: KvLayout, kv_path: KvPath):
         self.engine = engine
         self.layout = layout
-        self.exporter = exporter  # the cache and its shares; None on workers that export nothing
-        self.kv_transfer = kv_transfer  # not DATA_PLANE: the engine moves its sessions' KV; here they are only released
+        self.kv_path = kv_path  # the exporter's cache and its shares, or why there are none
 
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
-        if self.kv_transfer != DATA_PLANE:
-            raise BackendUnavailable(f"the KV of session {handle} moves through this worker's engine "
-                                     f"({self.kv_transfer}), not TensorStore.Pull")
-        if self.exporter is None:
-            raise NotFound(f"this worker exports no KV sessions (no {handle})")
+        exporter = self.kv_path.cache_exporter(handle)
         if handle == PROBE_HANDLE:  # an importer's self-check: blocks of zeros, no session, no engine
-            blocks = self.exporter.probe_blocks(self.layout)
+            blocks = exporter.probe_blocks(self.layout)
             ids = list(range(blocks.shape[2]))
             return kv_header(self.layout, ids, blocks), tensor_to_bytes(await gather.gather_to_host(blocks, ids))
         lease = asyncio.ensure_future(self.engine.lease_session(handle, block_ids))
         try:
             ids = await asyncio.shield(lease)
-            blocks = await gather.gather_to_host(self.exporter.kv_cache, ids)
+            blocks = await gather.gather_to_host(exporter.kv_cache, ids)
         finally:  # a pull cancelled at any point, even before the engine answered the lease, ends it
             await asyncio.shield(asyncio.ensure_future(self._end_lease_once_taken(lease, handle)))
         return kv_header(self.layout, ids, blocks), tensor_to_bytes(blocks)
@@ -87,9 +82,7 @@ class KvSessionSource:
         return ""
 
     def share(self, transport: str) -> worker_pb2.KvCacheShare:
-        if self.exporter is None:
-            raise BackendUnavailable("this worker exports no KV cache")
-        return self.exporter.share(transport)
+        return self.kv_path.share(transport)
 
 
 class TensorHolder(Protocol):

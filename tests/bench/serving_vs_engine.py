@@ -24,6 +24,7 @@ from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
+from common.engine.interface import EngineRequest
 from common.engine.request import SamplingParams
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -84,7 +85,7 @@ async def bench_engine(engine: AsyncLLMEngine, prompts: list[list[int]], out_tok
 
     async def one(i: int, prompt: list[int]):
         start, first, tokens = time.perf_counter(), None, 0
-        async for out in engine.generate(f"{tag}-{i}", prompt, sampling):
+        async for out in engine.generate(EngineRequest(f"{tag}-{i}", prompt, sampling)):
             if out.new_token_ids:
                 first = first or time.perf_counter()
                 tokens += len(out.new_token_ids)

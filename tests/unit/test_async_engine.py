@@ -7,6 +7,7 @@ import pytest
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.interface import EngineRequest
 from common.engine.request import FinishReason, SamplingParams
 from common.errors import InvalidRequest
 
@@ -23,7 +24,7 @@ def engines(tiny_llama):
 
 async def _collect(engine: AsyncLLMEngine, rid: str, prompt: list[int]) -> list[int]:
     tokens = []
-    async for out in engine.generate(rid, prompt, GREEDY):
+    async for out in engine.generate(EngineRequest(rid, prompt, GREEDY)):
         tokens.extend(out.new_token_ids)
     return tokens
 
@@ -44,7 +45,7 @@ def test_abort_from_another_coroutine_ends_the_stream_and_frees_blocks(engines):
     async def main():
         outputs = []
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        async for out in async_engine.generate("long", list(range(3, 40)), long):
+        async for out in async_engine.generate(EngineRequest("long", list(range(3, 40)), long)):
             outputs.append(out)
             if len(outputs) == 3:
                 assert await async_engine.abort("long")
@@ -59,7 +60,8 @@ def test_consumer_leaving_early_aborts_the_request(engines):
     async_engine, _ = engines
 
     async def main():
-        stream = async_engine.generate("leaver", list(range(3, 40)), SamplingParams(max_tokens=400, ignore_eos=True))
+        stream = async_engine.generate(EngineRequest("leaver", list(range(3, 40)),
+                                                     SamplingParams(max_tokens=400, ignore_eos=True)))
         async for _ in stream:
             break
         await stream.aclose()

@@ -15,11 +15,10 @@ import pytest
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
-from common.engine.interface import Engine, KvSessionHost, OwnKvTransfer
+from common.engine.interface import Engine, EngineRequest, KvSessionHost, OwnKvTransfer
 from common.engine.request import RequestType, SamplingParams
 from common.engine.start import start_engine
 from common.errors import NotFound
-from common.kv.backends import DATA_PLANE
 from services.cli.main import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,8 +130,9 @@ def test_our_engine_hands_kv_to_the_data_plane_and_refuses_an_engine_handoff(tin
 
     async def run():
         facts = await engine.facts()
-        outs = [o async for o in engine.generate("p", list(range(3, 22)), SamplingParams(temperature=0, max_tokens=4),
-                                                 RequestType.CONTEXT_ONLY)]
+        context_only = EngineRequest("p", list(range(3, 22)), SamplingParams(temperature=0, max_tokens=4),
+                                     RequestType.CONTEXT_ONLY)
+        outs = [o async for o in engine.generate(context_only)]
         attributes = await engine.session_attributes(outs[-1].session_id)
         await engine.release_session(outs[-1].session_id)
         with pytest.raises(NotFound):
@@ -144,7 +144,7 @@ def test_our_engine_hands_kv_to_the_data_plane_and_refuses_an_engine_handoff(tin
         assert isinstance(engine, KvSessionHost) and not isinstance(engine, OwnKvTransfer)
     finally:
         engine.shutdown()
-    assert (facts.name, facts.kv_transfer, attributes) == ("torch", DATA_PLANE, {})
+    assert (facts.name, attributes) == ("torch", {})
 
 
 def test_the_tensorrt_llm_engine_implements_every_method_of_the_interface():

@@ -13,6 +13,7 @@ import pytest
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
+from common.engine.interface import EngineRequest
 from common.engine.request import RequestType, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -23,15 +24,16 @@ TTFT_BOUND_S = 1.0  # the issue's bound
 
 async def _ttft(engine: AsyncLLMEngine, request_id: str) -> float:
     start = time.monotonic()
-    async for _ in engine.generate(request_id, [1, 2, 3], SamplingParams(max_tokens=1)):
+    async for _ in engine.generate(EngineRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=1))):
         return time.monotonic() - start
     raise AssertionError(f"{request_id} produced no output")
 
 
 async def _recompute_long_prompt(engine: AsyncLLMEngine) -> None:
     prompt = [random.Random(0).randrange(100, 40000) for _ in range(LONG_PROMPT_TOKENS)]
-    async for _ in engine.generate("long", prompt, SamplingParams(max_tokens=4), RequestType.GENERATION_ONLY,
-                                   first_token=prompt[-1]):  # no KV to import: decode recomputes the prompt
+    recompute = EngineRequest("long", prompt, SamplingParams(max_tokens=4), RequestType.GENERATION_ONLY,
+                              first_token=prompt[-1])  # no KV to import: decode recomputes the prompt
+    async for _ in engine.generate(recompute):
         pass
 
 

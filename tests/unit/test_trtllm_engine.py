@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.interface import EngineFacts, KvSessionHost, OwnKvTransfer
+from common.engine.interface import EngineFacts, EngineRequest, KvSessionHost, OwnKvTransfer
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.engine.trtllm import OPAQUE_STATE, TrtLlmEngine, TrtLlmHandoff
 from common.errors import NotFound
@@ -68,7 +68,8 @@ async def _all(stream):
 def test_context_only_pins_a_session_whose_attributes_carry_the_context_params(engine):
     disagg = SimpleNamespace(first_gen_tokens=[7], ctx_request_id=5, opaque_state=b"\x01\x02", draft_tokens=None)
     engine._llm.results.append(_Result([[7]], disagg))
-    outs = asyncio.run(_all(engine.generate("r1", [1, 2, 3], SamplingParams(temperature=0), RequestType.CONTEXT_ONLY)))
+    request = EngineRequest("r1", [1, 2, 3], SamplingParams(temperature=0), RequestType.CONTEXT_ONLY)
+    outs = asyncio.run(_all(engine.generate(request)))
     call = engine._llm.calls[0]
     assert call["disagg"].request_type == "context_only" and call["streaming"] is False
     assert call["sampling"].top_k == 1 and call["sampling"].max_tokens == 61
@@ -86,8 +87,9 @@ def test_context_only_pins_a_session_whose_attributes_carry_the_context_params(e
 def test_generation_only_sends_the_handoff_and_streams_only_new_tokens(engine):
     handoff = TrtLlmHandoff(first_gen_tokens=(7,), ctx_request_id=5, opaque_state=b"\x01")
     engine._llm.results.append(_Result([[7, 8], [7, 8, 9]]))
-    outs = asyncio.run(_all(engine.generate("r2", [1, 2, 3], SamplingParams(max_tokens=3),
-                                            RequestType.GENERATION_ONLY, handoff, first_token=7)))
+    request = EngineRequest("r2", [1, 2, 3], SamplingParams(max_tokens=3), RequestType.GENERATION_ONLY,
+                            kv_import=handoff, first_token=7)
+    outs = asyncio.run(_all(engine.generate(request)))
     disagg = engine._llm.calls[0]["disagg"]
     assert (disagg.request_type, disagg.first_gen_tokens, disagg.ctx_request_id, disagg.opaque_state) == (
         "generation_only", [7], 5, b"\x01")
@@ -100,7 +102,7 @@ def test_leaving_the_stream_early_aborts_the_tensorrt_llm_request(engine):
     engine._llm.results.append(result)
 
     async def first_only():
-        stream = engine.generate("r3", [1, 2], SamplingParams())
+        stream = engine.generate(EngineRequest("r3", [1, 2], SamplingParams()))
         out = await stream.__anext__()
         await stream.aclose()
         return out

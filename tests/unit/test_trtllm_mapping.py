@@ -13,11 +13,13 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.request import RequestType, SamplingParams
 from common.engine.start import start_engine
-from common.engine.trtllm import (KV_TRANSFER, OPAQUE_STATE, KvEventTranslator, TrtLlmEngine, TrtLlmHandoff,
+from common.engine.trtllm import (KV_TRANSPORT, OPAQUE_STATE, KvEventTranslator, TrtLlmEngine, TrtLlmHandoff,
                                   disaggregated_kwargs, llm_kwargs, load_from_stats, sampling_kwargs)
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
-from common.kv.backends import DATA_PLANE, ENGINE_TRANSFERS, check_kv_transfer, kv_transfer_of
+from common.kv import transport
+from common.kv.backends import ENGINE_TRANSFERS
 from common.kv.block_hash import hash_blocks
+from common.kv.paths import DataPlane
 from common.pb.disagg.v1 import common_pb2
 from services.worker.engine_flags import add_engine_args, engine_argv
 
@@ -88,19 +90,23 @@ def test_the_trtllm_engine_turns_a_refs_attributes_into_its_generation_only_impo
                                      common_pb2.TRANSFER_BACKEND_SHM, common_pb2.TRANSFER_BACKEND_CUDA_IPC,
                                      common_pb2.TRANSFER_BACKEND_NIXL])
 def test_data_plane_refs_and_trtllm_refs_go_to_their_own_engines_only(backend):
-    assert kv_transfer_of(backend) == DATA_PLANE and kv_transfer_of(common_pb2.TRANSFER_BACKEND_TRTLLM) == KV_TRANSFER
-    assert ENGINE_TRANSFERS == {KV_TRANSFER: common_pb2.TRANSFER_BACKEND_TRTLLM}
-    check_kv_transfer("s", backend, DATA_PLANE, "torch")
-    check_kv_transfer("s", common_pb2.TRANSFER_BACKEND_TRTLLM, KV_TRANSFER, "trtllm")
+    data_plane = DataPlane("torch", ("grpc",))
+    trtllm = transport.engine_transport(KV_TRANSPORT, None, "trtllm")
+    assert ENGINE_TRANSFERS == {KV_TRANSPORT: common_pb2.TRANSFER_BACKEND_TRTLLM}
+    assert data_plane.carries(backend) and not data_plane.carries(common_pb2.TRANSFER_BACKEND_TRTLLM)
+    assert trtllm.carries(common_pb2.TRANSFER_BACKEND_TRTLLM) and not trtllm.carries(backend)
+    trtllm.check(common_pb2.KvSessionRef(session_id="s", endpoint="h:1",
+                                         transfer_backend=common_pb2.TRANSFER_BACKEND_TRTLLM))
     with pytest.raises(FailedPrecondition) as refused:
-        check_kv_transfer("s1", backend, KV_TRANSFER, "trtllm")
+        trtllm.check(common_pb2.KvSessionRef(session_id="s1", endpoint="h:1", transfer_backend=backend))
     assert "KV session s1" in str(refused.value) and "KV data plane" in str(refused.value)  # theirs
     assert "--engine trtllm" in str(refused.value) and "TRANSFER_BACKEND_TRTLLM" in str(refused.value)  # ours
 
 
 def test_a_trtllm_ref_at_a_data_plane_worker_names_both_sides():
+    ref = common_pb2.KvSessionRef(session_id="s2", endpoint="h:1", transfer_backend=common_pb2.TRANSFER_BACKEND_TRTLLM)
     with pytest.raises(FailedPrecondition) as refused:
-        check_kv_transfer("s2", common_pb2.TRANSFER_BACKEND_TRTLLM, DATA_PLANE, "torch")
+        DataPlane("torch", ("grpc",)).check(ref)
     assert str(refused.value) == (
         "KV session s2 was exported with transfer_backend TRANSFER_BACKEND_TRTLLM, to be moved through TensorRT-LLM's "
         "cache transceiver (TRANSFER_BACKEND_TRTLLM), but this decode worker runs --engine torch, which imports KV "

@@ -21,9 +21,11 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.interface import Engine, EngineFacts
 from common.engine.start import start_engine
-from common.engine.trtllm import ATTRIBUTE_PREFIX, KV_TRANSFER, OPAQUE_STATE, TrtLlmEngine
+from common.engine.trtllm import ATTRIBUTE_PREFIX, KV_TRANSPORT, OPAQUE_STATE, TrtLlmEngine
 from common.kv.backends import ENGINE_TRANSFERS
 from common.kv.layout import KvLayout
+from common.kv.paths import DataPlane
+from common.kv.transports.trtllm import TrtLlmTransport
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.decode.__main__ import SPEC as DECODE
 from services.prefill.__main__ import SPEC as PREFILL
@@ -93,8 +95,7 @@ class _Llm:
 
 def trtllm_engine(llm: _Llm) -> TrtLlmEngine:
     config = EngineConfig(model="/stand-in", engine="trtllm", session_ttl_s=30, block_size=LAYOUT.block_size)
-    return TrtLlmEngine(TRTLLM, llm, EngineFacts(LAYOUT, 64, config, None, torch.device("cpu"), "trtllm",
-                                                 kv_transfer=KV_TRANSFER))
+    return TrtLlmEngine(TRTLLM, llm, EngineFacts(LAYOUT, 64, config, None, torch.device("cpu"), "trtllm"))
 
 
 @dataclasses.dataclass
@@ -176,8 +177,8 @@ def test_the_trtllm_prefill_ref_carries_the_context_params_and_no_kv_data_plane_
 
     state, prefilled, info, pulled, pinned = asyncio.run(run())
     ref = prefilled.session
-    assert prefilled.first_token == FIRST and state.kv_exporter is None
-    assert ref.transfer_backend == common_pb2.TRANSFER_BACKEND_TRTLLM == ENGINE_TRANSFERS[KV_TRANSFER]
+    assert prefilled.first_token == FIRST and isinstance(state.kv_path, TrtLlmTransport)  # from the registry
+    assert ref.transfer_backend == common_pb2.TRANSFER_BACKEND_TRTLLM == ENGINE_TRANSFERS[KV_TRANSPORT]
     assert ref.attributes[f"{ATTRIBUTE_PREFIX}first_gen_tokens"] == str(FIRST)
     assert ref.attributes[f"{ATTRIBUTE_PREFIX}ctx_request_id"] == "17" and OPAQUE_STATE in ref.attributes
     assert "transfer_backends" not in ref.attributes  # no data-plane offer
@@ -246,9 +247,10 @@ def test_a_trtllm_ref_at_a_torch_decode_worker_is_failed_precondition_naming_bot
                 serving(DECODE, await asyncio.to_thread(start_engine, torch_config)) as d:
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await decode(d, decode_start(await prefill(p)))
-            return error.value, await sessions_of(p), await d.engine.load()
+            return error.value, await sessions_of(p), await d.engine.load(), d.state.kv_path
 
-    error, left, load = asyncio.run(run())
+    error, left, load, decode_path = asyncio.run(run())
+    assert isinstance(decode_path, DataPlane) and decode_path.exporter is None  # a KvSessionHost: our data plane
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "TRANSFER_BACKEND_TRTLLM" in error.details() and "TensorRT-LLM's cache transceiver" in error.details()
     assert "--engine torch" in error.details() and "KV data plane" in error.details()
@@ -264,9 +266,11 @@ def test_a_torch_ref_at_a_trtllm_decode_worker_is_failed_precondition_and_frees_
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await decode(d, decode_start(await prefill(p)))
             await sessions_of(p)
-            return error.value, await p.engine.load()
+            return error.value, await p.engine.load(), p.state.kv_path, d.state.kv_path
 
-    error, load = asyncio.run(run())
+    error, load, prefill_path, decode_path = asyncio.run(run())
+    assert isinstance(prefill_path, DataPlane) and prefill_path.exporter is not None  # shares its cache
+    assert isinstance(decode_path, TrtLlmTransport)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "KV data plane" in error.details() and "--engine trtllm" in error.details()
     assert "TRANSFER_BACKEND_TRTLLM" in error.details()
