@@ -22,16 +22,24 @@ TINY_FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False)),
 }
+# Beside the families: shapes a test needs that the families above do not have.
+TINY_SHAPES = {
+    # Four KV heads and an attention bias: tensor parallelism at 4 ranks, and o_proj's bias under the all-reduce.
+    "llama-mha-bias": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, attention_bias=True,
+                                                           tie_word_embeddings=False)),
+}
 
 
 def make_tiny_model(directory: Path, family: str, seed: int = 0) -> Path:
-    config_cls, model_cls, extra = TINY_FAMILIES[family]
+    config_cls, model_cls, extra = {**TINY_FAMILIES, **TINY_SHAPES}[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**_COMMON, **extra)).eval()
-    if family == "qwen2-bias":  # random init zeroes biases; make them matter
+    if family in ("qwen2-bias", "llama-mha-bias"):  # random init zeroes biases; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -1,0 +1,150 @@
+"""Tensor parallelism on the CPU (gloo, one process per rank): greedy output at TP=2 and TP=4 equals TP=1 and
+Hugging Face for every family whose heads divide, in aggregated and prefill→decode modes; a session exported
+at one TP size is imported at another; cancels free every block; sizes that do not divide are refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
+from common.engine.models.sharding import Colwise, Rowwise, VocabRows, shard_state
+from common.engine.parallel import TensorParallel
+from common.engine.request import RequestType, SamplingParams
+from common.errors import InvalidConfig
+from tests.hf_reference import hf_greedy
+from tests.tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+# Every family whose 4 attention heads and KV heads divide by 2 (llama-tied-rope-scaled has one KV head).
+TP2_FAMILIES = ["llama-gqa", "qwen2-bias", "qwen3-qknorm", "mistral", "phi3"]
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(path: str, tp: int, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, tensor_parallel_size=tp,
+                                  **{"block_size": 4, "num_kv_blocks": 64, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def mha_model(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tp") / "llama-mha-bias", "llama-mha-bias"))
+
+
+@pytest.fixture(scope="module")
+def mha_engines(mha_model):
+    """The 4-KV-head model at TP 1, 2 and 4, shared by the module's tests (each follower rank is a process)."""
+    engines = {tp: _engine(mha_model, tp) for tp in (1, 2, 4)}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+def _prefill(engine: LLMEngine, prompt: list[int]):
+    engine.add_request("p", prompt, GREEDY, RequestType.CONTEXT_ONLY)
+    (out,) = [o for _ in range(64) if engine.has_unfinished_requests() for o in engine.step()]
+    return out
+
+
+def _decode(engine: LLMEngine, prompt: list[int], first: int, kv) -> list[int]:
+    engine.add_request("d", prompt, GREEDY, RequestType.GENERATION_ONLY, kv_import=kv, first_token=first)
+    tokens = [first]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("family", TP2_FAMILIES)
+def test_tp2_greedy_equals_tp1_and_hf(tiny_model_dirs, family):
+    path = tiny_model_dirs[family]
+    prompts = _prompts([5, 11, 23])  # 23 tokens: chunked prefill (several steps) on the way
+    engine = _engine(path, 2, long_prefill_token_threshold=8)
+    try:
+        got = engine.generate(prompts, GREEDY)
+        assert engine.block_manager.num_free_blocks == 64
+    finally:
+        engine.close()
+    assert got == _engine(path, 1).generate(prompts, GREEDY)
+    assert got == [hf_greedy(path, p, 10)[0] for p in prompts]
+
+
+def test_tp4_with_biases_greedy_equals_tp1_and_hf(mha_model, mha_engines):
+    prompts = _prompts([7, 19], seed=3)
+    got = mha_engines[4].generate(prompts, GREEDY)
+    assert got == mha_engines[1].generate(prompts, GREEDY)
+    assert got == [hf_greedy(mha_model, p, 10)[0] for p in prompts]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_a_session_exported_at_one_tp_size_decodes_at_another(mha_engines, prefill_tp, decode_tp):
+    prompt = _prompts([19], seed=5)[0]
+    want = mha_engines[1].generate([prompt], GREEDY)[0]
+    prefill, decode = mha_engines[prefill_tp], mha_engines[decode_tp]
+    out = _prefill(prefill, prompt)
+    kv = prefill.export_session(out.session_id)
+    prefill.release_session(out.session_id)
+    assert _decode(decode, prompt, out.new_token_ids[0], kv) == want
+    assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == 64
+
+
+def test_an_abort_mid_generation_frees_every_block_and_the_ranks_keep_serving(tiny_model_dirs):
+    path = tiny_model_dirs["llama-gqa"]
+    engine = _engine(path, 2)
+    try:
+        prompts = _prompts([9, 14], seed=7)
+        engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.add_request("b", prompts[1], SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+        assert engine.abort_request("a") and engine.abort_request("b")
+        assert engine.block_manager.num_free_blocks == 64
+        assert engine.generate(prompts[:1], GREEDY) == [hf_greedy(path, prompts[0], 10)[0]]
+    finally:
+        engine.close()
+
+
+def test_seeded_sampling_is_the_same_at_tp1_and_tp2(tiny_model_dirs):
+    path = tiny_model_dirs["qwen2-bias"]
+    sampling = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    engine = _engine(path, 2)
+    try:
+        got = engine.generate(_prompts([12]), sampling)
+    finally:
+        engine.close()
+    assert got == _engine(path, 1).generate(_prompts([12]), sampling)
+
+
+def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_starts(tiny_model_dirs):
+    with pytest.raises(InvalidConfig, match="--tensor-parallel-size 2 does not divide the model's 1 KV heads"):
+        _engine(tiny_model_dirs["llama-tied-rope-scaled"], 2)
+
+
+def test_tensor_parallelism_on_cuda_is_refused_by_name():
+    with pytest.raises(InvalidConfig, match="--tensor-parallel-size 2 runs on --device cpu"):
+        EngineConfig(model="m", device="cuda", tensor_parallel_size=2)
+
+
+def test_shards_reassemble_into_the_checkpoint():
+    q, kv, hidden = 8, 4, 6
+    qkv = torch.arange((q + 2 * kv) * hidden, dtype=torch.float).reshape(q + 2 * kv, hidden)
+    o_proj, o_bias = torch.randn(hidden, q), torch.randn(hidden)
+    embed = torch.randn(11, hidden)  # 11 rows: the last of 2 shares is padded
+    state = {"layers.0.self_attn.qkv_proj.weight": qkv, "layers.0.self_attn.o_proj.weight": o_proj,
+             "layers.0.self_attn.o_proj.bias": o_bias, "model.embed_tokens.weight": embed}
+    plan = {"self_attn.qkv_proj": Colwise((q, kv, kv)), "self_attn.o_proj": Rowwise(),
+            "embed_tokens": VocabRows(11)}
+    shards = [shard_state(state, plan, TensorParallel(rank, 2)) for rank in range(2)]
+    per_rank = [s["layers.0.self_attn.qkv_proj.weight"].split([q // 2, kv // 2, kv // 2]) for s in shards]
+    for part in range(3):  # each rank holds its q rows ‖ its k rows ‖ its v rows
+        assert torch.equal(torch.cat([r[part] for r in per_rank]), qkv.split([q, kv, kv])[part])
+    assert torch.equal(torch.cat([s["layers.0.self_attn.o_proj.weight"] for s in shards], dim=1), o_proj)
+    assert torch.equal(shards[0]["layers.0.self_attn.o_proj.bias"], o_bias)
+    assert not shards[1]["layers.0.self_attn.o_proj.bias"].any()  # added once, by rank 0
+    rows = [s["model.embed_tokens.weight"] for s in shards]
+    assert [len(r) for r in rows] == [6, 6] and not rows[1][5].any()
+    assert torch.equal(torch.cat(rows)[:11], embed)
