@@ -174,12 +174,13 @@ _modules_loaded = False
 
 def register(transport: type[KvTransport] | type[EngineTransport]) -> None:
     """Adds (or replaces) a transport: one of the data plane ahead of grpc, or one an engine drives."""
+    driven = issubclass(transport, EngineTransport)
+    if driven and transport.number == common_pb2.TRANSFER_BACKEND_UNSPECIFIED:
+        raise InvalidConfig(f"engine-driven KV transport {transport.name} needs a TransferBackend number: refs name "
+                            "it by that")
     _registered.pop(transport.name, None)
     _engine_driven.pop(transport.name, None)
-    if issubclass(transport, EngineTransport):
-        if transport.number == common_pb2.TRANSFER_BACKEND_UNSPECIFIED:
-            raise InvalidConfig(f"engine-driven KV transport {transport.name} needs a TransferBackend number: refs "
-                                "name it by that")
+    if driven:
         _engine_driven[transport.name] = transport
         return
     fallback = _registered.pop(FALLBACK)
