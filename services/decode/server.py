@@ -72,9 +72,9 @@ class _Plan:
     request_type: RequestType
     session: common_pb2.KvSessionRef | None
     first_token: int | None
+    handoff: KvImport | None  # a transport the engine drives: its kv_import, made from the ref (KvPath.handoff)
     time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
     embeddings: list[common_pb2.EmbeddingRef] | None = None  # aggregated image requests: pulled here
-    handoff: KvImport | None = None  # a transport the engine drives: its kv_import, made from the ref (KvPath.handoff)
 
 
 def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> _Plan:
@@ -89,11 +89,13 @@ def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> _
     if start.embeddings and has_session:
         raise InvalidRequest("embeddings go with aggregated requests; with a session the KV already holds the images")
     sampling = sampling_from_proto(start.sampling, start.stop, start.output)
+    handoff = None
     if has_session:
         _check_session(start, layout, kv_path)
+        handoff = kv_path.handoff(start.session)
     return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
                  sampling, request_type, start.session if has_session else None,
-                 start.first_token if has_session else None, embeddings=list(start.embeddings))
+                 start.first_token if has_session else None, handoff, embeddings=list(start.embeddings))
 
 
 def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> None:
@@ -150,8 +152,6 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                 engine = self.state.admit()
                 plan = _plan(start, self.state.kv_layout, self.state.kv_path)
                 plan.time_left_s = context.time_remaining()
-                if plan.session is not None:
-                    plan.handoff = self.state.kv_path.handoff(plan.session)
             except Exception as exc:
                 await self._refuse(context, start, exc)
             outbox: asyncio.Queue = asyncio.Queue()
