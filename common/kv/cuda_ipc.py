@@ -18,11 +18,10 @@ from functools import lru_cache
 import torch
 from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
 
-from common.errors import InvalidRequest, NotFound
 from common.kv.backends import BackendUnavailable
 from common.kv.block_copy import BlockCopier
 from common.kv.chunks import dtype_name, torch_dtype
-from common.kv.fence import BlockEpochs
+from common.kv.fence import BlockEpochs, open_peer_table
 from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -95,16 +94,6 @@ class MappedCache:
             self.epochs.close()
 
 
-def _open_epochs(path: str, num_blocks: int, endpoint: str) -> BlockEpochs | None:
-    if not path:
-        return None
-    try:
-        return BlockEpochs.open(path, num_blocks)
-    except (NotFound, InvalidRequest) as exc:
-        log.info("reads from %s wait for their Release: %s", endpoint, exc)
-        return None
-
-
 class CudaIpcMappings:
     """The exporters' caches this importer has mapped, one per exporter endpoint, re-mapped when the
     exporter's cache changes (a restarted worker), each with the exporter's epoch table when it has one."""
@@ -120,7 +109,7 @@ class CudaIpcMappings:
 
     def put(self, endpoint: str, share: worker_pb2.KvCacheShare, epochs_path: str = "") -> MappedCache:
         tensor = open_cache(share)
-        mapped = MappedCache(share.kv_cache_id, tensor, _open_epochs(epochs_path, tensor.shape[2], endpoint))
+        mapped = MappedCache(share.kv_cache_id, tensor, open_peer_table(epochs_path, tensor.shape[2], endpoint))
         with self._lock:
             old, self._mapped[endpoint] = self._mapped.get(endpoint), mapped
         if old is not None:

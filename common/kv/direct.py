@@ -19,15 +19,9 @@ import torch
 from common.engine.interface import KvBlocks
 from common.kv import gather
 from common.kv.block_copy import BlockCopier
-from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs
+from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of
 from common.kv.layout import KvLayout, PlacedKv
 from common.pb.disagg.v1 import common_pb2
-
-
-def fence_of(ref: common_pb2.KvSessionRef) -> int | None:
-    """The session's epoch sum at pin time, where its exporter fences one-sided reads."""
-    text = ref.attributes.get(EPOCH_ATTRIBUTE, "")
-    return int(text) if text.lstrip("-").isdigit() else None
 
 
 def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:

@@ -15,6 +15,7 @@ atomic. A file left by a process that died is deleted by the next exporter that 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import uuid
@@ -23,7 +24,9 @@ from typing import Sequence
 
 from common.errors import InvalidRequest, NotFound
 from common.kv.shm import SHM_DIR, named_file
+from common.pb.disagg.v1 import common_pb2
 
+log = logging.getLogger(__name__)
 EPOCHS_ATTRIBUTE = "kv_epochs"  # the exporter's table (a path under /dev/shm)
 EPOCH_ATTRIBUTE = "kv_epoch"  # a session's blocks' epoch sum when it was pinned
 PREFIX = "disagg-epochs-"
@@ -92,6 +95,24 @@ class BlockEpochs:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+
+def fence_of(ref: common_pb2.KvSessionRef) -> int | None:
+    """The session's epoch sum at pin time, where its exporter fences one-sided reads."""
+    text = ref.attributes.get(EPOCH_ATTRIBUTE, "")
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def open_peer_table(path: str, num_blocks: int, endpoint: str) -> BlockEpochs | None:
+    """An exporter's table (its ref's `kv_epochs`), where this process can map it; else None, and reads from
+    that exporter wait for their Release."""
+    if not path:
+        return None
+    try:
+        return BlockEpochs.open(path, num_blocks)
+    except (NotFound, InvalidRequest) as exc:
+        log.info("reads from %s wait for their Release: %s", endpoint, exc)
+        return None
 
 
 def sweep_stale() -> int:

@@ -20,6 +20,7 @@ from common.kv import direct, fence
 from common.kv.block_copy import BlockCopier, copy_blocks, copy_blocks_reference
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, StaleKv
 from common.kv.transfer import layout_of, session_ref
+from common.kv.transports import one_sided
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(10, 27))  # 17 tokens: 5 blocks of 4
@@ -122,6 +123,61 @@ def test_freed_blocks_reused_through_the_prefix_cache_keep_their_epochs(pair):
     placed.discard()
     placed.discard()  # once
     assert importer.block_manager.num_free_blocks == 24
+
+
+class _Puller:
+    """What read_one_sided asks of a KvPuller: the Releases it sends without waiting for them."""
+
+    def __init__(self):
+        self.released_later: list[str] = []
+
+    def release_later(self, channel, ref) -> None:
+        self.released_later.append(ref.session_id)
+
+
+def _read_one_sided(exporter: LLMEngine, epochs: BlockEpochs, ref, during_read: Callable[[], None] = lambda: None):
+    """A one-sided read (nixl's, or cuda_ipc's gather into a new tensor) of the exporter's cache, fenced by its
+    epochs; its channel answers nothing, so awaiting a Release fails the test."""
+    puller, reader = _Puller(), BlockEpochs.open(str(epochs.path), epochs.num_blocks)
+
+    async def read(_channel, ref) -> torch.Tensor:
+        blocks = exporter.kv_cache[:, :, list(ref.block_ids)].clone()
+        during_read()
+        return blocks
+    try:
+        pulled = asyncio.run(one_sided.read_one_sided(puller, None, ref, "nixl", read, 5.0, reader))
+    finally:
+        reader.close()
+    return pulled, puller.released_later
+
+
+def test_a_fenced_one_sided_read_is_served_without_waiting_for_its_release(pair):
+    exporter, _, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+    ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
+    pulled, released_later = _read_one_sided(exporter, epochs, ref)
+    assert torch.equal(pulled.export.blocks, exporter.export_session(session_id).blocks)
+    assert released_later == [session_id]  # sent, never awaited
+
+
+def test_a_fenced_one_sided_read_of_blocks_reused_during_it_is_never_served(pair, monkeypatch):
+    exporter, _, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+    ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
+    released = []
+
+    async def release_quietly(channel, handle) -> bool:
+        released.append(handle)
+        return True
+    monkeypatch.setattr(one_sided, "release_quietly", release_quietly)
+
+    def release_and_reuse() -> None:
+        exporter.release_session(session_id)
+        exporter.add_request("other", [5] * 90, GREEDY)
+        _run(exporter)
+    with pytest.raises(StaleKv, match="reused"):
+        _read_one_sided(exporter, epochs, ref, release_and_reuse)
+    assert released == [session_id]  # released all the same: the exporter's TTL need not free it
 
 
 def test_block_epochs_count_allocations_for_new_content():

@@ -1,7 +1,7 @@
 """`cuda_ipc`: same host, the exporter's GPU visible here: its whole cache mapped once (common.kv.cuda_ipc) and
 read GPU-side. Where the exporter fences its cache (common.kv.fence) and our pool has room, blocks go straight
-into our engine's blocks (common.kv.direct), the epochs prove the copy and the Release goes out in the background;
-else a gather into a new tensor, confirmed by the Release."""
+into our engine's blocks (common.kv.direct); else a gather into a new tensor. Where the epochs are mapped here, they
+prove the copy and the Release goes out in the background; else the Release's answer confirms it."""
 from __future__ import annotations
 
 
@@ -15,7 +15,7 @@ import torch
 from common.kv import cuda_ipc, direct, gather, shm
 from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier, copy_blocks
-from common.kv.fence import EPOCHS_ATTRIBUTE
+from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
 from common.kv.transfer import PulledKv, layout_of
 from common.kv.transport import KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
@@ -60,15 +60,14 @@ class CudaIpcTransport(KvTransport):
     async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> PulledKv:
         mapped = await self.map_cache(channel, ref)
-        if mapped.epochs is not None and direct.fence_of(ref) is not None and direct.can_place(mapped.tensor,
-                                                                                                 puller.blocks):
+        if mapped.epochs is not None and fence_of(ref) is not None and direct.can_place(mapped.tensor, puller.blocks):
             pulled = await self._placed(puller, channel, ref, mapped, timeout_s)
             if pulled is not None:
                 return pulled
 
         async def read(_channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
             return await gather.gather_on_device(mapped.tensor, list(ref.block_ids), puller.device)
-        return await read_one_sided(channel, ref, self.name, read, timeout_s)
+        return await read_one_sided(puller, channel, ref, self.name, read, timeout_s, mapped.epochs)
 
     async def _placed(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                       mapped: cuda_ipc.MappedCache, timeout_s: float | None) -> PulledKv | None:

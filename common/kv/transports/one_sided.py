@@ -1,20 +1,25 @@
 """What one-sided transports share: the exporter's cache opened through TensorStore.OpenKvCache, checked
-against the session before any byte moves, and a read that counts only if the Release then says the session
-held its blocks throughout."""
+against the session before any byte moves, and a read that counts only if it is proven the session's: by the
+exporter's block epochs (common.kv.fence) once it has ended, where this process maps them (the Release then goes
+out unawaited), else by the Release's answer that the session held its blocks throughout."""
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import grpc
 import torch
 
 from common.errors import LayoutMismatch, NotFound, Unavailable
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, BackendUnavailable
+from common.kv.fence import BlockEpochs, fence_of
 from common.kv.layout import KvExport
 from common.kv.transfer import PulledKv, layout_of, release_quietly, release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from common.kv.pull import KvPuller
 
 
 async def open_share(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str) -> worker_pb2.KvCacheShare:
@@ -29,19 +34,34 @@ async def open_share(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, na
     return share
 
 
-async def read_one_sided(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
+async def read_one_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
                          read: Callable[[grpc.aio.Channel, common_pb2.KvSessionRef], Awaitable[torch.Tensor]],
-                         timeout_s: float | None) -> PulledKv:
+                         timeout_s: float | None, epochs: BlockEpochs | None = None) -> PulledKv:
+    """The session's blocks read by `read`; `epochs`: the exporter's table, where this process maps it."""
     start = time.perf_counter()
+    expected = fence_of(ref) if epochs is not None else None
     try:
         blocks = await asyncio.wait_for(read(channel, ref), timeout_s)
         read_s = time.perf_counter() - start
+        if expected is not None:
+            epochs.check(list(ref.block_ids), expected, f"KV session {ref.session_id} at {ref.endpoint}")
     except BackendUnavailable:
         raise
     except BaseException:
         await asyncio.shield(release_quietly(channel, ref.session_id))
         raise
-    try:  # the read is only good if the session still held its blocks when it ended
+    if expected is not None:
+        puller.release_later(channel, ref)  # proven already: the Release only frees the exporter's blocks
+    else:
+        await _held_throughout(channel, ref, name)
+    export = KvExport(layout_of(ref), ref.num_tokens, blocks)
+    export.validate()
+    return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, name, read_s)
+
+
+async def _held_throughout(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str) -> None:
+    """The Release that proves an unfenced read: released = true, the session held its blocks until now."""
+    try:
         release = await asyncio.shield(release_session(channel, ref.session_id))
     except grpc.aio.AioRpcError as exc:
         raise Unavailable(f"KV session {ref.session_id} at {ref.endpoint} was read through {name}, but its "
@@ -49,9 +69,6 @@ async def read_one_sided(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef
     if not release.released:  # read blocks are not the session's: never use them
         raise NotFound(f"KV session {ref.session_id} at {ref.endpoint} was not held through the {name} read: "
                        f"{release.reason or 'expired or released'}")
-    export = KvExport(layout_of(ref), ref.num_tokens, blocks)
-    export.validate()
-    return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, name, read_s)
 
 
 def check_share(share: worker_pb2.KvCacheShare, ref: common_pb2.KvSessionRef) -> None:

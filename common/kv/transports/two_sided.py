@@ -1,5 +1,6 @@
 """Pulls through the exporter's TensorStore.Pull (grpc chunks, or its bytes written into our /dev/shm file):
-the exporter reads its own blocks, so the session is released once they have arrived."""
+the exporter reads its own blocks under a lease, so once they have arrived they are the session's, and its
+Release goes out without being waited for."""
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,7 @@ async def pull_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: com
     except BaseException:
         await asyncio.shield(release_quietly(channel, ref.session_id))
         raise
-    await asyncio.shield(release_quietly(channel, ref.session_id))
+    puller.release_later(channel, ref)
     export = KvExport(pulled.export.layout, pulled.export.num_tokens, blocks)
     return PulledKv(export, pulled.num_bytes, pulled.seconds, name)
 
