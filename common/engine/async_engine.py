@@ -150,6 +150,7 @@ class AsyncLLMEngine:
         self._stopped.set()
         self._commands.put((lambda e: None, concurrent.futures.Future()))
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # --- the engine thread ---
 

@@ -13,7 +13,7 @@ import torch
 
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
-from common.engine.models.loader import load_model
+from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
@@ -98,7 +98,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.ranks = FollowerRanks(config) if tp is None and config.tensor_parallel_size > 1 else None
+        self.ranks = None
+        if tp is None and config.tensor_parallel_size > 1:
+            check_shardable(config.model, config.tensor_parallel_size)  # before a rank starts: one clear error
+            self.ranks = FollowerRanks(config)
         self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
         if self.tp.size > 1:  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))

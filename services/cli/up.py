@@ -18,6 +18,7 @@ import sys
 import time
 
 from common import tls
+from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from services.worker.engine_flags import add_engine_args, engine_argv, engine_config_from_args
 from services.router import policies
@@ -73,12 +74,19 @@ def check_metrics_ports(args: argparse.Namespace) -> str | None:
     return None
 
 
+def tp_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """Each worker role's tensor-parallel size: its own flag, else --tensor-parallel-size."""
+    return {role: getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
+            for role in ("prefill", "decode")}
+
+
 def start_cluster(args: argparse.Namespace) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
     worker_args = ["--host", args.host, "--log-level", args.log_level, *engine_argv(args)]
     ports = metrics_ports(args)
-    workers = [Child.start(name, f"services.{name.split('-')[0]}", [*worker_args, "--metrics-port", str(ports[name])])
-               for name in child_names(args)[1:]]
+    workers = [Child.start(name, f"services.{role}", [*worker_args, "--tensor-parallel-size", str(tp_sizes(args)[role]),
+                                                      "--metrics-port", str(ports[name])])
+               for name in child_names(args)[1:] for role in [name.split("-")[0]]]
     children = list(workers)
     try:
         wait_ready(workers, args.start_timeout)
@@ -155,6 +163,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default 0: free ports; -1 turns metrics off); each kept across restarts")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each process may take to start")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                            help=f"{role} workers' tensor-parallel size (default: --tensor-parallel-size); prefill "
+                                 "and decode may differ: a session moves with every KV head")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.decode < 1 or args.prefill < 0:
@@ -174,7 +186,10 @@ def preflight(args: argparse.Namespace) -> str | None:
     if busy:
         return busy
     try:
-        engine_config_from_args(args)  # the model resolves (the default one is converted once, here) and flags hold
+        config = engine_config_from_args(args)  # the model resolves (the default one is converted once, here)
+        for role, size in tp_sizes(args).items():  # and every flag holds, before any process loads the model
+            if args.prefill or role == "decode":
+                check_startable(config.replace(tensor_parallel_size=size))
         tls.configure(tls.tls_from_args(argparse.Namespace()))  # DISAGG_TLS_*, which the children inherit too
     except (InvalidConfig, ValueError, FileNotFoundError) as exc:
         return str(exc)

@@ -14,7 +14,7 @@ _VALUED = (("--model", "model"), ("--dtype", "dtype"), ("--device", "device"), (
            ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
            ("--long-prefill-token-threshold", "long_prefill_token_threshold"),
            ("--max-model-len", "max_model_len"), ("--max-waiting", "max_waiting"), ("--session-ttl", "session_ttl"),
-           ("--engine", "engine"))
+           ("--engine", "engine"), ("--tensor-parallel-size", "tensor_parallel_size"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps without CUDA graphs")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="GPU: read each decode step's tokens before launching the next (default: launch ahead)")
+    g.add_argument("--tensor-parallel-size", type=int,
+                   default=int(os.environ.get("DISAGG_TENSOR_PARALLEL_SIZE", 1)),
+                   help="shard the model over this many ranks, one process each (must divide its attention and "
+                        "KV heads; --device cpu, over gloo) (env DISAGG_TENSOR_PARALLEL_SIZE)")
     g.add_argument("--session-ttl", type=float, default=float(os.environ.get("DISAGG_SESSION_TTL", 60.0)),
                    help="seconds an exported KV session waits for its pull")
 
@@ -57,6 +61,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

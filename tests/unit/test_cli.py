@@ -88,6 +88,24 @@ def test_the_gpu_step_switches_reach_the_engine_config_and_the_workers():
     assert not default.enforce_eager and default.async_scheduling is None  # on where CUDA graphs run
 
 
+def test_up_gives_prefill_and_decode_their_own_tensor_parallel_size():
+    from services.cli.up import tp_sizes
+
+    assert tp_sizes(parse_args(["--tensor-parallel-size", "2"])) == {"prefill": 2, "decode": 2}
+    assert tp_sizes(parse_args(["--prefill-tensor-parallel-size", "4"])) == {"prefill": 4, "decode": 1}
+    args = parse_args(["--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1", "--model", "/m"])
+    assert tp_sizes(args) == {"prefill": 2, "decode": 1}
+    worker = argparse.ArgumentParser()
+    add_engine_args(worker)
+    assert worker.parse_args([*engine_argv(args), "--tensor-parallel-size", "1"]).tensor_parallel_size == 1
+
+
+def test_up_refuses_a_tensor_parallel_size_the_model_cannot_split_in_one_line(tiny_model_dirs):
+    result = _up("--router-port", "0", "--model", tiny_model_dirs["llama-gqa"], "--decode-tensor-parallel-size", "4")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--tensor-parallel-size 4 does not divide the model's 2 KV heads" in result.stderr
+
+
 def _up(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services", "up", *flags], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -13,7 +13,7 @@ from common.engine.models.sharding import shard_state
 from common.engine.parallel import SINGLE, TensorParallel
 from common.errors import InvalidConfig
 
-__all__ = ["fuse_projections", "load_config", "load_model", "load_state"]
+__all__ = ["check_shardable", "fuse_projections", "load_config", "load_model", "load_state"]
 
 # Checkpoint entries that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -35,6 +35,21 @@ def fuse_projections(state: dict[str, torch.Tensor], packed: dict[str, tuple[str
     return out
 
 
+def _check_plan(model: CausalLM, tp: TensorParallel) -> None:
+    if tp.size > 1 and not model.tp_plan():
+        raise InvalidConfig(f"{type(model).__name__} has no tensor-parallel plan; run it with --tensor-parallel-size 1")
+
+
+def check_shardable(model_dir: str | Path, tp_size: int) -> None:
+    """InvalidConfig naming what `tp_size` ranks cannot split (heads, MLP columns, a family without a plan), found
+    on the meta device before any rank starts or loads a weight."""
+    if tp_size == 1:
+        return
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        _check_plan(model_class(config)(config, TensorParallel(0, tp_size)), TensorParallel(0, tp_size))
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel = SINGLE) -> tuple[CausalLM, PretrainedConfig]:
     """The registered model for the checkpoint's architecture, its weights loaded (this rank's share of them
@@ -42,8 +57,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     config = load_config(model_dir)
     with torch.device("meta"):
         model = model_class(config)(config, tp)
-    if tp.size > 1 and not model.tp_plan():
-        raise InvalidConfig(f"{type(model).__name__} has no tensor-parallel plan; run it with --tensor-parallel-size 1")
+    _check_plan(model, tp)
     state = model.checkpoint_state(load_state(model_dir, device))
     state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in model.tied_keys}
     state = shard_state(fuse_projections(state, model.packed_modules_mapping), model.tp_plan(), tp)
