@@ -11,7 +11,7 @@ from common.engine.models.loader import check_shardable
 def check_startable(config: EngineConfig) -> None:
     """What would stop `start_engine` before it loads a weight, as InvalidConfig: a tensor-parallel size that does
     not divide the model's heads (the engine's own checks; the config validated itself when it was built)."""
-    if config.engine == "torch":
+    if config.engine == "torch":  # TensorRT-LLM checks its own sharding
         check_shardable(config.model, config.tensor_parallel_size)
 
 

@@ -61,6 +61,7 @@ def llm_kwargs(config: EngineConfig, max_model_len: int) -> dict[str, Any]:
         kv_cache["free_gpu_memory_fraction"] = config.gpu_memory_utilization
     return {"model": config.model, "dtype": config.dtype, "max_batch_size": config.max_num_seqs,
             "max_num_tokens": config.max_num_batched_tokens, "max_seq_len": max_model_len,
+            "tensor_parallel_size": config.tensor_parallel_size,  # TensorRT-LLM shards over its own MPI ranks
             "kv_cache_config": kv_cache,
             # An unpulled context's KV goes back to TensorRT-LLM's pool after our session TTL.
             "cache_transceiver_config": {"backend": "DEFAULT",

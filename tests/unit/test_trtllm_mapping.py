@@ -125,8 +125,9 @@ def test_generation_only_without_a_handoff_or_with_a_broken_one_is_invalid():
 
 def test_llm_arguments_are_tensorrt_llm_ones():
     config = EngineConfig(model="/m", dtype="bfloat16", device="cuda", block_size=32, gpu_memory_utilization=0.8,
-                          session_ttl_s=30, engine="trtllm")
+                          session_ttl_s=30, engine="trtllm", tensor_parallel_size=2)
     kwargs = llm_kwargs(config, 4096)
+    assert kwargs["tensor_parallel_size"] == 2
     args = API["LlmArgs"]
     assert set(kwargs) <= set(args["BaseLlmArgs"])
     assert set(kwargs["kv_cache_config"]) <= set(args["KvCacheConfig"])
@@ -172,7 +173,8 @@ def test_engine_flag_selects_trtllm_and_says_plainly_when_it_is_not_installed(tm
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--engine", "trtllm", "--model", str(tmp_path)])
-    assert engine_argv(args)[-2:] == ["--engine", "trtllm"] and args.engine == "trtllm"
+    argv = engine_argv(args)
+    assert argv[argv.index("--engine") + 1] == "trtllm" and args.engine == "trtllm"
     with pytest.raises(InvalidConfig, match="--engine must be one of"):
         EngineConfig(model="/m", engine="vllm")
     with pytest.raises(InvalidConfig, match="TensorRT-LLM is not installed; --engine trtllm needs NVIDIA's"):
