@@ -148,3 +148,21 @@ def test_shards_reassemble_into_the_checkpoint():
     rows = [s["model.embed_tokens.weight"] for s in shards]
     assert [len(r) for r in rows] == [6, 6] and not rows[1][5].any()
     assert torch.equal(torch.cat(rows)[:11], embed)
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_answers_as_at_tp1_and_hf():
+    """The real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks of one KV head each (2 does not divide)."""
+    from common.engine.default_model import default_model_dir
+    from common.tokenizer import Tokenizer
+
+    model = str(default_model_dir())
+    prompt = Tokenizer.from_model_dir(model).apply_chat_template([{"role": "user", "content": "Name a sea."}])
+    engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=64, tensor_parallel_size=3))
+    try:
+        got = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    finally:
+        engine.close()
+    assert got == hf_greedy(model, prompt, 12)[0]
+    with pytest.raises(InvalidConfig, match="--tensor-parallel-size 2 does not divide the model's 9 attention heads"):
+        LLMEngine(EngineConfig(model=model, tensor_parallel_size=2))
