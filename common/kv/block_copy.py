@@ -7,6 +7,7 @@ on the host. Elsewhere (CPU caches, two GPUs) it is the torch reference below.
 """
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 import torch
@@ -49,8 +50,10 @@ class BlockCopier:
         if self._kernel is None:
             copy_blocks_reference(self.src, src_ids, self.dst, dst_ids)
             return
-        ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device=self.src.device)
-        self._kernel(*self._words, ids, len(src_ids), *self._shape)
+        # Pageable memory copied without non_blocking would wait for the stream (any copy queued before, another
+        # process's context switch) on the event loop; non_blocking stages it at once and queues the upload.
+        ids = torch.frombuffer(array("i", [*src_ids, *dst_ids]), dtype=torch.int32)
+        self._kernel(*self._words, ids.to(self.src.device, non_blocking=True), len(src_ids), *self._shape)
 
 
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:

@@ -34,11 +34,12 @@ def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
 
 
 async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
-                        layout: KvLayout, blocks: KvBlocks, copied: Callable[[], None]) -> PlacedKv | None:
+                        layout: KvLayout, blocks: KvBlocks, copied: Callable[[], None],
+                        timeout_s: float | None = None) -> PlacedKv | None:
     """The session's KV copied by `copier` from the exporter's whole cache into reserved blocks of ours (its
     destination: blocks.cache), fenced; None when the pool cannot spare the blocks now (the caller pulls another
-    way). StaleKv when the exporter reused a block before the copy ended: the reserved blocks are back in the
-    pool then."""
+    way). StaleKv when the exporter reused a block before the copy ended, asyncio.TimeoutError when the copy
+    outlasts `timeout_s`: the reserved blocks are back in the pool then."""
     expected = fence_of(ref)
     if expected is None:
         raise ValueError(f"KV session {ref.session_id} carries no {EPOCH_ATTRIBUTE}")
@@ -58,7 +59,7 @@ async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb
         else:
             copier(src_ids, dst_ids)
         if event is not None:
-            await gather.wait_event(event)
+            await gather.wait_event(event, timeout_s)
         copied()
         epochs.check(src_ids, expected, f"KV session {ref.session_id} at {ref.endpoint}")
     except BaseException:

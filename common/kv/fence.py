@@ -79,8 +79,7 @@ class BlockEpochs:
         self._words[block_id] += 1
 
     def total(self, block_ids: Sequence[int]) -> int:
-        words = self._words
-        return sum(words[b] for b in block_ids)
+        return sum(map(self._words.__getitem__, block_ids))
 
     def check(self, block_ids: Sequence[int], expected: int, what: str) -> None:
         """StaleKv unless the blocks' epochs still sum to `expected` (call it once the copy has finished)."""

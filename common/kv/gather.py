@@ -30,16 +30,22 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[index]
 
 
-async def wait_event(event: torch.cuda.Event, busy_s: float = 0.002, spin_s: float = 0.01) -> None:
-    """Await a CUDA event without blocking the loop. A KV copy takes well under a millisecond, and any timed
-    sleep of the loop lasts at least one (epoll counts whole milliseconds), so it first polls between the
-    loop's other work (sleep(0)) for `busy_s`, then every millisecond, then waits in a worker thread."""
+async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None, busy_s: float = 0.002,
+                     spin_s: float = 0.01) -> None:
+    """Await a CUDA event without blocking the loop (asyncio.TimeoutError after `timeout_s`). A KV copy takes
+    well under a millisecond, and any timed sleep of the loop lasts at least one (epoll counts whole
+    milliseconds), so it first polls between the loop's other work (sleep(0)) for `busy_s`, then every
+    millisecond, then waits in a worker thread. The timeout is its own, so a caller needs no wait_for (a task
+    of its own, and two more turns of the loop on the critical path)."""
     start = time.perf_counter()
     while not event.query():
         waited = time.perf_counter() - start
         if waited > spin_s:
-            await asyncio.to_thread(event.synchronize)
+            left = None if timeout_s is None else max(timeout_s - waited, 0.0)
+            await asyncio.wait_for(asyncio.to_thread(event.synchronize), left)
             return
+        if timeout_s is not None and waited > timeout_s:
+            raise asyncio.TimeoutError(f"a KV copy did not finish within {timeout_s:g}s")
         await asyncio.sleep(0 if waited < busy_s else 1e-3)
 
 

@@ -48,7 +48,7 @@ class KvLayout:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def block_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        itemsize = getattr(torch, self.dtype).itemsize
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 

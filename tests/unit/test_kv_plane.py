@@ -1,5 +1,6 @@
 """The KV data plane's pieces that need no second process: export leases, backend offers and choice."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -187,3 +188,28 @@ def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_i
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("shm unavailable" in w and "cannot open the file" in w for w in warnings), warnings
     assert any("fall back to grpc (1.50 GB/s" in w for w in warnings), warnings
+
+
+class _Event:
+    """A CUDA event's stand-in, done after `done_after_s` (never: None); synchronize blocks until then (or 0.3 s)."""
+
+    def __init__(self, done_after_s: float | None):
+        self._at = None if done_after_s is None else time.perf_counter() + done_after_s
+
+    def query(self) -> bool:
+        return self._at is not None and time.perf_counter() >= self._at
+
+    def synchronize(self) -> None:
+        time.sleep(0.3 if self._at is None else max(self._at - time.perf_counter(), 0))
+
+
+@pytest.mark.parametrize("spin_s", [10.0, 0.001])  # the copy awaited by polling, or in a worker thread
+def test_waiting_for_a_kv_copy_keeps_its_own_deadline(spin_s):
+    async def wait(event: _Event, timeout_s: float) -> float:
+        start = time.perf_counter()
+        await gather.wait_event(event, timeout_s, spin_s=spin_s)
+        return time.perf_counter() - start
+
+    assert asyncio.run(wait(_Event(0.01), 5.0)) < 1.0
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(wait(_Event(None), 0.05))

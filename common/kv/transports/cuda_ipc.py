@@ -77,9 +77,10 @@ class CudaIpcTransport(KvTransport):
             sent.append(puller.release_later(channel, ref))
         if mapped.copier is None:
             mapped.copier = BlockCopier(mapped.tensor, puller.blocks.cache)
+        layout = layout_of(ref)
         try:
-            placed = await asyncio.wait_for(direct.import_placed(
-                mapped.copier, mapped.epochs, ref, layout_of(ref), puller.blocks, copied), timeout_s)
+            placed = await direct.import_placed(mapped.copier, mapped.epochs, ref, layout, puller.blocks, copied,
+                                                timeout_s)
         except BaseException:
             if not sent:
                 puller.release_later(channel, ref)
@@ -87,7 +88,7 @@ class CudaIpcTransport(KvTransport):
         if placed is None:  # no room in the pool now: nothing was copied or released
             return None
         seconds = time.perf_counter() - start
-        num_bytes = len(ref.block_ids) * layout_of(ref).block_bytes()
+        num_bytes = len(ref.block_ids) * layout.block_bytes()
         return PulledKv(placed, num_bytes, seconds, self.name, seconds)
 
     async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:

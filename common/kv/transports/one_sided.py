@@ -85,7 +85,7 @@ def check_share(share: worker_pb2.KvCacheShare, ref: common_pb2.KvSessionRef) ->
 
 
 def check_block_ids(ref: common_pb2.KvSessionRef, num_blocks: int) -> None:
-    bad = [b for b in ref.block_ids if b >= num_blocks]
-    if bad:
+    if ref.block_ids and max(ref.block_ids) >= num_blocks:
+        bad = [b for b in ref.block_ids if b >= num_blocks]
         raise LayoutMismatch(f"KV session {ref.session_id} names blocks {bad[:8]} outside the exporter's "
                              f"{num_blocks} blocks")
