@@ -68,6 +68,18 @@ def test_greedy_with_image_matches_hf_generate(llava_dir, vision, chunk):
     assert tokens == expected
 
 
+def test_an_image_request_at_tp2_matches_hf_generate(llava_dir, vision):
+    """Rank 0 sends the image rows with the step; every rank splices them into its (vocab-parallel, all-reduced)
+    embeddings. 49,153 vocabulary rows: the second rank's share is padded."""
+    data = png_bytes(2)
+    prompt, expected = hf_llava_greedy(llava_dir, [data], "Look: <image>\nWhat is it?", GREEDY.max_tokens)
+    engine = _engine(llava_dir, max_num_batched_tokens=5, long_prefill_token_threshold=5, tensor_parallel_size=2)
+    try:
+        assert _run(engine, "r", prompt, [_embed(vision, data)])[0] == expected
+    finally:
+        engine.close()
+
+
 def test_two_images_in_one_prompt_match_hf_generate(llava_dir, vision):
     a, b = png_bytes(3), png_bytes(4, size=(64, 20))
     prompt, expected = hf_llava_greedy(llava_dir, [a, b], "<image> and <image>: compare", GREEDY.max_tokens)
