@@ -136,6 +136,13 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops everything the way Ctrl-C does
 
 
+def _ignore_more_interrupts() -> None:
+    """While the children stop: a second Ctrl-C or SIGTERM (a supervisor's, a shell's) must not cut the stop short
+    and leave them running; stop_all's own deadlines bound it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 # Every worker of `disagg up --device cuda` shares one GPU. There, a remote prefill pays (issue #24's targets against
 # aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from about this prompt length on: the
 # crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays").
@@ -219,4 +226,5 @@ def main(argv: list[str] | None = None) -> int:
         log(f"failed: {exc}")
         return 1
     finally:
+        _ignore_more_interrupts()
         stop_all(children)

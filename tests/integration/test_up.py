@@ -58,8 +58,12 @@ class Up:
         assert self._found.wait(timeout_s) and self.router, "".join(self.lines)
         return self.router
 
-    def stop(self) -> int:
+    def stop(self, *more: signal.Signals) -> int:
+        """Ctrl-C, then each of `more` (a second signal while it stops its children)."""
         self.popen.send_signal(signal.SIGINT)
+        for sig in more:
+            time.sleep(0.2)
+            self.popen.send_signal(sig)
         try:
             return self.popen.wait(30)
         except subprocess.TimeoutExpired:
@@ -113,8 +117,8 @@ def test_up_then_generate_streams_the_hf_answer(text_model):
         expected = hf_greedy(text_model, tokenizer.encode("The sea is"), 10, stop_at_eos=True)[0]
         assert result.stdout == tokenizer.decode(expected)
         assert re.search(r"\[length: \d+ prompt \+ 10 completion tokens, ttft \d+ ms", result.stderr), result.stderr
-    finally:
-        assert up.stop() == 0, "".join(up.lines)
+    finally:  # a second signal while it stops them (pkill, a supervisor's SIGTERM) once left the workers running
+        assert up.stop(signal.SIGTERM, signal.SIGINT) == 0, "".join(up.lines)
     for pid in children:  # every child stopped with it
         deadline = time.monotonic() + 10
         while subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0:
