@@ -14,6 +14,7 @@ from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_model
+from tests.unit.test_kv_handoff import _decode, _prefill
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # Every family whose 4 attention heads and KV heads divide by 2 (llama-tied-rope-scaled has one KV head).
@@ -42,21 +43,6 @@ def mha_engines(mha_model):
     yield engines
     for engine in engines.values():
         engine.close()
-
-
-def _prefill(engine: LLMEngine, prompt: list[int]):
-    engine.add_request("p", prompt, GREEDY, RequestType.CONTEXT_ONLY)
-    (out,) = [o for _ in range(64) if engine.has_unfinished_requests() for o in engine.step()]
-    return out
-
-
-def _decode(engine: LLMEngine, prompt: list[int], first: int, kv) -> list[int]:
-    engine.add_request("d", prompt, GREEDY, RequestType.GENERATION_ONLY, kv_import=kv, first_token=first)
-    tokens = [first]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.extend(out.new_token_ids)
-    return tokens
 
 
 @pytest.mark.parametrize("family", TP2_FAMILIES)
