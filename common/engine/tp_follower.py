@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def _die_with_parent() -> None:
 
     def watch() -> None:
         while os.getppid() == parent:
-            threading.Event().wait(_PARENT_POLL_S)
+            time.sleep(_PARENT_POLL_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()

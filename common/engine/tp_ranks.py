@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class FollowerRanks:
                 code = proc.poll()
                 if code is not None and not self._closing:
                     self._lost(rank, code)
-            threading.Event().wait(_WATCH_INTERVAL_S)
+            time.sleep(_WATCH_INTERVAL_S)
 
     def _lost(self, rank: int, code: int) -> None:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
