@@ -156,7 +156,7 @@ def test_a_fenced_one_sided_read_is_served_without_waiting_for_its_release(pair)
     session_id = _context(exporter, "p", PROMPT)
     ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
     pulled, released_later = _read_one_sided(exporter, epochs, ref)
-    assert torch.equal(pulled.export.blocks, exporter.export_session(session_id).blocks)
+    assert torch.equal(pulled.export.blocks.cpu(), exporter.export_session(session_id).blocks)  # (it exports to the CPU)
     assert released_later == [session_id]  # sent, never awaited
 
 
