@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
+import grpc
 import pytest
 import torch
 
@@ -15,7 +17,9 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
 from common.errors import NotFound
-from common.kv import gather
+from common.kv import gather, shm
+from common.kv.sharing import KvCacheExporter
+from common.kv.transfer import pull_chunks, pull_shm, release_session, session_ref
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 NUM_BLOCKS = 64
@@ -151,3 +155,43 @@ def test_leases_exports_and_releases_racing_the_engine_steps_lose_no_block(engin
         return [pool.num_free_blocks, len(sessions.sessions), engine.engine.num_leased_released]
 
     assert asyncio.run(scenario()) == [NUM_BLOCKS, 0, 0]
+
+
+@dataclass
+class _Holder:  # services.worker.tensor_store.TensorHolder
+    tensor_source: object
+    max_message_bytes: int = 64 << 20
+    metrics: None = None
+
+
+def test_tensor_store_serves_grpc_and_shm_pulls_and_releases_while_the_engine_thread_is_stuck(engine):
+    """The same through the real TensorStore servicer on a loopback port, pulled by the importers' own clients."""
+    from common.kv.paths import DataPlane
+    from services.worker.tensor_store import KvSessionSource, TensorStoreServicer, add_tensor_store
+
+    async def scenario() -> dict[str, bool]:
+        session_id = await _session(engine, "p", PROMPT)
+        facts, cache = await engine.facts(), await engine.kv_cache()
+        backends = ("shm", "grpc") if shm.host_id() else ("grpc",)
+        source = KvSessionSource(engine, facts.kv_layout, DataPlane("torch", backends, KvCacheExporter(cache, backends)))
+        server = grpc.aio.server()
+        add_tensor_store(TensorStoreServicer(_Holder(source)), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ref = session_ref(facts.kv_layout, engine.engine.sessions.get(session_id), f"127.0.0.1:{port}")
+        expected = engine.engine.export_session(session_id).blocks
+        blocked, busy_done = await _stuck_in_a_step(engine)
+        try:
+            pulls = {"grpc": pull_chunks, **({"shm": pull_shm} if shm.host_id() else {})}
+            seen = {name: torch.equal((await pull(ref.endpoint, ref, timeout_s=WITHIN_S)).export.blocks, expected)
+                    for name, pull in pulls.items()}
+            seen["released"] = (await release_session(ref.endpoint, session_id, timeout_s=WITHIN_S)).released
+            seen["while stuck"] = not busy_done()
+        finally:
+            blocked.release()
+            await server.stop(None)
+        await _until(busy_done)
+        return {**seen, "freed": engine.engine.block_manager.num_free_blocks == NUM_BLOCKS}
+
+    seen = asyncio.run(scenario())
+    assert all(seen.values()), seen
