@@ -50,10 +50,14 @@ class BlockCopier:
         if self._kernel is None:
             copy_blocks_reference(self.src, src_ids, self.dst, dst_ids)
             return
-        # Pageable memory copied without non_blocking would wait for the stream (any copy queued before, another
-        # process's context switch) on the event loop; non_blocking stages it at once and queues the upload.
+        self._kernel(*self._words, self.device_ids(src_ids, dst_ids), len(src_ids), *self._shape)
+
+    def device_ids(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> torch.Tensor:
+        """The kernel's int32 ids on the GPU, queued on the current stream. A plain copy from pageable memory would
+        wait for that stream (any copy queued before it, another process's turn on the GPU), on the event loop;
+        non_blocking stages the bytes at once and returns."""
         ids = torch.frombuffer(array("i", [*src_ids, *dst_ids]), dtype=torch.int32)
-        self._kernel(*self._words, ids.to(self.src.device, non_blocking=True), len(src_ids), *self._shape)
+        return ids.to(self.src.device, non_blocking=True)
 
 
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:

@@ -116,7 +116,7 @@ def main() -> None:
     s32, d32 = src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32)
     launch_ms = host_ms(lambda: block_copy_triton.launch(s32, d32, ids, n, planes, src.shape[2], dst.shape[2], words,
                                                          2048, 4))
-    ids_ms = host_ms(lambda: torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device="cuda"))
+    ids_ms = host_ms(lambda: copier.device_ids(src_ids, dst_ids))
     print(json.dumps({"figure": "kv_import_phases", "bytes": num_bytes, "kernel_ms": kernels,
                       "ids_to_gpu_host_ms": round(ids_ms, 4), "triton_launch_host_ms": round(launch_ms, 4),
                       "copier_host_ms": round(host_ms(lambda: copier(src_ids, dst_ids)), 4),
