@@ -345,10 +345,13 @@ def test_worker_info_describes_matching_layouts(prefill, decode, worker_pair):
 
 
 def test_caller_leaving_mid_prefill_aborts_it_and_leaves_no_session(service_factory, tiny_worker_args):
-    process = service_factory.start("prefill", *tiny_worker_args, "--max-num-batched-tokens", "1")
-    client = WorkerClient.connect(process)  # one token per step: a 250-token prompt takes 250 steps
+    # One token per step: a 500-token prompt takes 500 steps, ~190 ms of the tiny model on an idle 2-core machine
+    # (250 took 94 ms there, under the 100 ms deadline this test had), four times the caller's 50 ms.
+    process = service_factory.start("prefill", *tiny_worker_args, "--max-num-batched-tokens", "1",
+                                    "--num-kv-blocks", "128")
+    client = WorkerClient.connect(process)
     with pytest.raises(grpc.RpcError) as error:
-        client.prefiller.Prefill(worker_pb2.PrefillRequest(token_ids=list(range(3, 253))), timeout=0.1)
+        client.prefiller.Prefill(worker_pb2.PrefillRequest(token_ids=list(range(3, 503))), timeout=0.05)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_pool_full(client)
     client.channel.close()
