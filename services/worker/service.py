@@ -219,6 +219,7 @@ class EngineRole:
             max_model_len=facts.max_model_len, limits=_limits(facts.config), engine=facts.name,
             transfer_backends=state.kv_path.transfer_backends(),
             supports_images=facts.image_token_id is not None,
+            tensor_parallel_size=facts.config.tensor_parallel_size,
         )
 
     async def load_report(self, state: WorkerState) -> worker_pb2.Load:

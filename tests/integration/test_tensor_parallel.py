@@ -15,6 +15,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.kv import shm
+from common.pb.disagg.v1 import worker_pb2
 from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
@@ -53,6 +54,13 @@ def test_a_session_prefilled_at_one_tp_size_decodes_at_another(cluster, referenc
     prefill = cluster["prefill_tp2" if prefill_tp == 2 else "prefill"]
     decode = cluster[f"{backend}_tp2" if decode_tp == 2 else backend]
     check_handoff(prefill, decode, reference, PROMPT, backend)
+
+
+def test_get_info_reports_each_workers_tensor_parallel_size_and_the_whole_models_kv_heads(cluster):
+    """What a session carries is the same at any size (every head), so both sizes report the same layout."""
+    infos = [cluster[name].worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=10) for name in ("prefill", "prefill_tp2")]
+    assert [info.tensor_parallel_size for info in infos] == [1, 2]
+    assert infos[0].num_kv_heads == infos[1].num_kv_heads == 2 and infos[0].fingerprint == infos[1].fingerprint
 
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
