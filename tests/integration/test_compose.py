@@ -66,6 +66,19 @@ def test_compose_config_is_valid_for_every_profile():
     assert broken.returncode != 0
 
 
+def test_each_worker_role_takes_its_tensor_parallel_size_and_a_dev_shm_that_holds_its_cache():
+    def tp_of(service: dict) -> str:
+        command = service["command"]
+        return command[command.index("--tensor-parallel-size") + 1]
+
+    services = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]
+    assert (tp_of(services["prefill"]), tp_of(services["decode"])) == ("1", "1")
+    assert int(services["prefill"]["shm_size"]) >= 1 << 30  # Docker's default /dev/shm is 64 MB
+    env = {"PREFILL_TENSOR_PARALLEL_SIZE": "3", "DECODE_TENSOR_PARALLEL_SIZE": "1"}
+    services = json.loads(_compose("--profile", "*", "config", "--format", "json", env=env).stdout)["services"]
+    assert (tp_of(services["prefill"]), tp_of(services["decode"])) == ("3", "1")
+
+
 def test_dockerfile_is_multi_stage_non_root_and_copies_what_exists():
     dockerfile = pytest.importorskip("dockerfile")  # the official BuildKit parser, via Go
     path = COMPOSE_DIR / "Dockerfile"
