@@ -39,9 +39,14 @@ def make_text_model(directory: Path, max_position_embeddings: int = 256) -> Path
     return directory
 
 
+# The deadline tests run a request to the end of the context: 256 positions took about 0.4 s on an idle machine,
+# the deadline itself, so the request sometimes finished first; 1024 take seconds.
+CONTEXT = 1024
+
+
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory) -> str:
-    return str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
+    return str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text", max_position_embeddings=CONTEXT))
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +275,8 @@ def test_bad_requests_get_clear_statuses_and_the_router_keeps_serving(router, wo
     stub = _stub(router)
     cases = [
         (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-        (dict(prompt="word " * 300), grpc.StatusCode.INVALID_ARGUMENT, "the model's context is 256 tokens"),
+        (dict(prompt="word " * (CONTEXT + 100)), grpc.StatusCode.INVALID_ARGUMENT,
+         f"the model's context is {CONTEXT} tokens"),
         (dict(prompt="x", sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT,
          "max_tokens must be >= 1, got 0"),
         (dict(prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
