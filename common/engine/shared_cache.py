@@ -9,12 +9,11 @@ to decode at TP=b with no conversion step.
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass
 
 import torch
 
-SHM_DIR = "/dev/shm"
+from common.kv import shm
 
 
 @dataclass(frozen=True)
@@ -25,10 +24,8 @@ class SharedKvCache:
 
     @classmethod
     def create(cls, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKvCache":
-        path = os.path.join(SHM_DIR, f"disagg-tp-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        with open(path, "wb") as f:
-            f.truncate(torch.Size(shape).numel() * dtype.itemsize)  # zero-filled, like torch.zeros
-        return cls(path, tuple(shape), dtype)
+        path = shm.new_file("disagg-tp-kv-", torch.Size(shape).numel() * dtype.itemsize)  # zeroed, as torch.zeros
+        return cls(str(path), tuple(shape), dtype)
 
     def open(self) -> torch.Tensor:
         numel = torch.Size(self.shape).numel()

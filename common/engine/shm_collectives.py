@@ -15,12 +15,12 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import uuid
 
 import numpy as np
 import torch
 
-SHM_DIR = "/dev/shm"
+from common.kv import shm
+
 SLOT_BYTES = 8 << 20  # a [2048, 1024] float32 step's activations; a larger tensor goes through gloo
 _COUNTER_STRIDE = 8  # int64s between two ranks' counters: one 64-byte cache line each
 _SPINS_BEFORE_YIELD = 64
@@ -32,10 +32,7 @@ def supported() -> bool:
 
 def create(size: int) -> str:
     """A zeroed region for `size` ranks (rank 0 makes it and hands its path to the others)."""
-    path = os.path.join(SHM_DIR, f"disagg-tp-collectives-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(path, "wb") as f:
-        f.truncate(_region_bytes(size))
-    return path
+    return str(shm.new_file("disagg-tp-collectives-", _region_bytes(size)))
 
 
 def _region_bytes(size: int) -> int:

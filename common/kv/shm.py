@@ -46,13 +46,23 @@ def same_host(attributes) -> bool:
 @contextlib.contextmanager
 def shm_file() -> Iterator[Path]:
     """A new empty file under /dev/shm for one pull, deleted when the block ends."""
-    path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    path = new_file(PREFIX, 0)
     try:
         yield path
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def new_file(prefix: str, nbytes: int) -> Path:
+    """A new zero-filled file of `nbytes` under /dev/shm, this user's alone (the caller unlinks it)."""
+    path = SHM_DIR / f"{prefix}{os.getpid()}-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return path
 
 
 def named_file(path_text: str, prefix: str, what: str) -> Path:
