@@ -47,7 +47,7 @@ class LLMEngine:
         self.num_preemptions = 0
         # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck).
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
-                                 else config.async_scheduling) and self.runner.ranks is None
+                                 else config.async_scheduling)
         self._ahead: StepLaunch | None = None  # the decode step launched before the last one was read
 
     # --- requests ---

@@ -115,7 +115,8 @@ class ModelRunner:
         # Every KV head (what the KV data plane and the handoff see); rank_cache: the heads this rank computes.
         self.kv_cache = kv_cache if kv_cache is not None else self._make_cache(cache_shape)
         heads = self.num_kv_heads // self.tp.size
-        self.rank_cache = self.kv_cache[..., self.tp.rank * heads:(self.tp.rank + 1) * heads, :]
+        self.rank_cache = self.kv_cache[..., self.tp.rank * heads:(self.tp.rank + 1) * heads, :] \
+            if self.tp.size > 1 else self.kv_cache
         self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device)
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)

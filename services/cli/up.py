@@ -84,9 +84,11 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
     worker_args = ["--host", args.host, "--log-level", args.log_level, *engine_argv(args)]
     ports = metrics_ports(args)
-    workers = [Child.start(name, f"services.{role}", [*worker_args, "--tensor-parallel-size", str(tp_sizes(args)[role]),
-                                                      "--metrics-port", str(ports[name])])
-               for name in child_names(args)[1:] for role in [name.split("-")[0]]]
+    sizes, workers = tp_sizes(args), []
+    for name in child_names(args)[1:]:
+        role = name.split("-")[0]
+        workers.append(Child.start(name, f"services.{role}", [*worker_args, "--tensor-parallel-size", str(sizes[role]),
+                                                              "--metrics-port", str(ports[name])]))
     children = list(workers)
     try:
         wait_ready(workers, args.start_timeout)
