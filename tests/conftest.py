@@ -1,10 +1,12 @@
 import os
+from typing import Iterator
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from tests.consul_double import ConsulDouble  # noqa: E402
 from tests.tiny_models import TINY_FAMILIES, make_tiny_model  # noqa: E402
 
 
@@ -17,3 +19,13 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama-gqa"]
+
+
+@pytest.fixture
+def consul_double() -> Iterator[ConsulDouble]:
+    """The Consul HTTP API double (tests/consul_double.py) on a free loopback port."""
+    double = ConsulDouble().start()
+    try:
+        yield double
+    finally:
+        double.stop()

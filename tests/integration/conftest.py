@@ -9,7 +9,6 @@ from typing import Iterator
 
 import pytest
 
-from tests.consul_double import ConsulDouble
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
 from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import ServiceProcess, start_services
@@ -71,16 +70,6 @@ def service_factory() -> Iterator[ServiceFactory]:
         yield factory
     finally:
         factory.stop_all()
-
-
-@pytest.fixture
-def consul_double() -> Iterator[ConsulDouble]:
-    """The Consul HTTP API double (tests/consul_double.py) on a free loopback port."""
-    double = ConsulDouble().start()
-    try:
-        yield double
-    finally:
-        double.stop()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import consul
 import grpc
@@ -17,15 +17,6 @@ from common.discovery import Role
 from common.discovery.consul import (ConsulDiscovery, ConsulSettings, ServiceRegistration, add_consul_args,
                                      consul_from_args)
 from tests.consul_double import ConsulDouble, parse_duration
-
-
-@pytest.fixture
-def double() -> Iterator[ConsulDouble]:
-    double = ConsulDouble().start()
-    try:
-        yield double
-    finally:
-        double.stop()
 
 
 @contextlib.asynccontextmanager
@@ -41,25 +32,25 @@ async def health_server() -> AsyncIterator[tuple[int, health.aio.HealthServicer,
         await server.stop(None)
 
 
-def _settings(double: ConsulDouble, **kwargs) -> ConsulSettings:
-    return ConsulSettings(address=double.address, check_interval="100ms", check_timeout="1s", wait="2s", **kwargs)
+def _settings(consul_double: ConsulDouble, **kwargs) -> ConsulSettings:
+    return ConsulSettings(address=consul_double.address, check_interval="100ms", check_timeout="1s", wait="2s", **kwargs)
 
 
 async def _next(views: AsyncIterator[list[str]], timeout_s: float = 5.0) -> list[str]:
     return await asyncio.wait_for(anext(views), timeout_s)
 
 
-def test_registration_has_the_documented_shape_and_a_native_grpc_check(double):
+def test_registration_has_the_documented_shape_and_a_native_grpc_check(consul_double):
     async def main() -> None:
         async with health_server() as (port, servicer, _):
-            registration = ServiceRegistration(_settings(double, deregister_after="90s"), "decode", "127.0.0.1", port,
+            registration = ServiceRegistration(_settings(consul_double, deregister_after="90s"), "decode", "127.0.0.1", port,
                                                tags=["role=decode", "model=m"], meta={"block_size": "16"})
             await registration.register()
-            agent = consul.Consul(host="127.0.0.1", port=int(double.address.split(":")[1])).agent
+            agent = consul.Consul(host="127.0.0.1", port=int(consul_double.address.split(":")[1])).agent
             service = agent.services()[registration.service_id]
             assert (service["Service"], service["Address"], service["Port"]) == ("disagg-decode", "127.0.0.1", port)
             assert service["Tags"] == ["role=decode", "model=m"] and service["Meta"] == {"block_size": "16"}
-            (check,) = [c for c in double.checks.values() if c.service_id == registration.service_id]
+            (check,) = [c for c in consul_double.checks.values() if c.service_id == registration.service_id]
             assert (check.grpc_target, check.interval_s, check.deregister_after_s) == (f"127.0.0.1:{port}", 0.1, 90.0)
             # critical until the first run; the health servicer's overall status is SERVING
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -74,20 +65,20 @@ def test_registration_has_the_documented_shape_and_a_native_grpc_check(double):
     asyncio.run(main())
 
 
-def test_watch_follows_checks_through_blocking_queries(double):
+def test_watch_follows_checks_through_blocking_queries(consul_double):
     async def main() -> None:
         async with health_server() as (port, servicer, _):
             await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            settings = _settings(double)
+            settings = _settings(consul_double)
             views = ConsulDiscovery(settings).watch(Role.DECODE)
             assert await _next(views) == []  # the current view first
             await ServiceRegistration(settings, "decode", "127.0.0.1", port).register()
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             assert await _next(views) == [f"127.0.0.1:{port}"]
-            before = len(double.requests)
+            before = len(consul_double.requests)
             await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             assert await _next(views) == []
-            queries = [q for _, path, q in double.requests[before:] if path == "/v1/health/service/disagg-decode"]
+            queries = [q for _, path, q in consul_double.requests[before:] if path == "/v1/health/service/disagg-decode"]
             assert queries and all("passing" in q and "index=" in q and "wait=2s" in q for q in queries)
             assert len(queries) <= 3, "a blocking query waits for a change instead of polling"
             await views.aclose()
@@ -95,29 +86,29 @@ def test_watch_follows_checks_through_blocking_queries(double):
     asyncio.run(main())
 
 
-def test_a_crashed_service_leaves_the_catalog_after_deregister_critical_service_after(double):
+def test_a_crashed_service_leaves_the_catalog_after_deregister_critical_service_after(consul_double):
     async def main() -> str:
         async with health_server() as (port, servicer, server):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            registration = ServiceRegistration(_settings(double, deregister_after="500ms"), "prefill", "127.0.0.1", port)
+            registration = ServiceRegistration(_settings(consul_double, deregister_after="500ms"), "prefill", "127.0.0.1", port)
             await registration.register()
             for _ in range(50):
-                if double.health("disagg-prefill", passing=True):
+                if consul_double.health("disagg-prefill", passing=True):
                     break
                 await asyncio.sleep(0.05)
-            assert double.health("disagg-prefill", passing=True)
+            assert consul_double.health("disagg-prefill", passing=True)
             await server.stop(None)  # gone without deregistering
             return registration.service_id
 
     service_id = asyncio.run(main())
     deadline = time.monotonic() + 5
-    while service_id in double.services and time.monotonic() < deadline:
+    while service_id in consul_double.services and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert service_id not in double.services and not double.checks
+    assert service_id not in consul_double.services and not consul_double.checks
 
 
-def test_blocking_query_returns_at_wait_with_the_same_index(double):
-    client = consul.Consul(host="127.0.0.1", port=int(double.address.split(":")[1]))
+def test_blocking_query_returns_at_wait_with_the_same_index(consul_double):
+    client = consul.Consul(host="127.0.0.1", port=int(consul_double.address.split(":")[1]))
     index, entries = client.health.service("disagg-decode", passing=True)
     started = time.monotonic()
     again, entries = client.health.service("disagg-decode", passing=True, index=index, wait="300ms")
