@@ -64,12 +64,9 @@ class EngineConfig:
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"),
-            (self.tensor_parallel_size == 1 or self.device == "cpu" or self.engine == "trtllm",
-             f"--tensor-parallel-size {self.tensor_parallel_size} runs on --device cpu (gloo) with --engine torch in "
-             f"this version; its sharding across GPUs (NCCL) is not built yet, so --device {self.device!r} needs "
-             "--tensor-parallel-size 1 (--engine trtllm shards on GPUs itself)"),
-            (self.tensor_parallel_size == 1 or not self.async_scheduling,
-             "--tensor-parallel-size > 1 reads each step's tokens before the next (no async scheduling)"),
+            (self.tensor_parallel_size == 1 or self.device.split(":")[0] in ("cpu", "cuda"),
+             f"--tensor-parallel-size {self.tensor_parallel_size} runs on --device cpu (gloo) or cuda (NCCL, a GPU "
+             f"a rank), not {self.device!r}"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

@@ -6,6 +6,7 @@ and its heads of the cache, meeting the others in the model's collectives. Only 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -14,14 +15,17 @@ import torch
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
 from common.engine.models.loader import check_shardable, load_model
-from common.engine.parallel import SINGLE, TensorParallel
+from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
+from common.kv import cuda_ipc
 from common.kv.gather import gather_blocks
 from common.kv.layout import KvExport, KvLayout
+from common.kv.shards import KvShards
+from common.pb.disagg.v1 import worker_pb2
 
 
 def _plain_greedy(request: Request) -> bool:
@@ -60,11 +64,15 @@ class StepInputs:
     """What every rank needs to run one forward pass: the packed tokens, their positions, the batch layout,
     the rows whose logits are sampled, and image embedding rows (row indices, rows) spliced over placeholders."""
 
-    input_ids: list[int]
+    input_ids: list[int] | None
     positions: list[int]
     layout: BatchLayout
     sample_rows: list[int]
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    graphed: bool = False  # rank 0 replays a decode graph: every rank replays the same one
+    # Launched ahead: input_ids is None, and the tokens are these rows of the previous step's greedy ones, which
+    # every rank holds on its device.
+    ahead_rows: list[int] | None = None
 
 
 @dataclass
@@ -95,31 +103,40 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, seed: int = 0, tp: TensorParallel | None = None,
                  kv_cache: torch.Tensor | None = None):
-        self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.ranks = None
         if tp is None and config.tensor_parallel_size > 1:
             check_shardable(config.model, config.tensor_parallel_size)  # before a rank starts: one clear error
+            check_devices(config.device, config.tensor_parallel_size)
             self.ranks = FollowerRanks(config)
         self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
-        if self.tp.size > 1:  # the ranks share the machine's cores
+        self.device = rank_device(config.device, self.tp.rank)
+        if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp)
         c = self.hf_config
         shape = self.model.kv_shape()
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
-        cache_shape = (self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # Every KV head (what the KV data plane and the handoff see); rank_cache: the heads this rank computes.
-        self.kv_cache = kv_cache if kv_cache is not None else self._make_cache(cache_shape)
         heads = self.num_kv_heads // self.tp.size
-        self.rank_cache = self.kv_cache[..., self.tp.rank * heads:(self.tp.rank + 1) * heads, :] \
-            if self.tp.size > 1 else self.kv_cache
+        block_bytes = 2 * self.num_layers * self.block_size * heads * self.head_dim * self.dtype.itemsize
+        self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
+        if self.tp.size > 1 and self.device.type == "cuda":
+            # A cache of its own heads on each rank's GPU; rank 0 maps the others' (kv_cache: every head).
+            self.num_kv_blocks = self.tp.min(self.num_kv_blocks)
+            self.rank_cache = torch.zeros((self.num_layers, 2, self.num_kv_blocks, self.block_size, heads,
+                                           self.head_dim), dtype=self.dtype, device=self.device)
+            self.kv_cache = self._map_rank_caches()
+        else:
+            # Every KV head (what the KV data plane and the handoff see); rank_cache: the heads this rank computes.
+            cache_shape = (self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            self.kv_cache = kv_cache if kv_cache is not None else self._make_cache(cache_shape)
+            self.rank_cache = self.kv_cache[..., self.tp.rank * heads:(self.tp.rank + 1) * heads, :] \
+                if self.tp.size > 1 else self.kv_cache
         self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device)
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)
+        self._greedy: torch.Tensor | None = None  # a follower's: its last step's greedy tokens (the next ahead's input)
 
     def _make_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.ranks is None:
@@ -133,10 +150,27 @@ class ModelRunner:
             shared.unlink()
         return cache
 
+    def _map_rank_caches(self) -> torch.Tensor | KvShards:
+        """GPUs: each follower shares its cache through CUDA IPC at the rendezvous; rank 0 maps them all, and the KV
+        data plane sees the shards as one cache."""
+        if self.tp.rank:
+            share = cuda_ipc.share_cache(self.rank_cache, f"tp-rank-{self.tp.rank}")
+            self.tp.store.set(f"kv-cache-{self.tp.rank}", share.SerializeToString())
+            return self.rank_cache
+        shards, owner_shares = [self.rank_cache], [None]
+        for rank in range(1, self.tp.size):
+            share = worker_pb2.KvCacheShare.FromString(self.tp.store.get(f"kv-cache-{rank}"))
+            shards.append(cuda_ipc.open_cache(share))
+            owner_shares.append(share.payload)  # what importers open: the follower's own handle
+        return KvShards(shards, owner_shares)
+
     def close(self) -> None:
-        """Stop the follower ranks (a runner without them has nothing to stop)."""
+        """Stop the follower ranks (a runner without them has nothing to stop) and drop the mappings of their
+        caches. The NCCL group stays until the process ends: aborting a communicator whose peers have gone hangs."""
         if self.ranks is not None:
             self.ranks.close()
+            if isinstance(self.kv_cache, KvShards):
+                self.kv_cache = self.rank_cache
 
     def _make_graphs(self, config: EngineConfig):
         """CUDA graphs for decode steps, when the GPU attention backend runs and eager mode is not forced."""
@@ -145,7 +179,7 @@ class ModelRunner:
         from common.engine.cuda_graphs import DecodeGraphs
 
         max_len = resolve_max_model_len(config, self.hf_config.max_position_embeddings)
-        return DecodeGraphs(self.model, self.attention, self.kv_cache, config.max_num_seqs,
+        return DecodeGraphs(self.model, self.attention, self.rank_cache, config.max_num_seqs,
                             -(-max_len // self.block_size), self.device)
 
     @torch.inference_mode()
@@ -173,19 +207,24 @@ class ModelRunner:
         )
         scheduled = list(zip(batch.requests, batch.num_new_tokens))
         if self._graphed(layout, batch.requests):
+            self._send(StepInputs(input_ids, positions, layout, last_rows, graphed=True))
             return self._sample(scheduled, sampled, *self.graphs.run(input_ids, positions, layout))
         logits = self.run_step(StepInputs(input_ids, positions, layout, last_rows, _image_rows(batch)))
         if not sampled:
             return StepLaunch(scheduled, [], drawn=[])
         return self._sample(scheduled, sampled, logits, None)
 
-    @torch.inference_mode()
-    def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """One forward pass on this rank (rank 0 first hands it to the followers): the logits of the sampled
-        rows, None when no row samples."""
+    def _send(self, step: StepInputs) -> None:
         if self.ranks is not None:
             self.ranks.send(step)
-        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One forward pass on this rank (rank 0 first hands it to the followers): the logits of the sampled
+        rows, None when no row samples. `ids`: the tokens on the device, for a step launched ahead."""
+        self._send(step)
+        if ids is None:
+            ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         embeds = None
         if step.image_rows is not None:
             embeds = self.model.embed(ids)
@@ -206,12 +245,29 @@ class ModelRunner:
         ctx = [r.num_tokens for r in requests]  # prev writes up to num_tokens - 1; this step writes num_tokens
         layout = BatchLayout(query_lens=[1] * len(requests), context_lens=ctx,
                              block_tables=[r.block_table for r in requests])
-        ids = prev.tokens if len(rows) == len(prev.sampled) else prev.tokens.index_select(0, self._upload(rows))
+        ids = self._rows_of(prev.tokens, rows)
         scheduled = [(r, 1) for r in requests]
+        # The followers feed their own copy of prev's greedy tokens (every rank holds the same logits).
+        step = StepInputs(None, ctx, layout, list(range(len(rows))), ahead_rows=rows)
         if self._graphed(layout, requests):
+            self._send(dataclasses.replace(step, graphed=True))
             return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout))
-        hidden = self.model(ids, self._upload(ctx), self.kv_cache, self.attention.prepare(layout), self.attention)
-        return self._sample(scheduled, requests, self.model.compute_logits(hidden), None)
+        return self._sample(scheduled, requests, self.run_step(step, ids), None)
+
+    def _rows_of(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return tokens if len(rows) == len(tokens) else tokens.index_select(0, self._upload(rows))
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """A follower rank's share of a step rank 0 launched: the same forward (a graph replay where rank 0's was),
+        keeping the greedy tokens a step launched ahead feeds next."""
+        ids = None if step.ahead_rows is None else self._rows_of(self._greedy, step.ahead_rows)
+        if step.graphed:
+            _, self._greedy = self.graphs.run(step.input_ids if ids is None else ids, step.positions, step.layout)
+            return
+        logits = self.run_step(step, ids)
+        if logits is not None:
+            self._greedy = logits.argmax(dim=-1)
 
     def _graphed(self, layout: BatchLayout, requests: list[Request]) -> bool:
         return self.graphs is not None and self.graphs.fits(layout) and all(r.mm is None for r in requests)
@@ -257,5 +313,11 @@ class ModelRunner:
         blocks = kv.blocks.to(device=self.device, dtype=self.dtype)
         if blocks.is_cuda:  # allocated on the plane's stream: keep it alive until this stream's scatter ran
             blocks.record_stream(torch.cuda.current_stream(blocks.device))
-        index = torch.tensor(block_ids[: blocks.shape[2]], dtype=torch.long, device=self.device)
+        ids = block_ids[: blocks.shape[2]]
+        if isinstance(self.kv_cache, KvShards):
+            self.kv_cache.scatter(ids, blocks)
+            for device in self.kv_cache.devices()[1:]:  # another process reads them next, on its own stream
+                torch.cuda.synchronize(device)
+            return
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(2, index, blocks)

@@ -3,10 +3,11 @@
 Megatron's split, as vLLM and nano-vllm do it: column-parallel fused qkv and gate_up (each rank computes its
 heads and its slice of the MLP), row-parallel o_proj and down_proj (each rank a partial sum, then one
 all-reduce), vocab-parallel embedding (an all-reduce) and lm head (an all-gather of the logits). One process
-per rank; the group is a torch.distributed process group object of its own (gloo), not the global default
-group, so one process can build and drop engines (the tests do) and a worker never touches global state. The
-ranks share a host, so the collectives of a step go through shared memory (shm_collectives.py) where they fit,
-and through gloo otherwise.
+per rank; the group is a torch.distributed process group object of its own, not the global default group, so
+one process can build and drop engines (the tests do) and a worker never touches global state. On GPUs it is
+NCCL, rank r on GPU base + r (`rank_device`), and a step's collectives are captured in its CUDA graphs. On the
+CPU it is gloo, and as the ranks share a host a step's collectives go through shared memory
+(shm_collectives.py) where they fit.
 """
 from __future__ import annotations
 
@@ -33,11 +34,26 @@ class TensorParallel:
     size: int = 1
     group: dist.ProcessGroup | None = None
     shm: ShmCollectives | None = None
+    store: dist.Store | None = None  # the rendezvous, where ranks also leave what they share (their KV caches)
 
     @classmethod
-    def join(cls, store: dist.Store, rank: int, size: int) -> "TensorParallel":
-        """This rank's place in a group of `size` ranks meeting at `store` (blocks until every rank joined)."""
-        tp = cls(rank, size, dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT))
+    def join(cls, store: dist.Store, rank: int, size: int, device: torch.device | None = None) -> "TensorParallel":
+        """This rank's place in a group of `size` ranks meeting at `store` (blocks until every rank joined):
+        NCCL where `device` is a GPU (this rank's: `rank_device`), gloo otherwise."""
+        if device is not None and device.type == "cuda":
+            # No flight recorder (it takes the GIL from the watchdog thread) and no heartbeat monitor: a rank that
+            # dies is noticed by rank 0's process watch (tp_ranks.py), which takes the whole worker down.
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+            tp = cls(rank, size, group, store=store)
+            tp.all_reduce(torch.zeros(1, device=device))  # the communicator, made before any graph captures it
+            return tp
+        tp = cls(rank, size, dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, COLLECTIVE_TIMEOUT),
+                 store=store)
         if size > 1 and shm_collectives.supported():
             if rank == 0:
                 store.set(_SHM_KEY, shm_collectives.create(size))
@@ -75,9 +91,43 @@ class TensorParallel:
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather(x)
         x = x.contiguous()
+        if x.is_cuda:  # one flat gather (what a CUDA graph captures), then rank-major to the last dimension
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            self.group._allgather_base(out, x).wait()
+            return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV blocks each rank's memory has room for)."""
+        if self.size == 1:
+            return value
+        on_gpu = self.group.name() == "nccl"
+        t = torch.tensor([value], dtype=torch.long, device=torch.cuda.current_device() if on_gpu else "cpu")
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([t], options).wait()
+        return int(t.item())
+
+
+def check_devices(device: str, size: int) -> None:
+    """InvalidConfig unless `size` ranks have a device each: GPUs base..base+size-1 on CUDA (the CPU has room for any)."""
+    base = torch.device(device)
+    if base.type != "cuda" or size == 1:
+        return
+    first, have = base.index or 0, torch.cuda.device_count()
+    if first + size > have:
+        raise InvalidConfig(f"--tensor-parallel-size {size} on --device {device} needs GPUs cuda:{first}..cuda:"
+                            f"{first + size - 1}, one a rank; this process sees {have}")
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank `rank`'s device of an engine configured on `device`: GPU index + rank on CUDA, the CPU otherwise."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
 
 
 SINGLE = TensorParallel()

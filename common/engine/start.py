@@ -6,13 +6,16 @@ from importlib import import_module
 from common.engine.config import ENGINES, EngineConfig
 from common.engine.interface import Engine
 from common.engine.models.loader import check_shardable
+from common.engine.parallel import check_devices
 
 
 def check_startable(config: EngineConfig) -> None:
     """What would stop `start_engine` before it loads a weight, as InvalidConfig: a tensor-parallel size that does
-    not divide the model's heads (the engine's own checks; the config validated itself when it was built)."""
+    not divide the model's heads, or more ranks than GPUs (the engine's own checks; the config validated itself when
+    it was built)."""
     if config.engine == "torch":  # TensorRT-LLM checks its own sharding
         check_shardable(config.model, config.tensor_parallel_size)
+        check_devices(config.device, config.tensor_parallel_size)
 
 
 def start_engine(config: EngineConfig) -> Engine:

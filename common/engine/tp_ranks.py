@@ -1,9 +1,10 @@
 """The other ranks of a tensor-parallel engine, seen from rank 0: started, fed every step, watched.
 
 Rank 0 is the worker's own process: it schedules, owns the block manager and the KV sessions, and serves
-gRPC. Ranks 1..N-1 are `python -m common.engine.tp_follower` processes. Each joins the gloo group at rank 0's
-store, loads its share of the model, maps the KV cache rank 0 created, and runs every step rank 0 writes down
-its stdin (a pickled frame); the steps' collectives keep the ranks in lockstep. Their lifetimes hang on rank 0:
+gRPC. Ranks 1..N-1 are `python -m common.engine.tp_follower` processes. Each joins the group at rank 0's
+store (gloo on the CPU, NCCL on GPUs), loads its share of the model, maps the KV cache rank 0 created (CPU) or
+shares its own with rank 0 (GPUs), and runs every step rank 0 writes down its stdin (a pickled frame); the
+steps' collectives keep the ranks in lockstep. Their lifetimes hang on rank 0:
 its exit closes their stdin (and the kernel kills them with it: PR_SET_PDEATHSIG), and a follower that exits
 while rank 0 lives takes rank 0 down too, logged, so the supervisor restarts the whole worker instead of a
 collective waiting forever for a dead peer.
@@ -27,7 +28,7 @@ from typing import IO, Any
 import torch.distributed as dist
 
 from common.engine.config import EngineConfig
-from common.engine.parallel import TensorParallel
+from common.engine.parallel import TensorParallel, rank_device
 
 log = logging.getLogger(__name__)
 _FRAME = struct.Struct("<Q")
@@ -63,7 +64,7 @@ class FollowerRanks:
                                         str(size), str(store.port)], stdin=subprocess.PIPE)
                       for rank in range(1, size)]
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
-        self.tp = TensorParallel.join(store, 0, size)
+        self.tp = TensorParallel.join(store, 0, size, rank_device(config.device, 0))
         self._store = store  # the followers' rendezvous: kept for the group's lifetime
 
     @property

@@ -25,10 +25,13 @@ from common.pb.disagg.v1 import common_pb2
 
 
 def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
-    """Whether a copy can go straight from `source` into the engine's blocks (same device, same block layout)."""
+    """Whether a copy can go straight from `source` into the engine's blocks (same device, same block layout; not
+    a tensor-parallel cache on several GPUs, whose blocks the engine scatters itself)."""
     if blocks is None:
         return False
     cache = blocks.cache
+    if not (isinstance(source, torch.Tensor) and isinstance(cache, torch.Tensor)):
+        return False
     return (source.device == cache.device and source.dtype == cache.dtype and source.shape[:2] == cache.shape[:2]
             and source.shape[3:] == cache.shape[3:])
 

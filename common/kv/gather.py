@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import ExitStack
 from typing import Callable, Sequence
 
 import torch
+
+from common.kv.shards import KvShards
 
 _streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -63,10 +66,13 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def gather_blocks(source: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
     """source[:, :, block_ids] on source's device, in the current stream: a block allocator mostly hands
     out consecutive blocks, and a strided copy per run moves them at copy speed, where an indexed
-    gather over the middle dimension of a 6-d tensor runs several times slower."""
+    gather over the middle dimension of a 6-d tensor runs several times slower. A sharded cache's blocks are
+    gathered on each shard's GPU and land, every head, on its first one's."""
+    if isinstance(source, KvShards):
+        return source.gather(block_ids, gather_blocks, source.device)
     runs = block_runs(block_ids)
     if len(runs) > MAX_RUNS:
         index = torch.tensor(list(block_ids), dtype=torch.long).to(source.device, non_blocking=True)
@@ -77,11 +83,18 @@ def gather_blocks(source: torch.Tensor, block_ids: Sequence[int]) -> torch.Tenso
     return out
 
 
-def _on_side_stream(device: torch.device, work: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event]:
+def _on_side_stream(device: torch.device, work: Callable[[], torch.Tensor],
+                    also: Sequence[torch.device] = ()) -> tuple[torch.Tensor, torch.cuda.Event]:
     """Enqueue `work` on the device's side stream (what it allocates is freed in that stream's order)
-    and record an event after it; returns at once."""
+    and record an event after it; returns at once. `also`: other GPUs the work copies between (a sharded
+    cache's), whose side streams it runs on too, so a peer copy waits for no compute stream."""
     stream = side_stream(device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
+    with ExitStack() as streams:
+        for other in also:
+            if other != device:
+                streams.enter_context(torch.cuda.stream(side_stream(other)))
+        streams.enter_context(torch.cuda.device(device))
+        streams.enter_context(torch.cuda.stream(stream))
         out = work()
         event = torch.cuda.Event()
         event.record(stream)
@@ -93,21 +106,28 @@ def _to_pinned(on_device: torch.Tensor) -> torch.Tensor:
     return host.copy_(on_device, non_blocking=True)
 
 
-async def gather_to_host(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+def _devices(source: torch.Tensor | KvShards) -> list[torch.device]:
+    return source.devices() if isinstance(source, KvShards) else [source.device]
+
+
+async def gather_to_host(kv_cache: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
     """kv_cache[:, :, block_ids] as a contiguous host tensor (pinned when the cache is on a GPU)."""
     if kv_cache.device.type != "cuda":
         return await asyncio.to_thread(gather_blocks, kv_cache, block_ids)
     host, event = await asyncio.to_thread(_on_side_stream, kv_cache.device,
-                                          lambda: _to_pinned(gather_blocks(kv_cache, block_ids)))
+                                          lambda: _to_pinned(gather_blocks(kv_cache, block_ids)), _devices(kv_cache))
     await wait_event(event)
     return host
 
 
-async def gather_on_device(source: torch.Tensor, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+async def gather_on_device(source: torch.Tensor | KvShards, block_ids: Sequence[int],
+                           device: torch.device) -> torch.Tensor:
     """source[:, :, block_ids] gathered GPU-side (source may be another process's cache mapped through
-    CUDA IPC) into a new tensor on `device` (another GPU of this host: one peer copy); no host copy."""
+    CUDA IPC, or a tensor-parallel one's shards) into a new tensor on `device` (another GPU of this host: one
+    peer copy); no host copy."""
     gathered, event = _on_side_stream(  # launches only: microseconds, so on the loop
-        source.device, lambda: gather_blocks(source, block_ids).to(device, non_blocking=True))
+        source.device, lambda: gather_blocks(source, block_ids).to(device, non_blocking=True),
+        [*_devices(source), device])
     await wait_event(event)
     return gathered
 

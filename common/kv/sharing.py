@@ -20,16 +20,23 @@ from common.kv import cuda_ipc, fence, shm, transport
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable
 from common.kv.layout import KvLayout
 from common.kv.probe import PROBE_BLOCKS
+from common.kv.shards import KvShards
 from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
 
-def _offerable(allowed: tuple[str, ...], kv_cache: torch.Tensor) -> dict[str, transport.KvTransport]:
+def _unavailable_reason(candidate: transport.KvTransport, kv_cache: torch.Tensor | KvShards) -> str | None:
+    if isinstance(kv_cache, KvShards) and not candidate.reads_sharded_caches:
+        return f"it cannot export a tensor-parallel cache on {len(kv_cache.shards)} GPUs"
+    return candidate.unavailable_reason(kv_cache.device)
+
+
+def _offerable(allowed: tuple[str, ...], kv_cache: torch.Tensor | KvShards) -> dict[str, transport.KvTransport]:
     offered = {}
     for name in allowed:
         candidate = transport.create(name)
-        reason = candidate.unavailable_reason(kv_cache.device)
+        reason = _unavailable_reason(candidate, kv_cache)
         if reason is None:
             offered[name] = candidate
         elif name != transport.FALLBACK:
@@ -39,7 +46,7 @@ def _offerable(allowed: tuple[str, ...], kv_cache: torch.Tensor) -> dict[str, tr
 
 
 class KvCacheExporter:
-    def __init__(self, kv_cache: torch.Tensor, allowed: tuple[str, ...], worker_id: str = "",
+    def __init__(self, kv_cache: torch.Tensor | KvShards, allowed: tuple[str, ...], worker_id: str = "",
                  count_reuse: Callable[[fence.BlockEpochs | None], None] | None = None):
         self.kv_cache = kv_cache
         self.kv_cache_id = f"{worker_id or 'kv'}-{uuid.uuid4().hex[:12]}"
@@ -72,7 +79,7 @@ class KvCacheExporter:
     def share(self, name: str) -> worker_pb2.KvCacheShare:
         """The cache shared through a one-sided transport (made once); BackendUnavailable with the reason otherwise."""
         if name not in self.transports:
-            reason = (transport.create(name).unavailable_reason(self.kv_cache.device) if name in transport.names()
+            reason = (_unavailable_reason(transport.create(name), self.kv_cache) if name in transport.names()
                       else "no such transport")
             raise BackendUnavailable(f"this worker does not offer {name}: {reason or 'not in --kv-transfer-backends'}")
         with self._lock:

@@ -42,6 +42,7 @@ class KvTransport(ABC):
     name: str
     number: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # the TransferBackend a ref or usage names it by
     fences_reads: bool = False  # its reads need the exporter's block epochs (common.kv.fence)
+    reads_sharded_caches: bool = True  # it can export a tensor-parallel cache on several GPUs (common.kv.shards)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why it cannot run in this process with a cache (or pulls) on `device`; None when it can."""

@@ -11,6 +11,7 @@ from common.engine.engine import LLMEngine
 from common.engine.models.sharding import Colwise, Rowwise, VocabRows, shard_state
 from common.engine.parallel import TensorParallel
 from common.engine.request import RequestType, SamplingParams
+from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -110,9 +111,18 @@ def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_sta
         _engine(tiny_model_dirs["llama-tied-rope-scaled"], 2)
 
 
-def test_tensor_parallelism_on_cuda_is_refused_by_name():
-    with pytest.raises(InvalidConfig, match="--tensor-parallel-size 2 runs on --device cpu"):
-        EngineConfig(model="m", device="cuda", tensor_parallel_size=2)
+def test_tensor_parallelism_runs_on_the_cpu_or_on_gpus_and_nowhere_else():
+    EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(InvalidConfig, match="--tensor-parallel-size 2 runs on --device cpu .gloo. or cuda"):
+        EngineConfig(model="m", device="mps", tensor_parallel_size=2)
+
+
+def test_more_ranks_than_gpus_are_refused_by_name_before_any_rank_starts(tiny_model_dirs):
+    have = torch.cuda.device_count()
+    config = EngineConfig(model=tiny_model_dirs["llama-gqa"], device=f"cuda:{have}", tensor_parallel_size=2)
+    with pytest.raises(InvalidConfig, match=rf"needs GPUs cuda:{have}..cuda:{have + 1}, one a rank; this process "
+                                            rf"sees {have}"):
+        check_startable(config)
 
 
 def test_shards_reassemble_into_the_checkpoint():
@@ -152,3 +162,19 @@ def test_smollm2_at_tp3_answers_as_at_tp1_and_hf():
     assert got == hf_greedy(model, prompt, 12)[0]
     with pytest.raises(InvalidConfig, match="--tensor-parallel-size 2 does not divide the model's 9 attention heads"):
         LLMEngine(EngineConfig(model=model, tensor_parallel_size=2))
+
+
+def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(tiny_model_dirs):
+    """Async scheduling at TP=2: a step launched ahead names only the rows (its tokens are still on rank 0's
+    device); each follower feeds the greedy tokens of its own copy of the logits, so the output stays exact."""
+    path = tiny_model_dirs["llama-gqa"]
+    prompts = _prompts([6, 13, 21], seed=11)
+    engine = _engine(path, 2, async_scheduling=True)
+    try:
+        ahead, launch_ahead = [], engine.runner.launch_ahead
+        engine.runner.launch_ahead = lambda prev, rows: ahead.append(rows) or launch_ahead(prev, rows)
+        got = engine.generate(prompts, GREEDY)
+        assert ahead and engine.block_manager.num_free_blocks == 64
+    finally:
+        engine.close()
+    assert got == [hf_greedy(path, p, 10)[0] for p in prompts]

@@ -16,6 +16,7 @@ from common.kv import cuda_ipc, direct, gather, shm
 from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier, copy_blocks
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
+from common.kv.shards import KvShards
 from common.kv.transfer import PulledKv, layout_of
 from common.kv.transport import KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
@@ -94,6 +95,9 @@ class CudaIpcTransport(KvTransport):
     async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         mapped = (await self.map_cache(channel, probe)).tensor
         ids = list(probe.block_ids)
+        if isinstance(mapped, KvShards):
+            gathered = await gather.gather_on_device(mapped, ids, puller.device)
+            return gathered.numel() * gathered.element_size()
         scratch = torch.empty(layout_of(probe).block_shape(len(ids)), dtype=mapped.dtype, device=puller.device)
         with torch.cuda.device(mapped.device), torch.cuda.stream(gather.side_stream(mapped.device)):
             copy_blocks(mapped, ids, scratch, range(len(ids)))

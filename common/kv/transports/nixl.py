@@ -49,6 +49,8 @@ class NixlTransport(KvTransport):
         self._importer = None  # the importer's agent, made on the first read
         self._peers: dict[str, _Peer] = {}  # by endpoint
 
+    reads_sharded_caches = False  # its agent registers one region: one rank's cache, not a TP engine's shards
+
     def unavailable_reason(self, device: torch.device) -> str | None:
         return nixl_unavailable_reason()
 

@@ -146,7 +146,7 @@ class KvCacheShare(_message.Message):
     def __init__(self, kv_cache_id: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., transport: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcShare(_message.Message):
-    __slots__ = ("device_uuid", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "stride", "tensor_offset")
+    __slots__ = ("device_uuid", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "stride", "tensor_offset", "head_shards")
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class CudaIpcShare(_message.Message):
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SHARDS_FIELD_NUMBER: _ClassVar[int]
     device_uuid: str
     ipc_handle: bytes
     storage_size_bytes: int
@@ -167,7 +168,8 @@ class CudaIpcShare(_message.Message):
     event_sync_required: bool
     stride: _containers.RepeatedScalarFieldContainer[int]
     tensor_offset: int
-    def __init__(self, device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., stride: _Optional[_Iterable[int]] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
+    head_shards: _containers.RepeatedCompositeFieldContainer[CudaIpcShare]
+    def __init__(self, device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., stride: _Optional[_Iterable[int]] = ..., tensor_offset: _Optional[int] = ..., head_shards: _Optional[_Iterable[_Union[CudaIpcShare, _Mapping]]] = ...) -> None: ...
 
 class NixlShare(_message.Message):
     __slots__ = ("agent_name", "agent_metadata", "base_addr", "num_layers", "num_blocks", "region_bytes", "mem_type", "device_id")
