@@ -224,13 +224,13 @@ class ModelRunner:
         rows, None when no row samples. `ids`: the tokens on the device, for a step launched ahead."""
         self._send(step)
         if ids is None:
-            ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+            ids = self._upload(step.input_ids)
         embeds = None
         if step.image_rows is not None:
             embeds = self.model.embed(ids)
             rows, values = step.image_rows
             embeds[rows.to(self.device)] = values.to(device=self.device, dtype=embeds.dtype)
-        hidden = self.model(ids, torch.tensor(step.positions, dtype=torch.long, device=self.device),
+        hidden = self.model(ids, self._upload(step.positions),
                             self.rank_cache, self.attention.prepare(step.layout), self.attention, embeds)
         if not step.sample_rows:
             return None
