@@ -142,13 +142,18 @@ def graph_replay_s(engine: LLMEngine, bucket: int, steps: int) -> float | None:
     return (time.perf_counter() - t) / steps
 
 
-def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int) -> dict:
+def start_decoding(engine: LLMEngine, batch: int, ctx: int, steps: int) -> None:
+    """`batch` requests of `ctx` prompt tokens and `steps` + 4 output tokens each, stepped until all of them decode."""
     for i in range(batch):
         engine.add_request(f"dec{i}", list(range(1000 + i, 1000 + i + ctx)),
                            SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     engine.step()
+
+
+def decode_bandwidth(engine: LLMEngine, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int) -> dict:
+    start_decoding(engine, batch, ctx, steps)
     times, kv_read = [], []
     breakdown = emit("step_breakdown", **step_breakdown(engine, batch, 8))
     while engine.has_unfinished_requests():

@@ -23,7 +23,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from tests.bench.gpu_engine_vs_hf import SHAPES, emit, hbm_bandwidth, make_model
+from tests.bench.gpu_engine_vs_hf import SHAPES, emit, hbm_bandwidth, make_model, start_decoding
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the machine's rule: no NVLink multicast (the followers inherit it)
 
@@ -37,12 +37,7 @@ def engine_for(model_dir: str, tp: int) -> LLMEngine:
 def decode_steps(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple[list[float], int]:
     """Wall time of each decode step of `batch` requests of `ctx` prompt tokens (after their prefill), and the
     tokens the batch holds on average over those steps."""
-    for i in range(batch):
-        engine.add_request(f"r{i}", list(range(1000 + i, 1000 + i + ctx)),
-                           SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    engine.step()
+    start_decoding(engine, batch, ctx, steps)
     times, live = [], []
     while engine.has_unfinished_requests():
         live.append(sum(r.num_tokens for r in engine.requests.values()))
