@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks for the engine, in one call: the roofline bench, the GPU tests, the decode
 # attention sweep. Logs under $OUT (or ./gpu-logs). Usage: bash tests/gpu/run_all.sh [bench args...]
-#   BENCH_S / TESTS_S / SWEEP_S: time limits of each part (seconds); 0 skips the part. TESTS_K: a pytest -k filter.
+#   BENCH_S / TESTS_S / SWEEP_S / TP_S: time limits of each part (seconds); 0 skips the part. TESTS_K: a pytest -k
+#   filter. The tensor-parallel part (its tests, then its bench) runs where two GPUs are visible.
 set -o pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast (KINDS.md)
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 if [ "${BENCH_S:-240}" != 0 ]; then
   echo "== bench"; timeout "${BENCH_S:-240}" python3 -m tests.bench.gpu_engine_vs_hf --model llama-3.2-1b --skip-hf \
@@ -21,4 +23,9 @@ fi
 if [ "${SWEEP_S:-0}" != 0 ]; then
   echo "== decode attention sweep"; timeout $((SWEEP_S + 60)) python3 -m tests.gpu.sweep_decode_attention \
     --budget-s "$SWEEP_S" > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?"; tail -8 "$OUT/sweep.log"
+fi
+if [ "${TP_S:-400}" != 0 ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  echo "== tensor parallelism (two GPUs)"; timeout "${TP_S:-400}" sh -c 'python3 -m pytest -q -s -p no:cacheprovider \
+    tests/gpu/test_tensor_parallel_gpu.py && python3 -m tests.bench.tensor_parallel_gpu' > "$OUT/tp.log" 2>&1
+  echo "tp rc=$?"; grep -E "passed|failed|figure|tensor-parallel rank" "$OUT/tp.log" | tail -20
 fi
