@@ -43,7 +43,7 @@ class TensorParallel:
         if device is not None and device.type == "cuda":
             # No flight recorder (it takes the GIL from the watchdog thread) and no heartbeat monitor: a rank that
             # dies is noticed by rank 0's process watch (tp_ranks.py), which takes the whole worker down.
-            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")  # TORCH_NCCL_TRACE_BUFFER_SIZE before torch 2.7
+            os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")  # once TORCH_NCCL_TRACE_BUFFER_SIZE
             os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
             torch.cuda.set_device(device)
             options = dist.ProcessGroupNCCL.Options()
