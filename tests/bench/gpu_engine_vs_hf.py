@@ -93,10 +93,10 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def engine_for(model_dir: str, max_num_seqs: int, num_blocks: int) -> LLMEngine:
+def engine_for(model_dir: str, max_num_seqs: int, num_blocks: int, tp: int = 1) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
                                   num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                  max_model_len=4096, enable_prefix_caching=False))
+                                  max_model_len=4096, enable_prefix_caching=False, tensor_parallel_size=tp))
 
 
 def run_engine(engine: LLMEngine, work: list[tuple[list[int], int]]) -> tuple[float, int]:

@@ -20,18 +20,11 @@ import time
 
 import torch
 
-from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from tests.bench.gpu_engine_vs_hf import SHAPES, emit, hbm_bandwidth, make_model, start_decoding
+from tests.bench.gpu_engine_vs_hf import SHAPES, emit, engine_for, hbm_bandwidth, make_model, start_decoding
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the machine's rule: no NVLink multicast (the followers inherit it)
-
-
-def engine_for(model_dir: str, tp: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=3072,
-                                  max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=4096,
-                                  enable_prefix_caching=False, tensor_parallel_size=tp))
 
 
 def decode_steps(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple[list[float], int]:
@@ -77,7 +70,7 @@ def batch1_profile(engine: LLMEngine, steps: int) -> dict:
 
 
 def engine_figures(model_dir: str, tp: int, weight_bytes: int, kv_per_token: int, bw: float, steps: int) -> dict:
-    engine = engine_for(model_dir, tp)
+    engine = engine_for(model_dir, max_num_seqs=64, num_blocks=3072, tp=tp)
     try:
         itl = statistics.mean(decode_steps(engine, 1, 512, steps)[0])
         roofline = weight_bytes / tp / bw
