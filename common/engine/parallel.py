@@ -112,7 +112,8 @@ class TensorParallel:
 
 
 def check_devices(device: str, size: int) -> None:
-    """InvalidConfig unless `size` ranks have a device each: GPUs base..base+size-1 on CUDA (the CPU has room for any)."""
+    """InvalidConfig unless `size` ranks have a device each: GPUs base..base+size-1 on CUDA (the CPU has room for
+    any)."""
     base = torch.device(device)
     if base.type != "cuda" or size == 1:
         return

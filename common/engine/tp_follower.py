@@ -2,9 +2,9 @@
 
 Started by rank 0 (common/engine/tp_ranks.py), never by hand. It joins the group, loads its share of the model
 with its KV cache (on the CPU the one rank 0 describes down stdin; on a GPU its own, shared with rank 0), and
-then runs each step that arrives on stdin until stdin ends. Signals meant for the worker (Ctrl-C in `disagg up`, SIGTERM on a drain) are rank 0's to act on; this
-process leaves when its stdin closes, and a watch on its parent ends it when rank 0 is gone while it waits in
-a collective.
+then runs each step that arrives on stdin until stdin ends. Signals meant for the worker (Ctrl-C in `disagg
+up`, SIGTERM on a drain) are rank 0's to act on; this process leaves when its stdin closes, and a watch on its
+parent ends it when rank 0 is gone while it waits in a collective.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> 
     gather over the middle dimension of a 6-d tensor runs several times slower. A sharded cache's blocks are
     gathered on each shard's GPU and land, every head, on its first one's."""
     if isinstance(source, KvShards):
-        return source.gather(block_ids, gather_blocks, source.device)
+        return source.gather(block_ids, gather_blocks)
     runs = block_runs(block_ids)
     if len(runs) > MAX_RUNS:
         index = torch.tensor(list(block_ids), dtype=torch.long).to(source.device, non_blocking=True)

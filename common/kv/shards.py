@@ -28,12 +28,9 @@ class KvShards:
         self.shards = list(shards)
         self.owner_shares = list(owner_shares) if owner_shares is not None else [None] * len(self.shards)
         self.heads_per_shard = first.shape[HEAD_DIM]
-        self.shape = torch.Size((*first.shape[:HEAD_DIM], self.heads_per_shard * len(shards), *first.shape[HEAD_DIM + 1:]))
+        heads = self.heads_per_shard * len(shards)
+        self.shape = torch.Size((*first.shape[:HEAD_DIM], heads, *first.shape[HEAD_DIM + 1:]))
         self.dtype, self.device = first.dtype, first.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     def numel(self) -> int:
         return self.shape.numel()
@@ -46,11 +43,12 @@ class KvShards:
         h = self.heads_per_shard
         return [(slice(r * h, (r + 1) * h), shard) for r, shard in enumerate(self.shards)]
 
-    def gather(self, block_ids: Sequence[int], gather_one: Callable[[torch.Tensor, Sequence[int]], torch.Tensor],
-               device: torch.device) -> torch.Tensor:
-        """The blocks of every head, [layers, 2, len(block_ids), block_size, all heads, head_dim], on `device`:
-        each shard's gathered on its own GPU by `gather_one`, then copied (a peer copy) into its heads."""
-        out = torch.empty((*self.shape[:2], len(block_ids), *self.shape[3:]), dtype=self.dtype, device=device)
+    def gather(self, block_ids: Sequence[int],
+               gather_one: Callable[[torch.Tensor, Sequence[int]], torch.Tensor]) -> torch.Tensor:
+        """The blocks of every head, [layers, 2, len(block_ids), block_size, all heads, head_dim], on the first
+        shard's device: each shard's gathered on its own GPU by `gather_one`, then copied (a peer copy) into its
+        heads."""
+        out = torch.empty((*self.shape[:2], len(block_ids), *self.shape[3:]), dtype=self.dtype, device=self.device)
         for heads, shard in self.head_slices():
             out[:, :, :, :, heads].copy_(gather_one(shard, block_ids), non_blocking=True)
         return out

@@ -93,7 +93,8 @@ def test_a_session_exported_at_one_tp_size_decodes_at_another_in_process(engines
 def cluster(tiny_llama) -> Iterator[dict]:
     """prefill TP=1 on GPU 0 ("prefill"), decode TP=1 over cuda_ipc ("cuda_ipc"), prefill TP=2 on GPUs 0-1
     ("extra0") and decode TP=2 on GPUs 0-1 over cuda_ipc ("extra1")."""
-    args = ("--model", tiny_llama, "--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8")
+    args = ("--model", tiny_llama, "--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64",
+            "--max-num-seqs", "8")
     extra = [("prefill", (*args, *TP2)), ("decode", (*args, *TP2, "--kv-transfer-backends", "cuda_ipc"))]
     with backend_cluster(args, ["cuda_ipc"], extra) as cluster:
         yield cluster

@@ -1,6 +1,8 @@
 """A tensor-parallel engine's cache on several GPUs, as the KV data plane sees it (common.kv.shards): the blocks
 read from its shards are the whole cache's, every head in order, and blocks written land in the right shard's
 heads. CPU tensors stand in for the GPUs here; tests/gpu/test_tensor_parallel_gpu.py runs it across two."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -42,12 +44,9 @@ def test_a_sharded_cache_is_never_a_direct_copys_target_or_source():
     """The direct import copies whole blocks between two caches of one GPU; a sharded one's blocks are scattered by
     its engine, so the importer gathers instead."""
 
-    class Blocks:
-        cache = _split(torch.zeros(SHAPE), 2)
-
-    assert not can_place(torch.zeros(SHAPE), Blocks())
-    Blocks.cache = torch.zeros(SHAPE)
-    assert can_place(torch.zeros(SHAPE), Blocks()) and not can_place(_split(torch.zeros(SHAPE), 2), Blocks())
+    sharded, whole = SimpleNamespace(cache=_split(torch.zeros(SHAPE), 2)), SimpleNamespace(cache=torch.zeros(SHAPE))
+    assert not can_place(torch.zeros(SHAPE), sharded)
+    assert can_place(torch.zeros(SHAPE), whole) and not can_place(_split(torch.zeros(SHAPE), 2), whole)
 
 
 def test_a_sharded_cache_in_host_memory_is_not_shared_through_cuda_ipc():

@@ -43,13 +43,12 @@ class NixlTransport(KvTransport):
     name = "nixl"
     number = BACKENDS[name]
     fences_reads = True
+    reads_sharded_caches = False  # its agent registers one region: one rank's cache, not a TP engine's shards
 
     def __init__(self) -> None:
         self._exporter = None  # the exporter's agent, made on the first share
         self._importer = None  # the importer's agent, made on the first read
         self._peers: dict[str, _Peer] = {}  # by endpoint
-
-    reads_sharded_caches = False  # its agent registers one region: one rank's cache, not a TP engine's shards
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return nixl_unavailable_reason()
