@@ -11,12 +11,12 @@ from typing import Sequence
 import grpc
 
 from common.engine.image_encoder import ImageEncoder
-from common.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
+from common.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted, Unavailable
 from common.kv.chunks import tensor_to_bytes
 from common.kv.embeddings import EmbeddingTable, StoredEmbedding, embedding_header, embedding_ref
 from common.media import MediaConfig, load_image
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from services.kit.serving import abort_with
+from services.kit.serving import abort_with, check_deliverable
 from services.worker.tensor_store import TensorStoreServicer, add_tensor_store
 from services.worker.service import WorkerState
 
@@ -82,6 +82,7 @@ class EncoderServicer(worker_pb2_grpc.EncoderServicer):
             try:
                 self.state.admission.check()
                 entries = await self._store(request)
+                self._check_deliverable(context, entries)
             except Exception as exc:
                 await abort_with(context, exc)
         if self.state.metrics is not None:
@@ -103,6 +104,14 @@ class EncoderServicer(worker_pb2_grpc.EncoderServicer):
                 self.state.table.release(entry.handle)
             raise
         return entries
+
+    def _check_deliverable(self, context: grpc.aio.ServicerContext, entries: list[StoredEmbedding]) -> None:
+        try:
+            check_deliverable(context, "the embeddings")
+        except DeadlineExceeded:
+            for entry in entries:  # the caller would never learn their handles
+                self.state.table.release(entry.handle)
+            raise
 
     def _check_count(self, count: int) -> None:
         if count == 0:

@@ -55,6 +55,22 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     await context.abort(code, message_of(exc) or type(exc).__name__)
 
 
+# A unary answer ready with less than this left of its caller's deadline is not sent. The caller's timer started
+# before the request travelled here, so it fires first (by a round trip, more under load); grpc does not tell a
+# handler that its returned answer went unread, and what that answer names (a KV session, embeddings) would be
+# stranded on this worker until its TTL. Failing here lets the handler free it.
+DELIVERY_MARGIN_S = 0.02
+
+
+def check_deliverable(context: grpc.aio.ServicerContext, what: str) -> None:
+    """DeadlineExceeded when the caller's deadline leaves no time to deliver the answer `what` names."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining < DELIVERY_MARGIN_S:
+        raise errors.DeadlineExceeded(f"the deadline passed as {what} was ready ({remaining * 1000:.1f} ms left, "
+                                      f"under the {DELIVERY_MARGIN_S * 1000:.0f} ms an answer needs to travel); "
+                                      "what it stored is freed")
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),

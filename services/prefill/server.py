@@ -22,7 +22,7 @@ from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.transfer import ChannelCache, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import logprob_to_proto, request_type_name, sampling_from_proto
-from services.kit.serving import abort_with
+from services.kit.serving import abort_with, check_deliverable
 from services.worker.tensor_store import TensorStoreServicer, add_tensor_store
 from services.worker.ttft import prompt_parts
 from services.worker.service import WorkerState
@@ -58,10 +58,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
                 output = await _context_only(engine, engine_id, request, sampling, images)
                 response = await self._response(engine, output, request.request_id)
                 response.ttft_breakdown.CopyFrom(prompt_parts(received, output))
+                check_deliverable(context, "the prefill answer")
             except asyncio.CancelledError:
                 self._release_sessions_of(engine_id)  # the caller left: a session made meanwhile must not wait
                 raise
             except Exception as exc:
+                self._release_sessions_of(engine_id)  # nobody will learn of a session made before the failure
                 await abort_with(context, exc)
             return response
 
