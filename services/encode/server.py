@@ -11,7 +11,7 @@ from typing import Sequence
 import grpc
 
 from common.engine.image_encoder import ImageEncoder
-from common.errors import DeadlineExceeded, InvalidRequest, NotFound, ResourceExhausted, Unavailable
+from common.errors import InvalidRequest, NotFound, ResourceExhausted, Unavailable
 from common.kv.chunks import tensor_to_bytes
 from common.kv.embeddings import EmbeddingTable, StoredEmbedding, embedding_header, embedding_ref
 from common.media import MediaConfig, load_image
@@ -79,11 +79,14 @@ class EncoderServicer(worker_pb2_grpc.EncoderServicer):
                      context: grpc.aio.ServicerContext) -> worker_pb2.EncodeResponse:
         started = time.perf_counter()
         with self.state.admission.counted():  # the drain waits for it
+            entries: list[StoredEmbedding] = []
             try:
                 self.state.admission.check()
                 entries = await self._store(request)
-                self._check_deliverable(context, entries)
+                check_deliverable(context, "the embeddings")
             except Exception as exc:
+                for entry in entries:  # the caller will never learn their handles
+                    self.state.table.release(entry.handle)
                 await abort_with(context, exc)
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_encode_latency_seconds").observe(time.perf_counter() - started)
@@ -104,14 +107,6 @@ class EncoderServicer(worker_pb2_grpc.EncoderServicer):
                 self.state.table.release(entry.handle)
             raise
         return entries
-
-    def _check_deliverable(self, context: grpc.aio.ServicerContext, entries: list[StoredEmbedding]) -> None:
-        try:
-            check_deliverable(context, "the embeddings")
-        except DeadlineExceeded:
-            for entry in entries:  # the caller would never learn their handles
-                self.state.table.release(entry.handle)
-            raise
 
     def _check_count(self, count: int) -> None:
         if count == 0:

@@ -48,6 +48,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         # Unique in the engine even when a router retries the same request id.
         engine_id = f"{request.request_id or 'prefill'}-{uuid.uuid4().hex[:8]}"
         received = time.monotonic()
+        output: RequestOutput | None = None  # once set, the engine may hold a session of this request
         with self.state.admission.counted():
             try:
                 engine = self.state.admit()
@@ -63,7 +64,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
                 self._release_sessions_of(engine_id)  # the caller left: a session made meanwhile must not wait
                 raise
             except Exception as exc:
-                self._release_sessions_of(engine_id)  # nobody will learn of a session made before the failure
+                if output is not None:  # nobody will learn of the session the engine made
+                    self._release_sessions_of(engine_id)
                 await abort_with(context, exc)
             return response
 
