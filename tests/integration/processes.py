@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import signal
 import socket
@@ -131,11 +132,37 @@ class ServiceProcess:
         self._announced.set()
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port free now (for flags where 0 does not mean "pick one", e.g. --http-port)."""
-    with socket.socket() as sock:
+    """A loopback port free now (for flags where 0 does not mean "pick one", e.g. --http-port).
+
+    Taken from below the kernel's ephemeral range: a port from inside it (what binding port 0 gives) can be given
+    to any outgoing connection (a gRPC client's, say) before the server binds it, and the server then fails with
+    "address already in use". Below the range only an explicit bind can take it; none is handed out twice.
+    """
+    low = _ephemeral_low()
+    candidates = [p for p in range(max(1024, low - 12000), low) if p not in _HANDED_OUT]
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as sock:  # nothing free below the range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def start_service(role: str, *args: str, env: Mapping[str, str] | None = None,
