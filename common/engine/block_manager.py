@@ -98,12 +98,20 @@ class BlockManager:
         """Free blocks for KV written from outside the engine (an import), none of which a step in flight may
         still write, taken as allocate_slots takes them; None if there are not that many."""
         with self.lock:
-            done = self.steps_done
-            chosen = list(islice((b for b in self.free_queue if self._freed_at[b] <= done), num_blocks))
+            done, freed_at = self.steps_done, self._freed_at
+            chosen = list(islice((b for b in self.free_queue if freed_at[b] <= done), num_blocks))
             if len(chosen) < num_blocks:
                 return None
+            # _take_fresh of each, unrolled (an import's critical path): a free block has no reference yet
+            blocks, free_queue, epochs = self.blocks, self.free_queue, self.epochs
             for block_id in chosen:
-                self._take_fresh(block_id)
+                block = blocks[block_id]
+                if block.hash is not None:
+                    self._evict(block_id)
+                del free_queue[block_id]
+                block.ref_count = 1
+                if epochs is not None:
+                    epochs.bump(block_id)
         return chosen
 
     def kv_blocks(self, cache) -> KvBlocks:

@@ -6,7 +6,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# `n` and the ids' address change with every pull; nothing else does for a pair of caches, so with these two left
+# unspecialised one compiled kernel serves every pull between them (CopyKernel launches it directly).
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr"])
 def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, n, src_blocks, dst_blocks, words,
                         TILE: tl.constexpr):
     """Program (row, tile): row = plane * n + i moves tile `tile` of block ids[i] of plane `plane` (a layer's K or
@@ -28,3 +30,29 @@ def launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, n: int, plan
     tile = min(tile_words, triton.next_power_of_2(words))
     grid = (planes * n, triton.cdiv(words, tile))
     _copy_blocks_kernel[grid](src, dst, ids, n, src_blocks, dst_blocks, words, TILE=tile, num_warps=num_warps)
+
+
+class CopyKernel:
+    """The kernel for one pair of caches (int32 views of them), compiled by its first launch and launched straight
+    from the compiled kernel after that: Triton's own launch binds and specialises every argument again, which costs
+    more host time than the rest of a pull's launch work together."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, planes: int, src_blocks: int, dst_blocks: int,
+                 words: int, tile_words: int, num_warps: int):
+        self._args = (src, dst)
+        self._sizes = (src_blocks, dst_blocks, words)
+        self._planes, self._num_warps = planes, num_warps
+        self._tile = min(tile_words, triton.next_power_of_2(words))
+        self._tiles = triton.cdiv(words, self._tile)
+        self._compiled = None
+
+    def __call__(self, ids: torch.Tensor, n: int, stream: torch.cuda.Stream) -> None:
+        """Enqueue the copy of blocks ids[:n] to ids[n:2n] on `stream`, a stream of the caches' GPU."""
+        grid = (self._planes * n, self._tiles, 1)
+        if self._compiled is None:  # Triton compiles it for the current device and stream
+            with torch.cuda.stream(stream):
+                self._compiled = _copy_blocks_kernel[grid](*self._args, ids, n, *self._sizes, TILE=self._tile,
+                                                           num_warps=self._num_warps)
+            return
+        with torch.cuda.device(stream.device):  # a launch goes to the current device's context
+            self._compiled[grid](*self._args, ids, n, *self._sizes, self._tile, stream=stream.cuda_stream)

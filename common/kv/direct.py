@@ -55,14 +55,14 @@ async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb
     try:
         source = copier.src
         if source.is_cuda:
-            with torch.cuda.device(source.device), torch.cuda.stream(gather.side_stream(source.device)):
-                copier(src_ids, dst_ids)
-                event = torch.cuda.Event()
-                event.record()
+            stream = gather.side_stream(source.device)
+            reading = copier(src_ids, dst_ids, stream)  # read by the copy until it has finished
+            event = gather.recorded_event(stream)
+            await gather.wait_event(event, timeout_s)
+            gather.recycle_event(event)
+            event = reading = None
         else:
             copier(src_ids, dst_ids)
-        if event is not None:
-            await gather.wait_event(event, timeout_s)
         copied()
         epochs.check(src_ids, expected, f"KV session {ref.session_id} at {ref.endpoint}")
     except BaseException:

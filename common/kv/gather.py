@@ -33,6 +33,25 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[index]
 
 
+_idle_events: dict[int, list[torch.cuda.Event]] = {}  # device index → finished events of recorded_event
+
+
+def recorded_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded on `stream` now, taken from the finished ones given back (recycle_event) where there is
+    one: creating a CUDA event costs the host more than recording it, on a KV copy's critical path."""
+    try:
+        event = _idle_events[stream.device_index].pop()
+    except (KeyError, IndexError):
+        event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def recycle_event(event: torch.cuda.Event) -> None:
+    """Give back an event of recorded_event that has completed and that nothing waits for any more."""
+    _idle_events.setdefault(event.device.index, []).append(event)
+
+
 async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None, busy_s: float = 0.002,
                      spin_s: float = 0.01) -> None:
     """Await a CUDA event without blocking the loop (asyncio.TimeoutError after `timeout_s`). A KV copy takes
