@@ -71,6 +71,18 @@ def pinned_ids(src_ids: Sequence[int], dst_ids: Sequence[int]) -> torch.Tensor:
     return host
 
 
+def compile_for(cache: torch.Tensor) -> None:
+    """Compile the copy kernel into caches of `cache`'s block shape now, as a worker starts: Triton compiles a
+    kernel at its first launch (about half a second), which would otherwise fall on the first pull's critical path.
+    Every cache of that block shape shares the compiled kernel, whatever its block count."""
+    if not cache.is_cuda:
+        return
+    one_block = torch.zeros((1, 2, 1, *cache.shape[3:]), dtype=cache.dtype, device=cache.device)
+    with torch.cuda.device(cache.device):
+        copy_blocks(one_block, [0], torch.empty_like(one_block), [0])
+        torch.cuda.current_stream().synchronize()
+
+
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
     """Enqueue the copy on the current stream (returns at once on a GPU). The block ids go up to the GPU on that
     stream first, so nothing need be kept alive for the copy (BlockCopier saves that upload)."""

@@ -6,9 +6,10 @@ import triton
 import triton.language as tl
 
 
-# `n` and the ids' address change with every pull; nothing else does for a pair of caches, so with these two left
-# unspecialised one compiled kernel serves every pull between them (CopyKernel launches it directly).
-@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["ids_ptr"])
+# `n` and the ids' address change with every pull, and the caches' block counts with every pair of caches: left
+# unspecialised, one compiled kernel serves every pull into caches of one block shape (CopyKernel launches it
+# directly; compile_for compiles it at startup). `words` stays specialised: its divisibility aligns every block.
+@triton.jit(do_not_specialize=["n", "src_blocks", "dst_blocks"], do_not_specialize_on_alignment=["ids_ptr"])
 def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, n, src_blocks, dst_blocks, words,
                         TILE: tl.constexpr):
     """Program (row, tile): row = plane * n + i moves tile `tile` of block ids[i] of plane `plane` (a layer's K or

@@ -3,9 +3,14 @@ itself (an OwnKvTransfer) gets the transport it names, from the registry (common
 sessions (a KvSessionHost) gets our data plane. The services use the KvPath they get and nothing else."""
 from __future__ import annotations
 
+import asyncio
+
+import torch
+
 from common.engine.interface import Engine, KvSessionHost, OwnKvTransfer
 from common.errors import InvalidConfig, NotFound
 from common.kv import transport
+from common.kv.block_copy import compile_for
 from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import check_pullable
 from common.kv.transport import BackendUnavailable, KvPath
@@ -60,7 +65,9 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
     if not isinstance(engine, KvSessionHost):
         raise InvalidConfig(f"--engine {name} neither hosts KV sessions for the KV data plane nor moves KV itself")
     exporter = None
+    blocks = await engine.kv_blocks()
     if exports:
-        blocks = await engine.kv_blocks()
         exporter = KvCacheExporter(blocks.cache, accepted, worker_id, blocks.count_reuse)
+    elif "cuda_ipc" in accepted and isinstance(blocks.cache, torch.Tensor):
+        await asyncio.to_thread(compile_for, blocks.cache)  # cuda_ipc copies into its blocks with this kernel
     return DataPlane(name, accepted, exporter)

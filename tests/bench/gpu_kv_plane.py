@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import cuda_ipc, direct  # noqa: E402
-from common.kv.block_copy import copy_blocks  # noqa: E402
+from common.kv.block_copy import compile_for, copy_blocks  # noqa: E402
 from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
 from common.kv.pull import KvPuller  # noqa: E402
@@ -86,6 +86,7 @@ async def pull_backend(address: str, backend: str, tokens: int, repeats: int) ->
             if puller is None:
                 puller = KvPuller(ChannelCache(), device, (backend,), blocks=local_blocks(ref, 2 * len(ref.block_ids)),
                                   self_check=False)
+                compile_for(puller.blocks.cache)  # as a decode worker does as it starts
             pulled = await puller.pull_and_release(ref, timeout_s=60)
             if isinstance(pulled.export, PlacedKv):
                 pulled.export.discard()  # (an engine would adopt them)

@@ -116,10 +116,11 @@ def main() -> None:
     s32, d32 = src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32)
     launch_ms = host_ms(lambda: block_copy_triton.launch(s32, d32, ids, n, planes, src.shape[2], dst.shape[2], words,
                                                          2048, 4))
+    stream = torch.cuda.current_stream()
     ids_ms = host_ms(lambda: block_copy.pinned_ids(src_ids, dst_ids))
     print(json.dumps({"figure": "kv_import_phases", "bytes": num_bytes, "kernel_ms": kernels,
                       "pinned_ids_host_ms": round(ids_ms, 4), "triton_launch_host_ms": round(launch_ms, 4),
-                      "compiled_launch_host_ms": round(host_ms(lambda: copier.kernel(ids, n, torch.cuda.current_stream())), 4),
+                      "compiled_launch_host_ms": round(host_ms(lambda: copier.kernel(ids, n, stream)), 4),
                       "copier_host_ms": round(host_ms(lambda: copier(src_ids, dst_ids)), 4),
                       "import_placed_ms": round(import_ms(src, n, args.block_size), 4)}), flush=True)
 

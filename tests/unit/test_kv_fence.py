@@ -18,7 +18,7 @@ from common.engine.engine import LLMEngine
 from common.engine.request import Request, RequestType, SamplingParams
 from common.errors import InvalidRequest
 from common.kv import direct, fence
-from common.kv.block_copy import BlockCopier, copy_blocks, copy_blocks_reference
+from common.kv.block_copy import BlockCopier, compile_for, copy_blocks, copy_blocks_reference
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, StaleKv
 from common.kv.transfer import layout_of, session_ref
 from common.kv.transports import one_sided
@@ -254,3 +254,23 @@ def test_one_copier_moves_any_number_of_blocks_through_the_kernel_it_compiled_on
         copier(src_ids, dst_ids, torch.cuda.current_stream() if device == "cuda" else None)
         copy_blocks_reference(src, src_ids, expected, dst_ids)
         assert torch.equal(dst.cpu().view(torch.int16), expected.cpu().view(torch.int16)), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy kernel runs on a GPU")
+def test_the_kernel_compiled_at_startup_serves_copies_between_caches_of_any_block_count():
+    """compile_for (a decode worker's start) leaves nothing for a pull's first copy to compile: caches of the same
+    block shape share one compiled kernel, whatever their block counts."""
+    from common.kv import block_copy_triton
+
+    cache = torch.zeros(3, 2, 37, 4, 2, 8, device="cuda", dtype=torch.bfloat16)
+    compile_for(cache)
+    compiled = block_copy_triton._copy_blocks_kernel.device_caches[cache.device.index][0]
+    before = len(compiled)
+    exporter = torch.randn(3, 2, 80, 4, 2, 8, device="cuda").to(torch.bfloat16)
+    copier = BlockCopier(exporter, cache)
+    reading = copier([79, 3, 16], [36, 0, 5])
+    torch.cuda.synchronize()
+    del reading
+    assert len(compiled) == before
+    moved = cache[:, :, [36, 0, 5]].cpu().view(torch.int16)
+    assert torch.equal(moved, exporter[:, :, [79, 3, 16]].cpu().view(torch.int16))
