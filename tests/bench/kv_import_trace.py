@@ -9,9 +9,11 @@ host clock: reserve, the copy's launch (its block ids included), the event, the 
   the GPU last ran the other process);
 - `again`: the same session imported again and again, nothing in between;
 - `local`: a cache of this process's own, of the same shape (no second process at all).
-Each case is run with the import's own wait (gather.wait_event) and with a bare spin on the event. Beside them:
-the copy kernel's GPU time on the mapped and on the local cache, and the GPU's round trip (an event recorded on an
-idle stream, until the host sees it) right after the worker's prefill and with nothing in between. Medians, µs.
+Each case is run as the import runs (gather.wait_event), with a bare spin on the event instead, and with the block
+ids uploaded from pinned memory instead of read in place. Beside them: the copy kernel's GPU time on the mapped
+and on the local cache (its ids read in place, and on the GPU), and the host's round trip to the GPU (an event
+recorded on an idle stream, until the host sees it) right after the worker's prefill, 5 ms after it, after the
+bench thread slept 30 ms, and with nothing in between. Medians, µs.
 """
 from __future__ import annotations
 
