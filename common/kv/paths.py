@@ -65,9 +65,11 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
     if not isinstance(engine, KvSessionHost):
         raise InvalidConfig(f"--engine {name} neither hosts KV sessions for the KV data plane nor moves KV itself")
     exporter = None
-    blocks = await engine.kv_blocks()
     if exports:
+        blocks = await engine.kv_blocks()
         exporter = KvCacheExporter(blocks.cache, accepted, worker_id, blocks.count_reuse)
-    elif "cuda_ipc" in accepted and isinstance(blocks.cache, torch.Tensor):
-        await asyncio.to_thread(compile_for, blocks.cache)  # cuda_ipc copies into its blocks with this kernel
+    elif "cuda_ipc" in accepted:  # an importer: cuda_ipc copies into its blocks with a kernel to compile first
+        cache = (await engine.kv_blocks()).cache
+        if isinstance(cache, torch.Tensor):  # (a tensor-parallel cache's shards take the torch copy)
+            await asyncio.to_thread(compile_for, cache)
     return DataPlane(name, accepted, exporter)

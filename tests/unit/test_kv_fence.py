@@ -251,9 +251,10 @@ def test_one_copier_moves_any_number_of_blocks_through_the_kernel_it_compiled_on
     rng = random.Random(7)
     for n in (5, 1, 16, 3, 32, 1):
         src_ids, dst_ids = rng.sample(range(40), n), rng.sample(range(40), n)
-        copier(src_ids, dst_ids, torch.cuda.current_stream() if device == "cuda" else None)
+        reading = copier(src_ids, dst_ids, torch.cuda.current_stream() if device == "cuda" else None)
         copy_blocks_reference(src, src_ids, expected, dst_ids)
         assert torch.equal(dst.cpu().view(torch.int16), expected.cpu().view(torch.int16)), n
+        del reading  # (kept until the copy had finished: .cpu() waited for it)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy kernel runs on a GPU")
