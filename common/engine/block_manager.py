@@ -88,10 +88,9 @@ class BlockManager:
         with self.lock:
             if needed > self.num_free_blocks:
                 return False
-            for _ in range(max(needed, 0)):
-                block_id, _ = self.free_queue.popitem(last=False)
-                self._take_fresh(block_id)
-                request.block_table.append(block_id)
+            fresh = [self.free_queue.popitem(last=False)[0] for _ in range(max(needed, 0))]
+            self._take_fresh(fresh)
+            request.block_table.extend(fresh)
         return True
 
     def reserve(self, num_blocks: int) -> list[int] | None:
@@ -102,16 +101,7 @@ class BlockManager:
             chosen = list(islice((b for b in self.free_queue if freed_at[b] <= done), num_blocks))
             if len(chosen) < num_blocks:
                 return None
-            # _take_fresh of each, unrolled (an import's critical path): a free block has no reference yet
-            blocks, free_queue, epochs = self.blocks, self.free_queue, self.epochs
-            for block_id in chosen:
-                block = blocks[block_id]
-                if block.hash is not None:
-                    self._evict(block_id)
-                del free_queue[block_id]
-                block.ref_count = 1
-                if epochs is not None:
-                    epochs.bump(block_id)
+            self._take_fresh(chosen)
         return chosen
 
     def kv_blocks(self, cache) -> KvBlocks:
@@ -123,12 +113,19 @@ class BlockManager:
         with self.lock:
             self.epochs = epochs
 
-    def _take_fresh(self, block_id: int) -> None:
-        """Take a free block for new content: out of the prefix cache, its epoch bumped before anything writes it."""
-        self._evict(block_id)
-        self._take(block_id)
-        if self.epochs is not None:
-            self.epochs.bump(block_id)
+    def _take_fresh(self, block_ids: list[int]) -> None:
+        """Take free blocks for new content: out of the free queue and the prefix cache, each one's epoch bumped
+        before anything writes it. One loop with its lookups bound once (an import's critical path, and every
+        step's allocation): a free block has no reference yet."""
+        blocks, free_queue, epochs = self.blocks, self.free_queue, self.epochs
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.hash is not None:
+                self._evict(block_id)
+            free_queue.pop(block_id, None)
+            block.ref_count = 1
+            if epochs is not None:
+                epochs.bump(block_id)
 
     def commit_full_blocks(self, request: Request, extra: bytes = b"") -> None:
         """Register the request's newly completed blocks in the prefix cache."""
