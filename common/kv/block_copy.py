@@ -43,13 +43,14 @@ class BlockCopier:
                 src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), src.shape[0] * 2, src.shape[2],
                 dst.shape[2], block_bytes // 4, _TILE_WORDS, _WARPS)
 
-    def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int],
-                 stream: torch.cuda.Stream | None = None) -> torch.Tensor | None:
+    def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int], stream: torch.cuda.Stream | None = None,
+                 upload: bool = False) -> torch.Tensor | None:
         """Enqueue the copy on `stream` (default: the current one; returns at once on a GPU). Returns what the
         kernel still reads: its block ids, in pinned host memory that it reads in place over the bus. Keep them until
-        the copy has finished. An upload would cost the kernel less time (tests/bench/kv_import_trace.py: 124 µs
-        against 156) but the host two more calls into the driver, which a pull pays for more (230 µs against 205
-        end to end, 623 against 555 right after a prefill). None where the copy is done already."""
+        the copy has finished. With `upload`, the ids go up to the GPU on that stream first and nothing need be kept:
+        that costs the kernel less time (tests/bench/kv_import_trace.py: 124 µs against 156) but the host two more
+        calls into the driver, which a pull pays for more (230 µs against 205 end to end, 623 against 555 right
+        after a prefill). None where nothing need be kept (uploaded, or the copy done already)."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
         if not len(src_ids):
@@ -57,8 +58,13 @@ class BlockCopier:
         if self.kernel is None:
             copy_blocks_reference(self.src, src_ids, self.dst, dst_ids)
             return None
+        stream = stream or torch.cuda.current_stream(self.src.device)
         ids = pinned_ids(src_ids, dst_ids)
-        self.kernel(ids, len(src_ids), stream or torch.cuda.current_stream(self.src.device))
+        if upload:
+            with torch.cuda.stream(stream):  # the upload keeps the pinned block until it has run
+                self.kernel(ids.to(self.src.device, non_blocking=True), len(src_ids), stream)
+            return None
+        self.kernel(ids, len(src_ids), stream)
         return ids
 
 
@@ -84,11 +90,5 @@ def compile_for(cache: torch.Tensor) -> None:
 
 
 def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
-    """Enqueue the copy on the current stream (returns at once on a GPU). The block ids go up to the GPU on that
-    stream first, so nothing need be kept alive for the copy (BlockCopier saves that upload)."""
-    copier = BlockCopier(src, dst)
-    if copier.kernel is None or len(src_ids) != len(dst_ids) or not len(src_ids):
-        copier(src_ids, dst_ids)  # the reference copy, or its error
-        return
-    ids = pinned_ids(src_ids, dst_ids).to(src.device, non_blocking=True)  # the upload keeps the pinned block
-    copier.kernel(ids, len(src_ids), torch.cuda.current_stream(src.device))
+    """Enqueue the copy on the current stream (returns at once on a GPU); nothing need be kept alive for it."""
+    BlockCopier(src, dst)(src_ids, dst_ids, upload=True)
