@@ -26,13 +26,6 @@ def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, n, src_blocks, dst_blocks, wo
     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def launch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, n: int, planes: int, src_blocks: int,
-           dst_blocks: int, words: int, tile_words: int, num_warps: int) -> None:
-    tile = min(tile_words, triton.next_power_of_2(words))
-    grid = (planes * n, triton.cdiv(words, tile))
-    _copy_blocks_kernel[grid](src, dst, ids, n, src_blocks, dst_blocks, words, TILE=tile, num_warps=num_warps)
-
-
 class CopyKernel:
     """The kernel for one pair of caches (int32 views of them), compiled by its first launch and launched straight
     from the compiled kernel after that: Triton's own launch binds and specialises every argument again, which costs

@@ -6,7 +6,7 @@ It starts a real prefill worker and maps its cache as a decode worker does (Cuda
 imports sessions into a pool of this process's own, stamping each step of common.kv.direct.import_placed with the
 host clock: reserve, the copy's launch (its block ids included), the event, the wait, the fence. Three cases:
 - `after_prefill`: a new session each time, imported right after the worker's prefill (a decode worker's case:
-  the GPU last ran the other process);
+  it waited for the prefill);
 - `again`: the same session imported again and again, nothing in between;
 - `local`: a cache of this process's own, of the same shape (no second process at all).
 Each case is run as the import runs (gather.wait_event), with a bare spin on the event instead, and with the block
@@ -37,11 +37,12 @@ from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import gather  # noqa: E402
 from common.kv.block_copy import BlockCopier, pinned_ids  # noqa: E402
-from common.kv.fence import BlockEpochs, fence_of  # noqa: E402
+from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of  # noqa: E402
 from common.kv.transfer import ChannelCache, release_quietly  # noqa: E402
 from common.kv.transports.cuda_ipc import CudaIpcTransport  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2_grpc  # noqa: E402
 from tests.bench.gpu_kv_plane import local_blocks, model_dir, prefill_session, pull_backend  # noqa: E402
+from tests.bench.kv_import_phases import gpu_ms  # noqa: E402
 from tests.integration.processes import start_service  # noqa: E402
 
 STEPS = ("reserve", "copy", "event", "wait", "fence", "total")
@@ -57,9 +58,7 @@ def in_place(copier: BlockCopier, src_ids: list[int], dst_ids: list[int], stream
 
 
 def uploaded(copier: BlockCopier, src_ids: list[int], dst_ids: list[int], stream: torch.cuda.Stream) -> None:
-    with torch.cuda.stream(stream):  # the ids go up from pinned memory first
-        ids = pinned_ids(src_ids, dst_ids).to(copier.src.device, non_blocking=True)
-    copier.kernel(ids, len(src_ids), stream)
+    return copier(src_ids, dst_ids, stream, upload=True)
 
 
 async def stamped_import(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb2.KvSessionRef, blocks: KvBlocks,
@@ -89,24 +88,15 @@ def medians(rows: list[list[float]]) -> dict[str, float]:
     return {step: round(statistics.median(column), 1) for step, column in zip(STEPS, zip(*rows))}
 
 
-def kernel_us(copier: BlockCopier, ids: list[int], pinned: bool, repeats: int = 20) -> float:
-    """GPU time of the copy kernel alone (a sleep kernel keeps the GPU busy while the host launches), its block ids
-    read in place from pinned host memory (as a pull does) or from GPU memory."""
-    times = []
+def kernel_us(copier: BlockCopier, ids: list[int], pinned: bool) -> float:
+    """GPU time of the copy kernel alone, its block ids read in place from pinned host memory (as a pull does) or
+    from GPU memory."""
     stream = gather.side_stream(copier.src.device)
     block_ids = pinned_ids(ids, range(len(ids)))
     if not pinned:
         block_ids = block_ids.to(copier.src.device)
     with torch.cuda.stream(stream):
-        for _ in range(repeats + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(2_000_000)
-            start.record()
-            copier.kernel(block_ids, len(ids), stream)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    return round(statistics.median(times[1:]), 1)
+        return round(gpu_ms(lambda: copier.kernel(block_ids, len(ids), stream), repeats=20) * 1e3, 1)
 
 
 def round_trip_us() -> float:
@@ -142,25 +132,24 @@ async def trace(address: str, tokens: int, repeats: int) -> dict:
             figures[f"after_prefill_{name}"] = medians(rows[1:])
             rows = [await stamped_import(copier, mapped.epochs, ref, blocks, wait, copy) for _ in range(repeats + 1)]
             figures[f"again_{name}"] = medians(rows[1:])
-        trips = []
-        for _ in range(repeats):
+
+        def after_prefill(pause_s: float = 0.0) -> str | None:
             session = prefill_session(stub, tokens, rng)
-            trips.append(round_trip_us())
-            await release_quietly(channel, session.session_id)
-        figures["round_trip_after_prefill_us"] = round(statistics.median(trips), 1)
-        figures["round_trip_idle_us"] = round(statistics.median([round_trip_us() for _ in range(repeats)]), 1)
-        trips = []
-        for _ in range(repeats):
-            session = prefill_session(stub, tokens, rng)
-            time.sleep(0.005)
-            trips.append(round_trip_us())
-            await release_quietly(channel, session.session_id)
-        figures["round_trip_5ms_after_prefill_us"] = round(statistics.median(trips), 1)
-        trips = []
-        for _ in range(repeats):
+            time.sleep(pause_s)
+            return session.session_id  # released once the round trip is timed
+
+        def after_sleep() -> None:
             time.sleep(0.03)
-            trips.append(round_trip_us())
-        figures["round_trip_after_30ms_asleep_us"] = round(statistics.median(trips), 1)
+
+        for name, before in (("after_prefill", after_prefill), ("5ms_after_prefill", lambda: after_prefill(0.005)),
+                             ("after_30ms_asleep", after_sleep), ("idle", lambda: None)):
+            trips = []
+            for _ in range(repeats):
+                session_id = before()
+                trips.append(round_trip_us())
+                if session_id is not None:
+                    await release_quietly(channel, session_id)
+            figures[f"round_trip_{name}_us"] = round(statistics.median(trips), 1)
         figures["kernel_mapped_us"] = kernel_us(copier, list(ref.block_ids), pinned=True)
         figures["kernel_mapped_ids_on_gpu_us"] = kernel_us(copier, list(ref.block_ids), pinned=False)
         figures["pull"] = await pull_backend(address, "cuda_ipc", tokens, repeats)  # the decode worker's own path
@@ -183,7 +172,7 @@ async def trace(address: str, tokens: int, repeats: int) -> dict:
 def _with_epoch(ref: common_pb2.KvSessionRef, epochs: BlockEpochs) -> common_pb2.KvSessionRef:
     out = common_pb2.KvSessionRef()
     out.CopyFrom(ref)
-    out.attributes["kv_epoch"] = str(epochs.total(ref.block_ids))
+    out.attributes[EPOCH_ATTRIBUTE] = str(epochs.total(ref.block_ids))
     return out
 
 
