@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Sequence, TypeVar
 import torch
 
 from common.engine.config import EngineConfig
+from common.engine.devices import bind_thread
 from common.engine.engine import LLMEngine
 from common.engine.interface import EngineFacts, EngineLoad, EngineRequest, KvBlocks
 from common.engine.request import FinishReason, RequestOutput
@@ -156,6 +157,7 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        bind_thread(engine.config.device)  # a new thread starts on GPU 0
         while not self._stopped.is_set():
             self._run_commands(block=not engine.has_unfinished_requests())
             if not engine.has_unfinished_requests():

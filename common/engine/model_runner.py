@@ -14,6 +14,7 @@ import torch
 
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
+from common.engine.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
 from common.engine.shared_cache import SharedKvCache
@@ -112,6 +113,7 @@ class ModelRunner:
             self.ranks = FollowerRanks(config)
         self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
         self.device = rank_device(config.device, self.tp.rank)
+        bind_thread(self.device)  # the loading thread's kernels (and a graph's capture) go to this rank's GPU
         if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp)

@@ -20,6 +20,7 @@ from typing import Any, Protocol, Sequence
 import grpc
 
 from common.engine.default_model import model_label
+from common.engine.devices import bind_loop_executor
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_tls_args, tls_from_args
@@ -124,6 +125,7 @@ def _advertised_host(args: argparse.Namespace) -> str:
 
 async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
     stop = asyncio.Event()
+    bind_loop_executor(asyncio.get_running_loop(), getattr(config, "device", None))  # --device cuda:N everywhere
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     state = spec.new_state(args, config, args.model_name or model_label(args.model))

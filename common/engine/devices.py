@@ -1,0 +1,27 @@
+"""Which GPU a thread works on. CUDA's current device belongs to each host thread and starts at GPU 0, and Triton
+launches on the current device: an engine on cuda:N must make cuda:N current in every thread that runs its work
+(the loading thread, the engine loop, the data plane's executor threads), or its kernels meet GPU 0's context
+(Triton: "Pointer argument (at 0) cannot be accessed from Triton") and its streams and events land on GPU 0."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def bind_thread(device: str | torch.device | None) -> None:
+    """Make `device` the calling thread's current CUDA device; nothing for the CPU (or None)."""
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+
+
+def bind_loop_executor(loop: asyncio.AbstractEventLoop, device: str | torch.device | None) -> None:
+    """`device` current in this thread and in every thread of the loop's default executor (asyncio.to_thread's)."""
+    bind_thread(device)
+    if device is not None and torch.device(device).type == "cuda":
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio-cuda", initializer=bind_thread,
+                                                     initargs=(device,)))

@@ -1,0 +1,57 @@
+"""Workers on the GPU they are given (`--device cuda:N`): one on the last visible GPU serves HF-identical tokens,
+and a session prefilled on GPU 0 decodes on the last GPU over cuda_ipc (a peer copy across GPUs where there are
+two or more) token for token, with every block freed after cancels. Skipped without CUDA.
+
+    python -m pytest -q -s tests/gpu/test_multi_gpu.py
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from common.engine.config import EngineConfig  # noqa: E402
+from common.engine.engine import LLMEngine  # noqa: E402
+from common.engine.request import SamplingParams  # noqa: E402
+from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything,  # noqa: E402
+                                                check_handoff)
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+pytestmark = pytest.mark.timeout(300)
+LAST = f"cuda:{torch.cuda.device_count() - 1}"
+PROMPT = list(range(3, 70))  # 67 tokens: 17 blocks of 4, the last partial
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama) -> Iterator[dict]:
+    """prefill on cuda:0 ("prefill"); decode on the last GPU accepting only cuda_ipc ("cuda_ipc")."""
+    common = ("--model", tiny_llama, "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8")
+    decode_last = ("decode", (*common, "--device", LAST, "--kv-transfer-backends", "cuda_ipc"))
+    with backend_cluster((*common, "--device", "cuda:0"), [], [decode_last]) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_llama, device=LAST, block_size=4, num_kv_blocks=64, max_num_seqs=8))
+
+
+def test_an_engine_on_the_last_gpu_keeps_its_work_there(reference):
+    assert reference.runner.device == torch.device(LAST)
+    assert reference.kv_cache.device == torch.device(LAST)
+    out = reference.generate([PROMPT[:9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out) == 4
+
+
+def test_prefill_on_gpu0_decodes_on_the_last_gpu_over_cuda_ipc(cluster, reference):
+    usage = check_handoff(cluster["prefill"], cluster["extra0"], reference, PROMPT, "cuda_ipc")
+    print(f"\ncuda:0 -> {LAST} over cuda_ipc: {usage.kv_transfer_bytes} B in {usage.kv_transfer_ms:.2f} ms")
+
+
+def test_cancels_free_every_block_across_gpus(cluster):
+    check_cancels_free_everything(cluster["prefill"], cluster["extra0"], PROMPT)
