@@ -3,7 +3,8 @@
 Both caches are [layers, 2, blocks, block_size, kv_heads, head_dim]. On one GPU it is one Triton kernel
 (each program moves one tile of one (layer, K/V, block) from the source block to its destination block;
 the source may be another process's cache mapped through CUDA IPC), with no staging buffer and no loop
-on the host. Elsewhere (CPU caches, two GPUs) it is the torch reference below.
+on the host. Between two GPUs of a host it is a peer copy into the destination (common.kv.peer_copy: copy engines
+or the same kernel reading the other GPU's memory). On CPU caches it is the torch reference below.
 """
 from __future__ import annotations
 
@@ -34,8 +35,14 @@ class BlockCopier:
                              "different blocks")
         self.src, self.dst = src, dst
         block_bytes = src[0, 0, 0].numel() * src.element_size()
-        self.kernel = None
-        if (src.is_cuda and src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
+        self.kernel = self.peer = None
+        self.device = src.device  # where the copy runs: its stream's GPU
+        if src.is_cuda and dst.is_cuda and src.device != dst.device:
+            from common.kv.peer_copy import PeerBlockCopier
+
+            self.peer = PeerBlockCopier(src, dst)
+            self.device = self.peer.device
+        elif (src.is_cuda and src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
                 and block_bytes % 4 == 0):
             from common.kv import block_copy_triton
 
@@ -55,6 +62,8 @@ class BlockCopier:
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
         if not len(src_ids):
             return None
+        if self.peer is not None:
+            return self.peer(src_ids, dst_ids, stream or torch.cuda.current_stream(self.device))
         if self.kernel is None:
             copy_blocks_reference(self.src, src_ids, self.dst, dst_ids)
             return None
@@ -89,6 +98,14 @@ def compile_for(cache: torch.Tensor) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
-    """Enqueue the copy on the current stream (returns at once on a GPU); nothing need be kept alive for it."""
-    BlockCopier(src, dst)(src_ids, dst_ids, upload=True)
+def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
+                stream: torch.cuda.Stream | None = None) -> None:
+    """Enqueue the copy on `stream` (default: the current one of the GPU it runs on; returns at once on a GPU);
+    nothing need be kept alive for it."""
+    copier = BlockCopier(src, dst)
+    if copier.peer is not None:  # its pinned ids are read by a kernel: wait for it (a probe's or a test's copy)
+        kept = copier(src_ids, dst_ids, stream)
+        if kept is not None:
+            (stream or torch.cuda.current_stream(copier.device)).synchronize()
+        return
+    copier(src_ids, dst_ids, stream, upload=True)

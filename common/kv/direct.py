@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from common.engine.interface import KvBlocks
-from common.kv import gather
+from common.kv import gather, peer_copy
 from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of
 from common.kv.layout import KvLayout, PlacedKv
@@ -25,14 +25,15 @@ from common.pb.disagg.v1 import common_pb2
 
 
 def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
-    """Whether a copy can go straight from `source` into the engine's blocks (same device, same block layout; not
-    a tensor-parallel cache on several GPUs, whose blocks the engine scatters itself)."""
+    """Whether a copy can go straight from `source` into the engine's blocks (the same GPU, or two GPUs of the host
+    with peer access; the same block layout; not a tensor-parallel cache on several GPUs, whose blocks the engine
+    scatters itself)."""
     if blocks is None:
         return False
     cache = blocks.cache
     if not (isinstance(source, torch.Tensor) and isinstance(cache, torch.Tensor)):
         return False
-    return (source.device == cache.device and source.dtype == cache.dtype and source.shape[:2] == cache.shape[:2]
+    return (peer_copy.can_reach(cache.device, source.device) and source.dtype == cache.dtype and source.shape[:2] == cache.shape[:2]
             and source.shape[3:] == cache.shape[3:])
 
 
@@ -55,7 +56,7 @@ async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb
     try:
         source = copier.src
         if source.is_cuda:
-            stream = gather.side_stream(source.device)
+            stream = gather.side_stream(copier.device)
             reading = copier(src_ids, dst_ids, stream)  # read by the copy until it has finished
             event = gather.recorded_event(stream)
             await gather.wait_event(event, timeout_s)

@@ -5,7 +5,12 @@ Three ways, one interface (PeerBlockCopier, shaped like block_copy.BlockCopier):
 - `src`: the same kernel on the exporter's GPU, writing the importer's (peer writes),
 - `copy_engine`: one cudaMemcpy2DAsync per run of consecutive blocks, every layer's K and V of the run in one
   strided copy: the GPUs' copy engines move it, no SM of either GPU is taken from the model's steps.
-tests/bench/kv_peer_copy.py measures them; PREFERRED is what it found fastest (README, "The KV data plane").
+- `auto` (the default): copy engines where the session's blocks make few runs, else the kernel on ours.
+tests/bench/kv_peer_copy.py measures them (4× H200, NVLink, a 1500-token Llama-3.2-3B session, 172.5 MB; one
+contiguous peer copy of those bytes 0.492 ms = 350 GB/s): consecutive blocks — copy engines 0.487 ms, kernel on
+ours 0.527, on theirs 0.510; shuffled blocks — copy engines 1.266 ms (94 runs), kernel on ours 0.510, on theirs
+0.508; the torch path (gather, copy, scatter) 1.12–1.16 ms. Reads from ours leave the exporter's SMs to its
+prefills; copy engines leave both GPUs' SMs alone.
 Peer access between the two GPUs must be on for all three: enable_peer_access (the caches may be another
 process's, mapped through CUDA IPC).
 """
@@ -23,7 +28,8 @@ from common.kv.block_copy import pinned_ids
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the pointers (unified addressing)
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-PREFERRED = "copy_engine"
+PREFERRED = "auto"
+MAX_COPY_ENGINE_RUNS = 8  # past this many 2-D copies the host's calls and the engines' setup cost more than a kernel
 _enabled: set[tuple[int, int]] = set()
 _enabled_lock = threading.Lock()
 
@@ -91,7 +97,7 @@ class PeerBlockCopier:
                              "different blocks")
         if not (src.is_cuda and dst.is_cuda and src.is_contiguous() and dst.is_contiguous()):
             raise ValueError("a peer copy needs two contiguous GPU caches")
-        if on not in ("dst", "src", "copy_engine"):
+        if on not in ("dst", "src", "copy_engine", "auto"):
             raise ValueError(f"unknown peer copy {on!r}")
         for a, b in ((dst.device, src.device), (src.device, dst.device)):
             if not enable_peer_access(a, b):
@@ -100,7 +106,7 @@ class PeerBlockCopier:
         self.planes = src.shape[0] * 2
         self.block_bytes = src[0, 0, 0].numel() * src.element_size()
         self.kernel = None
-        if on != "copy_engine":
+        if on != "copy_engine":  # auto too: its kernel for scattered blocks
             from common.kv import block_copy_triton
             from common.kv.block_copy import _TILE_WORDS, _WARPS
 
@@ -113,6 +119,16 @@ class PeerBlockCopier:
         """The GPU whose stream the copy goes on."""
         return self.src.device if self.on == "src" else self.dst.device
 
+
+def can_reach(device: torch.device, peer: torch.device) -> bool:
+    """Whether a copy between the two GPUs' memories can run (the same GPU, or peer access both ways)."""
+    if device == peer:
+        return True
+    if device.type != "cuda" or peer.type != "cuda":
+        return False
+    return torch.cuda.can_device_access_peer(device.index, peer.index) and \
+        torch.cuda.can_device_access_peer(peer.index, device.index)
+
     def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int],
                  stream: torch.cuda.Stream) -> torch.Tensor | None:
         """Enqueue the copy on `stream` (a stream of `self.device`); returns at once. What it returns (the kernel's
@@ -121,7 +137,8 @@ class PeerBlockCopier:
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
         if not len(src_ids):
             return None
-        if self.kernel is not None:
+        spans = runs(src_ids, dst_ids) if self.on in ("copy_engine", "auto") else []
+        if self.kernel is not None and (self.on != "auto" or len(spans) > MAX_COPY_ENGINE_RUNS):
             ids = pinned_ids(src_ids, dst_ids)
             self.kernel(ids, len(src_ids), stream)
             return ids
@@ -129,7 +146,7 @@ class PeerBlockCopier:
         spitch, dpitch = self.src.shape[2] * bb, self.dst.shape[2] * bb
         src_base, dst_base = self.src.data_ptr(), self.dst.data_ptr()
         with torch.cuda.device(stream.device):
-            for s, d, n in runs(src_ids, dst_ids):
+            for s, d, n in spans:
                 _check(lib.cudaMemcpy2DAsync(
                     ctypes.c_void_p(dst_base + d * bb), ctypes.c_size_t(dpitch), ctypes.c_void_p(src_base + s * bb),
                     ctypes.c_size_t(spitch), ctypes.c_size_t(n * bb), ctypes.c_size_t(self.planes),

@@ -2,7 +2,9 @@
 every transport the exporter offers and this worker can use, logs the GB/s of each, and reports them
 (`disagg_kv_probe_gbps{peer,backend}`). A backend that fails here is marked broken for that peer at once,
 with a WARNING that gives the reason and names the backend pulls fall back to, and counted in
-`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so.
+`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so. A backend whose
+first use starts what then keeps running (`nixl`: its agents and the exporter's progress thread) is tried only when
+no better backend worked: where pulls will not use it, it never starts.
 
 A probe reads no session: one-sided backends read the first blocks of the exporter's cache into scratch
 memory; two-sided ones pull the handle PROBE_HANDLE, which the exporter answers with blocks of zeros
@@ -67,8 +69,11 @@ class SelfCheck:
             await self._probe_all(channel, ref)
 
     async def _probe_all(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
-        probe, results = probe_ref(ref), {}
+        probe, results, untried = probe_ref(ref), {}, []
         for backend in self.puller.candidates(ref):
+            if self.puller.transports[backend].starts_on_first_use and any(results.values()):
+                untried.append(backend)  # a better backend works: pulls will not start this one
+                continue
             try:
                 results[backend] = await self._gbps(channel, probe, backend)
             except (BackendUnavailable, grpc.aio.AioRpcError, OSError, RuntimeError) as exc:
@@ -76,8 +81,9 @@ class SelfCheck:
                 reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self.puller.fall_back(ref.endpoint, backend, f"the self-check pull failed: {reason}")
         self.results[ref.endpoint] = results
-        log.info("KV transfer self-check with %s (%d blocks): %s", ref.endpoint, PROBE_BLOCKS,
-                 ", ".join(f"{b} {gbps:.2f} GB/s" if gbps else f"{b} failed" for b, gbps in results.items()))
+        log.info("KV transfer self-check with %s (%d blocks): %s%s", ref.endpoint, PROBE_BLOCKS,
+                 ", ".join(f"{b} {gbps:.2f} GB/s" if gbps else f"{b} failed" for b, gbps in results.items()),
+                 f"; not tried (a better backend works): {', '.join(untried)}" if untried else "")
         working = [b for b, gbps in results.items() if gbps]
         if working and working[0] != next(iter(results)):
             log.warning("KV pulls from %s fall back to %s (%.2f GB/s in the self-check): %s failed there",

@@ -43,6 +43,9 @@ class KvTransport(ABC):
     number: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # the TransferBackend a ref or usage names it by
     fences_reads: bool = False  # its reads need the exporter's block epochs (common.kv.fence)
     reads_sharded_caches: bool = True  # it can export a tensor-parallel cache on several GPUs (common.kv.shards)
+    # Its first use starts what then runs until the worker stops (NIXL's agents, the exporter's progress thread): the
+    # self-check (common.kv.probe) tries it only when no better backend works, so that it starts only where used.
+    starts_on_first_use: bool = False
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why it cannot run in this process with a cache (or pulls) on `device`; None when it can."""

@@ -38,6 +38,13 @@ HTTP_LINE = re.compile(r"^disagg-router OpenAI-compatible HTTP on (?P<url>http:/
 DEFAULT_START_TIMEOUT_S = 120.0
 
 
+def last_segment(line: str) -> str:
+    """What a terminal would show of `line`: after its last carriage return. A tensor-parallel worker's follower
+    ranks share its output, and their progress bars end in \r, not \n: the serving line can follow one on the
+    same line (a TP worker's start then looked hung to a test waiting for that line)."""
+    return line.strip().rsplit("\r", 1)[-1].strip()
+
+
 class ServiceProcess:
     """One `python -m services.<role>` subprocess; its stdout and stderr are kept for `log()`."""
 
@@ -89,7 +96,7 @@ class ServiceProcess:
     def metrics_address(self) -> str | None:
         """host:port of the process's Prometheus endpoint, from its log."""
         for line in self._lines:
-            match = METRICS_LINE.match(line.strip())
+            match = METRICS_LINE.match(last_segment(line))
             if match:
                 return match["address"]
         return None
@@ -98,7 +105,7 @@ class ServiceProcess:
     def http_url(self) -> str | None:
         """http://host:port of a router's OpenAI-compatible front door, from its log (None: HTTP off)."""
         for line in self._lines:
-            match = HTTP_LINE.match(line.strip())
+            match = HTTP_LINE.match(last_segment(line))
             if match:
                 return match["url"]
         return None
@@ -124,7 +131,7 @@ class ServiceProcess:
     def _read_output(self) -> None:
         for line in self.popen.stdout:
             self._lines.append(line)
-            match = SERVING_LINE.match(line.strip())
+            match = SERVING_LINE.match(last_segment(line))
             if match and self.address is None:
                 self.address = match["address"]
                 self._announced.set()

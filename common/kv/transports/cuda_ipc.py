@@ -14,7 +14,7 @@ import torch
 
 from common.kv import cuda_ipc, direct, gather, shm
 from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
-from common.kv.block_copy import BlockCopier, copy_blocks
+from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
 from common.kv.shards import KvShards
 from common.kv.transfer import PulledKv, layout_of
@@ -99,11 +99,13 @@ class CudaIpcTransport(KvTransport):
             gathered = await gather.gather_on_device(mapped, ids, puller.device)
             return gathered.numel() * gathered.element_size()
         scratch = torch.empty(layout_of(probe).block_shape(len(ids)), dtype=mapped.dtype, device=puller.device)
-        with torch.cuda.device(mapped.device), torch.cuda.stream(gather.side_stream(mapped.device)):
-            copy_blocks(mapped, ids, scratch, range(len(ids)))
-            event = torch.cuda.Event()
-            event.record()
+        copier = BlockCopier(mapped, scratch)  # the copy a pull makes: a peer copy where the caches' GPUs differ
+        stream = gather.side_stream(copier.device)
+        reading = copier(ids, range(len(ids)), stream)  # read by the copy until it has finished
+        event = gather.recorded_event(stream)
         await gather.wait_event(event)
+        gather.recycle_event(event)
+        del reading
         return scratch.numel() * scratch.element_size()
 
     def close(self) -> None:

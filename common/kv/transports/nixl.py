@@ -44,6 +44,7 @@ class NixlTransport(KvTransport):
     number = BACKENDS[name]
     fences_reads = True
     reads_sharded_caches = False  # its agent registers one region: one rank's cache, not a TP engine's shards
+    starts_on_first_use = True  # the agents; on the exporter, a progress thread (common.kv.nixl_plane)
 
     def __init__(self) -> None:
         self._exporter = None  # the exporter's agent, made on the first share

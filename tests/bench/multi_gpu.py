@@ -1,0 +1,280 @@
+"""Disaggregation on a multi-GPU host: N × aggregated against every xPyD split, over a Poisson rate sweep.
+
+    python -m tests.bench.multi_gpu --tokenizer-from DIR [--layouts 2xagg,1P1D] [--rates 8,16,24,32,40,48]
+        [--num-prompts 200] [--input-len uniform:512:2048] [--output-len 128] [--slo-ttft-p90-ms 250]
+        [--slo-itl-p99-ms 15] [--agg-chunks 512,2048] [--budget-s 540] [--out DIR]
+
+Saves a random bf16 model of --shape (with DIR's tokenizer files), then for each layout starts its workers, each on
+the GPUs it is given (`--device cuda:N`; a TP worker on N..N+tp-1) and a router over them, and runs `disagg bench`
+at each Poisson --rates point (the same seed and prompts for every layout) until the layout saturates (it
+completes under 90 % of the offered rate, or its TTFT p90 passes 4× the SLO's). Layouts:
+- `Kxagg`: K aggregated workers, one a GPU (the router with no prefill worker); with --agg-chunks, one run per
+  chunked-prefill size (--long-prefill-token-threshold), so the peer is the best aggregated setup, not the default,
+- `xPyD`: x prefill and y decode workers, one a GPU, prefill first (`1P1D`, `1P3D`, `2P2D`, `3P1D`),
+- `tp2-xPyD`: the prefill workers at TP 2 (`tp2-1P2D`: prefill on GPUs 0-1, decode on 2 and 3),
+- a `+q` suffix (`1P1D+q`): the router's --max-prefill-queue-tokens --queue-tokens and --max-local-prefill-tokens
+  --local-tokens, so a decode worker with room prefills short prompts itself while the prefill GPU is behind.
+Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, goodput (completed requests / s whose TTFT
+and TPOT meet the SLO's TTFT and ITL limits) and whether the point meets the SLO (TTFT p90 and ITL p99 within
+the limits), with decode's mean KV pull (its disagg_kv_pull_seconds) and where the router prefilled. Everything
+lands in OUT/multi_gpu.json as it is measured, then OUT/multi_gpu.md (the table, with each layout's highest rate
+that meets the SLO) and OUT/multi_gpu.png (goodput against rate, per layout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.bench.disagg_sweep import pull_totals  # noqa: E402
+from tests.bench.gpu_engine_vs_hf import SHAPES  # noqa: E402
+from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
+from tests.integration.observed import scrape  # noqa: E402
+from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
+
+_LAYOUT = re.compile(r"^(?:(?P<agg>\d+)xagg|(?:tp(?P<tp>\d+)-)?(?P<p>\d+)P(?P<d>\d+)D)(?P<queue>\+q)?$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    prefill: int  # workers
+    decode: int
+    prefill_tp: int = 1
+    queue_limited: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> "Layout":
+        m = _LAYOUT.match(name)
+        if not m:
+            raise argparse.ArgumentTypeError(f"layout {name!r}: Kxagg, xPyD, tp2-xPyD, with an optional +q")
+        if m["agg"]:
+            return cls(name, 0, int(m["agg"]), queue_limited=bool(m["queue"]))
+        return cls(name, int(m["p"]), int(m["d"]), int(m["tp"] or 1), bool(m["queue"]))
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill * self.prefill_tp + self.decode
+
+    def devices(self) -> list[tuple[str, int, int]]:
+        """(role, first GPU, tp) per worker: prefill workers first, then decode, each on the next free GPUs."""
+        out, gpu = [], 0
+        for role, count, tp in (("prefill", self.prefill, self.prefill_tp), ("decode", self.decode, 1)):
+            for _ in range(count):
+                out.append((role, gpu, tp))
+                gpu += tp
+        return out
+
+
+def engine_args(model: Path, args: argparse.Namespace) -> tuple[str, ...]:
+    return ("--model", str(model), "--dtype", "bfloat16", "--num-kv-blocks", str(args.kv_blocks),
+            "--max-model-len", str(args.max_model_len), "--no-prefix-caching", "--session-ttl", "120")
+
+
+def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
+                 chunk: int | None) -> tuple[list[ServiceProcess], ServiceProcess]:
+    specs = []
+    for role, gpu, tp in layout.devices():
+        flags = (*engine_args(model, args), "--device", f"cuda:{gpu}", "--tensor-parallel-size", str(tp))
+        if chunk is not None:
+            flags += ("--long-prefill-token-threshold", str(chunk))
+        specs.append((role, flags))
+    workers = start_services(specs, timeout_s=600)
+    prefill = [w.address for w, (role, _) in zip(workers, specs) if role == "prefill"]
+    decode = [w.address for w, (role, _) in zip(workers, specs) if role == "decode"]
+    flags = ["--model", str(model), "--decode-workers", ",".join(decode), "--http-port", "0",
+             "--policy", "least_loaded"]
+    if prefill:
+        flags += ["--prefill-workers", ",".join(prefill)]  # the router's defaults: every prompt remote
+        if layout.queue_limited:
+            flags += ["--max-prefill-queue-tokens", str(args.queue_tokens),
+                      "--max-local-prefill-tokens", str(args.local_tokens)]
+    try:
+        router = start_services([("router", tuple(flags))])[0]
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers, router
+
+
+def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: argparse.Namespace) -> dict:
+    result = args.out / "point.json"
+    command = [sys.executable, "-m", "services", "bench", "--router", router.address, "--num-prompts",
+               str(num_prompts), "--input-len", args.input_len, "--output-len", f"fixed:{args.output_len}",
+               "--request-rate", str(rate), "--warmup", "4", "--token-range", "1000", "120000", "--seed", "7",
+               "--goodput-ttft-ms", str(args.slo_ttft_p90_ms), "--goodput-tpot-ms", str(args.slo_itl_p99_ms),
+               "--no-progress", "--json", str(result)]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=300)
+    summary = json.loads(result.read_text())["summary"]
+    result.unlink()
+    return summary
+
+
+def decisions(router: ServiceProcess) -> dict[str, float]:
+    return {key.split("{", 1)[1].rstrip("}"): value for key, value in scrape(router).items()
+            if key.startswith("disagg_routing_prefill_decisions_total{")}
+
+
+def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float]]) -> float | None:
+    after = [pull_totals(d) for d in decoders]
+    seconds = sum(a[0] - b[0] for a, b in zip(after, before))
+    count = sum(a[1] - b[1] for a, b in zip(after, before))
+    return round(seconds / count * 1000, 3) if count else None
+
+
+def meets(point: dict, args: argparse.Namespace) -> bool:
+    return (point["failed"] == 0 and point["ttft_p90_ms"] <= args.slo_ttft_p90_ms
+            and point["itl_p99_ms"] <= args.slo_itl_p99_ms)
+
+
+def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespace, results: list[dict],
+          deadline: float) -> None:
+    label = layout.name if chunk is None else f"{layout.name} chunk {chunk}"
+    started = time.monotonic()
+    workers, router = start_layout(layout, model, args, chunk)
+    print(f"# {label}: up in {time.monotonic() - started:.0f}s", flush=True)
+    decoders = [w for w in workers if w.role == "decode"]
+    try:
+        bench_point(router, args.rates[0], 16, args)  # warm-up: every kernel shape compiled, not timed
+        for rate in args.rates:
+            if time.monotonic() > deadline:
+                print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
+                return
+            before, routed = [pull_totals(d) for d in decoders], decisions(router)
+            s = bench_point(router, rate, args.num_prompts, args)
+            routed_after = decisions(router)
+            point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
+                     "completed": s["completed"], "failed": s["failed"],
+                     "achieved_req_s": round(s["request_throughput"], 2),
+                     "output_tok_s": round(s["output_throughput"], 1),
+                     "ttft_mean_ms": round(s["ttft"]["mean"], 1), "ttft_p90_ms": round(s["ttft"]["p90"], 1),
+                     "tpot_mean_ms": round(s["tpot"]["mean"], 2), "itl_p99_ms": round(s["itl"]["p99"], 2),
+                     "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
+                     "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)}}
+            point["meets_slo"] = meets(point, args)
+            results.append(point)
+            print(json.dumps(point), flush=True)
+            write(results, args)
+            saturated = (point["achieved_req_s"] < 0.9 * rate or point["ttft_p90_ms"] > 4 * args.slo_ttft_p90_ms)
+            if saturated:
+                break
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+
+def best_rates(results: list[dict]) -> dict[str, float]:
+    """Each run's (label's) highest rate that meets the SLO (0: none does)."""
+    best: dict[str, float] = {}
+    for r in results:
+        best.setdefault(r["label"], 0.0)
+        if r["meets_slo"]:
+            best[r["label"]] = max(best[r["label"]], r["rate"])
+    return best
+
+
+def table(results: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"SLO: TTFT p90 <= {args.slo_ttft_p90_ms:g} ms and ITL p99 <= {args.slo_itl_p99_ms:g} ms; "
+             f"input {args.input_len}, output {args.output_len}, {args.num_prompts} requests a point, Poisson", "",
+             "| layout | rate (req/s) | achieved | output tok/s | TTFT mean / p90 (ms) | TPOT mean (ms) | ITL p99 (ms) "
+             "| goodput (req/s) | SLO | mean KV pull (ms) |", "|" + " --- |" * 10]
+    for r in results:
+        lines.append(f"| {r['label']} | {r['rate']:g} | {r['achieved_req_s']} | {r['output_tok_s']} | "
+                     f"{r['ttft_mean_ms']} / {r['ttft_p90_ms']} | {r['tpot_mean_ms']} | {r['itl_p99_ms']} | "
+                     f"{r['goodput_req_s']} | {'yes' if r['meets_slo'] else 'no'} | {r['kv_pull_mean_ms'] or '-'} |")
+    lines += ["", "Highest rate that meets the SLO: " + ", ".join(f"{k} {v:g}" for k, v in best_rates(results).items())]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(r["label"] for r in results):
+        points = [r for r in results if r["label"] == label]
+        line, = ax.plot([p["rate"] for p in points], [p["goodput_req_s"] for p in points], marker="o", label=label)
+        met = [p for p in points if p["meets_slo"]]
+        ax.scatter([p["rate"] for p in met], [p["goodput_req_s"] for p in met], s=90, facecolors="none",
+                   edgecolors=line.get_color())
+    ax.set_xlabel("offered rate (req/s, Poisson)")
+    ax.set_ylabel("goodput (req/s within TTFT and TPOT limits)")
+    ax.set_title(f"SLO TTFT p90 <= {args.slo_ttft_p90_ms:g} ms, ITL p99 <= {args.slo_itl_p99_ms:g} ms "
+                 "(ringed: point meets it)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(results: list[dict], args: argparse.Namespace) -> None:
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "layouts"}
+    config["layouts"] = [layout.name for layout in args.layouts]
+    (args.out / "multi_gpu.json").write_text(json.dumps({"config": config, "runs": results}, indent=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer-from", type=Path, required=True)
+    parser.add_argument("--shape", default="llama-3.2-3b", choices=sorted(SHAPES))
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "disagg-bench-models")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--layouts", type=lambda t: [Layout.parse(x) for x in t.split(",")], default=None,
+                        help="default: N×aggregated and the splits for the GPUs visible (2: 1P1D; 4: 1P3D, 2P2D, "
+                             "3P1D, tp2-1P2D)")
+    parser.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[8, 16, 24, 32, 40, 48])
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", default="uniform:512:2048")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--slo-ttft-p90-ms", type=float, default=250.0)
+    parser.add_argument("--slo-itl-p99-ms", type=float, default=15.0)
+    parser.add_argument("--agg-chunks", type=lambda t: [int(x) for x in t.split(",")], default=[],
+                        help="chunked-prefill sizes to try for the aggregated layouts (besides the default)")
+    parser.add_argument("--queue-tokens", type=int, default=8192, help="+q layouts' --max-prefill-queue-tokens")
+    parser.add_argument("--local-tokens", type=int, default=1024, help="+q layouts' --max-local-prefill-tokens")
+    parser.add_argument("--kv-blocks", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
+    args = parser.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if args.layouts is None:
+        splits = {2: ["1P1D"], 4: ["1P3D", "2P2D", "3P1D", "tp2-1P2D"]}.get(gpus, [f"1P{gpus - 1}D"])
+        args.layouts = [Layout.parse(x) for x in (f"{gpus}xagg", *splits)]
+    for layout in args.layouts:
+        if layout.gpus > gpus:
+            parser.error(f"layout {layout.name} needs {layout.gpus} GPUs; {gpus} visible")
+    args.out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    model = model_dir(args.shape, args.tokenizer_from, args.models)
+    results: list[dict] = []
+    for layout in args.layouts:
+        chunks = [None, *args.agg_chunks] if layout.prefill == 0 else [None]
+        for chunk in chunks:
+            if time.monotonic() > deadline:
+                break
+            sweep(layout, chunk, model, args, results, deadline)
+    write(results, args)
+    text = table(results, args)
+    (args.out / "multi_gpu.md").write_text(text + "\n")
+    print(text)
+    if results:
+        plot(results, args.out / "multi_gpu.png", args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
