@@ -1,4 +1,7 @@
-"""`disagg generate "prompt"`: stream an answer from a running router to the terminal."""
+"""`disagg generate "prompt"`: stream an answer from a running router to the terminal.
+
+It first waits (up to --wait seconds) for the router's health to say SERVING, so that it can be run right after
+the router is started: a router that is still starting refuses the connection, or has no decode worker yet."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +15,7 @@ from common.errors import InvalidConfig
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import DEFAULT_PORT
 from services.cli.sampling_flags import add_sampling_args, sampling_from_args
+from services.cli.wait import wait_serving
 
 DEFAULT_ROUTER = os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}")
 
@@ -52,6 +56,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--model", default="", help="model name (default: the router's)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    parser.add_argument("--wait", type=float, default=10.0,
+                        help="seconds to wait for the router to answer health SERVING before sending (default 10; "
+                             "0: send at once)")
     add_sampling_args(parser)
     tls.add_tls_args(parser)
     return parser
@@ -64,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         tls.configure(tls.tls_from_args(args))
     except InvalidConfig as exc:
         parser.error(str(exc))
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _generate(args: argparse.Namespace) -> int:
+    not_ready = wait_serving(args.router, args.wait) if args.wait > 0 else None
     with channels.sync_channel(args.router) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
@@ -74,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     print("\n" + _summary(response.finished), file=sys.stderr)
         except grpc.RpcError as exc:
-            print(f"\nerror from {args.router}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            waited = f" (not SERVING after waiting {args.wait:g}s: {not_ready})" if not_ready else ""
+            print(f"\nerror from {args.router}: {exc.code().name}: {exc.details()}{waited}", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:
-            return 130
     return 0

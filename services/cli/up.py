@@ -2,7 +2,10 @@
 
 Workers bind free ports; the router binds --router-port (50051, what `disagg generate` expects).
 Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-memory-utilization,
---max-num-seqs, ...) go to every worker. Each child's log lines are echoed with its name; a child
+--max-num-seqs, ...) go to every worker. With --device cuda the workers are laid out on the GPUs in order
+(--gpus, default all visible; prefill first, each worker its tensor-parallel size of consecutive GPUs; more
+ranks than GPUs needs --share-gpus), and with no --prefill/--decode the layout follows the GPUs: 1 prefill and
+a decode worker per other GPU (one GPU: the two share it). Each child's log lines are echoed with its name; a child
 that dies is restarted on its port with a back-off, so the cluster keeps serving. Each child serves
 Prometheus /metrics on a port of its own, kept across its restarts: free ones, or with --metrics-port-base N
 router N, then prefill-0.. and decode-0.. on N+1, N+2, ... (a Prometheus scrape list stays right). Ctrl-C or
@@ -11,67 +14,51 @@ SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import argparse
-import errno
+import dataclasses
 import signal
-import socket
 import sys
 import time
 
 from common import tls
+from common.engine.default_model import model_label
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from services.worker.engine_flags import add_engine_args, engine_argv, engine_config_from_args
 from services.router import policies
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from services.cli import banner
+from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
+                                    parse_gpus, place, shares_gpus)
+from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
 from services.cli.supervise import Child, log, stop_all, wait_ready
 
-
-def _bind_problem(host: str, port: int) -> str | None:
-    """None if host:port can be bound now, else what stops it."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-    return None
+# Every worker of `disagg up --device cuda` on one GPU. There, a remote prefill pays (issue #24's targets against
+# aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from about this prompt length on: the
+# crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays"). Also where GPUs are shared.
+ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
+# Every worker on GPUs of its own: set from the multi-GPU bench.
+SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS = 512
 
 
-def check_port_free(host: str, port: int, flag: str = "--router-port") -> str | None:
-    """None if host:port can be bound now, else a one-line reason naming the flag."""
-    problem = _bind_problem(host, port) if port else None
-    if problem:
-        hint = "0 picks a free one" if flag == "--router-port" else "0 turns it off"
-        return f"{host}:{port} {problem}; choose another port with {flag} ({hint})"
-    return None
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `disagg up` starts, settled (and checked) before any process starts."""
+
+    model_name: str
+    model_dir: str  # the resolved directory (the default model: under ~/.cache/disagg/models)
+    workers: tuple[WorkerPlacement, ...]
+    tp: dict[str, int]  # each role's tensor-parallel size
+    max_local_prefill_tokens: int
+    gpu_memory_utilization: float | None  # the user's; each worker gets memory_share of it
+
+    @property
+    def names(self) -> list[str]:
+        """Every child, in the order metrics ports are handed out: router, prefill-0.., decode-0.."""
+        return ["router", *(w.name for w in self.workers)]
 
 
-def child_names(args: argparse.Namespace) -> list[str]:
-    """Every child, in the order metrics ports are handed out: router, prefill-0.., decode-0.."""
-    return ["router", *(f"{role}-{i}" for role, count in (("prefill", args.prefill), ("decode", args.decode))
-                        for i in range(count))]
-
-
-def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
-    """Each child's --metrics-port: base, base+1, ... in child_names order; 0 (a free one) for base 0, -1 (off) for -1."""
-    base = args.metrics_port_base
-    return {name: (0 if not base else -1 if base < 0 else base + i) for i, name in enumerate(child_names(args))}
-
-
-def check_metrics_ports(args: argparse.Namespace) -> str | None:
-    """With --metrics-port-base: None if every port of its range is free and apart from the router's, else one line."""
-    if args.metrics_port_base <= 0:
-        return None
-    ports = metrics_ports(args)
-    span = f"--metrics-port-base {args.metrics_port_base} gives ports {min(ports.values())}-{max(ports.values())}"
-    for flag, port in (("--router-port", args.router_port), ("--http-port", args.http_port)):
-        if port in ports.values():
-            return f"{span} ({len(ports)} services), which include {flag} {port}; choose another base"
-    for name, port in ports.items():
-        problem = _bind_problem(args.host, port)
-        if problem:
-            return f"{args.host}:{port} ({name}'s metrics port) {problem}; choose another --metrics-port-base " \
-                   "(or leave it out: free ports)"
-    return None
+def on_cuda(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
 
 
 def tp_sizes(args: argparse.Namespace) -> dict[str, int]:
@@ -80,30 +67,61 @@ def tp_sizes(args: argparse.Namespace) -> dict[str, int]:
             for role in ("prefill", "decode")}
 
 
-def start_cluster(args: argparse.Namespace) -> list[Child]:
+def layout(args: argparse.Namespace, visible_gpus: int | None = None) -> list[WorkerPlacement]:
+    """Every worker and its GPUs. On CUDA: --gpus (default: every GPU this process sees, torch.cuda.device_count()
+    unless `visible_gpus` is given; --device cuda:K alone: K), and with neither --prefill nor --decode the default
+    layout (1 prefill, a decode worker per other GPU; on one GPU they share it)."""
+    tp = tp_sizes(args)
+    chosen = args.prefill is not None or args.decode is not None
+    counts = {"prefill": 1 if args.prefill is None else args.prefill, "decode": 1 if args.decode is None else args.decode}
+    if not on_cuda(args.device):
+        if args.gpus or args.share_gpus:
+            raise PlacementError(f"--gpus and --share-gpus place workers on CUDA GPUs; --device is {args.device!r}")
+        return place(counts, tp, None)
+    _, _, index = args.device.partition(":")
+    if index and args.gpus:
+        raise PlacementError(f"--device {args.device} names one GPU and --gpus others; give --device cuda with --gpus")
+    if visible_gpus is None:
+        import torch
+
+        visible_gpus = torch.cuda.device_count()
+    gpus = args.gpus or ((int(index),) if index else tuple(range(visible_gpus)))
+    check_gpus(gpus, visible_gpus)
+    if not chosen:
+        counts = default_counts(len(gpus), tp)
+    return place(counts, tp, gpus, share=args.share_gpus or not chosen)
+
+
+def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, metrics_port: int) -> list[str]:
+    """A worker's command line: the engine flags, with its own device, TP size and memory share, each once."""
+    overrides: dict[str, object] = {"tensor_parallel_size": plan.tp[worker.role]}
+    if worker.device is not None:
+        overrides.update(device=worker.device, gpu_memory_utilization=memory_share(plan.gpu_memory_utilization, worker))
+    return ["--host", args.host, "--log-level", args.log_level, *engine_argv(args, **overrides),
+            "--metrics-port", str(metrics_port)]
+
+
+def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int) -> list[str]:
+    flags = ["--host", args.host, "--port", str(args.router_port), "--http-port", str(args.http_port),
+             "--model", args.model or "default", "--decode-workers", addresses["decode"], "--policy", args.policy,
+             "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
+             "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens),
+             "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level,
+             "--metrics-port", str(metrics_port)]
+    return flags + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
+
+
+def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
-    worker_args = ["--host", args.host, "--log-level", args.log_level, *engine_argv(args)]
-    ports = metrics_ports(args)
-    sizes, workers = tp_sizes(args), []
-    for name in child_names(args)[1:]:
-        role = name.split("-")[0]
-        workers.append(Child.start(name, f"services.{role}", [*worker_args, "--tensor-parallel-size", str(sizes[role]),
-                                                              "--metrics-port", str(ports[name])]))
+    ports = metrics_ports(plan.names, args.metrics_port_base)
+    workers = [Child.start(w.name, f"services.{w.role}", worker_argv(args, plan, w, ports[w.name]))
+               for w in plan.workers]
     children = list(workers)
     try:
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        router_args = ["--host", args.host, "--port", str(args.router_port), "--http-port", str(args.http_port),
-                       "--model", args.model or "default",
-                       "--decode-workers", addresses["decode"], "--policy", args.policy,
-                       "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
-                       "--max-local-prefill-tokens", str(args.max_local_prefill_tokens),
-                       "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level,
-                       "--metrics-port", str(ports["router"])]
-        if addresses["prefill"]:
-            router_args += ["--prefill-workers", addresses["prefill"]]
-        children.insert(0, Child.start("router", "services.router", router_args))
+        children.insert(0, Child.start("router", "services.router", router_argv(args, plan, addresses, ports["router"])))
         wait_ready(children[:1], args.start_timeout)
     except BaseException:
         stop_all(children)
@@ -111,31 +129,16 @@ def start_cluster(args: argparse.Namespace) -> list[Child]:
     return children
 
 
-def _banner(children: list[Child], host: str, http_port: int) -> str:
-    router = children[0].address
-    workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)" for c in children[1:])
-    metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
-    http = f"http://{host}:{http_port}" if http_port else None
-    http_lines = (f"""  curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' \\
-      -d '{{"messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
-""" if http else "")
-    return f"""
-disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inference.GRPCInferenceService)
-{f"  OpenAI-compatible HTTP on {http}/v1" if http else "  OpenAI-compatible HTTP off (--http-port 0)"}
-{workers}
-{f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
-
-  disagg generate "Tell me about the sea" --router {router}
-  grpcurl -plaintext {router} list
-  grpcurl -plaintext -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
-      {router} disagg.v1.Generation/Generate
-{http_lines}
-A process that dies is restarted. Ctrl-C stops everything.
-"""
-
-
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops everything the way Ctrl-C does
+
+
+def _stop_on_interrupts() -> None:
+    """Ctrl-C and SIGTERM stop everything, however `up` was started: bash starts a background job (`disagg up &` in
+    a script) with SIGINT ignored, and Python then installs no handler of its own, so `up` installs one. (The
+    children, spawned after, start with SIGINT at its default again: exec resets a handled signal.)"""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
 
 
 def _ignore_more_interrupts() -> None:
@@ -145,12 +148,6 @@ def _ignore_more_interrupts() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-# Every worker of `disagg up --device cuda` shares one GPU. There, a remote prefill pays (issue #24's targets against
-# aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from about this prompt length on: the
-# crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays").
-ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="disagg up", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,13 +155,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"the router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; 0 turns it off)")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated on decode)")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill workers (0: aggregated on decode; default 1)")
+    parser.add_argument("--decode", type=int, default=None,
+                        help="decode workers (default 1; on CUDA with neither count given: one per GPU left after "
+                             "the prefill worker's)")
+    parser.add_argument("--gpus", type=_gpus, default=None,
+                        help="CUDA: GPU indices to lay workers out on in order, prefill first, each worker taking its "
+                             "tensor-parallel size of consecutive GPUs (default: every visible GPU; --device cuda:K: K)")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="CUDA: more GPU ranks than GPUs go round-robin, several workers on a GPU, each with the "
+                             "--gpu-memory-utilization divided by the workers on its GPU")
     parser.add_argument("--policy", default="round_robin", choices=policies.names())
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
     parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
                         help="prompts with at most this many uncached tokens prefill on the decode worker (default: "
-                             f"{ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} on a GPU, where every worker shares it; 0 elsewhere)")
+                             f"{ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} where workers share a GPU, "
+                             f"{SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS} on GPUs of their own; 0 on the CPU)")
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
                         help="prefill tokens queued on a prefill worker before prompts stay on decode (0: no limit)")
     parser.add_argument("--metrics-port-base", type=int, default=0,
@@ -178,44 +185,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  "and decode may differ: a session moves with every KV head")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    if args.decode < 1 or args.prefill < 0:
+    if (args.decode is not None and args.decode < 1) or (args.prefill is not None and args.prefill < 0):
         parser.error("--decode must be >= 1 and --prefill >= 0")
-    if args.max_local_prefill_tokens is None:
-        args.max_local_prefill_tokens = ONE_GPU_MAX_LOCAL_PREFILL_TOKENS if args.device.startswith("cuda") else 0
-    if not -1 <= args.metrics_port_base <= 65535 - len(child_names(args)):
-        parser.error(f"--metrics-port-base must be -1 or 0..{65535 - len(child_names(args))}, "
-                     f"got {args.metrics_port_base}")
     return args
 
 
-def preflight(args: argparse.Namespace) -> str | None:
-    """What would stop the cluster, found before any process loads a model: one line, or None."""
+def _gpus(text: str) -> tuple[int, ...]:
+    try:
+        return parse_gpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def plan(args: argparse.Namespace, visible_gpus: int | None = None) -> Plan:
+    """The workers' layout and the router's local-prefill default (no model needed; see `preflight`)."""
+    workers = tuple(layout(args, visible_gpus))
+    local = args.max_local_prefill_tokens
+    if local is None:
+        local = (0 if not on_cuda(args.device) else ONE_GPU_MAX_LOCAL_PREFILL_TOKENS if shares_gpus(workers)
+                 else SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS)
+    return Plan(model_label(args.model), "", workers, tp_sizes(args), local, args.gpu_memory_utilization)
+
+
+def preflight(args: argparse.Namespace) -> Plan:
+    """What would stop the cluster, found before any process loads a model: InvalidConfig (one line) if anything."""
+    settled = plan(args)
     busy = (check_port_free(args.host, args.router_port) or check_port_free(args.host, args.http_port, "--http-port")
-            or check_metrics_ports(args))
+            or check_metrics_ports(settled.names, args.metrics_port_base, args.host, args.router_port, args.http_port))
     if busy:
-        return busy
+        raise InvalidConfig(busy)
     try:
         config = engine_config_from_args(args)  # the model resolves (the default one is converted once, here)
-        for role, size in tp_sizes(args).items():  # and every flag holds, before any process loads the model
-            if args.prefill or role == "decode":
-                check_startable(config.replace(tensor_parallel_size=size))
+        for worker in settled.workers:  # and every worker's flags hold, before any process loads the model
+            check_startable(config.replace(device=worker.device or config.device,
+                                           tensor_parallel_size=settled.tp[worker.role]))
         tls.configure(tls.tls_from_args(argparse.Namespace()))  # DISAGG_TLS_*, which the children inherit too
-    except (InvalidConfig, ValueError, FileNotFoundError) as exc:
-        return str(exc)
-    return None
+    except (ValueError, FileNotFoundError) as exc:
+        raise InvalidConfig(str(exc)) from None
+    return dataclasses.replace(settled, model_dir=config.model)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = preflight(args)
-    if problem:
-        log(problem)
+    try:
+        settled = preflight(args)
+    except InvalidConfig as exc:
+        log(str(exc))
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_interrupts()
     children: list[Child] = []
     try:
-        children = start_cluster(args)
-        print(_banner(children, args.host, args.http_port), flush=True)
+        children = start_cluster(args, settled)
+        print(banner.summary(children, settled, args.host, args.http_port), flush=True)
         while True:
             now = time.monotonic()
             for child in children:

@@ -65,11 +65,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags as a command line, so that a child process gets the same engine settings."""
+def engine_argv(args: argparse.Namespace, **overrides: object) -> list[str]:
+    """The engine flags as a command line, so that a child process gets the same engine settings; `overrides`
+    (by attribute: device=..., tensor_parallel_size=...) replace a value of `args`, so each flag appears once."""
+    unknown = set(overrides) - {name for _, name in _VALUED}
+    if unknown:
+        raise TypeError(f"engine_argv: no engine flag for {sorted(unknown)}")
     out: list[str] = []
     for flag, name in _VALUED:
-        value = getattr(args, name)
+        value = overrides[name] if name in overrides else getattr(args, name)
         if value is not None:
             out += [flag, str(value)]
     switches = (("--no-prefix-caching", args.no_prefix_caching), ("--enforce-eager", args.enforce_eager),

@@ -62,8 +62,8 @@ class ServiceProcess:
     @classmethod
     def spawn(cls, role: str, *args: str, env: Mapping[str, str] | None = None) -> "ServiceProcess":
         """Start the process without waiting; call `wait_ready` (and always `stop`)."""
-        # A router serves no HTTP unless the test asks (--http-port later in args wins): tests start many routers.
-        http_off = ("--http-port", "0") if role == "router" else ()
+        # A router serves no HTTP unless the test asks for a port (then that flag alone): tests start many routers.
+        http_off = ("--http-port", "0") if role == "router" and "--http-port" not in args else ()
         command = [sys.executable, "-m", f"services.{role}", "--port", "0", *http_off, *args]
         full_env = {**os.environ, **(env or {})}
         popen = subprocess.Popen(command, cwd=REPO_ROOT, env=full_env, text=True,

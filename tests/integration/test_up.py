@@ -19,7 +19,7 @@ from common.engine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
-from services.cli.up import check_port_free
+from services.cli.ports import check_port_free
 from tests.integration.observed import wait_for
 from tests.integration.processes import REPO_ROOT, free_port, start_services
 from tests.integration.test_router import make_text_model
@@ -35,11 +35,13 @@ def text_model(tmp_path_factory) -> str:
 class Up:
     """`disagg up` as a child process; its output is collected for the banner and for failures."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        # No HTTP front door unless a test asks (a later --http-port wins): port 8000 may be taken.
-        self.popen = subprocess.Popen([sys.executable, "-m", "services", "up", "--http-port", "0", *args], cwd=REPO_ROOT,
+    def __init__(self, *args: str, env: dict[str, str] | None = None, sigint_ignored: bool = False):
+        """`sigint_ignored`: started as bash starts a background job (`disagg up &` in a script), SIGINT ignored."""
+        http_off = () if "--http-port" in args else ("--http-port", "0")  # port 8000 may be taken
+        self.popen = subprocess.Popen([sys.executable, "-m", "services", "up", *http_off, *args], cwd=REPO_ROOT,
                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **(env or {})})
+                                      env={**os.environ, **(env or {})},
+                                      preexec_fn=_ignore_sigint if sigint_ignored else None)
         self.lines: list[str] = []
         self.router: str | None = None
         self._found = threading.Event()
@@ -59,16 +61,23 @@ class Up:
         return self.router
 
     def stop(self, *more: signal.Signals) -> int:
-        """Ctrl-C, then each of `more` (a second signal while it stops its children)."""
+        """Ctrl-C; once `up` says it is stopping, each of `more` (a second signal while it stops its children).
+        The exit code, or -9 where it had to be killed."""
         self.popen.send_signal(signal.SIGINT)
-        for sig in more:
-            time.sleep(0.2)
-            self.popen.send_signal(sig)
         try:
-            return self.popen.wait(30)
+            if more:
+                self.wait_line("stopping...", 30)  # SIGINT alone started the stop
+            for sig in more:
+                time.sleep(0.2)
+                self.popen.send_signal(sig)
+            self.popen.wait(30)
         except subprocess.TimeoutExpired:
-            self.popen.kill()
-            return self.popen.wait()
+            pass
+        finally:
+            if self.popen.poll() is None:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
 
     def wait_line(self, needle: str, timeout_s: float) -> str:
         """The first line with `needle` in it, once there is one."""
@@ -86,6 +95,10 @@ class Up:
                     if m)
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _free_port_run(count: int) -> int:
     """The first of `count` consecutive ports that are free now."""
     while True:
@@ -100,24 +113,35 @@ def _child_pids(pid: int) -> list[int]:
 
 
 def test_up_then_generate_streams_the_hf_answer(text_model):
+    """As a script runs it: `disagg up &` (bash starts it with SIGINT ignored), `disagg generate` at once (it waits
+    for the router), SIGINT stops everything."""
+    router = f"127.0.0.1:{free_port()}"
     # DISAGG_METRICS_PORT once gave every child the same port: now each gets its own
-    up = Up("--model", text_model, "--router-port", "0", env={"DISAGG_METRICS_PORT": str(_free_port_run(1))})
+    up = Up("--model", text_model, "--router-port", router.rsplit(":", 1)[1], sigint_ignored=True,
+            env={"DISAGG_METRICS_PORT": str(_free_port_run(1))})
+    generate = subprocess.Popen([sys.executable, "-m", "services", "generate", "--router", router, "--raw", "--greedy",
+                                 "--max-tokens", "10", "--wait", "170", "The sea is"], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children: list[int] = []
     try:
-        router = up.wait()
+        assert up.wait() == router
         children = _child_pids(up.popen.pid)
         assert len(children) == 3, "".join(up.lines)  # router, prefill, decode
         metrics = up.metrics_urls()
         assert set(metrics) == {"router", "prefill-0", "decode-0"} and len(set(metrics.values())) == 3, metrics
-        result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", router, "--raw", "--greedy",
-                                 "--max-tokens", "10", "The sea is"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
+        stdout, stderr = generate.communicate(timeout=120)
+        assert generate.returncode == 0, stderr
         tokenizer = Tokenizer.from_model_dir(text_model)
         expected = hf_greedy(text_model, tokenizer.encode("The sea is"), 10, stop_at_eos=True)[0]
-        assert result.stdout == tokenizer.decode(expected)
-        assert re.search(r"\[length: \d+ prompt \+ 10 completion tokens, ttft \d+ ms", result.stderr), result.stderr
-    finally:  # a second signal while it stops them (pkill, a supervisor's SIGTERM) once left the workers running
+        assert stdout == tokenizer.decode(expected)
+        assert re.search(r"\[length: \d+ prompt \+ 10 completion tokens, ttft \d+ ms", stderr), stderr
+        waited = subprocess.run([sys.executable, "-m", "services", "wait", "--router", router, "--timeout", "30"],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert waited.returncode == 0 and waited.stdout.startswith(f"{router} is SERVING"), waited.stderr
+    finally:  # SIGINT although it was started ignoring it; then a second signal while it stops them (pkill, a
+        # supervisor's SIGTERM) once left the workers running
+        generate.kill()
+        generate.wait()
         assert up.stop(signal.SIGTERM, signal.SIGINT) == 0, "".join(up.lines)
     for pid in children:  # every child stopped with it
         deadline = time.monotonic() + 10
@@ -178,8 +202,10 @@ def test_up_restarts_a_killed_worker_on_its_addresses_and_serves_again(text_mode
 
 def test_generate_reports_an_unreachable_router():
     result = subprocess.run([sys.executable, "-m", "services", "generate", "--router", "127.0.0.1:1",
-                             "--timeout", "5", "hi"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+                             "--timeout", "5", "--wait", "1", "hi"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 1 and "error from 127.0.0.1:1: UNAVAILABLE" in result.stderr
+    assert "(not SERVING after waiting 1s: UNAVAILABLE" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

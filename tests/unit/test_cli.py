@@ -3,6 +3,7 @@ a client that loads no torch, engine flags `disagg up` passes on, and one-line e
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 import subprocess
@@ -16,7 +17,8 @@ from services.cli import client, run_local
 from services.worker.engine_flags import add_engine_args, engine_argv
 from services.cli.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
                                          add_sampling_args)
-from services.cli.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, check_metrics_ports, metrics_ports, parse_args
+from services.cli.ports import check_metrics_ports, metrics_ports
+from services.cli.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS, parse_args, plan
 from tests.integration.processes import REPO_ROOT
 
 
@@ -95,9 +97,77 @@ def test_up_gives_prefill_and_decode_their_own_tensor_parallel_size():
     assert tp_sizes(parse_args(["--prefill-tensor-parallel-size", "4"])) == {"prefill": 4, "decode": 1}
     args = parse_args(["--tensor-parallel-size", "2", "--decode-tensor-parallel-size", "1", "--model", "/m"])
     assert tp_sizes(args) == {"prefill": 2, "decode": 1}
-    worker = argparse.ArgumentParser()
-    add_engine_args(worker)
-    assert worker.parse_args([*engine_argv(args), "--tensor-parallel-size", "1"]).tensor_parallel_size == 1
+    prefill, decode = (_worker_flags(args, plan(args), w) for w in plan(args).workers)
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
+
+
+def _worker_flags(args: argparse.Namespace, settled, worker) -> argparse.Namespace:
+    """A worker's command line as `up` builds it, parsed as the worker parses it; each flag there once."""
+    from services.cli.up import worker_argv
+
+    argv = worker_argv(args, settled, worker, 0)
+    flags = [a for a in argv if a.startswith("--")]
+    assert len(flags) == len(set(flags)), argv
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parser.add_argument("--host")
+    parser.add_argument("--log-level")
+    parser.add_argument("--metrics-port", type=int)
+    return parser.parse_args(argv)
+
+
+def test_up_command_lines_carry_each_flag_once():
+    from services.cli.up import router_argv
+
+    args = parse_args(["--model", "/m", "--tensor-parallel-size", "1", "--http-port", "8123", "--prefill", "1",
+                       "--decode", "2"])
+    settled = plan(args)
+    assert [w.name for w in settled.workers] == ["prefill-0", "decode-0", "decode-1"]
+    for worker in settled.workers:
+        assert _worker_flags(args, settled, worker).tensor_parallel_size == 1
+    router = router_argv(args, settled, {"prefill": "h:1", "decode": "h:2,h:3"}, 0)
+    flags = [a for a in router if a.startswith("--")]
+    assert len(flags) == len(set(flags)) and router[router.index("--http-port") + 1] == "8123", router
+
+
+def test_up_gives_each_worker_its_gpus_and_its_share_of_the_memory():
+    args = parse_args(["--device", "cuda", "--model", "/m", "--prefill", "1", "--prefill-tensor-parallel-size", "2",
+                       "--decode", "2", "--gpu-memory-utilization", "0.9"])
+    settled = plan(args, visible_gpus=4)
+    flags = [_worker_flags(args, settled, w) for w in settled.workers]
+    assert [(f.device, f.tensor_parallel_size, f.gpu_memory_utilization) for f in flags] == [
+        ("cuda:0", 2, 0.9), ("cuda:2", 1, 0.9), ("cuda:3", 1, 0.9)]
+    assert settled.max_local_prefill_tokens == SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS
+    shared = parse_args(["--device", "cuda", "--model", "/m", "--prefill", "1", "--decode", "3", "--share-gpus",
+                         "--gpu-memory-utilization", "0.9"])
+    settled = plan(shared, visible_gpus=2)
+    assert [(f.device, f.gpu_memory_utilization) for f in (_worker_flags(shared, settled, w)
+                                                            for w in settled.workers)] == [
+        ("cuda:0", 0.45), ("cuda:1", 0.45), ("cuda:0", 0.45), ("cuda:1", 0.45)]
+    assert settled.max_local_prefill_tokens == ONE_GPU_MAX_LOCAL_PREFILL_TOKENS
+
+
+@pytest.mark.parametrize("visible, layout", [
+    (1, {"prefill-0": (0,), "decode-0": (0,)}),  # as before: the two share the one GPU
+    (2, {"prefill-0": (0,), "decode-0": (1,)}),
+    (4, {"prefill-0": (0,), "decode-0": (1,), "decode-1": (2,), "decode-2": (3,)}),
+])
+def test_up_on_cuda_without_counts_lays_out_one_prefill_and_a_decode_worker_per_other_gpu(visible, layout):
+    settled = plan(parse_args(["--device", "cuda"]), visible_gpus=visible)
+    assert {w.name: w.devices for w in settled.workers} == layout
+
+
+def test_up_refuses_more_ranks_than_gpus_in_one_line_unless_shared():
+    from services.cli.placement import PlacementError
+
+    with pytest.raises(PlacementError, match=r"^1 prefill worker and 1 decode worker need 2 GPUs, one a rank; "
+                                             r"--gpus gives 1 \(0\)\. Add --share-gpus"):
+        plan(parse_args(["--device", "cuda", "--prefill", "1", "--decode", "1"]), visible_gpus=1)
+    with pytest.raises(PlacementError, match="--gpus names cuda:2, but this process sees 2 GPUs"):
+        plan(parse_args(["--device", "cuda", "--gpus", "1,2"]), visible_gpus=2)
+    with pytest.raises(PlacementError, match="--gpus and --share-gpus place workers on CUDA GPUs"):
+        plan(parse_args(["--gpus", "0"]))
+    assert {w.devices for w in plan(parse_args(["--device", "cuda:1"]), visible_gpus=2).workers} == {(1,)}
 
 
 def test_up_refuses_a_tensor_parallel_size_the_model_cannot_split_in_one_line(tiny_model_dirs):
@@ -179,18 +249,22 @@ def test_up_refuses_a_busy_http_port_in_one_line(busy_port):
 
 
 def test_up_hands_out_metrics_ports_from_the_base_in_a_fixed_order():
-    args = parse_args(["--metrics-port-base", "9100", "--prefill", "2", "--decode", "2"])
-    assert metrics_ports(args) == {"router": 9100, "prefill-0": 9101, "prefill-1": 9102, "decode-0": 9103,
-                                   "decode-1": 9104}
-    assert set(metrics_ports(parse_args([])).values()) == {0}  # no base: each child a free port of its own
-    assert set(metrics_ports(parse_args(["--metrics-port-base", "-1"])).values()) == {-1}  # off
+    names = plan(parse_args(["--prefill", "2", "--decode", "2"])).names
+    assert metrics_ports(names, 9100) == {"router": 9100, "prefill-0": 9101, "prefill-1": 9102, "decode-0": 9103,
+                                          "decode-1": 9104}
+    assert set(metrics_ports(names, 0).values()) == {0}  # no base: each child a free port of its own
+    assert set(metrics_ports(names, -1).values()) == {-1}  # off
 
 
 @pytest.mark.parametrize("flag", ["--router-port", "--http-port"])
 def test_up_refuses_metrics_ports_that_overlap_the_routers_in_one_line(flag):
-    args = parse_args([flag, "60002", "--metrics-port-base", "60000"])  # 60000..60002: router, prefill-0, decode-0
-    assert check_metrics_ports(args) == (f"--metrics-port-base 60000 gives ports 60000-60002 (3 services), "
-                                         f"which include {flag} 60002; choose another base")
+    ports = {"--router-port": 50051, "--http-port": 8000, flag: 60002}
+    names = ["router", "prefill-0", "decode-0"]  # 60000..60002
+    assert check_metrics_ports(names, 60000, "127.0.0.1", ports["--router-port"], ports["--http-port"]) == (
+        f"--metrics-port-base 60000 gives ports 60000-60002 (3 services), which include {flag} 60002; "
+        "choose another base")
+    assert check_metrics_ports(names, 65534, "127.0.0.1", 1, 1) == "--metrics-port-base must be -1 or 0..65532, " \
+                                                                    "got 65534"
 
 
 def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(busy_port):
@@ -201,8 +275,65 @@ def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(bus
         "(or leave it out: free ports)\n"), result.stderr
 
 
-def test_up_prefills_short_prompts_locally_on_a_shared_gpu_and_sends_every_prompt_remote_elsewhere():
-    """On a GPU every `disagg up` worker shares it: the measured crossover (README, "When disaggregation pays")."""
-    assert parse_args(["--device", "cuda"]).max_local_prefill_tokens == ONE_GPU_MAX_LOCAL_PREFILL_TOKENS == 1536
-    assert parse_args([]).max_local_prefill_tokens == 0
-    assert parse_args(["--device", "cuda", "--max-local-prefill-tokens", "0"]).max_local_prefill_tokens == 0
+def test_up_prefills_short_prompts_locally_where_workers_share_a_gpu_and_sends_every_prompt_remote_on_the_cpu():
+    """Where workers share a GPU: the measured crossover (README, "When disaggregation pays"); on GPUs of their own
+    the multi-GPU bench's value."""
+    assert plan(parse_args(["--device", "cuda"]), visible_gpus=1).max_local_prefill_tokens \
+        == ONE_GPU_MAX_LOCAL_PREFILL_TOKENS == 1536
+    assert plan(parse_args(["--device", "cuda"]), visible_gpus=2).max_local_prefill_tokens \
+        == SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS
+    assert plan(parse_args([])).max_local_prefill_tokens == 0
+    assert plan(parse_args(["--device", "cuda", "--max-local-prefill-tokens", "0"]),
+                visible_gpus=1).max_local_prefill_tokens == 0
+
+
+def _time_wait_port() -> int:
+    """A loopback port whose only socket is a connection in TIME_WAIT, as a stopped `disagg up` leaves it: the
+    server side closes first (so it is the one that waits), then the client, then the listener."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and aiohttp listen
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        served.close()
+        assert client.recv(1) == b""  # the server's FIN arrived
+        client.close()
+    return port
+
+
+def test_the_port_check_counts_a_time_wait_as_free_and_a_listener_as_in_use(busy_port):
+    from services.cli.ports import bind_problem, check_port_free
+
+    port = _time_wait_port()
+    with socket.socket() as plain:  # what the check did before: a bind without SO_REUSEADDR fails on TIME_WAIT
+        with pytest.raises(OSError) as refused:
+            plain.bind(("127.0.0.1", port))
+    assert refused.value.errno == errno.EADDRINUSE
+    assert bind_problem("127.0.0.1", port) is None and check_port_free("127.0.0.1", port) is None
+    assert bind_problem("127.0.0.1", busy_port) == "is already in use"
+
+
+def test_disagg_wait_says_in_one_line_that_nothing_serves(capsys):
+    from services.cli import wait
+
+    started = time.monotonic()
+    assert wait.main(["--router", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("disagg wait: 127.0.0.1:1 is not SERVING after 0.5s (UNAVAILABLE: ") and err.count("\n") == 1
+    assert 0.4 < time.monotonic() - started < 5
+
+
+def test_bench_says_where_it_wrote_each_file(tmp_path, capsys):
+    from services.cli.bench import main as bench
+    from services.cli.bench.stats import RequestRecord, SloLimits, summarize
+
+    args = bench._parser().parse_args(["--api", "grpc,openai", "--json", str(tmp_path / "x.json")])
+    records = [RequestRecord(0, 8, 2, start=0.0, token_times=[0.1, 0.2], output_tokens=2, end=0.2)]
+    for api in args.api:
+        bench._write(args, api, "m", summarize(records, 1.0, SloLimits(None, None)), records, 1.0, "t")
+    out = capsys.readouterr().out
+    for api in args.api:
+        assert (tmp_path / f"x-{api}.json").is_file()
+        assert f"wrote {tmp_path / f'x-{api}.json'} ({api}: the summary and every request's timings)" in out

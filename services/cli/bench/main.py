@@ -159,7 +159,7 @@ async def _run_api(api: str, args: argparse.Namespace, requests, warm, options: 
 
 
 def _write(args: argparse.Namespace, api: str, model: str, summary, records, duration: float, title: str) -> None:
-    """--json / --plot; with several APIs each file gets the API's name before its suffix."""
+    """--json / --plot, each named as written; with several APIs each file gets the API's name before its suffix."""
     config = {k: (str(v) if isinstance(v, (Path, LengthDist)) else v) for k, v in vars(args).items()
               if not k.startswith("tls")}
     config.update(model=model, api=api, started_at_unix=time.time() - duration)
@@ -167,8 +167,10 @@ def _write(args: argparse.Namespace, api: str, model: str, summary, records, dur
         return p if len(args.api) == 1 else p.with_name(f"{p.stem}-{api}{p.suffix}")
     if args.json:
         write_json(path(args.json), config, summary, records)
+        print(f"wrote {path(args.json)} ({api}: the summary and every request's timings)")
     if args.plot:
         write_plot(path(args.plot), summary, records, title)
+        print(f"wrote {path(args.plot)} ({api}: latency histograms)")
 
 
 def main(argv: list[str] | None = None) -> int:

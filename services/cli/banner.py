@@ -1,0 +1,54 @@
+"""The summary `disagg up` prints once everything is SERVING: every address, the model's directory, each worker's
+GPUs, the metrics endpoints and commands to try."""
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+from services.cli.placement import WorkerPlacement, memory_share, shares_gpus
+from services.cli.supervise import Child
+
+if TYPE_CHECKING:
+    from services.cli.up import Plan
+
+
+def summary(children: list[Child], plan: "Plan", host: str, http_port: int) -> str:
+    router = children[0].address
+    placed = {w.name: w for w in plan.workers}
+    workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)"
+                        + (f"  on {placed[c.name].gpus_text()}" if placed[c.name].devices else "")
+                        for c in children[1:])
+    metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
+    http = f"http://{host}:{http_port}" if http_port else None
+    http_lines = (f"""  curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{{"messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
+""" if http else "")
+    return f"""
+disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inference.GRPCInferenceService)
+{f"  OpenAI-compatible HTTP on {http}/v1" if http else "  OpenAI-compatible HTTP off (--http-port 0)"}
+  model {plan.model_name}: {plan.model_dir}  (the --tokenizer of aiperf, guidellm, vLLM's bench)
+{workers}
+{sharing(plan.workers, plan.gpu_memory_utilization)}\
+{f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
+
+  disagg generate "Tell me about the sea" --router {router}
+  grpcurl -plaintext {router} list
+  grpcurl -plaintext -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
+      {router} disagg.v1.Generation/Generate
+{http_lines}
+A process that dies is restarted. Ctrl-C stops everything.
+"""
+
+
+def sharing(workers: tuple[WorkerPlacement, ...], utilization: float | None) -> str:
+    """One line when GPUs hold several workers: which, and each one's share of the memory; else nothing."""
+    if not shares_gpus(workers):
+        return ""
+    load = collections.Counter(d for w in workers for d in w.devices)
+    where = ", ".join(f"{n} on cuda:{d}" for d, n in sorted(load.items()) if n > 1)
+    if utilization is None:
+        memory = "each sizes its KV cache from --num-kv-blocks"
+    else:
+        shares = ", ".join(f"{w.name} {memory_share(utilization, w):g}" for w in workers)
+        memory = f"--gpu-memory-utilization {utilization:g} is divided by the workers on each GPU: {shares}"
+    return f"GPUs shared by several workers ({where}): {memory}\n"
