@@ -76,6 +76,15 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> bool:
         return True
 
 
+def can_reach(device: torch.device, peer: torch.device) -> bool:
+    """Whether a copy between the two GPUs' memories can run (the same GPU, or peer access both ways)."""
+    if device == peer:
+        return True
+    if device.type != "cuda" or peer.type != "cuda":
+        return False
+    return torch.cuda.can_device_access_peer(device.index, peer.index) and \
+        torch.cuda.can_device_access_peer(peer.index, device.index)
+
 def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) of the maximal runs where both ids go up by one together."""
     out: list[tuple[int, int, int]] = []
@@ -119,15 +128,6 @@ class PeerBlockCopier:
         """The GPU whose stream the copy goes on."""
         return self.src.device if self.on == "src" else self.dst.device
 
-
-def can_reach(device: torch.device, peer: torch.device) -> bool:
-    """Whether a copy between the two GPUs' memories can run (the same GPU, or peer access both ways)."""
-    if device == peer:
-        return True
-    if device.type != "cuda" or peer.type != "cuda":
-        return False
-    return torch.cuda.can_device_access_peer(device.index, peer.index) and \
-        torch.cuda.can_device_access_peer(peer.index, device.index)
 
     def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int],
                  stream: torch.cuda.Stream) -> torch.Tensor | None:

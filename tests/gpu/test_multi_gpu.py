@@ -22,7 +22,6 @@ from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_f
                                                 check_handoff)
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-pytestmark = pytest.mark.timeout(300)
 LAST = f"cuda:{torch.cuda.device_count() - 1}"
 PROMPT = list(range(3, 70))  # 67 tokens: 17 blocks of 4, the last partial
 
@@ -55,3 +54,24 @@ def test_prefill_on_gpu0_decodes_on_the_last_gpu_over_cuda_ipc(cluster, referenc
 
 def test_cancels_free_every_block_across_gpus(cluster):
     check_cancels_free_everything(cluster["prefill"], cluster["extra0"], PROMPT)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("on", ["auto", "dst", "src", "copy_engine"])
+@pytest.mark.parametrize("order", ["consecutive", "shuffled"])
+def test_peer_block_copier_moves_exactly_the_blocks_asked_for(on, order):
+    from common.kv.peer_copy import PeerBlockCopier
+
+    src = torch.randn((3, 2, 40, 4, 2, 8), device="cuda:0")
+    dst = torch.zeros((3, 2, 50, 4, 2, 8), device=LAST)
+    g = torch.Generator().manual_seed(1)
+    src_ids, dst_ids = ((list(range(5, 17)), list(range(30, 42))) if order == "consecutive"
+                        else (torch.randperm(40, generator=g)[:12].tolist(), torch.randperm(50, generator=g)[:12].tolist()))
+    copier = PeerBlockCopier(src, dst, on=on)
+    stream = torch.cuda.Stream(device=copier.device)
+    kept = copier(src_ids, dst_ids, stream)
+    stream.synchronize()
+    del kept
+    assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
+    untouched = [i for i in range(50) if i not in dst_ids]
+    assert not dst[:, :, untouched].any()
