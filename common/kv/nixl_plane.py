@@ -11,12 +11,15 @@ cuda_ipc / RDMA transports).
 The target is registered per read (well under a millisecond, against tens of milliseconds for a
 session's read) rather than staged through a registered buffer: no extra copy, and concurrent
 reads share nothing. read_blocks blocks its thread; read_blocks_async polls the transfer state
-between short sleeps on the event loop, which is all the progress the importer's agent gets. The exporter's
-agent has a progress thread (over TCP its UCX worker must answer reads while the process is idle), made
-only when a peer first opens the cache through NIXL; it sleeps on UCX's wakeup fd and wakes by itself every
-PROGRESS_WAKE_US (nixl_agent's own setting, 0, polls at zero timeout: a core spun while idle). A read given up on (timed out, or its task cancelled) is
-not cancelled in NIXL, which may still write into its target: the importer keeps the read and its
-target until NIXL reports it finished. Agents are thread-safe (NIXL_THREAD_SYNC_STRICT).
+between short sleeps on the event loop, which is all the progress the importer's agent gets. A read
+given up on (timed out, or its task cancelled) is not cancelled in NIXL, which may still write into
+its target: the importer keeps the read and its target until NIXL reports it finished. Agents are
+thread-safe (NIXL_THREAD_SYNC_STRICT).
+
+The exporter's agent is made when a peer first opens the cache through NIXL (common.kv.transports.nixl), never
+before. Its progress thread (over TCP its UCX worker must answer reads while the process is idle) sleeps on
+UCX's wakeup fd and wakes by itself only every PROGRESS_WAKE_US: nixl_agent's own setting, 0, polls at zero
+timeout, a core spun for as long as the process lives.
 
 Cache layout (common/engine/model_runner.py): kv_cache is one contiguous tensor
 [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], so the region of block b of

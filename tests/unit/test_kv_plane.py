@@ -9,7 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
-from common.kv import gather, shm
+from common.kv import gather, shm, transport
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable, parse_backends
 from common.kv.probe import PROBE_BLOCKS, PROBE_HANDLE
 from common.kv.pull import KvPuller
@@ -188,6 +188,32 @@ def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_i
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("shm unavailable" in w and "cannot open the file" in w for w in warnings), warnings
     assert any("fall back to grpc (1.50 GB/s" in w for w in warnings), warnings
+
+
+
+@pytest.mark.parametrize("offer, failing, tried", [
+    ("shm,nixl,grpc", set(), ["shm", "grpc"]),  # shm works: nixl would start an agent and a thread for nothing
+    ("shm,nixl,grpc", {"shm"}, ["shm", "nixl", "grpc"]),
+    ("nixl,grpc", set(), ["nixl", "grpc"]),  # nixl is what pulls will take: tried
+])
+def test_the_self_check_tries_nixl_only_where_no_better_backend_works(monkeypatch, offer, failing, tried):
+    """NIXL's agents (and the exporter's progress thread) start on first use and then keep running; the self-check
+    must not start them where pulls go over a better backend."""
+    if not shm.host_id():
+        pytest.skip("no /dev/shm host id here")
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"))
+    puller.transports.setdefault("nixl", transport.create("nixl"))  # made without starting anything, NIXL or not
+    probed = []
+
+    async def pull_gbps(channel, probe, backend):
+        probed.append(backend)
+        if backend in failing:
+            raise BackendUnavailable("broken here")
+        return 1.0
+
+    monkeypatch.setattr(puller.self_check, "_gbps", pull_gbps)
+    asyncio.run(puller.self_check.run(None, _ref(offer, host_id=shm.host_id())))
+    assert probed == tried
 
 
 class _Event:

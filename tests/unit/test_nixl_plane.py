@@ -22,6 +22,7 @@ from common.kv.nixl_plane import (
     nixl_unavailable_reason,
     validate_read,
 )
+from tests.cpu_time import cores_used
 
 SHAPE = (3, 2, 16, 4, 2, 8)  # layers, k|v, blocks, block size, kv heads, head dim
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -153,6 +154,16 @@ def test_read_blocks_copies_scattered_blocks_byte_for_byte(exporter_process, imp
     expected = fill_cache(SHAPE, dtype)[:, :, ids]
     assert torch.equal(out.view(torch.uint8), expected.contiguous().view(torch.uint8))
 
+
+
+@needs_nixl
+def test_an_exporter_that_served_reads_spends_no_cpu_while_idle(exporter_process, importer):
+    """Its progress thread waits on UCX's wakeup fd: nixl_agent's own setting polls at zero timeout, a whole core."""
+    for _ in range(3):
+        importer.read_blocks(exporter_process.infos["float32"], [1, 2, 5], _out(torch.float32, 3))
+    time.sleep(0.2)
+    used = cores_used([exporter_process.process.pid], 2.0)[exporter_process.process.pid]
+    assert used < 0.05, f"the idle exporter used {used:.0%} of a core"
 
 @needs_nixl
 def test_async_reads_run_concurrently_on_one_event_loop(exporter_process, importer):
