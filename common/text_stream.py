@@ -41,7 +41,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
-        self._max_hold = max((len(s) for s in self._stop), default=1) - 1
+        self._max_hold = max((len(s) for s in self._stop), default=1) - 1  # a whole stop is matched, not held
+        self._by_first_char: dict[str, list[str]] = {}
+        for s in self._stop:
+            self._by_first_char.setdefault(s[0], []).append(s)
         context = list(prompt_token_ids[max(0, len(prompt_token_ids) - CONTEXT_TOKENS) :])
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # the prompt ends mid-character: context would shift the output's bytes
@@ -49,12 +52,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._held = ""
-        self._text = ""
+        self._pieces: list[str] = []  # the emitted text; joined on demand, as += would copy it all every delta
         self._matched_stop: str | None = None
 
     @property
     def text(self) -> str:
-        return self._text
+        return "".join(self._pieces)
 
     @property
     def matched_stop(self) -> str | None:
@@ -92,11 +95,13 @@ class IncrementalDetokenizer:
         else:
             keep = 0 if final else self._stop_prefix_len(buffer)
             out, self._held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
-        self._text += out
+        self._pieces.append(out)
         return TextDelta(out, self._matched_stop)
 
     def _find_stop(self, buffer: str) -> tuple[int, str] | None:
-        """The earliest stop string in buffer; the held text guarantees none started before it."""
+        """The earliest stop string in buffer (the first listed, at a tie). The buffer is already the window a match
+        can be in: the new text and the held text before it, which is shorter than the longest stop and holds none
+        whole. So a delta costs O(len(new text) + the longest stop) per stop, however long the text."""
         found = [(i, order, s) for order, s in enumerate(self._stop) if (i := buffer.find(s)) >= 0]
         if not found:
             return None
@@ -104,9 +109,15 @@ class IncrementalDetokenizer:
         return index, stop
 
     def _stop_prefix_len(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that some stop string starts with."""
-        for k in range(min(len(buffer), self._max_hold), 0, -1):
-            tail = buffer[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
+        """Length of the longest suffix of buffer that some stop string starts with (it holds no stop whole).
+
+        Tried from the earliest position a stop could start at, so the first that fits is the longest. A position
+        that fits no stop is emitted now and never tried again: over the whole text each position fails once, so
+        a delta costs O(len(new text) + 1) positions, each checked against the stops that start with its char."""
+        for p in range(max(0, len(buffer) - self._max_hold), len(buffer)):
+            stops = self._by_first_char.get(buffer[p])
+            if stops is not None:
+                tail = buffer[p:]
+                if any(stop.startswith(tail) for stop in stops):
+                    return len(buffer) - p
         return 0

@@ -132,6 +132,8 @@ BAD_CASES = [
             "input 'seed': seed must be in [0, 2^63)"),
     BadCase("empty stop string", _prompt_with(("stop", "BYTES", [1], [""])), INVALID,
             "input 'stop': stop strings must not be empty"),
+    BadCase("65 stop strings", _prompt_with(("stop", "BYTES", [65], ["x"] * 65)), INVALID,
+            "input 'stop': stop has 65 strings; at most 64 are accepted"),
     BadCase("stream as BYTES", _prompt_with(("stream", "BYTES", [1], ["yes"])), INVALID,
             "input 'stream' has datatype BYTES; it takes BOOL"),
     BadCase("input given twice", _prompt_with(("top_k", "INT32", [1], [2]), ("top_k", "INT32", [1], [3])),

@@ -52,8 +52,18 @@ class SamplingParams:
     top_logprobs: int = 0
 
     MAX_TOP_LOGPROBS = 20
+    # What a request may ask for whose cost grows with its size, refused up front rather than paid by every request
+    # that shares the router's event loop. Stop strings are matched at every delta (common.text_stream): OpenAI
+    # takes up to 4, as TGI does by default (--max-stop-sequences); vLLM has no cap. 64 leaves room for a client
+    # that lists every turn marker of a few chat formats; 4096 characters in all bound the text held back for a
+    # possible match and each delta's search to microseconds. Stop token ids become a set on every worker: 1024 is
+    # more than any model's special tokens.
+    MAX_STOP_STRINGS = 64
+    MAX_STOP_CHARS = 4096
+    MAX_STOP_TOKEN_IDS = 1024
 
     def __post_init__(self) -> None:
+        self._check_sizes()
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -70,6 +80,17 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
+
+    def _check_sizes(self) -> None:
+        """The size limits, before anything walks an oversized field (each message starts with the field's name)."""
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop has {len(self.stop)} strings; at most {self.MAX_STOP_STRINGS} are accepted")
+        chars = sum(map(len, self.stop))
+        if chars > self.MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop has {chars} characters in all; at most {self.MAX_STOP_CHARS} are accepted")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                                 f"{self.MAX_STOP_TOKEN_IDS} are accepted")
 
     @property
     def greedy(self) -> bool:

@@ -28,11 +28,15 @@ def serve(core: FakeCore, scenario, max_body_bytes: int = 4096):
     return asyncio.run(main())
 
 
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
 def post(core: FakeCore, path: str, body, headers=None, **kwargs) -> tuple[int, dict, CIMultiDict]:
-    """Status, JSON body and headers of one POST (body: JSON-able, or bytes sent as they are)."""
+    """Status, JSON body and headers of one POST (body: JSON-able, or bytes sent as they are), sent as JSON unless
+    `headers` says otherwise."""
     async def scenario(client):
         data = body if isinstance(body, bytes) else json.dumps(body)
-        async with client.post(path, data=data, headers=headers) as response:
+        async with client.post(path, data=data, headers={**JSON_TYPE, **(headers or {})}) as response:
             return response.status, await response.json(), response.headers.copy()  # case-insensitive
     return serve(core, scenario, **kwargs)
 
@@ -194,13 +198,21 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "a", "logprobs": True}, "logprobs", "must be an integer, got a boolean"),
     (COMPLETIONS, {"prompt": "a", "logprobs": 21}, "logprobs", "must be in [0, 20]"),
     (COMPLETIONS, {"prompt": "a", "timeout_ms": -5}, "timeout_ms", "must be >= 0"),
+    # Sizes whose cost grows with the request: each names its limit.
+    (CHAT_PATH, {**CHAT, "stop": ["x"] * 65}, "stop", "stop has 65 strings; at most 64 are accepted"),
+    (CHAT_PATH, {**CHAT, "stop": ["x" * 4000, "y" * 97]}, "stop",
+     "stop has 4097 characters in all; at most 4096 are accepted"),
+    (COMPLETIONS, {"prompt": "a", "stop_token_ids": [2] * 1025}, "stop_token_ids",
+     "stop_token_ids has 1025 ids; at most 1024 are accepted"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": ""}] * 2049}, "messages",
+     "messages has 2049 messages; at most 2048 are accepted"),
 ]
 
 
 @pytest.mark.parametrize("path, body, param, words", BAD_INPUTS, ids=[f"{p[4:]}-{m}" for p, _, m, _ in BAD_INPUTS])
 def test_bad_input_is_400_naming_the_field(path, body, param, words):
     core = FakeCore(TWO_WORDS)
-    status, response, _ = post(core, path, body)
+    status, response, _ = post(core, path, body, max_body_bytes=1 << 20)
     assert status == 400, response
     error = response["error"]
     assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
@@ -221,6 +233,42 @@ def test_image_url_must_be_a_data_or_http_url_and_only_in_user_messages():
 def test_a_body_that_is_not_a_json_object_is_400(raw, words):
     status, body, _ = post(FakeCore(TWO_WORDS), COMPLETIONS, raw)
     assert status == 400 and words in body["error"]["message"]
+
+
+def test_the_largest_stops_and_messages_the_limits_allow_are_passed_to_the_core():
+    core = FakeCore(TWO_WORDS)
+    stops = [f"{i:02d}" + "x" * 62 for i in range(64)]  # 64 strings, 4096 characters
+    messages = [{"role": "user", "content": "Hi"}] * 2048
+    status, body, _ = post(core, CHAT_PATH, {**CHAT, "messages": messages, "stop": stops,
+                                             "stop_token_ids": list(range(1024))}, max_body_bytes=1 << 20)
+    assert status == 200, body
+    (request,) = core.requests
+    assert request.params.stop == tuple(stops) and len(request.params.stop_token_ids) == 1024
+    assert len(request.messages) == 2048
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_is_415_before_it_is_read(content_type):
+    """What `curl -d` sends without -H 'Content-Type: application/json' (a form), a bare text/plain, or none."""
+    core = FakeCore(TWO_WORDS)
+
+    async def scenario(client):
+        headers = {"Content-Type": content_type} if content_type else {}
+        async with client.post(COMPLETIONS, data=json.dumps({"prompt": "x"}).encode(), headers=headers,
+                               skip_auto_headers=["Content-Type"]) as response:
+            return response.status, await response.json()
+    status, body = serve(core, scenario)
+    assert status == 415 and body["error"]["code"] == "unsupported_media_type"
+    message = body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error" and "Content-Type: application/json" in message
+    assert (repr(content_type) if content_type else "has none") in message
+    assert not core.requests
+
+
+def test_json_with_a_charset_or_in_other_case_is_json():
+    status, body, _ = post(FakeCore(TWO_WORDS), COMPLETIONS, {"prompt": "x"},
+                           headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert status == 200 and body["choices"][0]["text"] == "Hello sea"
 
 
 def test_unknown_model_is_404_model_not_found_and_missing_model_is_the_served_one():

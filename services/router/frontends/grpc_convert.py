@@ -5,7 +5,7 @@ from common.kv.backends import BACKENDS, ENGINE_TRANSFERS
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from services.kit.convert import sampling_from_proto
 from services.router.generation import (ChatMessage, Event, Finished, FinishReason, GenerationRequest, ImageInput,
-                                        TextDelta, TokenLogprob, Usage)
+                                        TextDelta, TokenLogprob, Usage, check_message_count)
 from services.kit.serving import message_of, status_of
 
 _FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -24,6 +24,7 @@ def request_from_proto(request: generation_pb2.GenerateRequest, request_id: str)
     elif kind == "token_ids":
         inputs["token_ids"] = tuple(request.token_ids.ids)
     elif kind == "chat":
+        check_message_count(len(request.chat.messages))  # before building them
         inputs["messages"] = tuple(ChatMessage(m.role, m.content) for m in request.chat.messages)
     return GenerationRequest(
         request_id=request_id, model=request.model, images=tuple(_image(i) for i in request.images),

@@ -32,7 +32,7 @@ _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id") 
 _SHUTDOWN_S = 5.0  # stop(): how long in-flight responses may take to finish before their handlers are cancelled
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # a proxy (nginx) must not buffer the stream
-_HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
 
 
 class HttpFrontDoor:
@@ -129,6 +129,7 @@ class _Handlers:
 
     async def _generate(self, request: web.Request, parse: Callable[..., ApiRequest]) -> web.StreamResponse:
         request_id = _request_id.get()
+        _require_json(request)
         try:
             api = parse(decode_body(await request.read()), request_id, self._core.served_model())
         except DisaggError as exc:  # refused before the core saw it: still counted under its status
@@ -146,6 +147,16 @@ class _Handlers:
                 else:
                     return web.json_response(shapes.response(deltas, _succeeded(event)), headers=headers)
         raise RuntimeError(f"request {request_id}: the core's stream ended without a Finished event")
+
+
+def _require_json(request: web.Request) -> None:
+    """415 for a body not sent as JSON (curl -d sends a form, a bare client text/plain), before it is read: parsing
+    it as JSON anyway would answer what the client did not say it sent."""
+    if request.content_type != "application/json":  # the media type, lower-cased, without its charset
+        sent = request.headers.get("Content-Type")
+        got = f"this request's is {sent!r}" if sent else "this request has none"
+        raise web.HTTPUnsupportedMediaType(text=f"the body must be JSON, sent with 'Content-Type: application/json'; "
+                                                f"{got}")
 
 
 def _succeeded(finished: Finished) -> Finished:

@@ -12,7 +12,7 @@ from typing import Any
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
 from services.router.frontends.openai_fields import BadField, Fields, ModelNotFound, refuse_unsupported
-from services.router.generation import ChatMessage, GenerationRequest, ImageInput, ServedModel
+from services.router.generation import ChatMessage, GenerationRequest, ImageInput, ServedModel, check_message_count
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -139,6 +139,10 @@ def _messages(fields: Fields, served: ServedModel, images: list[ImageInput]) -> 
     items = fields.array("messages", required=True)
     if not items:
         raise fields.bad("messages", "must hold at least one message")
+    try:
+        check_message_count(len(items))  # before walking them
+    except InvalidRequest as exc:
+        raise BadField("messages", str(exc)) from None
     messages = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
