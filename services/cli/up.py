@@ -32,9 +32,9 @@ from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus,
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
 from services.cli.supervise import Child, log, stop_all, wait_ready
 
-# Every worker of `disagg up --device cuda` on one GPU. There, a remote prefill pays (issue #24's targets against
-# aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from about this prompt length on: the
-# crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays"). Also where GPUs are shared.
+# `disagg up --device cuda` with its workers sharing a GPU (one GPU, or --share-gpus). There, a remote prefill
+# pays (issue #24's targets against aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from
+# about this prompt length on: the crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays").
 ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
 # Every worker on GPUs of its own: set from the multi-GPU bench.
 SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS = 512
@@ -73,12 +73,14 @@ def layout(args: argparse.Namespace, visible_gpus: int | None = None) -> list[Wo
     layout (1 prefill, a decode worker per other GPU; on one GPU they share it)."""
     tp = tp_sizes(args)
     chosen = args.prefill is not None or args.decode is not None
-    counts = {"prefill": 1 if args.prefill is None else args.prefill, "decode": 1 if args.decode is None else args.decode}
+    counts = {role: 1 if getattr(args, role) is None else getattr(args, role) for role in ("prefill", "decode")}
     if not on_cuda(args.device):
         if args.gpus or args.share_gpus:
             raise PlacementError(f"--gpus and --share-gpus place workers on CUDA GPUs; --device is {args.device!r}")
         return place(counts, tp, None)
     _, _, index = args.device.partition(":")
+    if index and not index.isdigit():
+        raise PlacementError(f"--device takes cuda or cuda:N, got {args.device!r}")
     if index and args.gpus:
         raise PlacementError(f"--device {args.device} names one GPU and --gpus others; give --device cuda with --gpus")
     if visible_gpus is None:
@@ -96,7 +98,8 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
     """A worker's command line: the engine flags, with its own device, TP size and memory share, each once."""
     overrides: dict[str, object] = {"tensor_parallel_size": plan.tp[worker.role]}
     if worker.device is not None:
-        overrides.update(device=worker.device, gpu_memory_utilization=memory_share(plan.gpu_memory_utilization, worker))
+        overrides.update(device=worker.device,
+                         gpu_memory_utilization=memory_share(plan.gpu_memory_utilization, worker))
     return ["--host", args.host, "--log-level", args.log_level, *engine_argv(args, **overrides),
             "--metrics-port", str(metrics_port)]
 
@@ -121,7 +124,8 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        children.insert(0, Child.start("router", "services.router", router_argv(args, plan, addresses, ports["router"])))
+        router = router_argv(args, plan, addresses, ports["router"])
+        children.insert(0, Child.start("router", "services.router", router))
         wait_ready(children[:1], args.start_timeout)
     except BaseException:
         stop_all(children)
@@ -161,8 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="decode workers (default 1; on CUDA with neither count given: one per GPU left after "
                              "the prefill worker's)")
     parser.add_argument("--gpus", type=_gpus, default=None,
-                        help="CUDA: GPU indices to lay workers out on in order, prefill first, each worker taking its "
-                             "tensor-parallel size of consecutive GPUs (default: every visible GPU; --device cuda:K: K)")
+                        help="CUDA: GPU indices to lay workers out on in order, prefill first, each worker taking "
+                             "its tensor-parallel size of consecutive GPUs (default: every visible GPU; "
+                             "--device cuda:K: K)")
     parser.add_argument("--share-gpus", action="store_true",
                         help="CUDA: more GPU ranks than GPUs go round-robin, several workers on a GPU, each with the "
                              "--gpu-memory-utilization divided by the workers on its GPU")

@@ -337,3 +337,21 @@ def test_bench_says_where_it_wrote_each_file(tmp_path, capsys):
     for api in args.api:
         assert (tmp_path / f"x-{api}.json").is_file()
         assert f"wrote {tmp_path / f'x-{api}.json'} ({api}: the summary and every request's timings)" in out
+
+
+def test_up_summary_names_the_model_directory_each_workers_gpus_and_the_memory_split():
+    import dataclasses
+
+    from services.cli.banner import summary
+    from services.cli.supervise import Child
+
+    args = parse_args(["--device", "cuda", "--prefill", "1", "--decode", "2", "--share-gpus",
+                       "--gpu-memory-utilization", "0.9"])
+    settled = dataclasses.replace(plan(args, visible_gpus=2), model_dir="/models/tiny")
+    children = [Child(name, "m", [], address=f"127.0.0.1:{5000 + i}") for i, name in enumerate(settled.names)]
+    text = summary(children, settled, "127.0.0.1", 0)
+    assert f"  model {settled.model_name}: /models/tiny  (the --tokenizer of aiperf, guidellm, vLLM's bench)" in text
+    assert "  prefill-0  127.0.0.1:5001  (gRPC: Worker, Prefiller/Decoder, TensorStore)  on cuda:0\n" in text
+    assert "  decode-1   127.0.0.1:5003  (gRPC: Worker, Prefiller/Decoder, TensorStore)  on cuda:0\n" in text
+    assert ("GPUs shared by several workers (2 on cuda:0): --gpu-memory-utilization 0.9 is divided by the workers on "
+            "each GPU: prefill-0 0.45, decode-0 0.9, decode-1 0.45\n") in text
