@@ -8,14 +8,15 @@
 #   base       a Debian bookworm image with python3 built by mmdebstrap and loaded with `docker import`, with this
 #              host's CA bundle (pip in the build trusts what this host trusts)
 #   image      disagg:$DISAGG_IMAGE_TAG from deploy/compose/Dockerfile on that base (--network host); wheel
-#              directories in PIP_FIND_LINKS (e.g. a local torch wheel) are served to the build over loopback
+#              directories in PIP_FIND_LINKS (e.g. a local torch wheel) are served to the build over loopback, on
+#              fixed ports from WHEELS_PORT (38181): the same build arguments each time, so the build cache holds
 #   stand-ins  disagg-stand-ins:$DISAGG_IMAGE_TAG (Dockerfile.stand-ins): what runs in place of hashicorp/consul,
 #              jaegertracing/all-in-one and prom/prometheus, which cannot be pulled without a registry
 #   up         docker compose -f docker-compose.yml -f stand-ins.yml up -d --no-build --wait
-#   down       the same files, down
+#   down       the same files, down; dockerd, the images and the build cache stay (it says how to remove them)
 # Where a registry is reachable none of this is needed: `docker compose up --build -d --wait` uses the real images.
 # Variables: DISAGG_IMAGE_TAG (latest), BASE_IMAGE, DEBIAN_SUITE (bookworm), DOCKER (the docker CLI),
-# DOCKERD_LOG, PIP_FIND_LINKS, and compose's own (.env: ports, profiles, COMPOSE_PROJECT_NAME, ...).
+# DOCKERD_LOG, PIP_FIND_LINKS, WHEELS_PORT, and compose's own (.env: ports, profiles, COMPOSE_PROJECT_NAME, ...).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -23,6 +24,7 @@ TAG=${DISAGG_IMAGE_TAG:-latest}
 SUITE=${DEBIAN_SUITE:-bookworm}
 BASE_IMAGE=${BASE_IMAGE:-disagg-local/python:3.11-$SUITE}
 DOCKERD_LOG=${DOCKERD_LOG:-/tmp/dockerd.log}
+WHEELS_PORT=${WHEELS_PORT:-38181}
 # Debian's docker.io CLI builds with BuildKit without the buildx plugin; prefer it to another `docker` on PATH.
 DOCKER=${DOCKER:-$( [ -x /usr/bin/docker ] && echo /usr/bin/docker || command -v docker || echo docker)}
 export DOCKER_BUILDKIT=1 DISAGG_IMAGE_TAG=$TAG
@@ -67,18 +69,29 @@ step_base() {
     "${hooks[@]}" "$SUITE" - | "$DOCKER" import - "$BASE_IMAGE" >/dev/null
 }
 
-# Wheel directories in PIP_FIND_LINKS, served over loopback for the build (it runs with --network host).
+# Wheel directories in PIP_FIND_LINKS, served over loopback for the build (it runs with --network host). The ports
+# are fixed (WHEELS_PORT, WHEELS_PORT+1, ...): their URLs go into the build argument PIP_FIND_LINKS, and a new
+# value would rebuild every layer from torch's on.
 serve_wheels() {
-  local dir links=()
+  local dir port=$WHEELS_PORT links=()
   for dir in ${PIP_FIND_LINKS:-}; do
     [ -d "$dir" ] || { links+=("$dir"); continue; }
-    local port
-    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     python3 -m http.server --bind 127.0.0.1 --directory "$dir" "$port" >/dev/null 2>&1 &
     SERVERS+=($!)
+    wait_listening $! "$port"
     links+=("http://127.0.0.1:$port/")
+    port=$((port + 1))
   done
   FIND_LINKS="${links[*]:-}"
+}
+
+wait_listening() {  # PID PORT: the server answers, or the script stops naming the port
+  for _ in $(seq 50); do
+    kill -0 "$1" 2>/dev/null || die "cannot serve wheels on 127.0.0.1:$2 (in use?): set WHEELS_PORT to a free port"
+    if (exec 3<>"/dev/tcp/127.0.0.1/$2") 2>/dev/null; then return; fi
+    sleep 0.1
+  done
+  die "the wheel server on 127.0.0.1:$2 did not answer"
 }
 
 step_image() {
@@ -90,7 +103,6 @@ step_image() {
       args+=(--build-arg "TORCH_INDEX_URL=${PIP_INDEX_URL:-https://pypi.org/simple}")
     fi
   fi
-  sleep 0.5  # the wheel servers bind
   say "building disagg:$TAG"
   "$DOCKER" build --network host -f "$HERE/Dockerfile" --target runtime "${args[@]}" -t "disagg:$TAG" "$ROOT"
 }
@@ -103,7 +115,16 @@ step_stand_ins() {
 
 compose() { "$DOCKER" compose --project-directory "$HERE" -f "$HERE/docker-compose.yml" -f "$HERE/stand-ins.yml" "$@"; }
 step_up() { compose up -d --no-build --wait; }
-step_down() { compose down --remove-orphans; }
+step_down() {
+  compose down --remove-orphans
+  "$DOCKER" info >/dev/null 2>&1 || return 0
+  local pid
+  pid=$(cat /var/run/docker.pid 2>/dev/null || echo "?")
+  say "the stack is down; the Docker engine (dockerd, pid $pid) still runs, and keeps the images (disagg:$TAG," \
+    "disagg-stand-ins:$TAG, $BASE_IMAGE) and the build cache for the next offline-up.sh."
+  say "to stop the engine: sudo kill \$(cat /var/run/docker.pid)  (started by systemd: sudo systemctl stop docker);" \
+    "to free the disk first: docker image rm disagg:$TAG disagg-stand-ins:$TAG $BASE_IMAGE && docker builder prune -f"
+}
 
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(dockerd compose base image stand-ins up)

@@ -59,7 +59,7 @@ def test_compose_config_is_valid_for_every_profile():
         assert "container_name" not in services[name] and not services[name].get("ports"), name
         assert services[name]["healthcheck"]["test"][:2] == ["CMD", "python"]
     device = services["decode-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert device["capabilities"] == ["gpu"] and services["decode-gpu"]["environment"]["DISAGG_DEVICE"] == "cuda"
+    assert device["capabilities"] == ["gpu"] and services["decode-gpu"]["environment"]["DISAGG_DEVICE"] == "cuda:0"
     assert [p["target"] for p in services["router"]["ports"]] == [50051, 8000]  # gRPC, OpenAI HTTP
     # the binary's own exit code is what we read: a broken file fails
     broken = subprocess.run([str(COMPOSE), "-f", "/dev/null", "config", "-q"], capture_output=True, text=True)
@@ -77,6 +77,47 @@ def test_each_worker_role_takes_its_tensor_parallel_size_and_a_dev_shm_that_hold
     env = {"PREFILL_TENSOR_PARALLEL_SIZE": "3", "DECODE_TENSOR_PARALLEL_SIZE": "1"}
     services = json.loads(_compose("--profile", "*", "config", "--format", "json", env=env).stdout)["services"]
     assert (tp_of(services["prefill"]), tp_of(services["decode"])) == ("3", "1")
+
+
+def _shares_the_hosts_kv_namespaces(service: dict) -> bool:
+    """What shm and cuda_ipc between containers need: the host's IPC and PID namespaces and its machine id."""
+    machine_id = {"type": "bind", "source": "/etc/machine-id", "target": "/etc/machine-id", "read_only": True}
+    return service.get("ipc") == "host" and service.get("pid") == "host" and machine_id in service.get("volumes", [])
+
+
+def test_gpu_workers_see_every_gpu_share_the_hosts_namespaces_and_run_on_their_roles_device():
+    env = {"COMPOSE_PROFILES": "gpu", "PREFILL_DEVICE": "cuda:0", "DECODE_DEVICE": "cuda:1"}
+    services = json.loads(_compose("config", "--format", "json", env=env).stdout)["services"]
+    assert {"prefill-gpu", "decode-gpu", "router-gpu"} <= set(services)
+    for name, device in (("prefill-gpu", "cuda:0"), ("decode-gpu", "cuda:1")):
+        service = services[name]
+        assert service["image"].endswith("-cuda") and "cu1" in service["build"]["args"]["TORCH_INDEX_URL"], name
+        # every GPU of the host in every worker (cuda_ipc finds the exporter's GPU by UUID among those it sees),
+        # numbered as nvidia-smi numbers them; the role's own by --device
+        [request] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert request["count"] == -1 and "device_ids" not in request and request["capabilities"] == ["gpu"], name
+        assert service["environment"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", name
+        assert service["environment"]["DISAGG_DEVICE"] == device, name
+        assert _shares_the_hosts_kv_namespaces(service), name
+    default = json.loads(_compose("config", "--format", "json", env={"COMPOSE_PROFILES": "gpu"}).stdout)["services"]
+    assert {default[n]["environment"]["DISAGG_DEVICE"] for n in ("prefill-gpu", "decode-gpu")} == {"cuda:0"}
+    cpu = json.loads(_compose("config", "--format", "json").stdout)["services"]
+    assert _shares_the_hosts_kv_namespaces(cpu["prefill"]) and _shares_the_hosts_kv_namespaces(cpu["decode"])
+    assert not _shares_the_hosts_kv_namespaces(cpu["router"])
+
+
+def test_1p3d_override_adds_decode_workers_on_gpus_2_and_3():
+    result = _compose("-f", str(COMPOSE_DIR / "gpu-1p3d.yml"), "config", "--format", "json",
+                      env={"COMPOSE_PROFILES": "gpu", "DECODE_DEVICE": "cuda:1"})
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    decode = {n: s for n, s in services.items() if n.startswith("decode-gpu")}
+    assert {n: s["environment"]["DISAGG_DEVICE"] for n, s in decode.items()} == {
+        "decode-gpu": "cuda:1", "decode-gpu-2": "cuda:2", "decode-gpu-3": "cuda:3"}
+    assert services["prefill-gpu"]["environment"]["DISAGG_DEVICE"] == "cuda:0"
+    without_device = [{**s, "environment": {k: v for k, v in s["environment"].items() if k != "DISAGG_DEVICE"}}
+                      for s in decode.values()]
+    assert all(s == without_device[0] for s in without_device)  # the same worker otherwise: command, image, namespaces
 
 
 def test_dockerfile_is_multi_stage_non_root_and_copies_what_exists():

@@ -2,7 +2,8 @@
 deploy/compose/offline-up.sh starts dockerd if none runs, builds the Debian base (mmdebstrap + docker import, with
 this host's CA bundle), the project image (local wheels in PIP_FIND_LINKS served to the build) and the stand-ins for
 consul / jaeger / prometheus (their images cannot be pulled here), then `docker compose up --wait` the whole stack.
-Then: answers over gRPC and OpenAI HTTP; Prometheus scrapes every service (through Consul); one trace spans
+Then: answers over gRPC and OpenAI HTTP; Prometheus scrapes every service (through Consul); decode pulls KV from
+the prefill container over shm (the workers share the host's IPC and PID namespaces); one trace spans
 router → prefill → decode at the Jaeger stand-in; a decode worker whose process is killed (-9) is restarted by
 Docker (restart: unless-stopped) and serves again; decode scaled 2 → 1 under load loses no request.
 
@@ -156,8 +157,23 @@ def test_prometheus_scrapes_every_service_it_finds_in_consul(stack):
         return {t["labels"]["service"] for t in targets if t["health"] == "up"}
 
     wait_for(lambda: up() == SERVICES, 90, "Prometheus to scrape router, prefill and decode", every_s=2)
-    query = urllib.parse.urlencode({"query": "sum(disagg_requests_total)"})
-    assert float(_get(f"{stack.url('PROMETHEUS_PORT')}/api/v1/query?{query}")["data"]["result"][0]["value"][1]) >= 1
+    assert float(_query(stack, "sum(disagg_requests_total)")[0]["value"][1]) >= 1
+
+
+def _query(stack: Stack, promql: str) -> list[dict]:
+    query = urllib.parse.urlencode({"query": promql})
+    return _get(f"{stack.url('PROMETHEUS_PORT')}/api/v1/query?{query}")["data"]["result"]
+
+
+def test_decode_pulls_kv_from_the_prefill_container_through_shared_memory(stack):
+    stack.generate(PROMPTS[1])  # workers share the host's IPC and PID namespaces and machine id: shm, not gRPC
+
+    def pulled() -> dict[str, float] | None:
+        result = _query(stack, "sum by (backend) (disagg_kv_pull_bytes_total)")
+        return {r["metric"]["backend"]: float(r["value"][1]) for r in result} or None
+
+    assert set(wait_for(pulled, 30, "decode's KV pulls in Prometheus", every_s=1)) == {"shm"}
+    assert _query(stack, "sum(disagg_kv_pull_fallbacks_total) > 0") == []
 
 
 def test_one_trace_spans_router_prefill_and_decode(stack):
