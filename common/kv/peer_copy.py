@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 from functools import lru_cache
 from typing import Sequence
@@ -28,7 +29,8 @@ from common.kv.block_copy import pinned_ids
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the pointers (unified addressing)
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-PREFERRED = "auto"
+# DISAGG_PEER_COPY picks one way for every peer copy of the process (the bench's and a debugging user's knob).
+PREFERRED = os.environ.get("DISAGG_PEER_COPY", "auto")
 MAX_COPY_ENGINE_RUNS = 8  # past this many 2-D copies the host's calls and the engines' setup cost more than a kernel
 _enabled: set[tuple[int, int]] = set()
 _enabled_lock = threading.Lock()

@@ -162,6 +162,10 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)}}
             point["meets_slo"] = meets(point, args)
+            if s["errors"]:
+                point["errors"] = s["errors"][:5]
+                for w in workers:
+                    print(f"# {w.name} {w.args[-8:]}: last lines\n" + "".join(w.log().splitlines(True)[-25:]), flush=True)
             results.append(point)
             print(json.dumps(point), flush=True)
             write(results, args)
