@@ -2,6 +2,7 @@
 and the real SmolLM2-135M through router → prefill → decode, token for token against HF."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -74,9 +75,11 @@ class Up:
         except subprocess.TimeoutExpired:
             pass
         finally:
-            if self.popen.poll() is None:
+            if self.popen.poll() is None:  # it did not stop: kill it, and its children (own sessions) with it
+                children = _child_pids(self.popen.pid)
                 self.popen.kill()
                 self.popen.wait()
+                _stop_pids(children)
         return self.popen.returncode
 
     def wait_line(self, needle: str, timeout_s: float) -> str:
@@ -93,6 +96,17 @@ class Up:
         """The banner's Prometheus lines: child name → its /metrics URL."""
         return dict(m.groups() for m in (re.search(r"^\s+(\S+)\s+(http://\S+/metrics)$", line) for line in self.lines)
                     if m)
+
+
+def _stop_pids(pids: list[int]) -> None:
+    """SIGTERM each (a worker stops its TP followers), SIGKILL what is left after 10 s."""
+    for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _ignore_sigint() -> None:
