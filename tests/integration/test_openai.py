@@ -140,6 +140,8 @@ BAD = [
      "only allowed with"),
     ("too-many-logprobs", COMPLETIONS, {"prompt": PROMPT, "logprobs": 21}, 400, "must be in [0, 20]"),
     ("empty-stop", CHAT, {"messages": USER, "stop": [""]}, 400, "stop strings must not be empty"),
+    ("too-many-stops", CHAT, {"messages": USER, "stop": ["x"] * 65}, 400,
+     "stop has 65 strings; at most 64 are accepted"),
     ("deadline", COMPLETIONS, {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "timeout_ms": 1}, 504,
      "deadline"),
     ("body-too-large", COMPLETIONS, b'{"prompt": "' + b"x" * DEFAULT_MAX_MESSAGE_BYTES + b'"}', 413,
@@ -167,6 +169,18 @@ def test_bad_input_gets_its_status_and_a_clear_message_then_the_next_request_is_
     expected = _hf(text_model, tokenizer, tokenizer.encode(PROMPT))[0]
     assert sdk.completions.create(model=front_doors.model, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                   temperature=0).choices[0].text == expected
+
+
+@pytest.mark.parametrize("front_doors", ["prefill-decode"], indirect=True)
+def test_curl_without_a_json_content_type_gets_415(front_doors):
+    """`curl -d` alone sends its body as a form (application/x-www-form-urlencoded)."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": MAX_TOKENS})
+    result = subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", f"{front_doors.http}/v1/chat/completions",
+                             "-d", body], capture_output=True, text=True, timeout=60)
+    answer, _, status = result.stdout.rpartition("\n")
+    error = json.loads(answer)["error"]
+    assert status == "415" and error["code"] == "unsupported_media_type", result.stdout
+    assert "'application/x-www-form-urlencoded'" in error["message"] and "application/json" in error["message"]
 
 
 @pytest.mark.parametrize("front_doors", ["prefill-decode"], indirect=True)
