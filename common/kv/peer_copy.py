@@ -5,12 +5,17 @@ Three ways, one interface (PeerBlockCopier, shaped like block_copy.BlockCopier):
 - `src`: the same kernel on the exporter's GPU, writing the importer's (peer writes),
 - `copy_engine`: one cudaMemcpy2DAsync per run of consecutive blocks, every layer's K and V of the run in one
   strided copy: the GPUs' copy engines move it, no SM of either GPU is taken from the model's steps.
-- `auto` (the default): copy engines where the session's blocks make few runs, else the kernel on ours.
+- `auto` (the default): copy engines where the session's blocks make few runs, else the kernel on theirs.
+  Not the kernel on ours: the exporter's cache is mapped through CUDA IPC in the context of the exporter's GPU,
+  and a launch on ours is refused ("Pointer argument (at 0) cannot be accessed from Triton"); our own cache is
+  an ordinary peer allocation, which a launch on theirs reaches. It takes the exporter's SMs for the copy's
+  half millisecond, at the data plane's high stream priority.
 tests/bench/kv_peer_copy.py measures them (4× H200, NVLink, a 1500-token Llama-3.2-3B session, 172.5 MB; one
 contiguous peer copy of those bytes 0.492 ms = 350 GB/s): consecutive blocks — copy engines 0.487 ms, kernel on
 ours 0.527, on theirs 0.510; shuffled blocks — copy engines 1.266 ms (94 runs), kernel on ours 0.510, on theirs
 0.508; the torch path (gather, copy, scatter) 1.12–1.16 ms. Reads from ours leave the exporter's SMs to its
-prefills; copy engines leave both GPUs' SMs alone.
+prefills; copy engines leave both GPUs' SMs alone. Under load (2 H200s, 1P1D, Poisson 16-40 req/s) copy engines
+alone pulled in 1.5-1.8 ms on average: a reused pool's sessions are scattered, and each run is a 2-D copy.
 Peer access between the two GPUs must be on for all three: enable_peer_access (the caches may be another
 process's, mapped through CUDA IPC).
 """
@@ -127,8 +132,8 @@ class PeerBlockCopier:
 
     @property
     def device(self) -> torch.device:
-        """The GPU whose stream the copy goes on."""
-        return self.src.device if self.on == "src" else self.dst.device
+        """The GPU whose stream the copy goes on (copy engines: ours; `auto` takes the kernel's, theirs)."""
+        return self.dst.device if self.on in ("dst", "copy_engine") else self.src.device
 
 
     def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int],
@@ -141,6 +146,7 @@ class PeerBlockCopier:
             return None
         spans = runs(src_ids, dst_ids) if self.on in ("copy_engine", "auto") else []
         if self.kernel is not None and (self.on != "auto" or len(spans) > MAX_COPY_ENGINE_RUNS):
+            # a launch goes to the stream's GPU: theirs for `src` and `auto`, ours for `dst`
             ids = pinned_ids(src_ids, dst_ids)
             self.kernel(ids, len(src_ids), stream)
             return ids
