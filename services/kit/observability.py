@@ -18,6 +18,7 @@ from common import tls
 from common.discovery.consul import ConsulSettings, ServiceRegistration, add_consul_args, consul_from_args
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
+from services.kit.ports import port_taken
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ class Observability:
     async def start(self, bind_host: str, advertised_host: str, grpc_port: int,
                     meta: dict[str, str] | None = None) -> None:
         if self.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(bind_host, self.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve(bind_host, self.metrics_port)
+            except OSError as exc:
+                raise port_taken(bind_host, self.metrics_port, "--metrics-port (0 picks a free one)", exc) from None
             print(f"disagg-{self.role} metrics on http://{advertised_host}:{self.metrics_port}/metrics", flush=True)
         if self.consul is not None:
             self.registration = ServiceRegistration(

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import errors, tls
 from common.telemetry import tracing
+from services.kit.ports import PortTaken, bind_problem, port_taken
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,13 @@ async def start_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> Server:
     """Start a server with health (NOT_SERVING until `set_serving(True)`) and reflection; TLS when the
-    process is configured for it (common.tls)."""
+    process is configured for it (common.tls). PortTaken when host:port cannot be bound (every
+    server's gRPC port is its --port)."""
     interceptors = [*tracing.server_interceptors(), *interceptors]  # tracing first: it opens the RPC's span
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
+    # No SO_REUSEPORT (gRPC's default): a second server on a port another process holds would bind it too, and the
+    # kernel would spread connections over both.
+    options = [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     add_servicers(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -144,10 +149,16 @@ async def start_server(
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     settings = tls.current()
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, settings.server_credentials()) if settings.serves_tls
-             else server.add_insecure_port(address))
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+    problem = bind_problem(host, port) if port else None  # before gRPC, which would log its failure as well
+    if problem:
+        raise PortTaken(host, port, problem, "--port")
+    try:
+        bound = (server.add_secure_port(address, settings.server_credentials()) if settings.serves_tls
+                 else server.add_insecure_port(address))
+        if bound == 0:
+            raise RuntimeError(f"gRPC could not bind {address}")
+    except RuntimeError as exc:  # gRPC says only that the bind failed
+        raise port_taken(host, port, "--port", exc) from None
     await server.start()
     result = Server(server, health_servicer, names, bound)
     await result.set_serving(False)

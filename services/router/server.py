@@ -10,8 +10,8 @@ import socket
 import grpc
 
 from common.discovery import Discovery
-from common.errors import InvalidConfig
 from services.kit.observability import Observability
+from services.kit.ports import port_taken
 from services.router.config import RouterConfig
 from services.router.frontends import grpc as generation_api, kserve, openai
 from services.router import policies
@@ -42,8 +42,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
                 if config.http_port else None)
     except OSError as exc:  # the port is taken: stop the gRPC server too, or its threads keep the process alive
         await server.server.stop(0)
-        raise InvalidConfig(f"cannot serve HTTP on {config.host}:{config.http_port} ({exc.strerror or exc}); "
-                            "choose another --http-port (0 turns HTTP off)") from None
+        raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
     await pool.start()
     advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
         socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
@@ -63,6 +62,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     finally:
         if http is not None:
             await http.stop()
+        await server.server.stop(0)  # stopped already, unless serving failed (a --metrics-port taken)
         health.cancel()
         await pool.close()
         await discovery.close()

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any, Protocol, Sequence
 
@@ -27,6 +28,7 @@ from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
 from services.kit.observability import Observability, add_observability_args
+from services.kit.ports import PortTaken
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
 from services.kit.wire import ParseRequests
 from services.worker.service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
@@ -99,6 +101,9 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
         parser.error(str(exc))
     try:
         asyncio.run(_serve(spec, args, config))
+    except PortTaken as exc:  # one line, no traceback
+        print(f"disagg {name}: {exc}", file=sys.stderr, flush=True)
+        return 2
     except Exception:
         log.exception("the %s worker failed", name)
         return 1
