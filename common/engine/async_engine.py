@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Sequence, TypeVar
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.devices import bind_thread
+from common.devices import bind_thread
 from common.engine.engine import LLMEngine
 from common.engine.interface import EngineFacts, EngineLoad, EngineRequest, KvBlocks
 from common.engine.request import FinishReason, RequestOutput

@@ -14,7 +14,7 @@ import torch
 
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
-from common.engine.devices import bind_thread
+from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
 from common.engine.shared_cache import SharedKvCache

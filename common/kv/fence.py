@@ -120,7 +120,8 @@ def sweep_stale() -> int:
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
+            # Gone already, or another user's in a shared /dev/shm (sticky: only its owner may delete it).
+            with contextlib.suppress(FileNotFoundError, PermissionError):
                 path.unlink()
                 removed += 1
     return removed

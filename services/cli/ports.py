@@ -1,24 +1,12 @@
 """`disagg up`'s port checks, made before any process starts: each port judged as its real listener will judge it.
 
-gRPC, aiohttp and Prometheus' HTTP server all bind with SO_REUSEADDR, so the test bind sets it too: a TIME_WAIT
-connection the previous `disagg up` left on the port counts as free (the listener will bind), a listening socket as
-in use.
+The test bind is the listeners' own (services.kit.ports.bind_problem, SO_REUSEADDR as gRPC, aiohttp and Prometheus'
+HTTP server bind): a TIME_WAIT connection the previous `disagg up` left on the port counts as free (the listener will
+bind), a listening socket as in use.
 """
 from __future__ import annotations
 
-import errno
-import socket
-
-
-def bind_problem(host: str, port: int) -> str | None:
-    """None if a listener could bind host:port now, else what stops it."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-    return None
+from services.kit.ports import bind_problem
 
 
 def check_port_free(host: str, port: int, flag: str = "--router-port") -> str | None:

@@ -186,7 +186,9 @@ def kv_pulls(model: Path, tokens: int, repeats: int) -> dict:
 def serve_and_bench(model: Path, prefill_workers: int, args: argparse.Namespace, out: Path,
                     router_flags: list[str] | None = None) -> dict:
     port = 50177 + prefill_workers + (2 if router_flags else 0)
-    up = [sys.executable, "-m", "services", "up", "--model", str(model), "--device", "cuda", "--dtype", "bfloat16",
+    # One GPU shared by both workers (the bench measures the one-GPU handoff), whatever the host has.
+    up = [sys.executable, "-m", "services", "up", "--model", str(model), "--gpus", "0", "--share-gpus", "--dtype",
+          "bfloat16",
           "--num-kv-blocks", "4096", "--max-model-len", "4096", "--router-port", str(port),
           "--prefill", str(prefill_workers), "--decode", "1", *(router_flags or ["--max-local-prefill-tokens", "0"])]
     name = f"{prefill_workers}p{'_cond' if router_flags else ''}"

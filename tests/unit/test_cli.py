@@ -245,7 +245,8 @@ def test_up_refuses_a_busy_http_port_in_one_line(busy_port):
     port = busy_port
     result = _up("--router-port", "0", "--http-port", str(port), "--model", "/does/not/matter")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert f"127.0.0.1:{port} is already in use; choose another port with --http-port (0 turns it off)" in result.stderr
+    assert (f"127.0.0.1:{port} is already in use (another process holds it); choose another port with "
+            "--http-port (0 turns it off)") in result.stderr
 
 
 def test_up_hands_out_metrics_ports_from_the_base_in_a_fixed_order():
@@ -271,7 +272,8 @@ def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(bus
     port = busy_port
     result = _up("--router-port", "0", "--metrics-port-base", str(port), "--model", "/does/not/matter")
     assert result.returncode == 2 and result.stderr == (
-        f"disagg up: 127.0.0.1:{port} (router's metrics port) is already in use; choose another --metrics-port-base "
+        f"disagg up: 127.0.0.1:{port} (router's metrics port) is already in use (another process holds it); "
+        "choose another --metrics-port-base "
         "(or leave it out: free ports)\n"), result.stderr
 
 
@@ -312,7 +314,7 @@ def test_the_port_check_counts_a_time_wait_as_free_and_a_listener_as_in_use(busy
             plain.bind(("127.0.0.1", port))
     assert refused.value.errno == errno.EADDRINUSE
     assert bind_problem("127.0.0.1", port) is None and check_port_free("127.0.0.1", port) is None
-    assert bind_problem("127.0.0.1", busy_port) == "is already in use"
+    assert bind_problem("127.0.0.1", busy_port) == "is already in use (another process holds it)"
 
 
 def test_disagg_wait_says_in_one_line_that_nothing_serves(capsys):
