@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, AsyncIterator, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
 from common.engine.config import EngineConfig
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import RequestOutput, RequestType, SamplingParams
-from common.kv.fence import BlockEpochs
+from common.kv.blocks import KvBlocks
 from common.kv.layout import KvExport, KvLayout, PlacedKv
 from common.kv.session import KvSession
 
@@ -73,22 +73,6 @@ class EngineRequest:
     kv_import: KvImport | None = None
     first_token: int | None = None
     images: list[ImageEmbedding] | None = None
-
-
-@dataclass(frozen=True)
-class KvBlocks:
-    """A KvSessionHost's paged cache and its pool, for the KV data plane. Every callable is safe from any
-    thread and never waits for a model step."""
-
-    cache: torch.Tensor
-    """[layers, 2, blocks, block_size, kv_heads, head_dim]."""
-    reserve: Callable[[int], list[int] | None]
-    """n free blocks that no step in flight writes, to import KV straight into (then generate() with a PlacedKv),
-    or None when the pool is short."""
-    free: Callable[[list[int]], None]
-    """Give reserved blocks back."""
-    count_reuse: Callable[[BlockEpochs | None], None]
-    """Exporter: bump a block's epoch in this table (common.kv.fence) each time it is allocated; None stops."""
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from common.engine.tp_ranks import FollowerRanks
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
-from common.kv import cuda_ipc
-from common.kv.gather import gather_blocks
+from common.kv import ipc_share
+from common.kv.blocks import gather_blocks
 from common.kv.layout import KvExport, KvLayout
 from common.kv.shards import KvShards
 from common.pb.disagg.v1 import worker_pb2
@@ -156,13 +156,13 @@ class ModelRunner:
         """GPUs: each follower shares its cache through CUDA IPC at the rendezvous; rank 0 maps them all, and the KV
         data plane sees the shards as one cache."""
         if self.tp.rank:
-            share = cuda_ipc.share_cache(self.rank_cache, f"tp-rank-{self.tp.rank}")
+            share = ipc_share.share_cache(self.rank_cache, f"tp-rank-{self.tp.rank}")
             self.tp.store.set(f"kv-cache-{self.tp.rank}", share.SerializeToString())
             return self.rank_cache
         shards, owner_shares = [self.rank_cache], [None]
         for rank in range(1, self.tp.size):
             share = worker_pb2.KvCacheShare.FromString(self.tp.store.get(f"kv-cache-{rank}"))
-            shards.append(cuda_ipc.open_cache(share))
+            shards.append(ipc_share.open_cache(share))
             owner_shares.append(share.payload)  # what importers open: the follower's own handle
         return KvShards(shards, owner_shares)
 

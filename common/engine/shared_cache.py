@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv import shm
+from common.kv import shm_files
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class SharedKvCache:
 
     @classmethod
     def create(cls, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKvCache":
-        path = shm.new_file("disagg-tp-kv-", torch.Size(shape).numel() * dtype.itemsize)  # zeroed, as torch.zeros
+        path = shm_files.new_file("disagg-tp-kv-", torch.Size(shape).numel() * dtype.itemsize)  # zeroed, as torch.zeros
         return cls(str(path), tuple(shape), dtype)
 
     def open(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ import platform
 import numpy as np
 import torch
 
-from common.kv import shm
+from common.kv import shm_files
 
 SLOT_BYTES = 8 << 20  # a [2048, 1024] float32 step's activations; a larger tensor goes through gloo
 _COUNTER_STRIDE = 8  # int64s between two ranks' counters: one 64-byte cache line each
@@ -32,7 +32,7 @@ def supported() -> bool:
 
 def create(size: int) -> str:
     """A zeroed region for `size` ranks (rank 0 makes it and hands its path to the others)."""
-    return str(shm.new_file("disagg-tp-collectives-", _region_bytes(size)))
+    return str(shm_files.new_file("disagg-tp-collectives-", _region_bytes(size)))
 
 
 def _region_bytes(size: int) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from common.errors import InvalidConfig
 from common.kv import transport
-from common.kv.transport import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2
 
 # The built-in transports take their `number` from here (common.kv.transports): the data plane's, and those an

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from common.engine.interface import KvBlocks
 from common.kv import gather, peer_copy
 from common.kv.block_copy import BlockCopier
+from common.kv.blocks import KvBlocks
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of
 from common.kv.layout import KvLayout, PlacedKv
 from common.pb.disagg.v1 import common_pb2

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.errors import InvalidRequest, NotFound
-from common.kv.shm import SHM_DIR, named_file
+from common.kv.shm_files import SHM_DIR, named_file
 from common.pb.disagg.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from common.kv.blocks import gather_blocks
 from common.kv.shards import KvShards
 
 _streams: dict[int, torch.cuda.Stream] = {}
@@ -69,37 +70,6 @@ async def wait_event(event: torch.cuda.Event, timeout_s: float | None = None, bu
         if timeout_s is not None and waited > timeout_s:
             raise asyncio.TimeoutError(f"a KV copy did not finish within {timeout_s:g}s")
         await asyncio.sleep(0 if waited < busy_s else 1e-3)
-
-
-MAX_RUNS = 16  # more runs of consecutive blocks than this: one indexed gather instead of a copy per run
-
-
-def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position in the gathered tensor, first block id, length) of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for position, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((position, block, 1))
-    return runs
-
-
-def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
-    """source[:, :, block_ids] on source's device, in the current stream: a block allocator mostly hands
-    out consecutive blocks, and a strided copy per run moves them at copy speed, where an indexed
-    gather over the middle dimension of a 6-d tensor runs several times slower. A sharded cache's blocks are
-    gathered on each shard's GPU and land, every head, on its first one's."""
-    if isinstance(source, KvShards):
-        return source.gather(block_ids, gather_blocks)
-    runs = block_runs(block_ids)
-    if len(runs) > MAX_RUNS:
-        index = torch.tensor(list(block_ids), dtype=torch.long).to(source.device, non_blocking=True)
-        return source.index_select(2, index)
-    out = torch.empty((*source.shape[:2], len(block_ids), *source.shape[3:]), dtype=source.dtype, device=source.device)
-    for position, first, length in runs:
-        out[:, :, position : position + length].copy_(source[:, :, first : first + length], non_blocking=True)
-    return out
 
 
 def _on_side_stream(device: torch.device, work: Callable[[], torch.Tensor],

@@ -13,7 +13,8 @@ from common.kv import transport
 from common.kv.block_copy import compile_for
 from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import check_pullable
-from common.kv.transport import BackendUnavailable, KvPath
+from common.kv.errors import BackendUnavailable
+from common.kv.transport import KvPath
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 

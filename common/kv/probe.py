@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from opentelemetry import context as otel_context
 
-from common.kv.backends import BackendUnavailable
+from common.kv.errors import BackendUnavailable
 from common.kv.fence import EPOCH_ATTRIBUTE
 from common.pb.disagg.v1 import common_pb2
 from common.telemetry import tracing

@@ -16,9 +16,10 @@ from typing import Callable
 import grpc
 import torch
 
-from common.engine.interface import KvBlocks
 from common.kv import transport
-from common.kv.backends import BackendUnavailable, offered
+from common.kv.backends import offered
+from common.kv.blocks import KvBlocks
+from common.kv.errors import BackendUnavailable
 from common.kv.probe import SelfCheck
 from common.kv.transfer import ChannelCache, PulledKv, check_pullable, release_quietly
 from common.pb.disagg.v1 import common_pb2

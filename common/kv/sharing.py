@@ -17,7 +17,9 @@ from typing import Callable
 import torch
 
 from common.kv import cuda_ipc, fence, shm, transport
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable
+from common.kv.ipc_share import device_uuid
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
+from common.kv.errors import BackendUnavailable
 from common.kv.layout import KvLayout
 from common.kv.probe import PROBE_BLOCKS
 from common.kv.shards import KvShards
@@ -56,7 +58,7 @@ class KvCacheExporter:
         if shm.host_id():
             self._attributes[shm.HOST_ID_ATTRIBUTE] = shm.host_id()
         if kv_cache.device.type == "cuda":
-            self._attributes[cuda_ipc.DEVICE_UUID_ATTRIBUTE] = cuda_ipc.device_uuid(kv_cache.device)
+            self._attributes[cuda_ipc.DEVICE_UUID_ATTRIBUTE] = device_uuid(kv_cache.device)
         self._shares: dict[str, worker_pb2.KvCacheShare] = {}
         self._probe: torch.Tensor | None = None
         self._lock = threading.Lock()

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
+from common.kv.errors import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:  # the router reads names and numbers here without torch
@@ -30,10 +31,6 @@ if TYPE_CHECKING:  # the router reads names and numbers here without torch
 
 MODULES_ENV = "DISAGG_KV_TRANSPORT_MODULES"
 FALLBACK = "grpc"
-
-
-class BackendUnavailable(FailedPrecondition):
-    """This transport cannot move KV between these two workers; the importer tries the next one."""
 
 
 class KvTransport(ABC):

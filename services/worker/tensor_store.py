@@ -13,7 +13,7 @@ import grpc
 from common.engine.interface import Engine
 from common.errors import InvalidRequest, NotFound
 from common.kv import gather, shm
-from common.kv.backends import BackendUnavailable
+from common.kv.errors import BackendUnavailable
 from common.kv.chunks import chunk_size, encoded_chunks, tensor_to_bytes
 from common.kv.layout import KvLayout
 from common.kv.probe import PROBE_HANDLE

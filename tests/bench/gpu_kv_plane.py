@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
-from common.kv import cuda_ipc, direct  # noqa: E402
+from common.kv import direct, ipc_share  # noqa: E402
 from common.kv.block_copy import compile_for, copy_blocks  # noqa: E402
 from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
@@ -143,7 +143,7 @@ def peer_copies(address: str, num_bytes: int) -> dict:
     with grpc.insecure_channel(address) as channel:
         share = worker_pb2_grpc.TensorStoreStub(channel).OpenKvCache(
             worker_pb2.OpenKvCacheRequest(transport="cuda_ipc"), timeout=30)
-    cache = cuda_ipc.open_cache(share)
+    cache = ipc_share.open_cache(share)
     mapped = cache.view(-1).view(torch.uint8)[:num_bytes]
     local = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)

@@ -15,7 +15,8 @@ from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, Not
 from common.kv import transport
 from common.kv.backends import OFFERED_ATTRIBUTE, parse_backends
 from common.kv.paths import DataPlane, open_path
-from common.kv.transport import BackendUnavailable, EngineTransport
+from common.kv.errors import BackendUnavailable
+from common.kv.transport import EngineTransport
 from common.kv.transports.trtllm import TrtLlmTransport
 from common.pb.disagg.v1 import common_pb2
 

@@ -10,7 +10,9 @@ from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
 from common.kv import gather, shm, transport
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, BackendUnavailable, parse_backends
+from common.kv.blocks import block_runs, gather_blocks
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_backends
+from common.kv.errors import BackendUnavailable
 from common.kv.probe import PROBE_BLOCKS, PROBE_HANDLE
 from common.kv.pull import KvPuller
 from common.kv.sharing import KvCacheExporter
@@ -122,15 +124,15 @@ def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(cap
 
 
 def test_block_runs_split_ids_into_consecutive_runs():
-    assert gather.block_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
-    assert gather.block_runs([]) == []
+    assert block_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert block_runs([]) == []
 
 
 @pytest.mark.parametrize("block_ids", [[3, 4, 5, 6], [7, 1, 2, 9, 0], list(range(40, 0, -2))])
 def test_gather_blocks_equals_index_select_for_runs_and_scattered_ids(block_ids):
     cache = torch.randn(3, 2, 48, 4, 2, 8)
     expected = cache.index_select(2, torch.tensor(block_ids))
-    assert torch.equal(gather.gather_blocks(cache, block_ids), expected)
+    assert torch.equal(gather_blocks(cache, block_ids), expected)
 
 
 def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_llama):

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.kv.cuda_ipc import CudaIpcUnavailable, share_cache
+from common.kv.ipc_share import CudaIpcUnavailable, share_cache
 from common.kv.direct import can_place
-from common.kv.gather import gather_blocks
+from common.kv.blocks import gather_blocks
 from common.kv.shards import KvShards
 
 SHAPE = (3, 2, 10, 4, 6, 5)  # layers, K/V, blocks, block size, 6 KV heads, head dim

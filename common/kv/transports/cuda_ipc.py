@@ -16,6 +16,7 @@ from common.kv import cuda_ipc, direct, gather, shm
 from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
+from common.kv.ipc_share import local_index_of, share_cache
 from common.kv.shards import KvShards
 from common.kv.transfer import PulledKv, layout_of
 from common.kv.transport import KvTransport
@@ -40,10 +41,10 @@ class CudaIpcTransport(KvTransport):
 
     def applies(self, ref: common_pb2.KvSessionRef) -> bool:
         uuid = ref.attributes.get(cuda_ipc.DEVICE_UUID_ATTRIBUTE, "")
-        return shm.same_host(ref.attributes) and cuda_ipc.local_index_of(uuid) is not None
+        return shm.same_host(ref.attributes) and local_index_of(uuid) is not None
 
     def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
-        return cuda_ipc.share_cache(kv_cache, kv_cache_id)
+        return share_cache(kv_cache, kv_cache_id)
 
     async def map_cache(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> cuda_ipc.MappedCache:
         cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")

@@ -12,7 +12,8 @@ import grpc
 import torch
 
 from common.errors import LayoutMismatch, NotFound, Unavailable
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, BackendUnavailable
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
+from common.kv.errors import BackendUnavailable
 from common.kv.fence import BlockEpochs, fence_of
 from common.kv.layout import KvExport
 from common.kv.transfer import PulledKv, layout_of, release_quietly, release_session

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from common.kv import gather
-from common.kv.backends import BackendUnavailable
+from common.kv.errors import BackendUnavailable
 from common.kv.layout import KvExport
 from common.kv.transfer import PulledKv, release_quietly
 from common.pb.disagg.v1 import common_pb2

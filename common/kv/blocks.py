@@ -1,0 +1,58 @@
+"""A paged KV cache's blocks as the KV data plane sees them: the engine's cache and pool (KvBlocks), and block
+ids read out of a cache (gather_blocks), of one tensor or of a tensor-parallel engine's shards."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from common.kv.fence import BlockEpochs
+from common.kv.shards import KvShards
+
+
+@dataclass(frozen=True)
+class KvBlocks:
+    """A KvSessionHost's paged cache and its pool, for the KV data plane. Every callable is safe from any
+    thread and never waits for a model step."""
+
+    cache: torch.Tensor
+    """[layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    reserve: Callable[[int], list[int] | None]
+    """n free blocks that no step in flight writes, to import KV straight into (then generate() with a PlacedKv),
+    or None when the pool is short."""
+    free: Callable[[list[int]], None]
+    """Give reserved blocks back."""
+    count_reuse: Callable[[BlockEpochs | None], None]
+    """Exporter: bump a block's epoch in this table (common.kv.fence) each time it is allocated; None stops."""
+
+
+MAX_RUNS = 16  # more runs of consecutive blocks than this: one indexed gather instead of a copy per run
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in the gathered tensor, first block id, length) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for position, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, block, 1))
+    return runs
+
+
+def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
+    """source[:, :, block_ids] on source's device, in the current stream: a block allocator mostly hands
+    out consecutive blocks, and a strided copy per run moves them at copy speed, where an indexed
+    gather over the middle dimension of a 6-d tensor runs several times slower. A sharded cache's blocks are
+    gathered on each shard's GPU and land, every head, on its first one's."""
+    if isinstance(source, KvShards):
+        return source.gather(block_ids, gather_blocks)
+    runs = block_runs(block_ids)
+    if len(runs) > MAX_RUNS:
+        index = torch.tensor(list(block_ids), dtype=torch.long).to(source.device, non_blocking=True)
+        return source.index_select(2, index)
+    out = torch.empty((*source.shape[:2], len(block_ids), *source.shape[3:]), dtype=source.dtype, device=source.device)
+    for position, first, length in runs:
+        out[:, :, position : position + length].copy_(source[:, :, first : first + length], non_blocking=True)
+    return out
