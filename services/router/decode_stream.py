@@ -1,18 +1,20 @@
-"""The streaming half of a request: a decode worker's Decode stream, and migration when the worker is lost.
+"""The streaming half of a request: a decode worker's Decode stream as plain events (decode_events.py), and where
+the request goes when the worker is lost.
 
 A decode worker that refuses the request before answering anything (UNAVAILABLE: draining, loading, gone) hands
 the same start, KV session included (prefill still holds it), to another decode worker; the client sees nothing.
 A decode worker lost mid-stream (UNAVAILABLE after it answered) is replaced by another one, up to
 --migration-limit times, which continues aggregated from the prompt and the tokens delivered so far.
-A stop string matched here cancels the worker's request and waits for its Finished (its blocks are free then).
+A stop string the flight matched cancels the worker's request and waits for its Finished (its blocks are free then).
+This module reads the request's Flight (what the client has been sent) and never writes it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import grpc
 from opentelemetry import trace
@@ -22,12 +24,14 @@ from common.kv.backends import name_of
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
 from services.kit.convert import sampling_to_proto, worker_stop_conditions
-from services.router.deadline import Deadline
-from services.router.generation import Event, FinishReason
-from services.router.handoff import ExportedSession
+from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvTransfer, Tokens,
+                                           WorkerTimings)
+from services.router.generation import FinishReason
 from services.router.prepare import PreparedRequest
-from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
+
+if TYPE_CHECKING:
+    from services.router.flight import Flight
 
 log = logging.getLogger(__name__)
 
@@ -42,79 +46,57 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP, common_pb2.
 PickDecode = Callable[[set[WorkerClient]], Awaitable[WorkerClient | None]]
 
 
+@dataclass
+class DecodeRoute:
+    """Where a request's Decode goes: the worker, the start it is sent, the workers that refused the request, and
+    how many times it migrated."""
+
+    worker: WorkerClient
+    start: worker_pb2.DecodeStart
+    refused_by: set[WorkerClient] = field(default_factory=set)
+    migrations: int = 0
+
+
 class DecodeStream:
     def __init__(self, pool: WorkerPool, pick_decode: PickDecode, migration_limit: int):
         self._pool = pool
         self._pick_decode = pick_decode
         self._migration_limit = migration_limit
 
-    async def run(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
-                  start: worker_pb2.DecodeStart, deadline: Deadline,
-                  session: ExportedSession | None = None) -> AsyncIterator[Event]:
-        """Stream from a decode worker; one that refuses before answering passes the request on to another; one
-        lost mid-stream is replaced (up to --migration-limit times) by another decode worker, which continues from
-        the prompt and the tokens delivered so far."""
-        refused_by: set[WorkerClient] = set()
-        for migration in itertools.count():
-            try:
-                async with contextlib.aclosing(self._on(worker, req, out, start, deadline, session)) as responses:
-                    async for response in responses:
-                        yield response
-                return
-            except _DecodeRefused as refused:
-                refused_by.add(worker)
-                other = await self._pick_decode(refused_by)
-                if other is None:
-                    raise refused.error from None
-                log.info("request %s: decode worker %s refused it (%s); sending it to %s", req.request_id,
-                         worker.endpoint, refused.error.details(), other.endpoint)
-                worker = other
-            except _DecodeLost as lost:
-                other = await self._pick_decode({worker}) if migration < self._migration_limit else None
-                if other is None:
-                    raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} "
-                                      f"after {out.completion_tokens} tokens were delivered ({lost}); "
-                                      "retry the request") from None
-                log.warning("request %s: decode worker %s lost after %d tokens (%s); migrating to %s",
-                            req.request_id, worker.endpoint, out.completion_tokens, lost, other.endpoint)
-                worker, start, session = other, continuation_start(req, out.token_ids), None
-
-    async def _on(self, worker: WorkerClient, req: PreparedRequest, out: ResponseBuilder,
-                  start: worker_pb2.DecodeStart, deadline: Deadline,
-                  session: ExportedSession | None) -> AsyncIterator[Event]:
+    async def events(self, flight: Flight, route: DecodeRoute) -> AsyncIterator[DecodeEvent]:
+        """One decode worker's stream as plain events, ending with DecodeFinished. Raises DecodeInterrupted when the
+        worker is UNAVAILABLE (then `reroute`); reads the flight (what the client was sent), never writes it."""
+        worker, start, req = route.worker, route.start, flight.prepared
         handoff = start.HasField("session")
+        session = flight.session if handoff else None
         span = tracing.tracer().start_span("decode", attributes={
             "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})
         with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
-            call = worker.decoder.Decode(timeout=deadline.remaining_s())
-        delivered_before = out.completion_tokens
+            call = worker.decoder.Decode(timeout=flight.deadline.remaining_s())
+        delivered_before = flight.sent.completion_tokens
         # This worker's timings are the TTFT breakdown's: it runs the prompt, or it continues a KV handoff
         # (not a migration's or a continuation's recompute).
         timed = handoff or delivered_before == 0
         answered = False
         try:
-            out.dispatched()
             await _write(call, worker_pb2.DecodeClientMessage(start=start))
             async for message in call:
                 if not answered and session is not None:
-                    session.taken()  # until now the handoff's owner releases it if this stream fails
+                    session.taken()  # until now the flight releases it if this stream fails
                 answered = True
                 if message.HasField("finished"):
-                    for response in _worker_finished(message.finished, handoff, timed, out):
-                        yield response
+                    for event in _worker_finished(message.finished, handoff, timed):
+                        yield event
                     return
-                response = out.delta(message.delta.token_ids, message.delta.logprobs)
-                if response is not None:
-                    yield response
-                if out.stopped:  # a stop string: the worker generates on until told
+                yield Tokens(message.delta.token_ids, message.delta.logprobs)
+                if flight.sent.stopped:  # a stop string: the worker generates on until told
                     finished = await _cancelled(call)
-                    if finished is not None:
-                        _record_usage(finished, handoff, timed, out)
-                    for response in out.finish(FinishReason.STOP):
-                        yield response
+                    for event in _usage(finished, handoff, timed) if finished is not None else ():
+                        yield event
+                    yield DecodeFinished(FinishReason.STOP)
                     return
             raise Unavailable(f"decode worker {worker.endpoint} ended request {req.request_id} without finishing it, "
-                              f"after {out.completion_tokens} tokens were delivered")
+                              f"after {flight.sent.completion_tokens} tokens were delivered")
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not _UNAVAILABLE:
                 raise
@@ -124,8 +106,31 @@ class DecodeStream:
             raise _DecodeLost(exc.details()) from None
         finally:
             await _end_call(call)
-            span.set_attribute("disagg.decode.tokens", out.completion_tokens - delivered_before)
+            span.set_attribute("disagg.decode.tokens", flight.sent.completion_tokens - delivered_before)
             span.end()
+
+    async def reroute(self, flight: Flight, route: DecodeRoute, interrupted: DecodeInterrupted) -> None:
+        """Send the request to another decode worker: one that refused it before answering passes the same start
+        (KV session included) on; one lost mid-stream is replaced (up to --migration-limit times) by one that
+        continues from the prompt and the tokens delivered so far. Raises the request's error when there is none."""
+        req, worker, delivered = flight.prepared, route.worker, flight.sent.completion_tokens
+        if isinstance(interrupted, _DecodeRefused):
+            route.refused_by.add(worker)
+            other = await self._pick_decode(route.refused_by)
+            if other is None:
+                raise interrupted.error from None
+            log.info("request %s: decode worker %s refused it (%s); sending it to %s", req.request_id,
+                     worker.endpoint, interrupted.error.details(), other.endpoint)
+            route.worker = other
+            return
+        other = await self._pick_decode({worker}) if route.migrations < self._migration_limit else None
+        if other is None:
+            raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} "
+                              f"after {delivered} tokens were delivered ({interrupted}); retry the request") from None
+        log.warning("request %s: decode worker %s lost after %d tokens (%s); migrating to %s",
+                    req.request_id, worker.endpoint, delivered, interrupted, other.endpoint)
+        route.worker, route.start = other, continuation_start(req, flight.sent.token_ids)
+        route.migrations += 1
 
 
 def aggregated_start(req: PreparedRequest) -> worker_pb2.DecodeStart:
@@ -152,21 +157,21 @@ def continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb2
     return start
 
 
-def _worker_finished(finished: common_pb2.Finished, handoff: bool, timed: bool, out: ResponseBuilder) -> list[Event]:
-    _record_usage(finished, handoff, timed, out)
+def _worker_finished(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[DecodeEvent]:
     stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
-    return out.finish(_FINISH_REASONS.get(finished.reason, FinishReason.STOP), stop_id)
+    return [*_usage(finished, handoff, timed),
+            DecodeFinished(_FINISH_REASONS.get(finished.reason, FinishReason.STOP), stop_id)]
 
 
-def _record_usage(finished: common_pb2.Finished, handoff: bool, timed: bool, out: ResponseBuilder) -> None:
-    if timed:
-        out.worker_parts(finished.usage.ttft_breakdown)
+def _usage(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[DecodeEvent]:
+    usage = finished.usage
+    events: list[DecodeEvent] = [WorkerTimings(usage.ttft_breakdown)] if timed else []
     if not handoff:
-        out.cached_prompt_tokens = finished.usage.cached_prompt_tokens
+        events.append(CachedTokens(usage.cached_prompt_tokens))
     else:  # how the KV came to decode, for the client's Finished.usage
-        usage = finished.usage
         backend = name_of(usage.kv_transfer_backend) if usage.kv_transfer_backend else ""
-        out.kv_transfer = (backend, usage.kv_transfer_bytes, usage.kv_transfer_ms)
+        events.append(KvTransfer(backend, usage.kv_transfer_bytes, usage.kv_transfer_ms))
+    return events
 
 
 async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | None:
@@ -205,11 +210,15 @@ async def _end_call(call: grpc.aio.StreamStreamCall) -> None:
             await call.done_writing()
 
 
-class _DecodeLost(Exception):
+class DecodeInterrupted(Exception):
+    """The decode worker was UNAVAILABLE: DecodeStream.reroute sends the request on to another one."""
+
+
+class _DecodeLost(DecodeInterrupted):
     """The decode worker went away (UNAVAILABLE) after it had started streaming."""
 
 
-class _DecodeRefused(Exception):
+class _DecodeRefused(DecodeInterrupted):
     """The decode worker was UNAVAILABLE before it answered anything (draining, loading, gone): the request, and
     the KV session with it, are still the router's to send elsewhere."""
 

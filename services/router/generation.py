@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Union
+from typing import Protocol, Union
 
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
@@ -155,13 +155,32 @@ class ServedModel:
         return self.image_token is not None
 
 
+class EventStream(Protocol):
+    """One request's events, as the core hands them to a front door: TextDelta events, then one Finished. Closing it
+    early (aclose) cancels the request, frees what it holds on every worker and counts it as CANCELLED."""
+
+    def __aiter__(self) -> "EventStream": ...
+
+    async def __anext__(self) -> Event: ...
+
+    async def aclose(self) -> None: ...
+
+    def cancel(self) -> None:
+        """End the request now: the stream's next event is Finished(CANCELLED) (a no-op once it ended)."""
+
+    def failed(self, exc: BaseException) -> Finished:
+        """Finished(ERROR) for an error the stream raised, with the usage so far."""
+
+
 class Core(Protocol):
-    """What a front door needs of the router core (services/router/orchestrator.py's Orchestrator)."""
+    """What every front door needs of the router core (services/router/orchestrator.py's Orchestrator)."""
 
     def served_model(self) -> ServedModel: ...
 
     def ready(self) -> bool: ...
 
-    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> AsyncIterator[Event]: ...
+    def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> EventStream:
+        """The request's events; it starts when first iterated. Failures raise the typed error (common.errors)."""
 
-    def rejected(self, exc: BaseException) -> None: ...
+    def rejected(self, exc: BaseException) -> None:
+        """Count a request the front door refused before calling `stream`, under its status."""

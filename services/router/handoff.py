@@ -30,7 +30,6 @@ from services.router.deadline import Deadline
 from services.router.generation import FinishReason, ImageInput
 from services.router.policies import Policy
 from services.router.prepare import PreparedRequest
-from services.router.streaming import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -77,8 +76,8 @@ class Releaser:
 class ExportedSession:
     """The one owner of a KV session prefill exported: released exactly once, unless a decode worker took it over.
 
-    Used as a context manager around everything that follows prefill: on exit, whatever the path, the
-    session is released if no decode worker answered with it (`taken`).
+    The request's Flight holds it and releases it when the request ends, whatever the path, unless a decode worker
+    answered with it (`taken`).
     """
 
     def __init__(self, ref: common_pb2.KvSessionRef | None, releaser: Releaser):
@@ -94,12 +93,6 @@ class ExportedSession:
         if not self._settled:
             self._settled = True
             self._releaser.session(self.ref)
-
-    def __enter__(self) -> "ExportedSession":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
 
 
 @dataclass
@@ -194,10 +187,11 @@ class Handoff:
             self._metrics.get("disagg_routing_cached_tokens_total", source="actual").inc(ready.cached_tokens)
 
 
-def first_token_ends(req: PreparedRequest, out: ResponseBuilder, token: int,
+def first_token_ends(req: PreparedRequest, stopped: bool, token: int,
                      eos_token_ids: list[int]) -> tuple[FinishReason, int | None] | None:
-    """(reason, matched stop token id) when the token prefill sampled already ends the request."""
-    if out.stopped:
+    """(reason, matched stop token id) when the token prefill sampled already ends the request (`stopped`: its text
+    matched a stop string)."""
+    if stopped:
         return FinishReason.STOP, None
     rule = StopRule.of(req.params, eos_token_ids, len(req.prompt), req.max_model_len)
     reason = rule.check(token, len(req.prompt) + 1)
