@@ -19,13 +19,12 @@ from common.errors import InvalidConfig
 from common.kv import transport
 from common.pb.disagg.v1 import common_pb2
 
-# The built-in transports take their `number` from here (common.kv.transports): the data plane's, and those an
+# The built-in transports' numbers, from their rows (common.kv.transport.BUILT_IN): the data plane's, and those an
 # engine drives (no TensorStore pull).
-BACKENDS = {"cuda_ipc": common_pb2.TRANSFER_BACKEND_CUDA_IPC, "shm": common_pb2.TRANSFER_BACKEND_SHM,
-            "nixl": common_pb2.TRANSFER_BACKEND_NIXL, "grpc": common_pb2.TRANSFER_BACKEND_GRPC}
+BACKENDS = {row.name: row.number for row in transport.BUILT_IN if not row.driven_by_engine}
 PREFERENCE = tuple(BACKENDS)
 NAMES = {number: name for name, number in BACKENDS.items()}
-ENGINE_TRANSFERS = {"trtllm": common_pb2.TRANSFER_BACKEND_TRTLLM}
+ENGINE_TRANSFERS = {row.name: row.number for row in transport.BUILT_IN if row.driven_by_engine}
 # Session-ref attributes.
 OFFERED_ATTRIBUTE = "transfer_backends"  # what the exporter offers, best first, comma separated
 KV_CACHE_ID_ATTRIBUTE = "kv_cache_id"  # which cache allocation the session's block ids index

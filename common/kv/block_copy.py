@@ -8,13 +8,11 @@ or the same kernel reading the other GPU's memory). On CPU caches it is the torc
 """
 from __future__ import annotations
 
-import ctypes
-from array import array
 from typing import Sequence
 
 import torch
 
-_TILE_WORDS, _WARPS = 2048, 4  # 8 KiB per program (tests/bench/kv_import_phases.py tries others)
+from common.kv.blocks import pinned_ids
 
 
 def copy_blocks_reference(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
@@ -48,7 +46,7 @@ class BlockCopier:
 
             self.kernel = block_copy_triton.CopyKernel(
                 src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), src.shape[0] * 2, src.shape[2],
-                dst.shape[2], block_bytes // 4, _TILE_WORDS, _WARPS)
+                dst.shape[2], block_bytes // 4)
 
     def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int], stream: torch.cuda.Stream | None = None,
                  upload: bool = False) -> torch.Tensor | None:
@@ -75,15 +73,6 @@ class BlockCopier:
             return None
         self.kernel(ids, len(src_ids), stream)
         return ids
-
-
-def pinned_ids(src_ids: Sequence[int], dst_ids: Sequence[int]) -> torch.Tensor:
-    """src_ids then dst_ids as int32 in pinned host memory (a kernel can also read it in place: unified addressing)."""
-    ids = array("i", src_ids)
-    ids.extend(dst_ids)
-    host = torch.empty(len(ids), dtype=torch.int32, pin_memory=True)
-    ctypes.memmove(host.data_ptr(), ids.buffer_info()[0], len(ids) * ids.itemsize)
-    return host
 
 
 def compile_for(cache: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+TILE_WORDS, WARPS = 2048, 4  # 8 KiB per program (tests/bench/kv_import_phases.py tries others)
 
 # `n` and the ids' address change with every pull, and the caches' block counts with every pair of caches: left
 # unspecialised, one compiled kernel serves every pull into caches of one block shape (CopyKernel launches it
@@ -32,7 +33,7 @@ class CopyKernel:
     more host time than the rest of a pull's launch work together."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, planes: int, src_blocks: int, dst_blocks: int,
-                 words: int, tile_words: int, num_warps: int):
+                 words: int, tile_words: int = TILE_WORDS, num_warps: int = WARPS):
         self._args = (src, dst)
         self._sizes = (src_blocks, dst_blocks, words)
         self._planes, self._num_warps = planes, num_warps

@@ -2,6 +2,8 @@
 ids read out of a cache (gather_blocks), of one tensor or of a tensor-parallel engine's shards."""
 from __future__ import annotations
 
+import ctypes
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,3 +58,12 @@ def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> 
     for position, first, length in runs:
         out[:, :, position : position + length].copy_(source[:, :, first : first + length], non_blocking=True)
     return out
+
+
+def pinned_ids(src_ids: Sequence[int], dst_ids: Sequence[int]) -> torch.Tensor:
+    """src_ids then dst_ids as int32 in pinned host memory (a kernel can also read it in place: unified addressing)."""
+    ids = array("i", src_ids)
+    ids.extend(dst_ids)
+    host = torch.empty(len(ids), dtype=torch.int32, pin_memory=True)
+    ctypes.memmove(host.data_ptr(), ids.buffer_info()[0], len(ids) * ids.itemsize)
+    return host

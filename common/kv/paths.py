@@ -8,11 +8,10 @@ import asyncio
 import torch
 
 from common.engine.interface import Engine, KvSessionHost, OwnKvTransfer
-from common.errors import InvalidConfig, NotFound
+from common.errors import InvalidConfig, InvalidRequest, NotFound
 from common.kv import transport
 from common.kv.block_copy import compile_for
 from common.kv.sharing import KvCacheExporter
-from common.kv.transfer import check_pullable
 from common.kv.errors import BackendUnavailable
 from common.kv.transport import KvPath
 from common.pb.disagg.v1 import common_pb2, worker_pb2
@@ -56,6 +55,21 @@ class DataPlane(KvPath):
     def close(self) -> None:
         if self.exporter is not None:
             self.exporter.close()
+
+
+def check_pullable(ref: common_pb2.KvSessionRef) -> None:
+    """Refuse a ref the data plane cannot pull, before any bytes move."""
+    if not transport.pullable(ref.transfer_backend):
+        name = common_pb2.TransferBackend.Name(ref.transfer_backend) if ref.transfer_backend in \
+            common_pb2.TransferBackend.values() else str(ref.transfer_backend)
+        pulled = ", ".join(map(common_pb2.TransferBackend.Name, transport.pulled_numbers()))
+        raise InvalidRequest(f"transfer backend {name} is not supported here; this worker pulls over {pulled}")
+    if not ref.session_id or not ref.endpoint:
+        raise InvalidRequest("the KV session ref needs a session_id and an endpoint")
+    num_blocks = -(-ref.num_tokens // ref.block_size) if ref.block_size else -1
+    if num_blocks != len(ref.block_ids):
+        raise InvalidRequest(f"the KV session ref lists {len(ref.block_ids)} blocks for {ref.num_tokens} tokens "
+                             f"of block size {ref.block_size}")
 
 
 async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], worker_id: str) -> KvPath:

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from common.kv.block_copy import pinned_ids
+from common.kv.blocks import pinned_ids
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the pointers (unified addressing)
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
@@ -124,11 +124,10 @@ class PeerBlockCopier:
         self.kernel = None
         if on != "copy_engine":  # auto too: its kernel for scattered blocks
             from common.kv import block_copy_triton
-            from common.kv.block_copy import _TILE_WORDS, _WARPS
 
             self.kernel = block_copy_triton.CopyKernel(
                 src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), self.planes, src.shape[2],
-                dst.shape[2], self.block_bytes // 4, _TILE_WORDS, _WARPS)
+                dst.shape[2], self.block_bytes // 4)
 
     @property
     def device(self) -> torch.device:

@@ -15,18 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import grpc
 from opentelemetry import context as otel_context
 
 from common.kv.errors import BackendUnavailable
 from common.kv.fence import EPOCH_ATTRIBUTE
+from common.kv.transport import Importer, KvTransport
 from common.pb.disagg.v1 import common_pb2
 from common.telemetry import tracing
-
-if TYPE_CHECKING:
-    from common.kv.pull import KvPuller
 
 log = logging.getLogger(__name__)
 PROBE_HANDLE = "kv-transfer-probe"
@@ -45,10 +43,22 @@ def probe_ref(ref: common_pb2.KvSessionRef, num_blocks: int = PROBE_BLOCKS) -> c
     return probe
 
 
+class Negotiator(Importer, Protocol):
+    """The importer whose transports the self-check tries (common.kv.pull.KvPuller)."""
+
+    transports: dict[str, KvTransport]
+
+    def candidates(self, ref: common_pb2.KvSessionRef) -> list[str]:
+        """The transports to try for this ref, best first."""
+
+    def fall_back(self, endpoint: str, name: str, reason: str) -> None:
+        """Mark a transport broken for that exporter, saying why."""
+
+
 class SelfCheck:
     """Probes each exporter endpoint once, in the background of the first pull from it."""
 
-    def __init__(self, puller: "KvPuller", on_result: Callable[[str, str, float], None] | None = None):
+    def __init__(self, puller: Negotiator, on_result: Callable[[str, str, float], None] | None = None):
         self.puller = puller
         self.on_result = on_result  # (peer, backend, GB/s; 0 when it failed)
         self.results: dict[str, dict[str, float]] = {}  # peer → backend → GB/s

@@ -21,7 +21,7 @@ from common.kv.backends import offered
 from common.kv.blocks import KvBlocks
 from common.kv.errors import BackendUnavailable
 from common.kv.probe import SelfCheck
-from common.kv.transfer import ChannelCache, PulledKv, check_pullable, release_quietly
+from common.kv.transfer import ChannelCache, PulledKv, release_quietly
 from common.pb.disagg.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,8 @@ class KvPuller:
         return [n for n in out if n != transport.FALLBACK] + [transport.FALLBACK]
 
     async def pull_and_release(self, ref: common_pb2.KvSessionRef, timeout_s: float | None = None) -> PulledKv:
-        """The session's KV (on this worker's device), the session released whatever happened.
-        Raises grpc.aio.AioRpcError from the exporter, NotFound / Unavailable / LayoutMismatch."""
-        check_pullable(ref)
+        """The session's KV (on this worker's device), the session released whatever happened; the ref was checked
+        already (KvPath.check). Raises grpc.aio.AioRpcError from the exporter, NotFound / Unavailable / LayoutMismatch."""
         channel = self.channels.get(ref.endpoint)
         if self.self_check is not None:
             self.self_check.start(channel, ref)  # once per exporter, in the background

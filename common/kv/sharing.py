@@ -72,7 +72,7 @@ class KvCacheExporter:
     @property
     def best_backend(self) -> int:
         """The TransferBackend a ref names its best transport by (UNSPECIFIED for one the enum lacks)."""
-        return self.transports[self.offered[0]].number
+        return transport.number_of(self.offered[0])
 
     def attributes(self) -> dict[str, str]:
         """What every KvSessionRef of this worker carries: the offer, the cache id, host and GPU ids."""

@@ -32,8 +32,6 @@ KV_DIMS = "layer,kv,block,slot,kv_head,head_dim"
 HEADER_ROOM = 1024 * 1024
 RELEASE_TIMEOUT_S = 5.0
 _PULL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + HEADER_ROOM)]
-_PULLABLE = (common_pb2.TRANSFER_BACKEND_UNSPECIFIED, common_pb2.TRANSFER_BACKEND_GRPC, common_pb2.TRANSFER_BACKEND_SHM,
-             common_pb2.TRANSFER_BACKEND_CUDA_IPC, common_pb2.TRANSFER_BACKEND_NIXL)
 
 
 class PulledKv(NamedTuple):
@@ -73,21 +71,6 @@ def session_ref(layout: KvLayout, session: KvSession, endpoint: str,
 def layout_of(ref: common_pb2.KvSessionRef) -> KvLayout:
     return KvLayout(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads, head_dim=ref.head_dim,
                     block_size=ref.block_size, dtype=ref.dtype, fingerprint=ref.fingerprint)
-
-
-def check_pullable(ref: common_pb2.KvSessionRef) -> None:
-    """Refuse a ref this client cannot pull, before any bytes move."""
-    if ref.transfer_backend not in _PULLABLE:
-        name = common_pb2.TransferBackend.Name(ref.transfer_backend) if ref.transfer_backend in \
-            common_pb2.TransferBackend.values() else str(ref.transfer_backend)
-        raise InvalidRequest(f"transfer backend {name} is not supported here; this worker pulls over "
-                             "TRANSFER_BACKEND_CUDA_IPC, _NIXL, _SHM or _GRPC")
-    if not ref.session_id or not ref.endpoint:
-        raise InvalidRequest("the KV session ref needs a session_id and an endpoint")
-    num_blocks = -(-ref.num_tokens // ref.block_size) if ref.block_size else -1
-    if num_blocks != len(ref.block_ids):
-        raise InvalidRequest(f"the KV session ref lists {len(ref.block_ids)} blocks for {ref.num_tokens} tokens "
-                             f"of block size {ref.block_size}")
 
 
 def kv_from_pull(header: worker_pb2.TensorHeader, blocks: torch.Tensor, ref: common_pb2.KvSessionRef) -> KvExport:
@@ -151,7 +134,6 @@ async def pull_chunks(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionR
     accepts messages of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint; `allocate` gives the
     receive buffer. Raises grpc.aio.AioRpcError from the exporter (NOT_FOUND when expired), LayoutMismatch /
     InvalidRequest on a bad stream."""
-    check_pullable(ref)
     start = time.perf_counter()
     assembler = ChunkAssembler(allocate)
     async with _open(target) as channel:
@@ -167,7 +149,6 @@ async def pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef,
                    allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
     """Pull a session's blocks (does not release it): the exporter writes them into a /dev/shm file of ours and
     answers just the header. Raises as pull_chunks does, and ShmUnavailable when the exporter cannot write there."""
-    check_pullable(ref)
     start = time.perf_counter()
     try:
         with shm.shm_file() as path:

@@ -11,21 +11,25 @@ worker imports it before its first lookup.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
 from common.kv.errors import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:  # the router reads names and numbers here without torch
+    import asyncio
+
     import grpc
     import torch
 
     from common.engine.interface import KvImport, OwnKvTransfer
-    from common.kv.pull import KvPuller
+    from common.kv.blocks import KvBlocks
     from common.kv.sharing import KvCacheExporter
     from common.kv.transfer import PulledKv
 
@@ -33,11 +37,21 @@ MODULES_ENV = "DISAGG_KV_TRANSPORT_MODULES"
 FALLBACK = "grpc"
 
 
+class Importer(Protocol):
+    """What a transport's importing side sees of the worker it pulls for (common.kv.pull.KvPuller)."""
+
+    device: torch.device  # where pulled blocks go
+    blocks: KvBlocks | None  # the engine's cache and pool: a one-sided read may copy straight into its blocks
+
+    def release_later(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> asyncio.Task:
+        """A Release nobody waits for (the read is proven the session's: it only frees the exporter's blocks)."""
+
+
 class KvTransport(ABC):
     """One transport, held by one exporter or one importer (its state — mappings, agents — is theirs)."""
 
-    name: str
-    number: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # the TransferBackend a ref or usage names it by
+    name: str  # its row's (BUILT_IN); one registered from outside may also declare its TransferBackend `number`
+    driven_by_engine = False
     fences_reads: bool = False  # its reads need the exporter's block epochs (common.kv.fence)
     reads_sharded_caches: bool = True  # it can export a tensor-parallel cache on several GPUs (common.kv.shards)
     # Its first use starts what then runs until the worker stops (NIXL's agents, the exporter's progress thread): the
@@ -57,13 +71,13 @@ class KvTransport(ABC):
         raise BackendUnavailable(f"{self.name} shares no cache: its importers pull through TensorStore.Pull")
 
     @abstractmethod
-    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+    async def pull(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> "PulledKv":
         """The importer's side: the session's blocks on the puller's device, the session released.
         BackendUnavailable (the session still pinned) when it cannot serve this exporter."""
 
     @abstractmethod
-    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
+    async def probe(self, puller: Importer, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         """Reads a probe ref's blocks (common.kv.probe) into scratch memory, holding nothing; the bytes read."""
 
     def close(self) -> None:
@@ -129,23 +143,23 @@ class EngineTransport(KvPath):
     """A transport its engine drives itself, named by an OwnKvTransfer engine (`kv_transport`). Nothing goes through
     TensorStore.Pull: the exporter's ref carries the engine's own handoff (Engine.session_attributes) and no block
     ids; the importer's engine rebuilds its kv_import from them (kv_import_from_attributes) and fetches the KV.
-    Refs name it by its own TransferBackend `number`."""
+    Refs name it by its own TransferBackend (its row's `number`)."""
 
-    name: str
-    number: int
+    name: str  # its row's (BUILT_IN); one registered from outside also declares its TransferBackend `number`
+    driven_by_engine = True
 
     def __init__(self, engine: "OwnKvTransfer", engine_name: str) -> None:
         super().__init__(engine_name)
         self.engine = engine
 
     def carries(self, transfer_backend: int) -> bool:
-        return transfer_backend == self.number
+        return transfer_backend == number_of(self.name)
 
     def transfer_backends(self) -> list[int]:
-        return [self.number]
+        return [number_of(self.name)]
 
     async def ref_fields(self, session_id: str) -> tuple[int, dict[str, str]]:
-        return self.number, await self.engine.session_attributes(session_id)
+        return number_of(self.name), await self.engine.session_attributes(session_id)
 
     def cache_exporter(self, handle: str) -> "KvCacheExporter":
         raise BackendUnavailable(f"the KV of session {handle} moves through this worker's engine ({self.name}), "
@@ -162,67 +176,90 @@ class EngineTransport(KvPath):
         return self.engine.kv_import_from_attributes(ref.attributes)
 
 
-_BUILT_IN = {"cuda_ipc": "common.kv.transports.cuda_ipc:CudaIpcTransport",
-             "shm": "common.kv.transports.shm:ShmTransport",
-             "nixl": "common.kv.transports.nixl:NixlTransport",
-             "grpc": "common.kv.transports.grpc_pull:GrpcTransport"}
-_BUILT_IN_ENGINE = {"trtllm": "common.kv.transports.trtllm:TrtLlmTransport"}
-DATA_PLANE_MOVES = "over the KV data plane (TensorStore: " + ", ".join(_BUILT_IN) + ")"
-_registered: dict[str, str | type[KvTransport]] = dict(_BUILT_IN)  # the data plane's, best first; grpc stays last
-_engine_driven: dict[str, str | type[EngineTransport]] = dict(_BUILT_IN_ENGINE)
+@dataclass(frozen=True)
+class Registration:
+    """A transport's row in the registry: its name (--kv-transfer-backends), the TransferBackend refs and usage name
+    it by (UNSPECIFIED for one the enum lacks), and its class, or "module:Class" imported on first use."""
+
+    name: str
+    number: int
+    cls: str | type[KvTransport] | type[EngineTransport]
+    driven_by_engine: bool = False  # an EngineTransport, not one of the data plane's
+
+
+# The built-in transports, each in one row: the data plane's best first (grpc, the last resort, last), then those an
+# engine drives. Adding one is a package under common/kv/transports/ and a row here (or `register` from outside).
+BUILT_IN = (
+    Registration("cuda_ipc", common_pb2.TRANSFER_BACKEND_CUDA_IPC, "common.kv.transports.cuda_ipc:CudaIpcTransport"),
+    Registration("shm", common_pb2.TRANSFER_BACKEND_SHM, "common.kv.transports.shm:ShmTransport"),
+    Registration("nixl", common_pb2.TRANSFER_BACKEND_NIXL, "common.kv.transports.nixl:NixlTransport"),
+    Registration(FALLBACK, common_pb2.TRANSFER_BACKEND_GRPC, "common.kv.transports.grpc_pull:GrpcTransport"),
+    Registration("trtllm", common_pb2.TRANSFER_BACKEND_TRTLLM, "common.kv.transports.trtllm:TrtLlmTransport",
+                 driven_by_engine=True),
+)
+DATA_PLANE_MOVES = "over the KV data plane (TensorStore: " + \
+    ", ".join(row.name for row in BUILT_IN if not row.driven_by_engine) + ")"
+_rows: dict[str, Registration] = {row.name: row for row in BUILT_IN}
 _modules_loaded = False
 
 
 def register(transport: type[KvTransport] | type[EngineTransport]) -> None:
-    """Adds (or replaces) a transport: one of the data plane ahead of grpc, or one an engine drives."""
-    driven = issubclass(transport, EngineTransport)
-    if driven and transport.number == common_pb2.TRANSFER_BACKEND_UNSPECIFIED:
+    """Adds (or replaces) a transport from outside: one of the data plane (tried ahead of grpc), or one an engine
+    drives. Its class names it (`name`) and, where the enum has one, its TransferBackend (`number`)."""
+    number = getattr(transport, "number", common_pb2.TRANSFER_BACKEND_UNSPECIFIED)
+    if transport.driven_by_engine and number == common_pb2.TRANSFER_BACKEND_UNSPECIFIED:
         raise InvalidConfig(f"engine-driven KV transport {transport.name} needs a TransferBackend number: refs name "
                             "it by that")
-    _registered.pop(transport.name, None)
-    _engine_driven.pop(transport.name, None)
-    if driven:
-        _engine_driven[transport.name] = transport
-        return
-    fallback = _registered.pop(FALLBACK)
-    _registered[transport.name] = transport
-    _registered[FALLBACK] = fallback
+    _rows.pop(transport.name, None)
+    _rows[transport.name] = Registration(transport.name, number, transport, transport.driven_by_engine)
 
 
 def unregister(name: str) -> None:
-    if name in _BUILT_IN or name in _BUILT_IN_ENGINE:
+    if any(row.name == name for row in BUILT_IN):
         raise InvalidConfig(f"{name} is a built-in KV transport")
-    _registered.pop(name, None)
-    _engine_driven.pop(name, None)
+    _rows.pop(name, None)
 
 
 def names() -> tuple[str, ...]:
     """The data plane's transports, best first, grpc last (what --kv-transfer-backends chooses from)."""
     _load_modules()
-    return tuple(_registered)
+    data_plane = [row.name for row in _rows.values() if not row.driven_by_engine and row.name != FALLBACK]
+    return (*data_plane, FALLBACK)
 
 
 def create(name: str) -> KvTransport:
     """A new instance of the data plane's transport of that name; its module is imported on first use."""
-    return _class_of(name, _registered)()
+    return _class_of(name, driven_by_engine=False)()
 
 
 def engine_transport(name: str, engine: "OwnKvTransfer", engine_name: str) -> EngineTransport:
     """The transport an engine drives, for that engine; its module is imported on first use."""
-    return _class_of(name, _engine_driven)(engine, engine_name)
+    return _class_of(name, driven_by_engine=True)(engine, engine_name)
 
 
 def number_of(name: str) -> int:
     """The TransferBackend a ref or usage names this transport by (UNSPECIFIED for one the enum lacks)."""
-    return _class_of(name, _engine_driven if name in _engine_driven else _registered).number
+    return _row(name).number
+
+
+def pullable(transfer_backend: int) -> bool:
+    """Whether a ref naming this TransferBackend is pulled over the data plane (UNSPECIFIED: by one the enum lacks)."""
+    _load_modules()
+    return transfer_backend == common_pb2.TRANSFER_BACKEND_UNSPECIFIED or any(
+        row.number == transfer_backend for row in _rows.values() if not row.driven_by_engine)
+
+
+def pulled_numbers() -> list[int]:
+    """The TransferBackends of the data plane's transports that the enum has, best first."""
+    return [number for number in map(number_of, names()) if number != common_pb2.TRANSFER_BACKEND_UNSPECIFIED]
 
 
 def driving_engine_transport(transfer_backend: int) -> type[EngineTransport] | None:
     """The engine-driven transport a ref naming this TransferBackend was exported for; None: the data plane's."""
-    for name in tuple(_engine_driven):
-        found = _class_of(name, _engine_driven)
-        if found.number == transfer_backend:
-            return found
+    _load_modules()
+    for row in tuple(_rows.values()):
+        if row.driven_by_engine and row.number == transfer_backend:
+            return _class_of(row.name, driven_by_engine=True)
     return None
 
 
@@ -232,15 +269,21 @@ def moves_of(transfer_backend: int) -> str:
     return DATA_PLANE_MOVES if found is None else found.moves
 
 
-def _class_of(name: str, table: dict[str, Any]) -> Any:
+def _row(name: str, driven_by_engine: bool | None = None) -> Registration:
     _load_modules()
-    if name not in table:
-        raise InvalidConfig(f"unknown KV transport {name!r}; known: {list(table)}")
-    found = table[name]
-    if isinstance(found, str):
-        module, _, cls = found.partition(":")
-        found = table[name] = getattr(importlib.import_module(module), cls)
-    return found
+    row = _rows.get(name)
+    if row is None or driven_by_engine not in (None, row.driven_by_engine):
+        known = [r.name for r in _rows.values() if driven_by_engine in (None, r.driven_by_engine)]
+        raise InvalidConfig(f"unknown KV transport {name!r}; known: {known}")
+    return row
+
+
+def _class_of(name: str, driven_by_engine: bool) -> Any:
+    row = _row(name, driven_by_engine)
+    if isinstance(row.cls, str):
+        module, _, cls = row.cls.partition(":")
+        row = _rows[name] = dataclasses.replace(row, cls=getattr(importlib.import_module(module), cls))
+    return row.cls
 
 
 def _load_modules() -> None:

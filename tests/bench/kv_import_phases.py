@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
-from common.kv import block_copy, block_copy_triton, direct  # noqa: E402
+from common.kv import block_copy, block_copy_triton, blocks, direct  # noqa: E402
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs  # noqa: E402
 from common.kv.layout import KvLayout  # noqa: E402
 from common.pb.disagg.v1 import common_pb2  # noqa: E402
@@ -127,7 +127,7 @@ def main() -> None:
     ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32, device="cuda")
     stream = torch.cuda.current_stream()
     launch_ms = host_ms(lambda: triton_launch(copier.kernel, ids, n))
-    ids_ms = host_ms(lambda: block_copy.pinned_ids(src_ids, dst_ids))
+    ids_ms = host_ms(lambda: blocks.pinned_ids(src_ids, dst_ids))
     print(json.dumps({"figure": "kv_import_phases", "bytes": num_bytes, "kernel_ms": kernels,
                       "pinned_ids_host_ms": round(ids_ms, 4), "triton_launch_host_ms": round(launch_ms, 4),
                       "compiled_launch_host_ms": round(host_ms(lambda: copier.kernel(ids, n, stream)), 4),

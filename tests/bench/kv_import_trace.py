@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import gather  # noqa: E402
-from common.kv.block_copy import BlockCopier, pinned_ids  # noqa: E402
+from common.kv.block_copy import BlockCopier  # noqa: E402
+from common.kv.blocks import pinned_ids  # noqa: E402
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of  # noqa: E402
 from common.kv.transfer import ChannelCache, release_quietly  # noqa: E402
 from common.kv.transports.cuda_ipc import CudaIpcTransport  # noqa: E402

@@ -4,32 +4,26 @@ into our engine's blocks (common.kv.direct); else a gather into a new tensor. Wh
 prove the copy and the Release goes out in the background; else the Release's answer confirms it."""
 from __future__ import annotations
 
-
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from common.kv import cuda_ipc, direct, gather, shm
-from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
 from common.kv.ipc_share import local_index_of, share_cache
 from common.kv.shards import KvShards
 from common.kv.transfer import PulledKv, layout_of
-from common.kv.transport import KvTransport
+from common.kv.transport import Importer, KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
 from common.pb.disagg.v1 import common_pb2, worker_pb2
-
-if TYPE_CHECKING:
-    from common.kv.pull import KvPuller
 
 
 class CudaIpcTransport(KvTransport):
     name = "cuda_ipc"
-    number = BACKENDS[name]
     fences_reads = True
 
     def __init__(self) -> None:
@@ -59,7 +53,7 @@ class CudaIpcTransport(KvTransport):
         check_block_ids(ref, mapped.tensor.shape[2])
         return mapped
 
-    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+    async def pull(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> PulledKv:
         mapped = await self.map_cache(channel, ref)
         if mapped.epochs is not None and fence_of(ref) is not None and direct.can_place(mapped.tensor, puller.blocks):
@@ -71,7 +65,7 @@ class CudaIpcTransport(KvTransport):
             return await gather.gather_on_device(mapped.tensor, list(ref.block_ids), puller.device)
         return await read_one_sided(puller, channel, ref, self.name, read, timeout_s, mapped.epochs)
 
-    async def _placed(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+    async def _placed(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                       mapped: cuda_ipc.MappedCache, timeout_s: float | None) -> PulledKv | None:
         start, sent = time.perf_counter(), []
 
@@ -93,7 +87,7 @@ class CudaIpcTransport(KvTransport):
         num_bytes = len(ref.block_ids) * layout.block_bytes()
         return PulledKv(placed, num_bytes, seconds, self.name, seconds)
 
-    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
+    async def probe(self, puller: Importer, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         mapped = (await self.map_cache(channel, probe)).tensor
         ids = list(probe.block_ids)
         if isinstance(mapped, KvShards):

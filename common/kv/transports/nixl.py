@@ -5,23 +5,19 @@ host the Release's answer confirms it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from common.errors import Unavailable
 from common.kv import shm
-from common.kv.backends import BACKENDS, KV_CACHE_ID_ATTRIBUTE
+from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.chunks import dtype_name, torch_dtype
 from common.kv.fence import EPOCHS_ATTRIBUTE, BlockEpochs, open_peer_table
 from common.kv.transfer import PulledKv, layout_of
-from common.kv.transport import KvTransport
+from common.kv.transport import Importer, KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
 from common.pb.disagg.v1 import common_pb2, worker_pb2
-
-if TYPE_CHECKING:
-    from common.kv.pull import KvPuller
 
 
 def nixl_unavailable_reason() -> str | None:
@@ -41,7 +37,6 @@ class _Peer:
 
 class NixlTransport(KvTransport):
     name = "nixl"
-    number = BACKENDS[name]
     fences_reads = True
     reads_sharded_caches = False  # its agent registers one region: one rank's cache, not a TP engine's shards
     starts_on_first_use = True  # the agents; on the exporter, a progress thread (common.kv.nixl_plane)
@@ -62,13 +57,13 @@ class NixlTransport(KvTransport):
         return worker_pb2.KvCacheShare(transport=self.name, kv_cache_id=kv_cache_id, shape=list(kv_cache.shape),
                                        dtype=dtype_name(kv_cache.dtype), payload=payload)
 
-    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+    async def pull(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> PulledKv:
         peer = await self._peer(channel, ref)
         return await read_one_sided(puller, channel, ref, self.name, lambda c, r: self.read(puller.device, c, r),
                                     timeout_s, peer.epochs)
 
-    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
+    async def probe(self, puller: Importer, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         out = await self.read(puller.device, channel, probe)
         return out.numel() * out.element_size()
 

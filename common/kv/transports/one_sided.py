@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import grpc
 import torch
@@ -17,10 +17,8 @@ from common.kv.errors import BackendUnavailable
 from common.kv.fence import BlockEpochs, fence_of
 from common.kv.layout import KvExport
 from common.kv.transfer import PulledKv, layout_of, release_quietly, release_session
+from common.kv.transport import Importer
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-
-if TYPE_CHECKING:
-    from common.kv.pull import KvPuller
 
 
 async def open_share(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str) -> worker_pb2.KvCacheShare:
@@ -35,7 +33,7 @@ async def open_share(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, na
     return share
 
 
-async def read_one_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
+async def read_one_sided(puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
                          read: Callable[[grpc.aio.Channel, common_pb2.KvSessionRef], Awaitable[torch.Tensor]],
                          timeout_s: float | None, epochs: BlockEpochs | None = None) -> PulledKv:
     """The session's blocks read by `read`; `epochs`: the exporter's table, where this process maps it."""

@@ -1,25 +1,18 @@
 """`shm`: same host; the exporter writes the session's bytes into the importer's /dev/shm file (common.kv.shm)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import grpc
 import torch
 
 from common.kv import shm
-from common.kv.backends import BACKENDS
 from common.kv.transfer import PulledKv, pull_shm
-from common.kv.transport import KvTransport
+from common.kv.transport import Importer, KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
 from common.pb.disagg.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from common.kv.pull import KvPuller
 
 
 class ShmTransport(KvTransport):
     name = "shm"
-    number = BACKENDS[name]
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None if shm.host_id() else "no /dev/shm or host id here"
@@ -27,9 +20,9 @@ class ShmTransport(KvTransport):
     def applies(self, ref: common_pb2.KvSessionRef) -> bool:
         return shm.same_host(ref.attributes)
 
-    async def pull(self, puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
+    async def pull(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> PulledKv:
         return await pull_two_sided(puller, channel, ref, self.name, pull_shm, timeout_s)
 
-    async def probe(self, puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
+    async def probe(self, puller: Importer, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
         return await probe_two_sided(puller, channel, probe, pull_shm)

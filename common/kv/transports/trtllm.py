@@ -5,11 +5,9 @@ DisaggregatedParams and its transceiver fetches the KV. A data plane ref at a tr
 data plane worker, is FAILED_PRECONDITION naming both sides (KvPath.check)."""
 from __future__ import annotations
 
-from common.kv.backends import ENGINE_TRANSFERS
 from common.kv.transport import EngineTransport
 
 
 class TrtLlmTransport(EngineTransport):
     name = "trtllm"
-    number = ENGINE_TRANSFERS[name]
     moves = "through TensorRT-LLM's cache transceiver (TRANSFER_BACKEND_TRTLLM)"

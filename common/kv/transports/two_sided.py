@@ -4,7 +4,7 @@ Release goes out without being waited for."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import grpc
 import torch
@@ -13,20 +13,18 @@ from common.kv import gather
 from common.kv.errors import BackendUnavailable
 from common.kv.layout import KvExport
 from common.kv.transfer import PulledKv, release_quietly
+from common.kv.transport import Importer
 from common.pb.disagg.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from common.kv.pull import KvPuller
 
 # common.kv.transfer.pull_chunks or pull_shm: (channel, ref, timeout_s=, allocate=) → the session's blocks.
 Pull = Callable[..., Awaitable[PulledKv]]
 
 
-def _pinned(puller: "KvPuller") -> Callable[[int], torch.Tensor]:
+def _pinned(puller: Importer) -> Callable[[int], torch.Tensor]:
     return lambda n: gather.pinned_empty(n, puller.device)
 
 
-async def pull_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
+async def pull_two_sided(puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str,
                          pull: Pull, timeout_s: float | None) -> PulledKv:
     try:
         pulled = await pull(channel, ref, timeout_s=timeout_s, allocate=_pinned(puller))
@@ -41,7 +39,7 @@ async def pull_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, ref: com
     return PulledKv(export, pulled.num_bytes, pulled.seconds, name)
 
 
-async def probe_two_sided(puller: "KvPuller", channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef,
+async def probe_two_sided(puller: Importer, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef,
                           pull: Pull) -> int:
     pulled = await pull(channel, probe, timeout_s=30, allocate=_pinned(puller))
     await gather.to_device(pulled.export.blocks, puller.device)
