@@ -1,5 +1,6 @@
-"""The router process: the Orchestrator (its core) behind every front door — disagg.v1.Generation and KServe v2 on
-the gRPC port, OpenAI-compatible HTTP on --http-port — all on one event loop; health, discovery and the drain."""
+"""The router process: the Orchestrator (its core) behind every registered front door (frontends/: gRPC services on
+the router's port, listeners of their own such as OpenAI-compatible HTTP), all on one event loop; health, discovery
+and the drain."""
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +12,13 @@ import grpc
 
 from common.discovery import Discovery
 from services.kit.observability import Observability
-from services.kit.ports import port_taken
 from services.router.config import RouterConfig
-from services.router.frontends import grpc as generation_api, kserve, openai
-from services.router import policies
+from services.router import frontends, policies
 from services.router.kv_index import KvIndex
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
-from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, start_server, wait_for_signal
+from services.kit.serving import Server, start_server, wait_for_signal
 from services.kit.wire import ParseRequests
 
 log = logging.getLogger(__name__)
@@ -34,20 +33,20 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     preparer = await asyncio.to_thread(RequestPreparer.from_model_dir, config.model)
     pool = worker_pool(config, discovery)
     orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)
-    server = await start_server(lambda s: _add_grpc_front_doors(s, orchestrator),
-                                [generation_api.SERVICE_NAME, kserve.SERVICE_NAME], config.host, config.port,
+    doors = frontends.doors()
+    server = await start_server(lambda s: _add_grpc_front_doors(s, doors, orchestrator),
+                                [name for door in doors for name in door.grpc_services], config.host, config.port,
                                 interceptors=[ParseRequests()])
     try:
-        http = (await openai.start_http(orchestrator, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES)
-                if config.http_port else None)
-    except OSError as exc:  # the port is taken: stop the gRPC server too, or its threads keep the process alive
+        listeners = await _start_listeners(doors, orchestrator, config)
+    except BaseException:  # a port taken: stop the gRPC server too, or its threads keep the process alive
         await server.server.stop(0)
-        raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
+        raise
     await pool.start()
     advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
         socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
-    http_address = f"http://{advertised}:{http.port}" if http is not None else None
-    health = asyncio.create_task(_track_health(server, orchestrator, f"{advertised}:{server.port}", http_address))
+    banners = [listener.banner(advertised) for listener in listeners]
+    health = asyncio.create_task(_track_health(server, orchestrator, f"{advertised}:{server.port}", banners))
     try:
         if obs is not None:
             await obs.start(config.host, advertised, server.port)
@@ -60,8 +59,8 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         await server.stop(grace_s=1.0, drain=lambda: _drain(orchestrator, config.drain_timeout_s,
                                                             f"{advertised}:{server.port}"))
     finally:
-        if http is not None:
-            await http.stop()
+        for listener in listeners:
+            await listener.stop()
         await server.server.stop(0)  # stopped already, unless serving failed (a --metrics-port taken)
         health.cancel()
         await pool.close()
@@ -78,12 +77,30 @@ def worker_pool(config: RouterConfig, discovery: Discovery) -> WorkerPool:
                       kv_index=KvIndex() if needs_kv_index else None)
 
 
-def _add_grpc_front_doors(server: grpc.aio.Server, orchestrator: Orchestrator) -> None:
-    generation_api.add_to_server(server, orchestrator)
-    kserve.add_to_server(server, orchestrator)
+def _add_grpc_front_doors(server: grpc.aio.Server, doors: list[frontends.FrontDoor],
+                          orchestrator: Orchestrator) -> None:
+    for door in doors:
+        if door.add_to_server is not None:
+            door.add_to_server(server, orchestrator)
 
 
-async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: str, http_address: str | None) -> None:
+async def _start_listeners(doors: list[frontends.FrontDoor], orchestrator: Orchestrator,
+                           config: RouterConfig) -> list[frontends.Listener]:
+    """The front doors' own listeners (those the config turns on); when one fails, those started are stopped."""
+    listeners: list[frontends.Listener] = []
+    try:
+        for door in doors:
+            listener = await door.start(orchestrator, config) if door.start is not None else None
+            if listener is not None:
+                listeners.append(listener)
+    except BaseException:
+        for listener in listeners:
+            await listener.stop()
+        raise
+    return listeners
+
+
+async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: str, banners: list[str]) -> None:
     """SERVING while every discovered worker has been heard from and a decode worker is ready."""
     serving: bool | None = None
     announced = False
@@ -94,8 +111,8 @@ async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: st
             log.info("health: %s", "SERVING" if ready else "NOT_SERVING")
             serving = ready
         if ready and not announced:
-            if http_address is not None:
-                print(f"disagg-router OpenAI-compatible HTTP on {http_address}/v1", flush=True)
+            for banner in banners:
+                print(f"disagg-router {banner}", flush=True)
             print(f"disagg-router serving on {endpoint}", flush=True)
             announced = True
         await asyncio.sleep(_HEALTH_POLL_S)

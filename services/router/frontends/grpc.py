@@ -9,6 +9,7 @@ import grpc
 
 from common.errors import DisaggError
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
+from services.router.frontends import FrontDoor
 from services.router.frontends.grpc_convert import request_from_proto, response_of
 from services.router.frontends.grpc_stream import Multiplexer
 from services.router.generation import Core
@@ -55,3 +56,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 def add_to_server(server: grpc.aio.Server, core: Core) -> None:
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
+
+
+FRONT_DOOR = FrontDoor(grpc_services=(SERVICE_NAME,), add_to_server=add_to_server)

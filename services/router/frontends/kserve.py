@@ -17,6 +17,7 @@ import grpc
 from common.errors import DisaggError, InvalidRequest, NotFound, Unavailable
 from common.pb.inference import grpc_service_pb2 as pb
 from common.pb.inference import grpc_service_pb2_grpc as pb_grpc
+from services.router.frontends import FrontDoor
 from services.router.frontends.kserve_model import check_model, model_config, model_metadata
 from services.router.frontends.kserve_stream import StreamSession, parse_for, whole_text
 from services.router.generation import Core, ServedModel
@@ -93,3 +94,6 @@ class KserveServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 def add_to_server(server: grpc.aio.Server, core: Core) -> None:
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(KserveServicer(core), server)
+
+
+FRONT_DOOR = FrontDoor(grpc_services=(SERVICE_NAME,), add_to_server=add_to_server)

@@ -19,7 +19,10 @@ from aiohttp import web
 
 from common.errors import DisaggError
 from common.telemetry import tracing
-
+from services.kit.ports import port_taken
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES
+from services.router.config import RouterConfig
+from services.router.frontends import FrontDoor
 from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
                                                        parse_completion)
 from services.router.frontends.openai_responses import Json, Shapes, error_json, error_of
@@ -42,8 +45,21 @@ class HttpFrontDoor:
         self._runner = runner
         self.port = port
 
+    def banner(self, host: str) -> str:
+        return f"OpenAI-compatible HTTP on http://{host}:{self.port}/v1"
+
     async def stop(self) -> None:
         await self._runner.cleanup()
+
+
+async def start(core: Core, config: RouterConfig) -> HttpFrontDoor | None:
+    """The router's HTTP front door on --http-port (0: none). PortTaken naming the flag when the port is held."""
+    if not config.http_port:
+        return None
+    try:
+        return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES)
+    except OSError as exc:
+        raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
 
 
 async def start_http(core: Core, host: str, port: int, max_body_bytes: int) -> HttpFrontDoor:
@@ -206,3 +222,6 @@ async def _send_events(response: web.StreamResponse, event: Event, events: Async
 
 async def _send(response: web.StreamResponse, chunk: Json) -> None:
     await response.write(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+
+FRONT_DOOR = FrontDoor(start=start)

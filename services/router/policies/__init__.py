@@ -1,18 +1,18 @@
 """How the router picks one worker of a role: a `Policy` per role, built by name from one registry.
 
-The registry holds names and import paths only, so `--policy`'s choices (config.py, `disagg up`) load nothing
-but this module; a policy's module is imported when the router builds it. A new policy is its module and one
-`register` line here; a policy kept outside the project is a module that calls `register`, named in
-DISAGG_ROUTER_POLICY_MODULES (comma separated), which the router and `disagg up` import before reading the names.
+The registry (services/router/registry.py) holds names and import paths only, so `--policy`'s choices (config.py,
+`disagg up`) load nothing but this module and the registry; a policy's module is imported when the router builds it.
+A new policy is its module and one `register` line here; a policy kept outside the project is a module that calls
+`register`, named in DISAGG_ROUTER_POLICY_MODULES (comma separated), which the router and `disagg up` import before
+reading the names.
 """
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from common.errors import InvalidConfig
+from services.router.registry import Registry
 
 if TYPE_CHECKING:
     from common.discovery import Role
@@ -48,36 +48,23 @@ class PolicyFactory(Protocol):
 
 MODULES_ENV = "DISAGG_ROUTER_POLICY_MODULES"
 
-_REGISTRY: dict[str, str | type] = {}
-_imported_modules: set[str] = set()
+_REGISTRY: Registry[PolicyFactory] = Registry(MODULES_ENV)
 
 
 def register(name: str, factory: str | type) -> None:
     """`factory` is a PolicyFactory, or "module:Class" naming one (imported when the policy is first built)."""
-    _REGISTRY[name] = factory
+    _REGISTRY.register(name, factory)
 
 
 def names() -> tuple[str, ...]:
-    _import_listed_modules()
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def factory_of(name: str) -> PolicyFactory:
-    _import_listed_modules()
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise InvalidConfig(f"--policy: unknown policy {name!r}; registered: {list(_REGISTRY)}")
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
-    return target
-
-
-def _import_listed_modules() -> None:
-    for module in os.environ.get(MODULES_ENV, "").split(","):
-        if module.strip() and module.strip() not in _imported_modules:
-            _imported_modules.add(module.strip())
-            importlib.import_module(module.strip())
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise InvalidConfig(f"--policy: unknown policy {name!r}; registered: {list(_REGISTRY.names())}")
+    return factory
 
 
 def build(name: str, role: "Role", context: PolicyContext) -> Policy:
