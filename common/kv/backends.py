@@ -30,6 +30,11 @@ OFFERED_ATTRIBUTE = "transfer_backends"  # what the exporter offers, best first,
 KV_CACHE_ID_ATTRIBUTE = "kv_cache_id"  # which cache allocation the session's block ids index
 
 
+def known_backends() -> tuple[str, ...]:
+    """The data plane's transports, built-in or registered, best first, grpc last."""
+    return transport.names()
+
+
 def parse_backends(text: str) -> tuple[str, ...]:
     """`auto` (every backend) or a comma-separated subset, kept in preference order, grpc always included."""
     known = transport.names()

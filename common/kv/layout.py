@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from common.errors import LayoutMismatch
+from common.pb.disagg.v1 import common_pb2
 
 # Bump when the meaning of exported blocks changes (cache layout, RoPE placement, ...).
 KV_FORMAT_VERSION = 1
@@ -50,6 +51,12 @@ class KvLayout:
     def block_bytes(self) -> int:
         itemsize = getattr(torch, self.dtype).itemsize
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def layout_of(ref: common_pb2.KvSessionRef) -> KvLayout:
+    """The layout a session ref describes (the exporter's)."""
+    return KvLayout(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads, head_dim=ref.head_dim,
+                    block_size=ref.block_size, dtype=ref.dtype, fingerprint=ref.fingerprint)
 
 
 @dataclass

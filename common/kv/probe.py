@@ -8,7 +8,7 @@ no better backend worked: where pulls will not use it, it never starts.
 
 A probe reads no session: one-sided backends read the first blocks of the exporter's cache into scratch
 memory; two-sided ones pull the handle PROBE_HANDLE, which the exporter answers with blocks of zeros
-(tensor_store.KvSessionSource) without touching its engine. Nothing is held, so nothing is released.
+(common.kv.paths.DataPlane.export) without touching its engine. Nothing is held, so nothing is released.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ For each KvSessionRef the puller tries the exporter's offered transports (best f
 this worker accepts, can run here, and that apply to the ref; `grpc` always works and comes last. A transport that
 cannot serve a peer (BackendUnavailable: no shared GPU, another container, NIXL missing) is logged once per peer
 with the reason, counted, skipped for that peer for a while, and the next one is tried; the session is still
-pinned then, so nothing is lost. Each transport pulls and releases the session itself (common.kv.transports).
+pinned then, so nothing is lost. Each transport pulls the session and releases it through the importer's Releases
+(common.kv.transfer), which send every Release it owes.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from common.kv.backends import offered
 from common.kv.blocks import KvBlocks
 from common.kv.errors import BackendUnavailable
 from common.kv.probe import SelfCheck
-from common.kv.transfer import ChannelCache, PulledKv, release_quietly
+from common.kv.transfer import ChannelCache, PulledKv, Releases
 from common.pb.disagg.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,12 @@ RETRY_BROKEN_AFTER_S = 60.0  # a transport that failed for a peer is tried again
 class KvPuller:
     def __init__(self, channels: ChannelCache, device: torch.device, accepted: tuple[str, ...] | None = None,
                  on_fallback: Callable[[str, str], None] | None = None, blocks: KvBlocks | None = None,
-                 on_probe: Callable[[str, str, float], None] | None = None, self_check: bool = True):
+                 on_probe: Callable[[str, str, float], None] | None = None, self_check: bool = True,
+                 releases: Releases | None = None):
         self.channels = channels
         self.device = device
         self.blocks = blocks  # the engine's cache and pool: cuda_ipc copies straight into its blocks
-        self._releases: set[asyncio.Task] = set()  # Releases sent off the critical path, until answered
+        self.releases = releases or Releases(channels)  # the worker's (its KvPath's), where it has one
         self.self_check = SelfCheck(self, on_probe) if self_check else None
         self.transports = self._usable(accepted or transport.names())
         self.accepted = tuple(self.transports)
@@ -75,7 +77,8 @@ class KvPuller:
             self.self_check.start(channel, ref)  # once per exporter, in the background
         for name in self.candidates(ref):
             try:
-                return await self.transports[name].pull(self, channel, ref, timeout_s)
+                pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
+                return pulled._replace(transfer_backend=transport.number_of(name))
             except BackendUnavailable as exc:
                 self.fall_back(ref.endpoint, name, str(exc))
         raise AssertionError("grpc is always a candidate and never unavailable")
@@ -89,17 +92,9 @@ class KvPuller:
         if self.on_fallback is not None:
             self.on_fallback(name, reason)
 
-    def release_later(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> asyncio.Task:
-        """A Release nobody waits for (a fenced read needs no answer: it only frees the exporter's blocks)."""
-        task = asyncio.ensure_future(release_quietly(channel, ref.session_id))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-        return task
-
     async def close(self) -> None:
         if self.self_check is not None:
             await self.self_check.close()
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+        await self.releases.close()
         for one in self.transports.values():
             one.close()

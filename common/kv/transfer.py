@@ -1,8 +1,9 @@
-"""The KV data plane over gRPC: session refs, TensorStore.Pull of a session's blocks, Release.
+"""The KV data plane over gRPC: session refs, TensorStore.Pull of a session's blocks (both halves), Release.
 
 The exporter (prefill) describes a pinned session as a KvSessionRef; the importer (decode)
-checks the layout, pulls the blocks as TensorChunks, checks the header against the ref,
-and releases the session. The importer owns the session once it has the ref.
+checks the layout, pulls the blocks as TensorChunks (or through its /dev/shm file), checks the header against the
+ref, and releases the session. The importer owns the session once it has the ref, and sends every Release it owes
+through its Releases.
 """
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Callable, NamedTuple, Sequence
+from typing import AsyncIterator, Callable, Iterable, NamedTuple, Sequence
 
 import grpc
 import torch
 
 from common import channels
-from common.errors import InvalidRequest, LayoutMismatch
+from common.errors import InvalidRequest, LayoutMismatch, NotFound, Unavailable
 from common.kv import shm
-from common.kv.chunks import (MAX_CHUNK_BYTES, ChunkAssembler, dtype_name, parse_chunk, tensor_from_bytes,
-                              torch_dtype)
+from common.kv.chunks import (MAX_CHUNK_BYTES, ChunkAssembler, chunk_size, dtype_name, encoded_chunks, parse_chunk,
+                              tensor_from_bytes, torch_dtype)
 from common.kv.fence import EPOCH_ATTRIBUTE
-from common.kv.layout import KvExport, KvLayout, PlacedKv
+from common.kv.layout import KvExport, KvLayout, PlacedKv, layout_of
 from common.kv.session import KvSession
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -40,6 +41,7 @@ class PulledKv(NamedTuple):
     seconds: float
     backend: str = "grpc"  # how the bytes came: a name of common.kv.backends
     read_seconds: float = 0.0  # one-sided backends: the read alone, before the release that confirms it
+    transfer_backend: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # `backend`'s number, for Usage (the puller's)
 
 
 def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) -> worker_pb2.TensorHeader:
@@ -66,11 +68,6 @@ def session_ref(layout: KvLayout, session: KvSession, endpoint: str,
         fingerprint=layout.fingerprint, first_token=session.first_token,
         expires_at_unix_ms=int(session.expires_at_unix * 1000), attributes=attributes,
     )
-
-
-def layout_of(ref: common_pb2.KvSessionRef) -> KvLayout:
-    return KvLayout(num_layers=ref.num_layers, num_kv_heads=ref.num_kv_heads, head_dim=ref.head_dim,
-                    block_size=ref.block_size, dtype=ref.dtype, fingerprint=ref.fingerprint)
 
 
 def kv_from_pull(header: worker_pb2.TensorHeader, blocks: torch.Tensor, ref: common_pb2.KvSessionRef) -> KvExport:
@@ -171,6 +168,18 @@ async def pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef,
     return PulledKv(export, total, time.perf_counter() - start, "shm")
 
 
+async def answer_pull(request: worker_pb2.PullRequest, header: worker_pb2.TensorHeader, data: memoryview,
+                      max_message_bytes: int) -> Iterable[bytes | worker_pb2.TensorChunk]:
+    """TensorStore.Pull's answer, the exporter's half of pull_shm and pull_chunks: with `shm_path` (same host) the
+    bytes go into the importer's /dev/shm file and only the header comes back; else the data in chunks, serialized
+    already (one copy of the data). Raises (InvalidRequest, ShmUnavailable) before anything is sent."""
+    size = chunk_size(request.max_chunk_bytes, max_message_bytes, HEADER_ROOM)
+    if request.shm_path:
+        await asyncio.to_thread(shm.write_into, request.shm_path, data)
+        return [worker_pb2.TensorChunk(offset=0, total_bytes=len(data), header=header)]
+    return encoded_chunks(header, data, size)
+
+
 async def release_session(target: grpc.aio.Channel | str, handle: str,
                           timeout_s: float | None = RELEASE_TIMEOUT_S) -> worker_pb2.ReleaseResponse:
     """Release a TensorStore handle; `released` is false (with the `reason`) when it was unknown,
@@ -188,6 +197,42 @@ async def release_quietly(target: grpc.aio.Channel | str, handle: str) -> bool:
         log.warning("could not release KV session %s (%s: %s); it will expire", handle, exc.code().name,
                     exc.details())
         return False
+
+
+class Releases:
+    """Every Release an importer sends its exporters, from one place: a pulled session's, off the critical path or
+    confirming an unfenced read; a failed pull's; a session it will not import (refused, or moved by its engine).
+    Those sent off the critical path are awaited at `close`."""
+
+    def __init__(self, channels: "ChannelCache"):
+        self.channels = channels
+        self._pending: set[asyncio.Task] = set()
+
+    def later(self, ref: common_pb2.KvSessionRef) -> asyncio.Task:
+        """A Release nobody waits for (it only frees the exporter's blocks), logged if it fails."""
+        task = asyncio.ensure_future(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    async def now(self, ref: common_pb2.KvSessionRef) -> None:
+        """The Release of a pull that failed, finished even if the caller is cancelled meanwhile."""
+        await asyncio.shield(self.later(ref))
+
+    async def confirm(self, ref: common_pb2.KvSessionRef, what: str) -> None:
+        """The Release that proves an unfenced read: released = true, the session held its blocks until now."""
+        try:
+            release = await asyncio.shield(release_session(self.channels.get(ref.endpoint), ref.session_id))
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"KV session {ref.session_id} at {ref.endpoint} was read through {what}, but its "
+                              f"release failed ({exc.code().name}: {exc.details()}); the read cannot be trusted")
+        if not release.released:  # read blocks are not the session's: never use them
+            raise NotFound(f"KV session {ref.session_id} at {ref.endpoint} was not held through the {what} read: "
+                           f"{release.reason or 'expired or released'}")
+
+    async def close(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
 
 
 class ChannelCache:

@@ -1,13 +1,17 @@
-"""The KV transport protocols and the registry that loads transports lazily by name.
+"""The KV transport protocol and the registry that loads transports lazily by name (torch-free: the router reads
+names and numbers here).
 
 A transport moves a pinned session's blocks from an exporter (prefill) to an importer (decode). Those of our KV
-data plane (`KvTransport`) say whether they can run here, whether they apply to a ref, share the exporter's cache
-where they read one-sided, and pull a session into local blocks on the importer; the importer negotiates among
-them per session. An `EngineTransport` is one its engine drives itself (TensorRT-LLM's cache transceiver): the
-worker uses it alone. Either way a worker's services see one `KvPath` (common.kv.paths picks it by what the engine
-can do). The built-in transports live in common/kv/transports/; `grpc` is always the data plane's last resort.
-Another one is a module that calls `register`: name it in DISAGG_KV_TRANSPORT_MODULES (comma separated) and every
-worker imports it before its first lookup.
+data plane (`KvTransport`) hold both halves: the exporter's says whether it can run there and shares the cache
+where it reads one-sided; the importer's says whether it applies to a ref and pulls a session into local blocks.
+The importer negotiates among them per session. An engine may instead drive a transport of its own
+(common.kv.paths.EngineTransport: TensorRT-LLM's cache transceiver), which the worker then uses alone. Either way a
+worker's services see one KvPath (common.kv.paths picks it by what the engine can do).
+
+Each transport has one row in the registry (name, TransferBackend, class): the built-ins in BUILT_IN, their
+packages under common/kv/transports/; `grpc` is always the data plane's last resort. Another one is a module that
+calls `register`: name it in DISAGG_KV_TRANSPORT_MODULES (comma separated) and every worker imports it before its
+first lookup.
 """
 from __future__ import annotations
 
@@ -18,20 +22,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
+from common.errors import InvalidConfig
 from common.kv.errors import BackendUnavailable
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:  # the router reads names and numbers here without torch
-    import asyncio
-
     import grpc
     import torch
 
-    from common.engine.interface import KvImport, OwnKvTransfer
     from common.kv.blocks import KvBlocks
-    from common.kv.sharing import KvCacheExporter
-    from common.kv.transfer import PulledKv
+    from common.kv.transfer import PulledKv, Releases
 
 MODULES_ENV = "DISAGG_KV_TRANSPORT_MODULES"
 FALLBACK = "grpc"
@@ -42,9 +42,7 @@ class Importer(Protocol):
 
     device: torch.device  # where pulled blocks go
     blocks: KvBlocks | None  # the engine's cache and pool: a one-sided read may copy straight into its blocks
-
-    def release_later(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> asyncio.Task:
-        """A Release nobody waits for (the read is proven the session's: it only frees the exporter's blocks)."""
+    releases: Releases  # every Release it sends, from one place
 
 
 class KvTransport(ABC):
@@ -84,98 +82,6 @@ class KvTransport(ABC):
         """Frees what this side holds (mappings, agents)."""
 
 
-class KvPath(ABC):
-    """How one worker's sessions' KV moves, the only KV seam its services use: our data plane for an engine that
-    hosts KV sessions (common.kv.paths.DataPlane), or the EngineTransport its engine drives."""
-
-    moves: str  # how, in words, for a refusal that names both sides
-
-    def __init__(self, engine_name: str) -> None:
-        self.engine_name = engine_name  # the worker's --engine
-
-    @abstractmethod
-    def carries(self, transfer_backend: int) -> bool:
-        """Whether the KV of a ref naming this TransferBackend moves this way."""
-
-    @abstractmethod
-    def transfer_backends(self) -> list[int]:
-        """What this worker offers (prefill) or accepts (decode), best first (Worker/GetInfo)."""
-
-    @abstractmethod
-    async def ref_fields(self, session_id: str) -> tuple[int, dict[str, str]]:
-        """Exporter: a pinned session's KvSessionRef.transfer_backend and attributes."""
-
-    @abstractmethod
-    def cache_exporter(self, handle: str) -> "KvCacheExporter":
-        """Exporter: the cache TensorStore.Pull reads a session from; NotFound / BackendUnavailable saying why none."""
-
-    @abstractmethod
-    def share(self, name: str) -> worker_pb2.KvCacheShare:
-        """Exporter: TensorStore.OpenKvCache's answer for transport `name`; BackendUnavailable with the reason."""
-
-    def check(self, ref: common_pb2.KvSessionRef) -> None:
-        """Importer: FailedPrecondition naming both sides when the ref's KV moves another way (a trtllm prefill's
-        ref at a torch decode worker, or the reverse); InvalidRequest when this way cannot use the ref."""
-        if not self.carries(ref.transfer_backend):
-            number = ref.transfer_backend
-            name = common_pb2.TransferBackend.Name(number) if number in common_pb2.TransferBackend.values() \
-                else str(number)
-            raise FailedPrecondition(
-                f"KV session {ref.session_id} was exported with transfer_backend {name}, to be moved "
-                f"{moves_of(number)}, but this decode worker runs --engine {self.engine_name}, which imports KV only "
-                f"{self.moves}; run prefill and decode workers with the same --engine")
-        self.check_ref(ref)
-
-    @abstractmethod
-    def check_ref(self, ref: common_pb2.KvSessionRef) -> None:
-        """Importer: InvalidRequest for a ref of this way that it cannot use."""
-
-    def handoff(self, ref: common_pb2.KvSessionRef) -> "KvImport | None":
-        """Importer: the engine's kv_import made from the ref alone, its engine then fetching the KV itself (the
-        importer releases the session once the engine has answered); None: the KV is pulled (KvPuller)."""
-        return None
-
-    def close(self) -> None:
-        """Frees what the worker's side holds (shares, agents)."""
-
-
-class EngineTransport(KvPath):
-    """A transport its engine drives itself, named by an OwnKvTransfer engine (`kv_transport`). Nothing goes through
-    TensorStore.Pull: the exporter's ref carries the engine's own handoff (Engine.session_attributes) and no block
-    ids; the importer's engine rebuilds its kv_import from them (kv_import_from_attributes) and fetches the KV.
-    Refs name it by its own TransferBackend (its row's `number`)."""
-
-    name: str  # its row's (BUILT_IN); one registered from outside also declares its TransferBackend `number`
-    driven_by_engine = True
-
-    def __init__(self, engine: "OwnKvTransfer", engine_name: str) -> None:
-        super().__init__(engine_name)
-        self.engine = engine
-
-    def carries(self, transfer_backend: int) -> bool:
-        return transfer_backend == number_of(self.name)
-
-    def transfer_backends(self) -> list[int]:
-        return [number_of(self.name)]
-
-    async def ref_fields(self, session_id: str) -> tuple[int, dict[str, str]]:
-        return number_of(self.name), await self.engine.session_attributes(session_id)
-
-    def cache_exporter(self, handle: str) -> "KvCacheExporter":
-        raise BackendUnavailable(f"the KV of session {handle} moves through this worker's engine ({self.name}), "
-                                 "not TensorStore.Pull")
-
-    def share(self, name: str) -> worker_pb2.KvCacheShare:
-        raise BackendUnavailable("this worker exports no KV cache")
-
-    def check_ref(self, ref: common_pb2.KvSessionRef) -> None:
-        if not ref.session_id or not ref.endpoint:
-            raise InvalidRequest("the KV session ref needs a session_id and an endpoint (its release goes there)")
-
-    def handoff(self, ref: common_pb2.KvSessionRef) -> "KvImport":
-        return self.engine.kv_import_from_attributes(ref.attributes)
-
-
 @dataclass(frozen=True)
 class Registration:
     """A transport's row in the registry: its name (--kv-transfer-backends), the TransferBackend refs and usage name
@@ -183,7 +89,7 @@ class Registration:
 
     name: str
     number: int
-    cls: str | type[KvTransport] | type[EngineTransport]
+    cls: str | type  # a KvTransport, or an EngineTransport (common.kv.paths) driven by its engine
     driven_by_engine: bool = False  # an EngineTransport, not one of the data plane's
 
 
@@ -203,9 +109,9 @@ _rows: dict[str, Registration] = {row.name: row for row in BUILT_IN}
 _modules_loaded = False
 
 
-def register(transport: type[KvTransport] | type[EngineTransport]) -> None:
-    """Adds (or replaces) a transport from outside: one of the data plane (tried ahead of grpc), or one an engine
-    drives. Its class names it (`name`) and, where the enum has one, its TransferBackend (`number`)."""
+def register(transport: type) -> None:
+    """Adds (or replaces) a transport from outside: a KvTransport of the data plane (tried ahead of grpc), or an
+    EngineTransport (common.kv.paths) an engine drives. Its class names it (`name`) and, where the enum has one, its TransferBackend (`number`)."""
     number = getattr(transport, "number", common_pb2.TRANSFER_BACKEND_UNSPECIFIED)
     if transport.driven_by_engine and number == common_pb2.TRANSFER_BACKEND_UNSPECIFIED:
         raise InvalidConfig(f"engine-driven KV transport {transport.name} needs a TransferBackend number: refs name "
@@ -232,9 +138,9 @@ def create(name: str) -> KvTransport:
     return _class_of(name, driven_by_engine=False)()
 
 
-def engine_transport(name: str, engine: "OwnKvTransfer", engine_name: str) -> EngineTransport:
-    """The transport an engine drives, for that engine; its module is imported on first use."""
-    return _class_of(name, driven_by_engine=True)(engine, engine_name)
+def engine_transport(name: str, *args: Any) -> Any:
+    """The EngineTransport an engine drives, made with `args`; its module is imported on first use."""
+    return _class_of(name, driven_by_engine=True)(*args)
 
 
 def number_of(name: str) -> int:
@@ -254,7 +160,7 @@ def pulled_numbers() -> list[int]:
     return [number for number in map(number_of, names()) if number != common_pb2.TRANSFER_BACKEND_UNSPECIFIED]
 
 
-def driving_engine_transport(transfer_backend: int) -> type[EngineTransport] | None:
+def driving_engine_transport(transfer_backend: int) -> type | None:
     """The engine-driven transport a ref naming this TransferBackend was exported for; None: the data plane's."""
     _load_modules()
     for row in tuple(_rows.values()):

@@ -27,11 +27,9 @@ from common.engine.interface import Engine, EngineRequest, KvImport
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
-from common.kv.layout import KvExport, KvLayout, PlacedKv
-from common.kv import transport
-from common.kv.pull import KvPuller
-from common.kv.transfer import ChannelCache, layout_of, release_quietly
-from common.kv.transport import KvPath
+from common.kv.layout import KvExport, KvLayout, PlacedKv, layout_of
+from common.kv.paths import KvPath
+from common.kv.transfer import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import request_type_from_proto, sampling_from_proto
 from services.decode.progress import Progress
@@ -54,9 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
-    channels = ChannelCache()
+    channels = ChannelCache()  # to encode workers' TensorStores, for image embeddings
     servicer = DecodeServicer(state, channels, args.kv_pull_timeout, args.kv_load_failure_policy)
-    state.closers.append(servicer.close)
     state.closers.append(channels.close)
     worker_pb2_grpc.add_DecoderServicer_to_server(servicer, server)
 
@@ -117,29 +114,6 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         self.channels = channels
         self.pull_timeout_s = pull_timeout_s
         self.recompute_on_failed_pull = kv_load_failure_policy == "recompute"
-        self._puller: KvPuller | None = None  # made once the engine is loaded (it needs the KV device)
-
-    async def puller(self) -> KvPuller:
-        if self._puller is None:
-            engine = self.state.require_engine()
-            device = (await engine.facts()).kv_device
-            blocks = await engine.kv_blocks()  # cuda_ipc copies straight into its blocks
-            if self._puller is None:
-                self._puller = KvPuller(self.channels, device, self.state.kv_transfer_backends, self._count_fallback,
-                                        blocks, self._record_probe)
-        return self._puller
-
-    def _record_probe(self, peer: str, backend: str, gbps: float) -> None:
-        if self.state.metrics is not None:
-            self.state.metrics.get("disagg_kv_probe_gbps", peer=peer, backend=backend).set(gbps)
-
-    def _count_fallback(self, backend: str, reason: str) -> None:
-        if self.state.metrics is not None:
-            self.state.metrics.get("disagg_kv_pull_fallbacks_total", backend=backend).inc()
-
-    async def close(self) -> None:
-        if self._puller is not None:
-            await self._puller.close()
 
     async def Decode(self, request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage],
                      context: grpc.aio.ServicerContext):
@@ -170,9 +144,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
     async def _refuse(self, context: grpc.aio.ServicerContext, start: worker_pb2.DecodeStart, exc: Exception) -> None:
         """End the RPC with exc's status, releasing the refused request's session unless another
         decode worker could take it (this one is loading or draining)."""
-        ref = start.session
-        if start.HasField("session") and ref.endpoint and ref.session_id and not isinstance(exc, Unavailable):
-            await asyncio.shield(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
+        ref, kv_path = start.session, self.state.kv_path
+        if start.HasField("session") and ref.endpoint and ref.session_id and not isinstance(exc, Unavailable) \
+                and kv_path is not None:
+            await asyncio.shield(kv_path.give_back(ref))
         await abort_with(context, exc)
 
     async def _work(self, engine: Engine, plan: _Plan, outbox: asyncio.Queue) -> None:
@@ -193,7 +168,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                                     plan.first_token, images)
             async for out in engine.generate(request):
                 if owed:  # the engine answers once its transfer has brought the KV
-                    self._release_later(plan.session)
+                    self.state.kv_path.give_back(plan.session)
                     owed = False
                 if out.finish_reason is FinishReason.ABORT:
                     raise self.state.ended()
@@ -211,14 +186,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         finally:
             if isinstance(kv, PlacedKv):
                 kv.discard()  # blocks pulled into our pool but never taken by the engine (a no-op once taken)
-            if owed:
-                self._release_later(plan.session)
+            if owed:  # given back even when this RPC ends first (awaited as the path closes)
+                self.state.kv_path.give_back(plan.session)
             span.set_attribute("disagg.decode.tokens", progress.usage.completion_tokens)
             span.end()
-
-    def _release_later(self, ref: common_pb2.KvSessionRef) -> None:
-        """Release an engine-moved session at its exporter, even when this RPC ends first."""
-        self.state.spawn(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
 
     async def _kv_import(self, plan: _Plan, progress: Progress) -> KvImport | None:
         """The request's kv_import: the engine's own handoff, or KV pulled over the data plane (None: recompute)."""
@@ -252,20 +223,14 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
     async def _pull(self, ref: common_pb2.KvSessionRef, time_left_s: float | None,
                     usage: common_pb2.Usage) -> KvExport | PlacedKv:
         timeout_s = self.pull_timeout_s if time_left_s is None else min(self.pull_timeout_s, time_left_s)
-        try:
-            pulled = await (await self.puller()).pull_and_release(ref, timeout_s=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            what = f"KV session {ref.session_id} at {ref.endpoint}: {exc.code().name}: {exc.details()}"
-            if exc.code() is grpc.StatusCode.NOT_FOUND:
-                raise NotFound(what) from None
-            raise Unavailable(f"could not pull {what}") from None
+        pulled = await self.state.kv_path.import_kv(ref, timeout_s)
         log.debug("pulled %d KV bytes of session %s through %s in %.2f ms", pulled.num_bytes, ref.session_id,
                   pulled.backend, pulled.seconds * 1000)
         span = trace.get_current_span()
         span.set_attribute("disagg.kv_pull.bytes", pulled.num_bytes)
         span.set_attribute("disagg.kv_pull.seconds", pulled.seconds)
         span.set_attribute("disagg.kv_pull.backend", pulled.backend)
-        usage.kv_transfer_backend = transport.number_of(pulled.backend)
+        usage.kv_transfer_backend = pulled.transfer_backend
         usage.kv_transfer_bytes, usage.kv_transfer_ms = pulled.num_bytes, pulled.seconds * 1000
         if self.state.metrics is not None:
             self.state.metrics.get("disagg_kv_pull_bytes_total", backend=pulled.backend).inc(pulled.num_bytes)

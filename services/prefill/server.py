@@ -19,7 +19,7 @@ from common.engine.request import FinishReason, RequestOutput, RequestType, Samp
 from common.errors import InvalidRequest
 from common.engine.multimodal import ImageEmbedding
 from common.kv.embeddings import pull_and_release_embeddings
-from common.kv.transfer import ChannelCache, session_ref
+from common.kv.transfer import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import logprob_to_proto, request_type_name, sampling_from_proto
 from services.kit.serving import abort_with, check_deliverable
@@ -89,10 +89,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
 
     async def _session_ref(self, engine: Engine, output: RequestOutput) -> common_pb2.KvSessionRef:
         # The output carries the session where the engine can (ours): asking for it again would wait for a step.
-        state, session_id = self.state, output.session_id
-        session = output.session if output.session is not None else await engine.session(session_id)
-        transfer_backend, attributes = await state.kv_path.ref_fields(session_id)
-        return session_ref(state.kv_layout, session, state.endpoint, transfer_backend, attributes)
+        session = output.session if output.session is not None else await engine.session(output.session_id)
+        return await self.state.kv_path.ref(session, self.state.endpoint)
 
     def _release_sessions_of(self, engine_id: str) -> None:
         if self.state.engine is not None:

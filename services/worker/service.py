@@ -20,18 +20,16 @@ from common.engine.interface import Engine, EngineLoad
 from common.engine.request import SamplingParams
 from common.engine.start import start_engine
 from common.errors import DisaggError, Unavailable
-from common.kv import transport
-from common.kv.backends import PREFERENCE, parse_backends
+from common.kv.backends import PREFERENCE, known_backends, parse_backends
 from common.kv.layout import KvLayout
-from common.kv.paths import open_path
-from common.kv.transport import KvPath
+from common.kv.paths import KvPath, open_path
 from common.telemetry.metrics import Metrics, observe_engine_load
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.kit.convert import kv_event_to_proto
 from services.worker.engine_flags import add_engine_args, engine_config_from_args
 from services.kit.drain import Admission
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
-from services.worker.tensor_store import KvSessionSource, TensorSource
+from services.worker.tensor_store import TensorSource
 
 ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
               worker_pb2.WORKER_ROLE_ENCODE: "encode"}
@@ -171,7 +169,7 @@ class EngineRole:
         parser.add_argument(
             "--kv-transfer-backends", default=os.environ.get("DISAGG_KV_TRANSFER_BACKENDS", "auto"),
             help="KV transfer backends this worker offers (prefill) or accepts (decode), best first: "
-                 f"'auto' or a subset of {','.join(transport.names())} (grpc is always kept as the fallback)")
+                 f"'auto' or a subset of {','.join(known_backends())} (grpc is always kept as the fallback)")
         self.add_role_args(parser)
         add_engine_args(parser)
 
@@ -190,13 +188,13 @@ class EngineRole:
     async def attach(self, state: WorkerState, engine: Engine) -> None:
         """The worker's KV path, by what its engine can do: over our data plane a prefill worker shares its
         engine's cache with importers; through an engine's own transport (trtllm) its TensorStore only releases
-        sessions."""
+        sessions. The path is also what the TensorStore serves (its exporter's role)."""
         state.kv_layout = (await engine.facts()).kv_layout
         state.kv_path = await open_path(engine, state.role == worker_pb2.WORKER_ROLE_PREFILL,
-                                        state.kv_transfer_backends, state.worker_id)
-        state.closers.append(_closer(state.kv_path))
+                                        state.kv_transfer_backends, state.worker_id, state.metrics)
+        state.closers.append(state.kv_path.close)
         state.engine = engine
-        state.tensor_source = KvSessionSource(engine, state.kv_layout, state.kv_path)
+        state.tensor_source = state.kv_path
 
     def registration_meta(self, state: WorkerState) -> dict[str, str]:
         layout = state.kv_layout
@@ -255,9 +253,3 @@ def _load_proto(load: EngineLoad) -> worker_pb2.Load:
         active_kv_sessions=load.active_sessions, expired_kv_sessions=load.expired_sessions,
         stored_tensors=load.active_sessions, stored_tensor_bytes=load.session_bytes,  # what TensorStore holds
     )
-
-
-def _closer(kv_path: KvPath) -> Callable[[], Awaitable[None]]:
-    async def close() -> None:
-        kv_path.close()
-    return close

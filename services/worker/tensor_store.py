@@ -1,7 +1,7 @@
-"""TensorStore servicer: serves the tensors a worker holds (KV sessions; embeddings later) to pullers.
+"""TensorStore servicer: serves the tensors a worker holds (KV sessions, embeddings) to pullers.
 
-What is stored comes from a TensorSource, so the encode worker can serve embeddings through
-the same servicer by providing its own source.
+What is stored comes from a TensorSource: an engine worker's KvPath (its exporter's role: common.kv.paths), or the
+encode worker's embedding table.
 """
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from typing import Protocol, Sequence
 
 import grpc
 
-from common.engine.interface import Engine
-from common.errors import InvalidRequest, NotFound
-from common.kv import gather, shm
+from common.errors import InvalidRequest
 from common.kv.errors import BackendUnavailable
-from common.kv.chunks import chunk_size, encoded_chunks, tensor_to_bytes
-from common.kv.layout import KvLayout
+from common.kv.paths import KvPath
 from common.kv.probe import PROBE_HANDLE
-from common.kv.transfer import HEADER_ROOM, kv_header
-from common.kv.transport import KvPath
+from common.kv.transfer import answer_pull
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.telemetry.metrics import Metrics
 from services.kit.serving import abort_with
@@ -37,52 +33,6 @@ class TensorSource(Protocol):
 
     async def missing_reason(self, handle: str) -> str:
         """Why a handle is not held (unknown, expired, released), in words."""
-
-
-class KvSessionSource:
-    """Exported KV sessions of the engine. Pulled ones (our data plane) are only leased by the engine (its blocks
-    stay pinned through a release or the TTL until the lease ends); the gather runs on a side stream into pinned
-    host memory, off the engine thread, which keeps stepping other requests meanwhile. Where the engine moves its
-    sessions' KV itself, they are only released here."""
-
-    def __init__(self, engine: Engine, layout: KvLayout, kv_path: KvPath):
-        self.engine = engine
-        self.layout = layout
-        self.kv_path = kv_path  # the exporter's cache and its shares, or why there are none
-
-    async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
-        exporter = self.kv_path.cache_exporter(handle)
-        if handle == PROBE_HANDLE:  # an importer's self-check: blocks of zeros, no session, no engine
-            blocks = exporter.probe_blocks(self.layout)
-            ids = list(range(blocks.shape[2]))
-            return kv_header(self.layout, ids, blocks), tensor_to_bytes(await gather.gather_to_host(blocks, ids))
-        lease = asyncio.ensure_future(self.engine.lease_session(handle, block_ids))
-        try:
-            ids = await asyncio.shield(lease)
-            blocks = await gather.gather_to_host(exporter.kv_cache, ids)
-        finally:  # a pull cancelled at any point, even before the engine answered the lease, ends it
-            await asyncio.shield(asyncio.ensure_future(self._end_lease_once_taken(lease, handle)))
-        return kv_header(self.layout, ids, blocks), tensor_to_bytes(blocks)
-
-    async def _end_lease_once_taken(self, lease: asyncio.Future, handle: str) -> None:
-        try:
-            await lease
-        except Exception:
-            return  # no lease was taken (unknown or expired session, foreign block ids)
-        await self.engine.end_lease(handle)
-
-    async def release(self, handle: str) -> bool:
-        return await self.engine.release_session(handle)
-
-    async def missing_reason(self, handle: str) -> str:
-        try:
-            await self.engine.session(handle)
-        except NotFound as exc:  # SessionExpired too
-            return str(exc)
-        return ""
-
-    def share(self, transport: str) -> worker_pb2.KvCacheShare:
-        return self.kv_path.share(transport)
 
 
 class TensorHolder(Protocol):
@@ -123,16 +73,11 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
             if not request.handle:
                 raise InvalidRequest("PullRequest.handle is empty")
             header, data = await source.export(request.handle, request.block_ids)
-            size = chunk_size(request.max_chunk_bytes, self.holder.max_message_bytes, HEADER_ROOM)
-            if request.shm_path:  # same host: the bytes go through the caller's /dev/shm file
-                await asyncio.to_thread(shm.write_into, request.shm_path, data)
+            answer = await answer_pull(request, header, data, self.holder.max_message_bytes)
         except Exception as exc:
             await abort_with(context, exc)
-        if request.shm_path:
-            yield worker_pb2.TensorChunk(offset=0, total_bytes=len(data), header=header)
-        else:
-            for chunk in encoded_chunks(header, data, size):  # serialized already: one copy of the data
-                yield chunk
+        for chunk in answer:
+            yield chunk
         if self.holder.metrics is not None and header.kind == worker_pb2.TENSOR_KIND_KV_CACHE \
                 and request.handle != PROBE_HANDLE:
             self.holder.metrics.get("disagg_kv_sessions_pulled_total").inc()
@@ -148,7 +93,7 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
                           context: grpc.aio.ServicerContext) -> worker_pb2.KvCacheShare:
         source = await self._source(context)
         try:
-            if not isinstance(source, KvSessionSource):
+            if not isinstance(source, KvPath):
                 raise BackendUnavailable("this worker's TensorStore holds embeddings, not a KV cache")
             return await asyncio.to_thread(source.share, request.transport)
         except Exception as exc:

@@ -41,7 +41,8 @@ from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
 from common.kv.pull import KvPuller  # noqa: E402
 from common.kv.transports.nixl import nixl_unavailable_reason  # noqa: E402
-from common.kv.transfer import ChannelCache, layout_of  # noqa: E402
+from common.kv.layout import layout_of  # noqa: E402
+from common.kv.transfer import ChannelCache  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, make_model  # noqa: E402
 from services.cli.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS  # noqa: E402

@@ -44,7 +44,7 @@ def _puller(cache: torch.Tensor, epochs: fence.BlockEpochs) -> KvPuller:
     transport = puller.transports["cuda_ipc"] = cuda_ipc_transport()
     mapped = cuda_ipc.MappedCache(CACHE_ID, cache, fence.BlockEpochs.open(str(epochs.path), NUM_BLOCKS), _NoCopy(cache))
     transport._mappings._mapped[ENDPOINT] = mapped
-    puller.release_later = lambda channel, ref: None  # no exporter to answer it
+    puller.releases.later = lambda ref: None  # no exporter to answer it
     return puller
 
 

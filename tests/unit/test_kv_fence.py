@@ -20,7 +20,8 @@ from common.errors import InvalidRequest
 from common.kv import direct, fence
 from common.kv.block_copy import BlockCopier, compile_for, copy_blocks, copy_blocks_reference
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, StaleKv
-from common.kv.transfer import layout_of, session_ref
+from common.kv.layout import layout_of
+from common.kv.transfer import session_ref
 from common.kv.transports import one_sided
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -126,20 +127,31 @@ def test_freed_blocks_reused_through_the_prefix_cache_keep_their_epochs(pair):
     assert importer.block_manager.num_free_blocks == 24
 
 
-class _Puller:
-    """What read_one_sided asks of a KvPuller: the Releases it sends without waiting for them."""
+class _Releases:
+    """What read_one_sided asks of an importer's Releases: those it sends without waiting for them, and a failed
+    read's."""
 
     def __init__(self):
         self.released_later: list[str] = []
+        self.released_now: list[str] = []
 
-    def release_later(self, channel, ref) -> None:
+    def later(self, ref) -> None:
         self.released_later.append(ref.session_id)
 
+    async def now(self, ref) -> None:
+        self.released_now.append(ref.session_id)
 
-def _read_one_sided(exporter: LLMEngine, epochs: BlockEpochs, ref, during_read: Callable[[], None] = lambda: None):
+
+class _Puller:
+    def __init__(self):
+        self.releases = _Releases()
+
+
+def _read_one_sided(exporter: LLMEngine, epochs: BlockEpochs, ref, during_read: Callable[[], None] = lambda: None,
+                    puller: _Puller | None = None):
     """A one-sided read (nixl's, or cuda_ipc's gather into a new tensor) of the exporter's cache, fenced by its
     epochs; its channel answers nothing, so awaiting a Release fails the test."""
-    puller, reader = _Puller(), BlockEpochs.open(str(epochs.path), epochs.num_blocks)
+    puller, reader = puller or _Puller(), BlockEpochs.open(str(epochs.path), epochs.num_blocks)
 
     async def read(_channel, ref) -> torch.Tensor:
         blocks = exporter.kv_cache[:, :, list(ref.block_ids)].clone()
@@ -149,7 +161,7 @@ def _read_one_sided(exporter: LLMEngine, epochs: BlockEpochs, ref, during_read: 
         pulled = asyncio.run(one_sided.read_one_sided(puller, None, ref, "nixl", read, 5.0, reader))
     finally:
         reader.close()
-    return pulled, puller.released_later
+    return pulled, puller.releases.released_later
 
 
 def test_a_fenced_one_sided_read_is_served_without_waiting_for_its_release(pair):
@@ -161,24 +173,19 @@ def test_a_fenced_one_sided_read_is_served_without_waiting_for_its_release(pair)
     assert released_later == [session_id]  # sent, never awaited
 
 
-def test_a_fenced_one_sided_read_of_blocks_reused_during_it_is_never_served(pair, monkeypatch):
+def test_a_fenced_one_sided_read_of_blocks_reused_during_it_is_never_served(pair):
     exporter, _, epochs = pair
     session_id = _context(exporter, "p", PROMPT)
     ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
-    released = []
-
-    async def release_quietly(channel, handle) -> bool:
-        released.append(handle)
-        return True
-    monkeypatch.setattr(one_sided, "release_quietly", release_quietly)
+    puller = _Puller()
 
     def release_and_reuse() -> None:
         exporter.release_session(session_id)
         exporter.add_request("other", [5] * 90, GREEDY)
         _run(exporter)
     with pytest.raises(StaleKv, match="reused"):
-        _read_one_sided(exporter, epochs, ref, release_and_reuse)
-    assert released == [session_id]  # released all the same: the exporter's TTL need not free it
+        _read_one_sided(exporter, epochs, ref, release_and_reuse, puller)
+    assert puller.releases.released_now == [session_id]  # released all the same: the exporter's TTL need not free it
 
 
 def test_block_epochs_count_allocations_for_new_content():

@@ -74,7 +74,7 @@ async def _session(engine: AsyncLLMEngine, request_id: str, prompt: list[int]) -
 
 
 async def _export(engine: AsyncLLMEngine, cache: torch.Tensor, session_id: str) -> torch.Tensor:
-    """What TensorStore.Pull does with the engine (services.worker.tensor_store.KvSessionSource) and the cache
+    """What TensorStore.Pull does with the engine (common.kv.paths.DataPlane.export) and the cache
     it asked for once at start: lease the session's blocks, gather them off the engine thread, end the lease."""
     ids = await engine.lease_session(session_id)
     try:
@@ -167,13 +167,13 @@ class _Holder:  # services.worker.tensor_store.TensorHolder
 def test_tensor_store_serves_grpc_and_shm_pulls_and_releases_while_the_engine_thread_is_stuck(engine):
     """The same through the real TensorStore servicer on a loopback port, pulled by the importers' own clients."""
     from common.kv.paths import DataPlane
-    from services.worker.tensor_store import KvSessionSource, TensorStoreServicer, add_tensor_store
+    from services.worker.tensor_store import TensorStoreServicer, add_tensor_store
 
     async def scenario() -> dict[str, bool]:
         session_id = await _session(engine, "p", PROMPT)
         facts, cache = await engine.facts(), await engine.kv_cache()
         backends = ("shm", "grpc") if shm.host_id() else ("grpc",)
-        source = KvSessionSource(engine, facts.kv_layout, DataPlane("torch", backends, KvCacheExporter(cache, backends)))
+        source = DataPlane("torch", backends, KvCacheExporter(cache, backends), engine=engine, layout=facts.kv_layout)
         server = grpc.aio.server()
         add_tensor_store(TensorStoreServicer(_Holder(source)), server)
         port = server.add_insecure_port("127.0.0.1:0")

@@ -14,9 +14,8 @@ from common.engine.interface import KvBlocks, KvSessionHost, OwnKvTransfer
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
 from common.kv import transport
 from common.kv.backends import OFFERED_ATTRIBUTE, parse_backends
-from common.kv.paths import DataPlane, open_path
 from common.kv.errors import BackendUnavailable
-from common.kv.transport import EngineTransport
+from common.kv.paths import DataPlane, EngineTransport, open_path
 from common.kv.transports.trtllm import TrtLlmTransport
 from common.pb.disagg.v1 import common_pb2
 
@@ -28,7 +27,7 @@ class _Facts:
         self.name = name
 
     async def facts(self) -> SimpleNamespace:
-        return SimpleNamespace(name=self.name)
+        return SimpleNamespace(name=self.name, kv_layout=None)
 
 
 class _OwnTransferEngine(_Facts):
@@ -102,7 +101,7 @@ def test_an_engine_that_moves_kv_itself_gets_the_trtllm_transport_from_the_regis
     path.check(ref)
     assert path.handoff(ref) == ("handoff", {"trtllm.first_gen_tokens": "7"})  # the engine fetches the KV itself
     with pytest.raises(BackendUnavailable, match=r"moves through this worker's engine \(trtllm\), not TensorStore"):
-        path.cache_exporter("s1")
+        asyncio.run(path.export("s1", []))
     with pytest.raises(BackendUnavailable, match="exports no KV cache"):
         path.share("cuda_ipc")
     with pytest.raises(InvalidRequest, match="session_id and an endpoint"):
@@ -120,11 +119,10 @@ def test_a_kv_session_host_gets_the_data_plane_sharing_its_cache_only_where_it_e
         assert exporter_path.transfer_backends() == [transport.number_of(n) for n in offered]
         backend, attributes = asyncio.run(exporter_path.ref_fields("s1"))
         assert backend == exporter_path.exporter.best_backend and attributes[OFFERED_ATTRIBUTE] == ",".join(offered)
-        assert exporter_path.cache_exporter("s1") is exporter_path.exporter
         assert isinstance(importer_path, DataPlane) and importer_path.exporter is None
         assert importer_path.transfer_backends() == [common_pb2.TRANSFER_BACKEND_GRPC]
         with pytest.raises(NotFound, match="exports no KV sessions"):
-            importer_path.cache_exporter("s1")
+            asyncio.run(importer_path.export("s1", []))
         with pytest.raises(BackendUnavailable, match="exports no KV cache"):
             importer_path.share("grpc")
         ref = _ref("s1", common_pb2.TRANSFER_BACKEND_GRPC, num_tokens=5, block_size=4, block_ids=[3, 4])
@@ -133,7 +131,7 @@ def test_a_kv_session_host_gets_the_data_plane_sharing_its_cache_only_where_it_e
         with pytest.raises(InvalidRequest, match="lists 1 blocks for 5 tokens"):
             importer_path.check(_ref("s1", common_pb2.TRANSFER_BACKEND_GRPC, num_tokens=5, block_size=4, block_ids=[3]))
     finally:
-        exporter_path.close()
+        asyncio.run(exporter_path.close())
 
 
 def test_an_engine_with_neither_capability_is_refused_by_name():

@@ -138,14 +138,13 @@ def test_gather_blocks_equals_index_select_for_runs_and_scattered_ids(block_ids)
 def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_llama):
     from common.engine.async_engine import AsyncLLMEngine
     from common.kv.paths import DataPlane
-    from services.worker.tensor_store import KvSessionSource
 
     async def scenario() -> int:
         engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=32)))
         try:
             session_id = await engine.call(lambda e: _session(e, list(range(10, 27))))
             layout, cache = (await engine.facts()).kv_layout, await engine.kv_cache()
-            source = KvSessionSource(engine, layout, DataPlane("torch", ("grpc",), KvCacheExporter(cache, ("grpc",))))
+            source = DataPlane("torch", ("grpc",), KvCacheExporter(cache, ("grpc",)), engine=engine, layout=layout)
             lease, answered = engine.lease_session, asyncio.Event()
 
             async def late_lease(handle, block_ids):  # taken on the engine thread, answered late

@@ -15,8 +15,9 @@ from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
 from common.kv.ipc_share import local_index_of, share_cache
+from common.kv.layout import layout_of
 from common.kv.shards import KvShards
-from common.kv.transfer import PulledKv, layout_of
+from common.kv.transfer import PulledKv
 from common.kv.transport import Importer, KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
 from common.pb.disagg.v1 import common_pb2, worker_pb2
@@ -70,7 +71,7 @@ class CudaIpcTransport(KvTransport):
         start, sent = time.perf_counter(), []
 
         def copied() -> None:
-            sent.append(puller.release_later(channel, ref))
+            sent.append(puller.releases.later(ref))
         if mapped.copier is None:
             mapped.copier = BlockCopier(mapped.tensor, puller.blocks.cache)
         layout = layout_of(ref)
@@ -79,7 +80,7 @@ class CudaIpcTransport(KvTransport):
                                                 timeout_s)
         except BaseException:
             if not sent:
-                puller.release_later(channel, ref)
+                puller.releases.later(ref)
             raise
         if placed is None:  # no room in the pool now: nothing was copied or released
             return None

@@ -11,12 +11,12 @@ from typing import Awaitable, Callable
 import grpc
 import torch
 
-from common.errors import LayoutMismatch, NotFound, Unavailable
+from common.errors import LayoutMismatch, NotFound
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.errors import BackendUnavailable
 from common.kv.fence import BlockEpochs, fence_of
-from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv, layout_of, release_quietly, release_session
+from common.kv.layout import KvExport, layout_of
+from common.kv.transfer import PulledKv
 from common.kv.transport import Importer
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -47,27 +47,15 @@ async def read_one_sided(puller: Importer, channel: grpc.aio.Channel, ref: commo
     except BackendUnavailable:
         raise
     except BaseException:
-        await asyncio.shield(release_quietly(channel, ref.session_id))
+        await puller.releases.now(ref)
         raise
     if expected is not None:
-        puller.release_later(channel, ref)  # proven already: the Release only frees the exporter's blocks
+        puller.releases.later(ref)  # proven already: the Release only frees the exporter's blocks
     else:
-        await _held_throughout(channel, ref, name)
+        await puller.releases.confirm(ref, name)
     export = KvExport(layout_of(ref), ref.num_tokens, blocks)
     export.validate()
     return PulledKv(export, blocks.numel() * blocks.element_size(), time.perf_counter() - start, name, read_s)
-
-
-async def _held_throughout(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, name: str) -> None:
-    """The Release that proves an unfenced read: released = true, the session held its blocks until now."""
-    try:
-        release = await asyncio.shield(release_session(channel, ref.session_id))
-    except grpc.aio.AioRpcError as exc:
-        raise Unavailable(f"KV session {ref.session_id} at {ref.endpoint} was read through {name}, but its "
-                          f"release failed ({exc.code().name}: {exc.details()}); the read cannot be trusted")
-    if not release.released:  # read blocks are not the session's: never use them
-        raise NotFound(f"KV session {ref.session_id} at {ref.endpoint} was not held through the {name} read: "
-                       f"{release.reason or 'expired or released'}")
 
 
 def check_share(share: worker_pb2.KvCacheShare, ref: common_pb2.KvSessionRef) -> None:

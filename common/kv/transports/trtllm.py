@@ -5,7 +5,7 @@ DisaggregatedParams and its transceiver fetches the KV. A data plane ref at a tr
 data plane worker, is FAILED_PRECONDITION naming both sides (KvPath.check)."""
 from __future__ import annotations
 
-from common.kv.transport import EngineTransport
+from common.kv.paths import EngineTransport
 
 
 class TrtLlmTransport(EngineTransport):

@@ -3,7 +3,6 @@ the exporter reads its own blocks under a lease, so once they have arrived they 
 Release goes out without being waited for."""
 from __future__ import annotations
 
-import asyncio
 from typing import Awaitable, Callable
 
 import grpc
@@ -12,7 +11,7 @@ import torch
 from common.kv import gather
 from common.kv.errors import BackendUnavailable
 from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv, release_quietly
+from common.kv.transfer import PulledKv
 from common.kv.transport import Importer
 from common.pb.disagg.v1 import common_pb2
 
@@ -32,9 +31,9 @@ async def pull_two_sided(puller: Importer, channel: grpc.aio.Channel, ref: commo
     except BackendUnavailable:
         raise  # the session stays pinned for the next transport
     except BaseException:
-        await asyncio.shield(release_quietly(channel, ref.session_id))
+        await puller.releases.now(ref)
         raise
-    puller.release_later(channel, ref)
+    puller.releases.later(ref)
     export = KvExport(pulled.export.layout, pulled.export.num_tokens, blocks)
     return PulledKv(export, pulled.num_bytes, pulled.seconds, name)
 
