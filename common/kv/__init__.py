@@ -14,6 +14,7 @@ VOCABULARY = (
     "common.kv.errors",  # BackendUnavailable: a transport that cannot serve a pair of workers
     "common.kv.events",  # the prefix cache's stored / removed events
     "common.kv.fence",  # BlockEpochs: the fence of one-sided reads
+    "common.kv.host",  # which running host a process is on
     "common.kv.ipc_share",  # a cache shared with another process through CUDA IPC (tensor-parallel ranks too)
     "common.kv.layout",  # KvLayout, KvExport, PlacedKv
     "common.kv.session",  # KvSession, the exporter's table of pinned sessions

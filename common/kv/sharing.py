@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from common.kv import cuda_ipc, fence, shm, transport
+from common.kv import cuda_ipc, fence, host, transport
 from common.kv.ipc_share import device_uuid
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
 from common.kv.errors import BackendUnavailable
@@ -55,8 +55,8 @@ class KvCacheExporter:
         self.transports = _offerable(allowed, kv_cache)
         self.offered: list[str] = list(self.transports)
         self._attributes = {OFFERED_ATTRIBUTE: ",".join(self.offered), KV_CACHE_ID_ATTRIBUTE: self.kv_cache_id}
-        if shm.host_id():
-            self._attributes[shm.HOST_ID_ATTRIBUTE] = shm.host_id()
+        if host.host_id():
+            self._attributes[host.HOST_ID_ATTRIBUTE] = host.host_id()
         if kv_cache.device.type == "cuda":
             self._attributes[cuda_ipc.DEVICE_UUID_ATTRIBUTE] = device_uuid(kv_cache.device)
         self._shares: dict[str, worker_pb2.KvCacheShare] = {}

@@ -1,26 +1,24 @@
-"""The KV data plane over gRPC: session refs, TensorStore.Pull of a session's blocks (both halves), Release.
+"""What the KV data plane's transports share over gRPC: session refs, TensorStore.Pull's header and its check,
+channels to exporters, Release.
 
-The exporter (prefill) describes a pinned session as a KvSessionRef; the importer (decode)
-checks the layout, pulls the blocks as TensorChunks (or through its /dev/shm file), checks the header against the
-ref, and releases the session. The importer owns the session once it has the ref, and sends every Release it owes
-through its Releases.
+The exporter (prefill) describes a pinned session as a KvSessionRef; the importer (decode) pulls the blocks through
+a transport (common.kv.transports), checks the header against the ref, and releases the session. The importer owns
+the session once it has the ref, and sends every Release it owes through its Releases.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
-from typing import AsyncIterator, Callable, Iterable, NamedTuple, Sequence
+from typing import AsyncIterator, NamedTuple, Sequence
 
 import grpc
 import torch
 
 from common import channels
-from common.errors import InvalidRequest, LayoutMismatch, NotFound, Unavailable
-from common.kv import shm
-from common.kv.chunks import (MAX_CHUNK_BYTES, ChunkAssembler, chunk_size, dtype_name, encoded_chunks, parse_chunk,
-                              tensor_from_bytes, torch_dtype)
+from common.errors import LayoutMismatch, NotFound, Unavailable
+from common.kv import host
+from common.kv.chunks import MAX_CHUNK_BYTES, dtype_name
 from common.kv.fence import EPOCH_ATTRIBUTE
 from common.kv.layout import KvExport, KvLayout, PlacedKv, layout_of
 from common.kv.session import KvSession
@@ -36,10 +34,10 @@ _PULL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + H
 
 
 class PulledKv(NamedTuple):
-    export: KvExport | PlacedKv  # PlacedKv: already in the importing engine's blocks (common.kv.direct)
+    export: KvExport | PlacedKv  # PlacedKv: already in the importing engine's blocks (a cuda_ipc import)
     num_bytes: int
     seconds: float
-    backend: str = "grpc"  # how the bytes came: a name of common.kv.backends
+    backend: str = "grpc"  # how the bytes came: its transport's name
     read_seconds: float = 0.0  # one-sided backends: the read alone, before the release that confirms it
     transfer_backend: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # `backend`'s number, for Usage (the puller's)
 
@@ -57,7 +55,7 @@ def session_ref(layout: KvLayout, session: KvSession, endpoint: str,
     """The handoff metadata of a pinned session, served by the TensorStore at `endpoint`; `attributes`
     carry the exporter's offer of backends (common.kv.sharing.KvCacheExporter.attributes)."""
     if attributes is None:  # an importer on this host may pull through shm
-        attributes = {shm.HOST_ID_ATTRIBUTE: shm.host_id()}
+        attributes = {host.HOST_ID_ATTRIBUTE: host.host_id()}
     if session.epoch is not None:  # the fence of one-sided reads (common.kv.fence)
         attributes = {**attributes, EPOCH_ATTRIBUTE: str(session.epoch)}
     return common_pb2.KvSessionRef(
@@ -90,7 +88,8 @@ def kv_from_pull(header: worker_pb2.TensorHeader, blocks: torch.Tensor, ref: com
 
 
 @contextlib.asynccontextmanager
-async def _open(target: grpc.aio.Channel | str) -> AsyncIterator[grpc.aio.Channel]:
+async def open_channel(target: grpc.aio.Channel | str) -> AsyncIterator[grpc.aio.Channel]:
+    """`target` itself, or a channel to that endpoint for the block (one that takes TensorStore.Pull's chunks)."""
     if not isinstance(target, str):
         yield target
         return
@@ -101,90 +100,11 @@ async def _open(target: grpc.aio.Channel | str) -> AsyncIterator[grpc.aio.Channe
         await channel.close()
 
 
-_PULL_METHOD = "/disagg.v1.TensorStore/Pull"
-
-
-def _raw_pull(channel: grpc.aio.Channel, request: worker_pb2.PullRequest, timeout_s: float | None):
-    """TensorStore.Pull answering serialized chunks, which parse_chunk splits without copying the data."""
-    call = channel.unary_stream(_PULL_METHOD, request_serializer=worker_pb2.PullRequest.SerializeToString,
-                                response_deserializer=None)
-    return call(request, timeout=timeout_s)
-
-
-async def pull_kv(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, max_chunk_bytes: int = 0,
-                  timeout_s: float | None = None) -> PulledKv:
-    """Pull a session's blocks (does not release it) the simplest way that works: through /dev/shm when the
-    exporter is on this host and can write there, else as chunks. The transports (common.kv.transports) call
-    pull_shm or pull_chunks themselves; this is for tools and tests."""
-    if shm.same_host(ref.attributes):
-        try:
-            return await pull_shm(target, ref, timeout_s=timeout_s)
-        except shm.ShmUnavailable as exc:
-            log.info("shm pull of KV session %s refused (%s); pulling over gRPC", ref.session_id, exc)
-    return await pull_chunks(target, ref, max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s)
-
-
-async def pull_chunks(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, max_chunk_bytes: int = 0,
-                      timeout_s: float | None = None,
-                      allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
-    """Pull a session's blocks as TensorStore.Pull chunks (does not release it). `target` is a channel that
-    accepts messages of MAX_CHUNK_BYTES + HEADER_ROOM (see ChannelCache) or an endpoint; `allocate` gives the
-    receive buffer. Raises grpc.aio.AioRpcError from the exporter (NOT_FOUND when expired), LayoutMismatch /
-    InvalidRequest on a bad stream."""
-    start = time.perf_counter()
-    assembler = ChunkAssembler(allocate)
-    async with _open(target) as channel:
-        request = worker_pb2.PullRequest(handle=ref.session_id, max_chunk_bytes=max_chunk_bytes)
-        async for raw in _raw_pull(channel, request, timeout_s):
-            assembler.add(*parse_chunk(raw))
-    header, blocks = assembler.finish()
-    export = kv_from_pull(header, blocks, ref)
-    return PulledKv(export, len(assembler.buffer), time.perf_counter() - start)
-
-
-async def pull_shm(target: grpc.aio.Channel | str, ref: common_pb2.KvSessionRef, *, timeout_s: float | None = None,
-                   allocate: Callable[[int], torch.Tensor] | None = None) -> PulledKv:
-    """Pull a session's blocks (does not release it): the exporter writes them into a /dev/shm file of ours and
-    answers just the header. Raises as pull_chunks does, and ShmUnavailable when the exporter cannot write there."""
-    start = time.perf_counter()
-    try:
-        with shm.shm_file() as path:
-            async with _open(target) as channel:
-                request = worker_pb2.PullRequest(handle=ref.session_id, shm_path=str(path))
-                chunks = [c async for c in worker_pb2_grpc.TensorStoreStub(channel).Pull(request, timeout=timeout_s)]
-            if len(chunks) != 1 or not chunks[0].HasField("header") or chunks[0].data:
-                raise InvalidRequest(f"an shm pull of session {ref.session_id} must answer one header-only chunk, "
-                                     f"got {len(chunks)} chunks")
-            header, total = chunks[0].header, chunks[0].total_bytes
-            buffer = (allocate or (lambda n: torch.empty(n, dtype=torch.uint8)))(total)
-            await asyncio.to_thread(shm.read_into, path, buffer)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-            raise
-        raise shm.ShmUnavailable(f"the exporter cannot write into this host's /dev/shm: {exc.details()}") from None
-    blocks = buffer.view(torch_dtype(header.dtype)).reshape(tuple(header.shape)) if total else \
-        tensor_from_bytes(bytearray(), header.shape, header.dtype)
-    export = kv_from_pull(header, blocks, ref)
-    return PulledKv(export, total, time.perf_counter() - start, "shm")
-
-
-async def answer_pull(request: worker_pb2.PullRequest, header: worker_pb2.TensorHeader, data: memoryview,
-                      max_message_bytes: int) -> Iterable[bytes | worker_pb2.TensorChunk]:
-    """TensorStore.Pull's answer, the exporter's half of pull_shm and pull_chunks: with `shm_path` (same host) the
-    bytes go into the importer's /dev/shm file and only the header comes back; else the data in chunks, serialized
-    already (one copy of the data). Raises (InvalidRequest, ShmUnavailable) before anything is sent."""
-    size = chunk_size(request.max_chunk_bytes, max_message_bytes, HEADER_ROOM)
-    if request.shm_path:
-        await asyncio.to_thread(shm.write_into, request.shm_path, data)
-        return [worker_pb2.TensorChunk(offset=0, total_bytes=len(data), header=header)]
-    return encoded_chunks(header, data, size)
-
-
 async def release_session(target: grpc.aio.Channel | str, handle: str,
                           timeout_s: float | None = RELEASE_TIMEOUT_S) -> worker_pb2.ReleaseResponse:
     """Release a TensorStore handle; `released` is false (with the `reason`) when it was unknown,
     expired or already released."""
-    async with _open(target) as channel:
+    async with open_channel(target) as channel:
         stub = worker_pb2_grpc.TensorStoreStub(channel)
         return await stub.Release(worker_pb2.ReleaseRequest(handle=handle), timeout=timeout_s)
 

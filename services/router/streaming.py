@@ -18,7 +18,8 @@ from services.kit.serving import status_of
 
 
 class ResponseBuilder:
-    """Owns what the client has been sent for one request: tokens, text, timings.
+    """What the client has been sent for one request: tokens, text, timings (a Flight's `sent`; the flight's loop
+    is its only writer).
 
     Works before `bind` too (a request that fails validation still gets a Finished with usage).
     """

@@ -14,7 +14,7 @@ from common.errors import InvalidRequest
 from common.kv.errors import BackendUnavailable
 from common.kv.paths import KvPath
 from common.kv.probe import PROBE_HANDLE
-from common.kv.transfer import answer_pull
+from common.kv.store import answer_pull
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.telemetry.metrics import Metrics
 from services.kit.serving import abort_with

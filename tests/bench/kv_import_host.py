@@ -17,7 +17,7 @@ import time
 import torch
 
 from common.engine.block_manager import BlockManager
-from common.kv import cuda_ipc, fence, shm
+from common.kv import cuda_ipc, fence, host
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
 from common.kv.fence import EPOCH_ATTRIBUTE, EPOCHS_ATTRIBUTE
 from common.kv.layout import PlacedKv
@@ -59,7 +59,7 @@ def cuda_ipc_transport():
 def _ref(tokens: int, epochs: fence.BlockEpochs) -> common_pb2.KvSessionRef:
     block_ids = list(range(100, 100 + -(-tokens // BLOCK_SIZE)))
     attributes = {OFFERED_ATTRIBUTE: "cuda_ipc,shm,nixl,grpc", KV_CACHE_ID_ATTRIBUTE: CACHE_ID,
-                  shm.HOST_ID_ATTRIBUTE: shm.host_id() or "host", cuda_ipc.DEVICE_UUID_ATTRIBUTE: "GPU-bench",
+                  host.HOST_ID_ATTRIBUTE: host.host_id() or "host", cuda_ipc.DEVICE_UUID_ATTRIBUTE: "GPU-bench",
                   EPOCHS_ATTRIBUTE: str(epochs.path), EPOCH_ATTRIBUTE: str(epochs.total(block_ids))}
     return common_pb2.KvSessionRef(
         session_id="0" * 32, request_id="r", endpoint=ENDPOINT, transfer_backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC,

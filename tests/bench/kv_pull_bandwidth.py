@@ -23,8 +23,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.kv import shm  # noqa: E402
-from common.kv.transfer import ChannelCache, pull_kv, release_session  # noqa: E402
+from common.kv import host  # noqa: E402
+from common.kv.store import pull_kv  # noqa: E402
+from common.kv.transfer import ChannelCache, release_session  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from tests.integration.processes import start_service  # noqa: E402
 
@@ -48,10 +49,10 @@ def prefill_session(address: str, num_tokens: int, seed: int) -> common_pb2.KvSe
 
 
 async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int) -> tuple[int, list[float], list[float]]:
-    """Times of pulls over the gRPC stream and through the same-host shm fast path (common.kv.shm)."""
+    """Times of pulls over the gRPC stream and through the same-host shm fast path (common.kv.transports.shm)."""
     over_grpc = common_pb2.KvSessionRef()
     over_grpc.CopyFrom(ref)
-    del over_grpc.attributes[shm.HOST_ID_ATTRIBUTE]  # an importer on another host sees no shared host
+    del over_grpc.attributes[host.HOST_ID_ATTRIBUTE]  # an importer on another host sees no shared host
     channels = ChannelCache()
     try:
         channel = channels.get(ref.endpoint)

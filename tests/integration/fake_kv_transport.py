@@ -10,7 +10,8 @@ import torch
 from common.kv import gather, transport
 from common.kv.chunks import dtype_name
 from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv, pull_chunks, release_quietly
+from common.kv.transfer import PulledKv, release_quietly
+from common.kv.transports.grpc_pull import pull_chunks
 from common.kv.transports.one_sided import open_share
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 

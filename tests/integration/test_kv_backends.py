@@ -9,7 +9,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.kv import shm
+from common.kv import host
 from common.kv.transports.nixl import nixl_unavailable_reason
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
 from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
@@ -17,7 +17,7 @@ from tests.integration.observed import scrape, wait_for
 from tests.integration.worker_client import assert_pool_full
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
-BACKENDS_HERE = [b for b, ok in (("shm", bool(shm.host_id())), ("nixl", nixl_unavailable_reason() is None),
+BACKENDS_HERE = [b for b, ok in (("shm", bool(host.host_id())), ("nixl", nixl_unavailable_reason() is None),
                                  ("grpc", True)) if ok]  # in the order of preference
 
 
@@ -56,7 +56,7 @@ def test_an_offer_the_exporter_cannot_serve_falls_back_logged_once_and_counted(c
     decode = cluster["decode_any_process"]
     for _ in range(2):
         check_handoff(cluster["prefill_no_nixl"], cluster["decode_any"], reference, PROMPT,
-                      "shm" if shm.host_id() else "grpc", offer="nixl,shm,grpc")
+                      "shm" if host.host_id() else "grpc", offer="nixl,shm,grpc")
     log = decode.log()
     assert log.count("KV transfer backend nixl unavailable") == 1, log
     assert "does not offer nixl" in log

@@ -8,14 +8,16 @@ import grpc
 import pytest
 import torch
 
-from common.kv import shm
-from common.kv.transfer import pull_kv, release_session
+from common.kv import host, shm_files
+from common.kv.store import pull_kv
+from common.kv.transfer import release_session
+from common.kv.transports.shm import files
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from tests.integration.worker_client import WorkerClient, assert_pool_full
 
 PROMPT = list(range(3, 40))
 
-pytestmark = pytest.mark.skipif(not shm.host_id(), reason="needs /dev/shm and a machine id")
+pytestmark = pytest.mark.skipif(not host.host_id(), reason="needs /dev/shm and a machine id")
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +34,15 @@ def _session(client: WorkerClient) -> common_pb2.KvSessionRef:
 
 
 def _leftover_files() -> set[Path]:
-    return set(shm.SHM_DIR.glob(f"{shm.PREFIX}*"))
+    return set(shm_files.SHM_DIR.glob(f"{files.PREFIX}*"))
 
 
 def test_same_host_pull_goes_through_shm_and_equals_the_grpc_stream(prefill):
     ref = _session(prefill)
-    assert ref.attributes[shm.HOST_ID_ATTRIBUTE] == shm.host_id()
+    assert ref.attributes[host.HOST_ID_ATTRIBUTE] == host.host_id()
     remote = common_pb2.KvSessionRef()
     remote.CopyFrom(ref)
-    remote.attributes[shm.HOST_ID_ATTRIBUTE] = "another-host"
+    remote.attributes[host.HOST_ID_ATTRIBUTE] = "another-host"
     before = _leftover_files()
 
     async def pull_both():

@@ -14,7 +14,7 @@ import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.kv import shm
+from common.kv import host
 from common.pb.disagg.v1 import worker_pb2
 from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
@@ -25,7 +25,7 @@ from tests.integration.test_router import make_text_model
 from tests.integration.test_up import Up, _child_pids, _cmdline
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
-BACKENDS_HERE = [b for b, ok in (("shm", bool(shm.host_id())), ("grpc", True)) if ok]
+BACKENDS_HERE = [b for b, ok in (("shm", bool(host.host_id())), ("grpc", True)) if ok]
 TP2 = ("--tensor-parallel-size", "2")
 
 

@@ -19,7 +19,8 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from common.kv.backends import BACKENDS
-from common.kv.transfer import pull_kv, release_session
+from common.kv.store import pull_kv
+from common.kv.transfer import release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, is_idle, split
 

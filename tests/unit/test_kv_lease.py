@@ -17,9 +17,11 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
 from common.errors import NotFound
-from common.kv import gather, shm
+from common.kv import gather, host
 from common.kv.sharing import KvCacheExporter
-from common.kv.transfer import pull_chunks, pull_shm, release_session, session_ref
+from common.kv.transfer import release_session, session_ref
+from common.kv.transports.grpc_pull import pull_chunks
+from common.kv.transports.shm import pull_shm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 NUM_BLOCKS = 64
@@ -172,7 +174,7 @@ def test_tensor_store_serves_grpc_and_shm_pulls_and_releases_while_the_engine_th
     async def scenario() -> dict[str, bool]:
         session_id = await _session(engine, "p", PROMPT)
         facts, cache = await engine.facts(), await engine.kv_cache()
-        backends = ("shm", "grpc") if shm.host_id() else ("grpc",)
+        backends = ("shm", "grpc") if host.host_id() else ("grpc",)
         source = DataPlane("torch", backends, KvCacheExporter(cache, backends), engine=engine, layout=facts.kv_layout)
         server = grpc.aio.server()
         add_tensor_store(TensorStoreServicer(_Holder(source)), server)
@@ -182,7 +184,7 @@ def test_tensor_store_serves_grpc_and_shm_pulls_and_releases_while_the_engine_th
         expected = engine.engine.export_session(session_id).blocks
         blocked, busy_done = await _stuck_in_a_step(engine)
         try:
-            pulls = {"grpc": pull_chunks, **({"shm": pull_shm} if shm.host_id() else {})}
+            pulls = {"grpc": pull_chunks, **({"shm": pull_shm} if host.host_id() else {})}
             seen = {name: torch.equal((await pull(ref.endpoint, ref, timeout_s=WITHIN_S)).export.blocks, expected)
                     for name, pull in pulls.items()}
             seen["released"] = (await release_session(ref.endpoint, session_id, timeout_s=WITHIN_S)).released

@@ -9,7 +9,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
-from common.kv import gather, shm, transport
+from common.kv import gather, host, transport
 from common.kv.blocks import block_runs, gather_blocks
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_backends
 from common.kv.errors import BackendUnavailable
@@ -83,7 +83,7 @@ def test_backend_lists_keep_preference_order_and_grpc():
 
 def test_a_cpu_exporter_offers_no_cuda_ipc_and_says_what_it_offers(engine):
     exporter = KvCacheExporter(engine.kv_cache, parse_backends("cuda_ipc,shm,grpc"), "w1")
-    assert exporter.offered == (["shm", "grpc"] if shm.host_id() else ["grpc"])
+    assert exporter.offered == (["shm", "grpc"] if host.host_id() else ["grpc"])
     attributes = exporter.attributes()
     assert attributes[OFFERED_ATTRIBUTE] == ",".join(exporter.offered)
     assert attributes[KV_CACHE_ID_ATTRIBUTE].startswith("w1-")
@@ -98,10 +98,10 @@ def _ref(offer: str, **attributes) -> common_pb2.KvSessionRef:
 
 def test_the_importer_takes_offered_backends_it_can_use_with_grpc_last():
     puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"))
-    here = {shm.HOST_ID_ATTRIBUTE: shm.host_id()}
+    here = {host.HOST_ID_ATTRIBUTE: host.host_id()}
     # No GPU here: cuda_ipc is never tried; shm only for an exporter on this host.
     assert puller.candidates(_ref("cuda_ipc,shm,grpc", **here, cuda_device_uuid="GPU-x")) == \
-        (["shm", "grpc"] if shm.host_id() else ["grpc"])
+        (["shm", "grpc"] if host.host_id() else ["grpc"])
     assert puller.candidates(_ref("shm,grpc", host_id="another-host")) == ["grpc"]
     assert puller.candidates(_ref("grpc")) == ["grpc"]
     grpc_only = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("grpc"))
@@ -112,8 +112,8 @@ def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(cap
     failures = []
     puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"),
                       on_fallback=lambda backend, reason: failures.append(backend))
-    ref = _ref("shm,grpc", host_id=shm.host_id())
-    if not shm.host_id():
+    ref = _ref("shm,grpc", host_id=host.host_id())
+    if not host.host_id():
         pytest.skip("no /dev/shm host id here")
     for _ in range(2):
         puller.fall_back(ref.endpoint, "shm", "the exporter cannot open the file")
@@ -168,7 +168,7 @@ def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_
 
 
 def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_is_skipped(caplog, monkeypatch):
-    if not shm.host_id():
+    if not host.host_id():
         pytest.skip("no /dev/shm host id here")
     figures, failures = [], []
     puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"),
@@ -182,7 +182,7 @@ def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_i
         return 1.5
 
     monkeypatch.setattr(puller.self_check, "_gbps", pull_gbps)
-    ref = _ref("shm,grpc", host_id=shm.host_id())
+    ref = _ref("shm,grpc", host_id=host.host_id())
     asyncio.run(puller.self_check.run(None, ref))
     assert figures == [("shm", 0.0), ("grpc", 1.5)] and failures == ["shm"]
     assert puller.candidates(ref) == ["grpc"]
@@ -200,7 +200,7 @@ def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_i
 def test_the_self_check_tries_nixl_only_where_no_better_backend_works(monkeypatch, offer, failing, tried):
     """NIXL's agents (and the exporter's progress thread) start on first use and then keep running; the self-check
     must not start them where pulls go over a better backend."""
-    if not shm.host_id():
+    if not host.host_id():
         pytest.skip("no /dev/shm host id here")
     puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"))
     puller.transports.setdefault("nixl", transport.create("nixl"))  # made without starting anything, NIXL or not
@@ -213,7 +213,7 @@ def test_the_self_check_tries_nixl_only_where_no_better_backend_works(monkeypatc
         return 1.0
 
     monkeypatch.setattr(puller.self_check, "_gbps", pull_gbps)
-    asyncio.run(puller.self_check.run(None, _ref(offer, host_id=shm.host_id())))
+    asyncio.run(puller.self_check.run(None, _ref(offer, host_id=host.host_id())))
     assert probed == tried
 
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import torch
 
-from common.kv import cuda_ipc, direct, gather, shm
+from common.kv import cuda_ipc, direct, gather, host
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
@@ -36,7 +36,7 @@ class CudaIpcTransport(KvTransport):
 
     def applies(self, ref: common_pb2.KvSessionRef) -> bool:
         uuid = ref.attributes.get(cuda_ipc.DEVICE_UUID_ATTRIBUTE, "")
-        return shm.same_host(ref.attributes) and local_index_of(uuid) is not None
+        return host.same_host(ref.attributes) and local_index_of(uuid) is not None
 
     def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
         return share_cache(kv_cache, kv_cache_id)

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from common.errors import Unavailable
-from common.kv import shm
+from common.kv import host
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.chunks import dtype_name, torch_dtype
 from common.kv.fence import EPOCHS_ATTRIBUTE, BlockEpochs, open_peer_table
@@ -92,7 +92,7 @@ class NixlTransport(KvTransport):
             fields = worker_pb2.NixlShare.FromString(share.payload)
             info = nixl_plane.NixlCacheInfo.from_fields({f.name: getattr(fields, f.name)
                                                          for f in fields.DESCRIPTOR.fields})
-            path = ref.attributes.get(EPOCHS_ATTRIBUTE, "") if shm.same_host(ref.attributes) else ""
+            path = ref.attributes.get(EPOCHS_ATTRIBUTE, "") if host.same_host(ref.attributes) else ""
             epochs = open_peer_table(path, info.num_blocks, ref.endpoint)
             if known is not None:
                 self._agent().forget_peer(known.info.agent_name)

@@ -15,7 +15,7 @@ from common.kv.transfer import PulledKv
 from common.kv.transport import Importer
 from common.pb.disagg.v1 import common_pb2
 
-# common.kv.transfer.pull_chunks or pull_shm: (channel, ref, timeout_s=, allocate=) → the session's blocks.
+# grpc_pull.pull_chunks or shm.pull_shm: (channel, ref, timeout_s=, allocate=) → the session's blocks.
 Pull = Callable[..., Awaitable[PulledKv]]
 
 

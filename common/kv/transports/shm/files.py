@@ -1,45 +1,23 @@
-"""The `shm` KV fast path: when prefill and decode share a host, the bytes go through /dev/shm, not the stream.
-
-The importer (decode) creates an empty file /dev/shm/disagg-kv-<random> and sends its path in
-PullRequest.shm_path; the exporter writes the session's bytes into it and answers only the header;
-the importer reads the file and deletes it. The file is the importer's from creation to deletion,
-so the exporter holds nothing that an expiry or a crash could leak. Whether to try is decided by the
-host id that the exporter puts in the KvSessionRef's attributes; if the exporter cannot open the file
-(another mount namespace), the pull falls back to the gRPC stream.
-"""
+"""The file through which a session's bytes cross: the importer (decode) creates an empty file
+/dev/shm/disagg-kv-<random> and sends its path in PullRequest.shm_path; the exporter writes the session's bytes
+into it and answers only the header; the importer reads the file and deletes it. The file is the importer's from
+creation to deletion, so the exporter holds nothing that an expiry or a crash could leak."""
 from __future__ import annotations
 
 import contextlib
 import os
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
 from common.errors import InvalidRequest
 from common.kv.errors import BackendUnavailable
-from common.kv.shm_files import SHM_DIR, new_file, named_file
+from common.kv.shm_files import new_file, named_file
 
 PREFIX = "disagg-kv-"
-HOST_ID_ATTRIBUTE = "host_id"
 
 
 class ShmUnavailable(BackendUnavailable):
     """The exporter cannot open the importer's file: not the same host (or /dev/shm) after all."""
-
-
-@lru_cache(maxsize=1)
-def host_id() -> str:
-    """Machine id + boot id: equal only for processes of one running host ('' when unknown)."""
-    parts = []
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        with contextlib.suppress(OSError):
-            parts.append(Path(path).read_text().strip())
-    return ":".join(parts) if len(parts) == 2 and SHM_DIR.is_dir() else ""
-
-
-def same_host(attributes) -> bool:
-    mine = host_id()
-    return bool(mine) and attributes.get(HOST_ID_ATTRIBUTE, "") == mine
 
 
 @contextlib.contextmanager
