@@ -18,7 +18,7 @@ from services.kit.serving import status_of
 from services.router.deadline import Deadline
 from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvTransfer, Tokens,
                                            WorkerTimings)
-from services.router.generation import Event, Finished, GenerationRequest, Usage
+from services.router.generation import Event, Finished, GenerationRequest
 from services.router.handoff import ExportedSession, PrefillReady, Releaser, first_token_ends
 from services.router.prepare import PreparedRequest
 from services.router.streaming import ResponseBuilder
@@ -61,9 +61,6 @@ class Flight:
         """Finished(ERROR) for an error this stream raised, with the usage so far (for a front door that reports
         errors as events)."""
         return self.sent.failed(exc)
-
-    def usage(self) -> Usage:
-        return self.sent.usage()
 
     def __aiter__(self) -> "Flight":
         return self

@@ -13,7 +13,7 @@ from common.telemetry.metrics import Metrics
 from services.router.deadline import Deadline
 from services.router.decode_events import CachedTokens, DecodeFinished, KvTransfer, Tokens, WorkerTimings
 from services.router.flight import Flight
-from services.router.generation import Finished, FinishReason, GenerationRequest, TextDelta
+from services.router.generation import Finished, FinishReason, GenerationRequest, TextDelta, Usage
 from services.router.streaming import ResponseBuilder
 
 
@@ -40,8 +40,10 @@ def _flight(loop) -> tuple[Flight, Metrics]:
 
 
 def _counted(metrics: Metrics) -> dict[str, float]:
-    return {status: value for status in ("OK", "CANCELLED", "UNAVAILABLE") if (value := metrics.registry.get_sample_value(
-        "disagg_requests_total", {"model": "m", "role": "router", "status": status}))}
+    """disagg_requests_total by status."""
+    labels = {"model": "m", "role": "router"}
+    return {status: value for status in ("OK", "CANCELLED", "UNAVAILABLE")
+            if (value := metrics.registry.get_sample_value("disagg_requests_total", {**labels, "status": status}))}
 
 
 async def _consume(flight: Flight, events: list, hold_s: float = 0.0) -> None:
@@ -129,7 +131,7 @@ def test_a_consumer_that_leaves_cancels_the_request_even_when_cancel_was_asked_t
 
 def test_cancel_after_the_finished_event_changes_nothing():
     async def finishes(flight: Flight):
-        yield Finished(reason=FinishReason.STOP, usage=flight.usage())
+        yield Finished(reason=FinishReason.STOP, usage=Usage())
 
     async def scenario():
         flight, _ = _flight(finishes)
