@@ -7,6 +7,12 @@ block `block_table[p // block_size]`, offset `p % block_size`.
 `TorchPagedAttention` is the reference that runs everywhere (CPU included): it gathers each
 request's blocks and calls scaled_dot_product_attention. A GPU kernel implements the same
 two methods (`prepare`, `forward`) and is chosen in model_runner.make_attention_backend.
+
+On the CPU it is also the serving path, so two choices are measured ones (one core of an AMD EPYC, SmolLM2-135M's
+9 query / 3 KV heads of 64, per layer): blocks are gathered whole with `index_select` on the block ids (a few
+contiguous 4-6 KiB rows each) rather than indexed by table, 7 against 25 us for one sequence of 150 tokens and
+29 against 170 us for eight; and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in
+bf16: eight decodes of 150 tokens 282 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ class _PrefillSeq:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     decode_token_idx: torch.Tensor  # [num_decodes] rows of the packed batch that are 1-token queries
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_block_ids: torch.Tensor  # [num_decodes * max_blocks]: each decode's blocks, zero-padded to max_blocks
     decode_masks: dict[int | None, torch.Tensor]  # [num_decodes, 1, 1, max_kv] bool
     prefills: list[_PrefillSeq] = field(default_factory=list)
 
@@ -87,7 +93,7 @@ class TorchPagedAttention:
                 prefills.append(_PrefillSeq(slice(start, start + q), torch.tensor(needed, device=dev), seq_len, masks))
             start += q
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
+        block_ids = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
         lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
         k_pos = torch.arange(max_blocks * bs, device=dev)[None, :]
         q_pos = (lens - 1)[:, None]
@@ -95,7 +101,7 @@ class TorchPagedAttention:
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decode_token_idx=torch.tensor(meta_decode_rows, dtype=torch.long, device=dev),
-            decode_block_tables=tables,
+            decode_block_ids=torch.tensor(block_ids, dtype=torch.long, device=dev),
             decode_masks=decode_masks,
             prefills=prefills,
         )
@@ -118,22 +124,26 @@ class TorchPagedAttention:
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, window)
         for seq in meta.prefills:
-            keys = k_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
-            values = v_cache[seq.block_ids].flatten(0, 1)[: seq.seq_len]
+            keys = k_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len]
+            values = v_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len]
             out[seq.token_slice] = _sdpa(q[seq.token_slice].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                          seq.masks[window], scale).squeeze(0)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale, window) -> torch.Tensor:
-        keys = k_cache[meta.decode_block_tables].flatten(1, 2)  # [B, max_kv, Hkv, D]
-        values = v_cache[meta.decode_block_tables].flatten(1, 2)
+        shape = (q.shape[0], -1, *k_cache.shape[2:])  # [B, max_kv, Hkv, D]
+        keys = k_cache.index_select(0, meta.decode_block_ids).view(shape)
+        values = v_cache.index_select(0, meta.decode_block_ids).view(shape)
         return _sdpa(q.unsqueeze(1), keys, values, meta.decode_masks[window], scale).squeeze(1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], mask broadcastable to [B, H, Lq, Lk] → [B, Lq, Hq, D]."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):  # faster in float32 there (see above)
+        q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).to(dtype)

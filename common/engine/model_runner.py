@@ -14,6 +14,7 @@ import torch
 
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
+from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
@@ -117,6 +118,8 @@ class ModelRunner:
         if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp)
+        if packs(self.device, self.dtype):  # bf16 GEMMs on the CPU's own instructions, weights packed once
+            pack_linears(self.model)
         c = self.hf_config
         shape = self.model.kv_shape()
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim

@@ -1,0 +1,63 @@
+"""The CPU serving path's own choices: oneDNN-packed bf16 linears, paged attention gathered by block id and run in
+float32 for bf16 caches (common/engine/cpu_linear.py, attention.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.engine.attention import BatchLayout, TorchPagedAttention
+from common.engine.cpu_linear import pack_linears, packs
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.skipif(not packs(CPU, torch.bfloat16), reason="this CPU's oneDNN has no bf16 GEMM")
+def test_packed_linears_give_the_plain_bf16_values():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 48, bias=False)).to(torch.bfloat16)
+    inputs = [torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 5, 33)] + [torch.randn(2, 3, 64).bfloat16()]
+    with torch.inference_mode():
+        plain = [model(x) for x in inputs]
+        assert pack_linears(model) == 2
+        packed = [model(x) for x in inputs]
+    for want, got in zip(plain, packed):
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
+def test_packing_is_for_bf16_on_the_cpu_only():
+    assert not packs(CPU, torch.float32)  # float32 stays on MKL, the arithmetic HF's reference runs
+    assert not packs(torch.device("cuda"), torch.bfloat16)
+
+
+def _attend(dtype: torch.dtype, layout: BatchLayout, q, k, v, cache) -> torch.Tensor:
+    attention = TorchPagedAttention(block_size=4, windows={None}, device=CPU)
+    out = attention.forward(q.to(dtype), k.to(dtype), v.to(dtype), cache.to(dtype), attention.prepare(layout),
+                            scale=0.25, window=None)
+    return out.float()
+
+
+def test_bf16_attention_runs_in_float32_over_blocks_in_any_order():
+    """Two decodes of different lengths and a prefill chunk after a cached prefix, their blocks scattered: the bf16
+    cache gives the float32 answer to bf16 precision, and the float32 one matches a dense causal reference."""
+    torch.manual_seed(1)
+    hq, hkv, d, bs = 6, 2, 16, 4
+    layout = BatchLayout(query_lens=[1, 1, 5], context_lens=[9, 2, 6],
+                         block_tables=[[7, 2, 5], [3], [0, 6, 1]])
+    t = sum(layout.query_lens)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    cache = torch.randn(2, 8, bs, hkv, d)
+    full = _attend(torch.float32, layout, q, k, v, cache.clone())
+    half = _attend(torch.bfloat16, layout, q, k, v, cache.clone())
+    torch.testing.assert_close(half, full, atol=5e-2, rtol=5e-2)
+    # dense reference for the prefill chunk (rows 2..6): its keys are the cached 6 tokens then its own 5
+    table, ctx = layout.block_tables[2], layout.context_lens[2]
+    cached_k = cache[0][table].flatten(0, 1)[:ctx]
+    cached_v = cache[1][table].flatten(0, 1)[:ctx]
+    keys, values = torch.cat([cached_k, k[2:]]), torch.cat([cached_v, v[2:]])
+    scores = torch.einsum("qhd,khd->hqk", q[2:], keys.repeat_interleave(hq // hkv, dim=1)) * 0.25
+    allowed = torch.arange(ctx + 5)[None, :] <= torch.arange(ctx, ctx + 5)[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(hq // hkv, dim=1))
+    torch.testing.assert_close(full[2:], want, atol=1e-5, rtol=1e-5)
