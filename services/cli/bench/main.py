@@ -24,7 +24,7 @@ from common import tls
 from common.errors import InvalidConfig
 from services.cli.bench.clients import API_NAMES, SendOptions, make_client
 from services.cli.bench.report import format_breakdown, format_comparison, format_table, write_json, write_plot
-from services.cli.bench.runner import LoadShape, list_models, run_load
+from services.cli.bench.runner import LoadShape, list_models, list_models_http, run_load
 from services.cli.bench.stats import SloLimits, summarize
 from services.cli.bench.workload import LengthDist, make_requests
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
@@ -97,7 +97,9 @@ def _progress(total: int, enabled: bool):
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    models = (await list_models(args.router)).models
+    # --api openai alone asks the HTTP server: any OpenAI-compatible one can be driven (tests/bench/vllm_cpu.py)
+    listed = await (list_models_http(args.http) if args.api == ("openai",) else list_models(args.router))
+    models = listed.models
     info = next((m for m in models if m.id == args.model), models[0] if models and not args.model else None)
     if info is None:
         print(f"model {args.model!r} is not served by {args.router}: {[m.id for m in models]}", file=sys.stderr)

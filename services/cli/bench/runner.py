@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+
+import aiohttp
 from dataclasses import dataclass
 
 from common import channels
@@ -54,3 +56,21 @@ async def list_models(target: str) -> generation_pb2.ListModelsResponse:
     async with channels.aio_channel(target) as channel:
         return await generation_pb2_grpc.GenerationStub(channel).ListModels(generation_pb2.ListModelsRequest(),
                                                                             timeout=30, wait_for_ready=True)
+
+
+async def list_models_http(base_url: str, wait_s: float = 30.0) -> generation_pb2.ListModelsResponse:
+    """GET /v1/models of an OpenAI-compatible server (ours, or another such as vLLM's), as ListModels' answer;
+    retried until `wait_s` while the server starts."""
+    deadline = time.monotonic() + wait_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while True:
+            try:
+                async with session.get(base_url.rstrip("/") + "/v1/models") as response:
+                    cards = (await response.json())["data"]
+                    break
+            except (aiohttp.ClientError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+    return generation_pb2.ListModelsResponse(models=[
+        generation_pb2.ModelInfo(id=card["id"], max_model_len=card.get("max_model_len") or 0) for card in cards])
