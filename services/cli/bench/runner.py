@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import aiohttp
-from dataclasses import dataclass
 
 from common import channels
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
