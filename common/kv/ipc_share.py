@@ -1,7 +1,7 @@
 """A KV cache shared with another process of this host through CUDA IPC: the storage's cudaIpcMemHandle, its offset
 and torch's IPC reference counter, mapped on the other side without a copy. A tensor-parallel engine's ranks share
 their caches this way at their rendezvous (common.engine.model_runner: rank 0 sees them as KvShards), and the
-`cuda_ipc` transport's exporter shares its whole cache with importers (common.kv.cuda_ipc)."""
+`cuda_ipc` transport's exporter shares its whole cache with importers (common.kv.transports.cuda_ipc)."""
 from __future__ import annotations
 
 from functools import lru_cache

@@ -8,12 +8,10 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 import grpc
-import torch
 
 from common.engine.interface import Engine, KvImport, KvSessionHost, OwnKvTransfer
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound, Unavailable
 from common.kv import gather, transport
-from common.kv.block_copy import compile_for
 from common.kv.chunks import tensor_to_bytes
 from common.kv.errors import BackendUnavailable
 from common.kv.layout import KvLayout
@@ -290,8 +288,8 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
     if exports:
         blocks = await engine.kv_blocks()
         exporter = KvCacheExporter(blocks.cache, accepted, worker_id, blocks.count_reuse)
-    elif "cuda_ipc" in accepted:  # an importer: cuda_ipc copies into its blocks with a kernel to compile first
+    else:  # an importer: what its transports' first pulls would otherwise do (cuda_ipc: compile its copy kernel)
         cache = (await engine.kv_blocks()).cache
-        if isinstance(cache, torch.Tensor):  # (a tensor-parallel cache's shards take the torch copy)
-            await asyncio.to_thread(compile_for, cache)
+        for backend in accepted:
+            await asyncio.to_thread(transport.class_of(backend).prepare_import, cache)
     return DataPlane(name, accepted, exporter, engine=engine, layout=layout, metrics=metrics)

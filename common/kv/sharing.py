@@ -16,8 +16,7 @@ from typing import Callable
 
 import torch
 
-from common.kv import cuda_ipc, fence, host, transport
-from common.kv.ipc_share import device_uuid
+from common.kv import fence, host, transport
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
 from common.kv.errors import BackendUnavailable
 from common.kv.layout import KvLayout
@@ -57,8 +56,8 @@ class KvCacheExporter:
         self._attributes = {OFFERED_ATTRIBUTE: ",".join(self.offered), KV_CACHE_ID_ATTRIBUTE: self.kv_cache_id}
         if host.host_id():
             self._attributes[host.HOST_ID_ATTRIBUTE] = host.host_id()
-        if kv_cache.device.type == "cuda":
-            self._attributes[cuda_ipc.DEVICE_UUID_ATTRIBUTE] = device_uuid(kv_cache.device)
+        for one in self.transports.values():
+            self._attributes.update(one.offer(kv_cache))
         self._shares: dict[str, worker_pb2.KvCacheShare] = {}
         self._probe: torch.Tensor | None = None
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the router reads names and numbers here without torch
     import torch
 
     from common.kv.blocks import KvBlocks
+    from common.kv.shards import KvShards
     from common.kv.transfer import PulledKv, Releases
 
 MODULES_ENV = "DISAGG_KV_TRANSPORT_MODULES"
@@ -64,9 +65,19 @@ class KvTransport(ABC):
         """Whether it can move this ref's blocks from its exporter to this importer."""
         return True
 
+    def offer(self, kv_cache: torch.Tensor | KvShards) -> dict[str, str]:
+        """The exporter's side: what every ref of an exporter offering it carries besides the offer (cuda_ipc: the
+        cache's GPU)."""
+        return {}
+
     def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
         """The exporter's side of a one-sided transport: its cache, shared once for every importer."""
         raise BackendUnavailable(f"{self.name} shares no cache: its importers pull through TensorStore.Pull")
+
+    @classmethod
+    def prepare_import(cls, cache: torch.Tensor | KvShards) -> None:
+        """The importer's side, as its worker starts (before any pull): what would otherwise fall on the first pull's
+        critical path (cuda_ipc: compiling its copy kernel into `cache`, the engine's)."""
 
     @abstractmethod
     async def pull(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
@@ -111,7 +122,8 @@ _modules_loaded = False
 
 def register(transport: type) -> None:
     """Adds (or replaces) a transport from outside: a KvTransport of the data plane (tried ahead of grpc), or an
-    EngineTransport (common.kv.paths) an engine drives. Its class names it (`name`) and, where the enum has one, its TransferBackend (`number`)."""
+    EngineTransport (common.kv.paths) an engine drives. Its class names it (`name`) and, where the enum has one,
+    its TransferBackend (`number`)."""
     number = getattr(transport, "number", common_pb2.TRANSFER_BACKEND_UNSPECIFIED)
     if transport.driven_by_engine and number == common_pb2.TRANSFER_BACKEND_UNSPECIFIED:
         raise InvalidConfig(f"engine-driven KV transport {transport.name} needs a TransferBackend number: refs name "
@@ -135,7 +147,12 @@ def names() -> tuple[str, ...]:
 
 def create(name: str) -> KvTransport:
     """A new instance of the data plane's transport of that name; its module is imported on first use."""
-    return _class_of(name, driven_by_engine=False)()
+    return class_of(name)()
+
+
+def class_of(name: str) -> type[KvTransport]:
+    """The data plane's transport of that name; its module is imported on first use."""
+    return _class_of(name, driven_by_engine=False)
 
 
 def engine_transport(name: str, *args: Any) -> Any:

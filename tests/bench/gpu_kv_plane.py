@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
-from common.kv import direct, ipc_share  # noqa: E402
-from common.kv.block_copy import compile_for, copy_blocks  # noqa: E402
+from common.kv import ipc_share  # noqa: E402
+from common.kv.transports.cuda_ipc import direct  # noqa: E402
+from common.kv.transports.cuda_ipc.block_copy import compile_for, copy_blocks  # noqa: E402
 from common.kv.chunks import torch_dtype  # noqa: E402
 from common.kv.layout import PlacedKv  # noqa: E402
 from common.kv.pull import KvPuller  # noqa: E402
@@ -109,7 +110,7 @@ async def pull_backend(address: str, backend: str, tokens: int, repeats: int) ->
 
 async def _pull_apart(puller: KvPuller, ref: common_pb2.KvSessionRef, repeats: int) -> dict:
     """The last session pulled again and again with no prefill in between (its Release answers false by now, which
-    a fenced read ignores; nothing reuses its blocks meanwhile), and common.kv.direct.import_placed alone on the
+    a fenced read ignores; nothing reuses its blocks meanwhile), and cuda_ipc's direct.import_placed alone on the
     same mapping: what the puller adds, and what a pull right after the exporter's prefill costs beyond that."""
     again, alone = [], []
     mapped = await puller.transports["cuda_ipc"].map_cache(puller.channels.get(ref.endpoint), ref)
@@ -156,7 +157,7 @@ def peer_copies(address: str, num_bytes: int) -> dict:
 
 
 def _time_block_copy(cache: torch.Tensor, num_blocks: int, repeats: int = 20) -> float:
-    """GPU time (ms, median) of the import's copy (common.kv.block_copy) of `num_blocks` blocks of the mapped
+    """GPU time (ms, median) of the import's copy (cuda_ipc's block_copy) of `num_blocks` blocks of the mapped
     cache into a local cache, as a pull issues it: ids built on the host, one kernel."""
     local = torch.empty((*cache.shape[:2], 2 * num_blocks, *cache.shape[3:]), dtype=cache.dtype, device="cuda")
     src, dst = list(range(100, 100 + num_blocks)), list(range(num_blocks, 2 * num_blocks))

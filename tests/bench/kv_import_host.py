@@ -1,5 +1,5 @@
 """The host's share of a cuda_ipc pull, measured without a GPU: KvPuller.pull_and_release of a session straight into
-blocks of a local pool (common.kv.direct), the exporter's cache already mapped and its copy stubbed out, so what is
+blocks of a local pool (cuda_ipc), the exporter's cache already mapped and its copy stubbed out, so what is
 timed is the Python and event-loop work around the copy kernel: negotiation, the checks, the reservation, the fence.
 
     python -m tests.bench.kv_import_host [--tokens 1500] [--repeats 2000]
@@ -17,12 +17,13 @@ import time
 import torch
 
 from common.engine.block_manager import BlockManager
-from common.kv import cuda_ipc, fence, host
+from common.kv import fence, host
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
 from common.kv.fence import EPOCH_ATTRIBUTE, EPOCHS_ATTRIBUTE
 from common.kv.layout import PlacedKv
 from common.kv.pull import KvPuller
 from common.kv.transfer import ChannelCache
+from common.kv.transports.cuda_ipc.mapping import MappedCache
 from common.pb.disagg.v1 import common_pb2
 
 ENDPOINT, CACHE_ID, NUM_BLOCKS, BLOCK_SIZE = "127.0.0.1:1", "bench-cache", 4096, 16
@@ -42,7 +43,7 @@ def _puller(cache: torch.Tensor, epochs: fence.BlockEpochs) -> KvPuller:
     puller = KvPuller(ChannelCache(), cache.device, ("cuda_ipc",), blocks=BlockManager(NUM_BLOCKS, BLOCK_SIZE)
                       .kv_blocks(cache), self_check=False)
     transport = puller.transports["cuda_ipc"] = cuda_ipc_transport()
-    mapped = cuda_ipc.MappedCache(CACHE_ID, cache, fence.BlockEpochs.open(str(epochs.path), NUM_BLOCKS), _NoCopy(cache))
+    mapped = MappedCache(CACHE_ID, cache, fence.BlockEpochs.open(str(epochs.path), NUM_BLOCKS), _NoCopy(cache))
     transport._mappings._mapped[ENDPOINT] = mapped
     puller.releases.later = lambda ref: None  # no exporter to answer it
     return puller
@@ -59,7 +60,7 @@ def cuda_ipc_transport():
 def _ref(tokens: int, epochs: fence.BlockEpochs) -> common_pb2.KvSessionRef:
     block_ids = list(range(100, 100 + -(-tokens // BLOCK_SIZE)))
     attributes = {OFFERED_ATTRIBUTE: "cuda_ipc,shm,nixl,grpc", KV_CACHE_ID_ATTRIBUTE: CACHE_ID,
-                  host.HOST_ID_ATTRIBUTE: host.host_id() or "host", cuda_ipc.DEVICE_UUID_ATTRIBUTE: "GPU-bench",
+                  host.HOST_ID_ATTRIBUTE: host.host_id() or "host", "cuda_device_uuid": "GPU-bench",
                   EPOCHS_ATTRIBUTE: str(epochs.path), EPOCH_ATTRIBUTE: str(epochs.total(block_ids))}
     return common_pb2.KvSessionRef(
         session_id="0" * 32, request_id="r", endpoint=ENDPOINT, transfer_backend=common_pb2.TRANSFER_BACKEND_CUDA_IPC,

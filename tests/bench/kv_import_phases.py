@@ -2,10 +2,10 @@
 
     python -m tests.bench.kv_import_phases [--blocks 94] [--layers 28] [--kv-heads 8] [--head-dim 128]
 
-- `kernel`: GPU time of common.kv.block_copy's kernel alone, for each tile size and warp count tried (the GPU is
+- `kernel`: GPU time of cuda_ipc's block_copy kernel alone, for each tile size and warp count tried (the GPU is
   kept busy while the host launches, so host overhead stays out), next to a contiguous copy of the same bytes;
 - `copier`: the host time of one BlockCopier call (the ids in pinned memory, the launch), without waiting;
-- `import`: common.kv.direct.import_placed end to end (reserve, copy on the side stream, wait, fence check),
+- `import`: cuda_ipc's direct.import_placed end to end (reserve, copy on the side stream, wait, fence check),
   which is what a decode worker's pull adds to it, bar the lookup of the mapping.
 The default shape is a 1500-token session of Llama-3.2-3B (bf16, blocks of 16).
 """
@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
-from common.kv import block_copy, block_copy_triton, blocks, direct  # noqa: E402
+from common.kv import blocks  # noqa: E402
+from common.kv.transports.cuda_ipc import block_copy, block_copy_triton, direct  # noqa: E402
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs  # noqa: E402
 from common.kv.layout import KvLayout  # noqa: E402
 from common.pb.disagg.v1 import common_pb2  # noqa: E402

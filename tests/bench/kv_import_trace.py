@@ -3,7 +3,7 @@
     python -m tests.bench.kv_import_trace --tokenizer-from DIR [--shape llama-3.2-3b] [--tokens 1500] [--repeats 20]
 
 It starts a real prefill worker and maps its cache as a decode worker does (CudaIpcTransport.map_cache). It then
-imports sessions into a pool of this process's own, stamping each step of common.kv.direct.import_placed with the
+imports sessions into a pool of this process's own, stamping each step of cuda_ipc's direct.import_placed with the
 host clock: reserve, the copy's launch (its block ids included), the event, the wait, the fence. Three cases:
 - `after_prefill`: a new session each time, imported right after the worker's prefill (a decode worker's case:
   it waited for the prefill);
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import gather  # noqa: E402
-from common.kv.block_copy import BlockCopier  # noqa: E402
+from common.kv.transports.cuda_ipc.block_copy import BlockCopier  # noqa: E402
 from common.kv.blocks import pinned_ids  # noqa: E402
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of  # noqa: E402
 from common.kv.transfer import ChannelCache, release_quietly  # noqa: E402

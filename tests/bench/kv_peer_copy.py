@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.kv import peer_copy  # noqa: E402
-from common.kv.block_copy import copy_blocks_reference  # noqa: E402
+from common.kv.transports.cuda_ipc import peer_copy  # noqa: E402
+from common.kv.transports.cuda_ipc.block_copy import copy_blocks_reference  # noqa: E402
 
 SHAPES = {"llama-3.2-3b": (28, 8, 128), "llama-3.2-1b": (16, 8, 64), "llama-3.1-8b": (32, 8, 128)}
 

@@ -60,7 +60,7 @@ def test_cancels_free_every_block_across_gpus(cluster):
 @pytest.mark.parametrize("on", ["auto", "dst", "src", "copy_engine"])
 @pytest.mark.parametrize("order", ["consecutive", "shuffled"])
 def test_peer_block_copier_moves_exactly_the_blocks_asked_for(on, order):
-    from common.kv.peer_copy import PeerBlockCopier
+    from common.kv.transports.cuda_ipc.peer_copy import PeerBlockCopier
 
     src = torch.randn((3, 2, 40, 4, 2, 8), device="cuda:0")
     dst = torch.zeros((3, 2, 50, 4, 2, 8), device=LAST)

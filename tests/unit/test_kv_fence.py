@@ -1,4 +1,4 @@
-"""The fenced import straight into the importer's blocks (common.kv.direct, common.kv.fence): it gives the
+"""The fenced import straight into the importer's blocks (cuda_ipc's direct.py, common.kv.fence): it gives the
 aggregated tokens, a read of blocks the exporter reused (before or while the copy ran) is detected and
 never served, and no block is lost either way. On the CPU through the torch copy; on a GPU (when there is
 one) through the Triton kernel and the side stream, the path `cuda_ipc` takes."""
@@ -17,8 +17,9 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import Request, RequestType, SamplingParams
 from common.errors import InvalidRequest
-from common.kv import direct, fence
-from common.kv.block_copy import BlockCopier, compile_for, copy_blocks, copy_blocks_reference
+from common.kv import fence
+from common.kv.transports.cuda_ipc import direct
+from common.kv.transports.cuda_ipc.block_copy import BlockCopier, compile_for, copy_blocks, copy_blocks_reference
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, StaleKv
 from common.kv.layout import layout_of
 from common.kv.transfer import session_ref
@@ -270,7 +271,7 @@ def test_one_copier_moves_any_number_of_blocks_through_the_kernel_it_compiled_on
 def test_the_kernel_compiled_at_startup_serves_copies_between_caches_of_any_block_count():
     """compile_for (a decode worker's start) leaves nothing for a pull's first copy to compile: caches of the same
     block shape share one compiled kernel, whatever their block counts."""
-    from common.kv import block_copy_triton
+    from common.kv.transports.cuda_ipc import block_copy_triton
 
     cache = torch.zeros(3, 2, 37, 4, 2, 8, device="cuda", dtype=torch.bfloat16)
     compile_for(cache)

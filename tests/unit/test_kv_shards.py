@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.kv.ipc_share import CudaIpcUnavailable, share_cache
-from common.kv.direct import can_place
+from common.kv.transports.cuda_ipc.direct import can_place
 from common.kv.blocks import gather_blocks
 from common.kv.shards import KvShards
 

@@ -1,7 +1,9 @@
-"""`cuda_ipc`: same host, the exporter's GPU visible here: its whole cache mapped once (common.kv.cuda_ipc) and
-read GPU-side. Where the exporter fences its cache (common.kv.fence) and our pool has room, blocks go straight
-into our engine's blocks (common.kv.direct); else a gather into a new tensor. Where the epochs are mapped here, they
-prove the copy and the Release goes out in the background; else the Release's answer confirms it."""
+"""`cuda_ipc`: same host, the exporter's GPU visible here. Both halves: the exporter shares its whole cache once
+(common.kv.ipc_share) and names its GPU in every ref; the importer maps it once per exporter cache (mapping.py) and
+reads it GPU-side. Where the exporter fences its cache (common.kv.fence) and our pool has room, blocks go straight
+into our engine's blocks (direct.py, by the copy of block_copy.py / peer_copy.py); else a gather into a new tensor.
+Where the epochs are mapped here, they prove the copy and the Release goes out in the background; else the
+Release's answer confirms it."""
 from __future__ import annotations
 
 import asyncio
@@ -10,17 +12,22 @@ import time
 import grpc
 import torch
 
-from common.kv import cuda_ipc, direct, gather, host
+from common.kv import gather, host
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
-from common.kv.block_copy import BlockCopier
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
-from common.kv.ipc_share import local_index_of, share_cache
+from common.kv.ipc_share import device_uuid, local_index_of, share_cache
 from common.kv.layout import layout_of
 from common.kv.shards import KvShards
 from common.kv.transfer import PulledKv
 from common.kv.transport import Importer, KvTransport
+from common.kv.transports.cuda_ipc import direct
+from common.kv.transports.cuda_ipc.block_copy import BlockCopier, compile_for
+from common.kv.transports.cuda_ipc.mapping import CudaIpcMappings, MappedCache
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
 from common.pb.disagg.v1 import common_pb2, worker_pb2
+
+
+DEVICE_UUID_ATTRIBUTE = "cuda_device_uuid"  # the exporter's GPU, which the importer must see
 
 
 class CudaIpcTransport(KvTransport):
@@ -28,20 +35,30 @@ class CudaIpcTransport(KvTransport):
     fences_reads = True
 
     def __init__(self) -> None:
-        self._mappings = cuda_ipc.CudaIpcMappings()
+        self._mappings = CudaIpcMappings()
         self._map_lock = asyncio.Lock()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None if device.type == "cuda" else "the KV cache is in host memory"
 
     def applies(self, ref: common_pb2.KvSessionRef) -> bool:
-        uuid = ref.attributes.get(cuda_ipc.DEVICE_UUID_ATTRIBUTE, "")
+        uuid = ref.attributes.get(DEVICE_UUID_ATTRIBUTE, "")
         return host.same_host(ref.attributes) and local_index_of(uuid) is not None
+
+    def offer(self, kv_cache: torch.Tensor | KvShards) -> dict[str, str]:
+        return {DEVICE_UUID_ATTRIBUTE: device_uuid(kv_cache.device)}
 
     def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
         return share_cache(kv_cache, kv_cache_id)
 
-    async def map_cache(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> cuda_ipc.MappedCache:
+    @classmethod
+    def prepare_import(cls, cache: torch.Tensor | KvShards) -> None:
+        """The copy kernel into our blocks, compiled now rather than on the first pull's critical path (a
+        tensor-parallel cache's shards take the torch copy)."""
+        if isinstance(cache, torch.Tensor):
+            compile_for(cache)
+
+    async def map_cache(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> MappedCache:
         cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")
         mapped = self._mappings.get(ref.endpoint, cache_id)
         if mapped is None:
@@ -67,7 +84,7 @@ class CudaIpcTransport(KvTransport):
         return await read_one_sided(puller, channel, ref, self.name, read, timeout_s, mapped.epochs)
 
     async def _placed(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
-                      mapped: cuda_ipc.MappedCache, timeout_s: float | None) -> PulledKv | None:
+                      mapped: MappedCache, timeout_s: float | None) -> PulledKv | None:
         start, sent = time.perf_counter(), []
 
         def copied() -> None:

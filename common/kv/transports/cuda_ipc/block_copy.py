@@ -3,7 +3,7 @@
 Both caches are [layers, 2, blocks, block_size, kv_heads, head_dim]. On one GPU it is one Triton kernel
 (each program moves one tile of one (layer, K/V, block) from the source block to its destination block;
 the source may be another process's cache mapped through CUDA IPC), with no staging buffer and no loop
-on the host. Between two GPUs of a host it is a peer copy into the destination (common.kv.peer_copy: copy engines
+on the host. Between two GPUs of a host it is a peer copy into the destination (peer_copy.py: copy engines
 or the same kernel reading the other GPU's memory). On CPU caches it is the torch reference below.
 """
 from __future__ import annotations
@@ -36,13 +36,13 @@ class BlockCopier:
         self.kernel = self.peer = None
         self.device = src.device  # where the copy runs: its stream's GPU
         if src.is_cuda and dst.is_cuda and src.device != dst.device:
-            from common.kv.peer_copy import PeerBlockCopier
+            from common.kv.transports.cuda_ipc.peer_copy import PeerBlockCopier
 
             self.peer = PeerBlockCopier(src, dst)
             self.device = self.peer.device
         elif (src.is_cuda and src.device == dst.device and src.is_contiguous() and dst.is_contiguous()
                 and block_bytes % 4 == 0):
-            from common.kv import block_copy_triton
+            from common.kv.transports.cuda_ipc import block_copy_triton
 
             self.kernel = block_copy_triton.CopyKernel(
                 src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), src.shape[0] * 2, src.shape[2],

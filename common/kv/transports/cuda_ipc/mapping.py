@@ -1,13 +1,5 @@
-"""The `cuda_ipc` KV backend: same host, GPU memory read GPU-side by the importer, no host copy.
-
-The exporter shares its whole KV cache tensor once per importer with torch's CUDA IPC sharing
-(the storage's cudaIpcMemHandle, its offset, and torch's IPC reference counter); the importer maps
-it once per exporter cache (`kv_cache_id`) and gathers each session's blocks on its own side stream
-straight from the exporter's memory into its own GPU memory (a peer copy when the caches live on
-two GPUs of the host), or, on one GPU, straight into blocks of its own cache (common.kv.direct), fenced
-by the exporter's block epochs (common.kv.fence) so the session's Release leaves the critical path. Without
-the fence, the Release's `released = true` is what proves the exporter held the blocks throughout the read.
-"""
+"""The importer's mappings of exporters' caches: each exporter's whole cache mapped once per `kv_cache_id`
+(common.kv.ipc_share), with its table of block epochs where this process can map it (common.kv.fence)."""
 from __future__ import annotations
 
 import logging
@@ -16,14 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from common.kv.block_copy import BlockCopier
 from common.kv.fence import BlockEpochs, open_peer_table
 from common.kv.ipc_share import open_cache
 from common.kv.shards import KvShards
+from common.kv.transports.cuda_ipc.block_copy import BlockCopier
 from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
-DEVICE_UUID_ATTRIBUTE = "cuda_device_uuid"
 
 
 @dataclass
@@ -31,7 +22,7 @@ class MappedCache:
     kv_cache_id: str
     tensor: torch.Tensor | KvShards
     epochs: BlockEpochs | None  # the exporter's fence of one-sided reads, where this process can map it
-    copier: BlockCopier | None = None  # into this engine's cache (common.kv.direct), made at the first import
+    copier: BlockCopier | None = None  # into this engine's cache (direct.py), made at the first import
 
     def close(self) -> None:
         if self.epochs is not None:

@@ -2,7 +2,7 @@
 
 The importer reserves blocks from its engine's pool (KvBlocks.reserve: no engine step is waited for),
 enqueues one copy of every layer's blocks from the exporter's cache (mapped through CUDA IPC) into them
-on the data plane's side stream (common.kv.block_copy: one kernel, no staging buffer), and, once the copy
+on the data plane's side stream (block_copy.py: one kernel, no staging buffer), and, once the copy
 has finished, checks the exporter's epoch table (common.kv.fence): the blocks are the session's only if
 none was reused meanwhile. The session's Release is the caller's to send once the copy has finished
 (`copied`), without waiting for its answer: it never sits on the critical path, and its own work on the
@@ -16,11 +16,12 @@ from typing import Callable
 
 import torch
 
-from common.kv import gather, peer_copy
-from common.kv.block_copy import BlockCopier
+from common.kv import gather
 from common.kv.blocks import KvBlocks
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of
 from common.kv.layout import KvLayout, PlacedKv
+from common.kv.transports.cuda_ipc import peer_copy
+from common.kv.transports.cuda_ipc.block_copy import BlockCopier
 from common.pb.disagg.v1 import common_pb2
 
 

@@ -123,7 +123,7 @@ class PeerBlockCopier:
         self.block_bytes = src[0, 0, 0].numel() * src.element_size()
         self.kernel = None
         if on != "copy_engine":  # auto too: its kernel for scattered blocks
-            from common.kv import block_copy_triton
+            from common.kv.transports.cuda_ipc import block_copy_triton
 
             self.kernel = block_copy_triton.CopyKernel(
                 src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), self.planes, src.shape[2],

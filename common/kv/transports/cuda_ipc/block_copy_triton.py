@@ -1,4 +1,4 @@
-"""The Triton kernel of common.kv.block_copy (CUDA only; importing this module needs triton)."""
+"""The Triton kernel of block_copy.py (CUDA only; importing this module needs triton)."""
 from __future__ import annotations
 
 import torch
