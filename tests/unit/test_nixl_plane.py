@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.errors import InvalidRequest, LayoutMismatch, Unavailable
-from common.kv.nixl_plane import (
+from common.kv.transports.nixl.plane import (
     NixlCacheInfo,
     NixlExporter,
     NixlImporter,

@@ -1,5 +1,5 @@
 """`nixl`: one-sided reads by descriptor from a NIXL agent that registered the exporter's whole cache
-(common.kv.nixl_plane): any host NIXL reaches, the cross-host fast path on RDMA fabrics. An exporter on this host
+(plane.py): any host NIXL reaches, the cross-host fast path on RDMA fabrics. An exporter on this host
 fences its cache (common.kv.fence): its epochs prove a read and the Release goes out unawaited; from another
 host the Release's answer confirms it."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 def nixl_unavailable_reason() -> str | None:
     try:
-        from common.kv import nixl_plane
+        from common.kv.transports.nixl import plane as nixl_plane
     except ImportError as exc:
         return f"NIXL support cannot be imported ({exc})"
     return nixl_plane.nixl_unavailable_reason()
@@ -40,7 +40,7 @@ class NixlTransport(KvTransport):
     name = "nixl"
     fences_reads = True
     reads_sharded_caches = False  # its agent registers one region: one rank's cache, not a TP engine's shards
-    starts_on_first_use = True  # the agents; on the exporter, a progress thread (common.kv.nixl_plane)
+    starts_on_first_use = True  # the agents; on the exporter, a progress thread (plane.py)
 
     def __init__(self) -> None:
         self._exporter = None  # the exporter's agent, made on the first share
@@ -51,7 +51,7 @@ class NixlTransport(KvTransport):
         return nixl_unavailable_reason()
 
     def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
-        from common.kv import nixl_plane
+        from common.kv.transports.nixl import plane as nixl_plane
 
         self._exporter = nixl_plane.NixlExporter(kv_cache)
         payload = worker_pb2.NixlShare(**self._exporter.info().to_fields()).SerializeToString()
@@ -69,7 +69,7 @@ class NixlTransport(KvTransport):
         return out.numel() * out.element_size()
 
     async def read(self, device: torch.device, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> torch.Tensor:
-        from common.kv import nixl_plane
+        from common.kv.transports.nixl import plane as nixl_plane
 
         info = (await self._peer(channel, ref)).info
         check_block_ids(ref, info.num_blocks)
@@ -83,7 +83,7 @@ class NixlTransport(KvTransport):
 
     async def _peer(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> _Peer:
         """The exporter's registered cache, opened again when its cache changed (a restarted worker)."""
-        from common.kv import nixl_plane
+        from common.kv.transports.nixl import plane as nixl_plane
 
         cache_id = ref.attributes.get(KV_CACHE_ID_ATTRIBUTE, "")
         known = self._peers.get(ref.endpoint)
@@ -103,7 +103,7 @@ class NixlTransport(KvTransport):
 
     def _agent(self):
         if self._importer is None:
-            from common.kv import nixl_plane
+            from common.kv.transports.nixl import plane as nixl_plane
 
             self._importer = nixl_plane.NixlImporter()
         return self._importer
