@@ -8,11 +8,12 @@ block `block_table[p // block_size]`, offset `p % block_size`.
 request's blocks and calls scaled_dot_product_attention. A GPU kernel implements the same
 two methods (`prepare`, `forward`) and is chosen in model_runner.make_attention_backend.
 
-On the CPU it is also the serving path, so two choices are measured ones (one core of an AMD EPYC, SmolLM2-135M's
-9 query / 3 KV heads of 64, per layer): blocks are gathered whole with `index_select` on the block ids (a few
-contiguous 4-6 KiB rows each) rather than indexed by table, 7 against 25 us for one sequence of 150 tokens and
-29 against 170 us for eight; and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in
-bf16: eight decodes of 150 tokens 282 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
+On the CPU it is also the serving path, so its choices are measured ones (one core of an AMD EPYC, SmolLM2-135M's
+9 query / 3 KV heads of 64, per layer): decodes read the blocks in place with a C kernel (cpu_attention.py; eight
+decodes of 150 tokens 167 us, one 28 us); where it is not built, blocks are gathered whole with `index_select` on
+the block ids rather than indexed by table (7 against 25 us for one sequence of 150 tokens, 29 against 170 for
+eight); and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in bf16: eight decodes of
+150 tokens 279 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from common.engine import cpu_attention
 
 
 @dataclass
@@ -49,6 +52,8 @@ class TorchAttentionMetadata:
     decode_token_idx: torch.Tensor  # [num_decodes] rows of the packed batch that are 1-token queries
     decode_block_ids: torch.Tensor  # [num_decodes * max_blocks]: each decode's blocks, zero-padded to max_blocks
     decode_masks: dict[int | None, torch.Tensor]  # [num_decodes, 1, 1, max_kv] bool
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64: tokens each decode attends to, its own included
+    decode_starts: dict[int | None, torch.Tensor]  # sliding window -> [num_decodes] first token in it
     prefills: list[_PrefillSeq] = field(default_factory=list)
 
 
@@ -103,6 +108,8 @@ class TorchPagedAttention:
             decode_token_idx=torch.tensor(meta_decode_rows, dtype=torch.long, device=dev),
             decode_block_ids=torch.tensor(block_ids, dtype=torch.long, device=dev),
             decode_masks=decode_masks,
+            decode_seq_lens=lens,
+            decode_starts={w: (lens - w).clamp_(min=0) if w else torch.zeros_like(lens) for w in self.windows},
             prefills=prefills,
         )
 
@@ -120,6 +127,8 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if not meta.prefills:  # every row a decode, in order
+            return self._decode(q, k_cache, v_cache, meta, scale, window)
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, window)
@@ -131,6 +140,9 @@ class TorchPagedAttention:
         return out
 
     def _decode(self, q, k_cache, v_cache, meta, scale, window) -> torch.Tensor:
+        if cpu_attention.applies(q, k_cache):  # straight from the blocks, no gathered copy
+            return cpu_attention.decode(q, k_cache, v_cache, meta.decode_block_ids, meta.decode_seq_lens,
+                                        meta.decode_starts[window], scale)
         shape = (q.shape[0], -1, *k_cache.shape[2:])  # [B, max_kv, Hkv, D]
         keys = k_cache.index_select(0, meta.decode_block_ids).view(shape)
         values = v_cache.index_select(0, meta.decode_block_ids).view(shape)

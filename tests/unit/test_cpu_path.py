@@ -6,8 +6,14 @@ import pytest
 import torch
 from torch import nn
 
+from common.engine import cpu_attention
 from common.engine.attention import BatchLayout, TorchPagedAttention
+from common.engine.config import EngineConfig
 from common.engine.cpu_linear import pack_linears, packs
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from tests.hf_reference import hf_greedy
+from tests.tiny_models import TINY_FAMILIES
 
 CPU = torch.device("cpu")
 
@@ -61,3 +67,48 @@ def test_bf16_attention_runs_in_float32_over_blocks_in_any_order():
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     want = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(hq // hkv, dim=1))
     torch.testing.assert_close(full[2:], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler for the CPU attention kernel")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_kernel_reads_the_blocks_as_the_gathered_path_does(monkeypatch, dtype, tolerance, window):
+    """Three decodes of different lengths (one spanning a partly filled block), GQA, blocks out of order: the C kernel
+    on the cache's own blocks gives what gathering them and SDPA give, with and without a sliding window."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the kernel's case, whatever the test process has
+    torch.manual_seed(2)
+    hq, hkv, d = 8, 2, 32
+    layout = BatchLayout(query_lens=[1, 1, 1], context_lens=[13, 4, 8], block_tables=[[6, 1, 4, 0], [2, 7], [5, 3, 9]])
+    q = torch.randn(3, hq, d, dtype=dtype)
+    k, v = torch.randn(3, hkv, d, dtype=dtype), torch.randn(3, hkv, d, dtype=dtype)
+    cache = torch.randn(2, 10, 4, hkv, d, dtype=dtype)
+
+    def attend() -> torch.Tensor:
+        attention = TorchPagedAttention(block_size=4, windows={window}, device=CPU)
+        return attention.forward(q, k, v, cache.clone(), attention.prepare(layout), scale=d**-0.5, window=window)
+
+    assert cpu_attention.applies(q, cache[0])
+    kernel = attend()
+    monkeypatch.setattr(cpu_attention, "applies", lambda *args: False)
+    torch.testing.assert_close(kernel.float(), attend().float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as `disagg up` runs a CPU worker on a core of its own (the C kernel's case)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_one_thread_engine_matches_hf_for_each_family(tiny_model_dirs, family, one_thread):
+    """Float32 greedy through the CPU serving path (the decode kernel where it is built) equals Hugging Face."""
+    path = tiny_model_dirs[family]
+    engine = LLMEngine(EngineConfig(model=path, block_size=4, num_kv_blocks=128))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (6, 19)]
+    for prompt, got in zip(prompts, engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
+                                                                            ignore_eos=True))):
+        assert got == hf_greedy(path, prompt, 10)[0]

@@ -1,0 +1,127 @@
+/* Paged decode attention on the CPU: one query token per sequence, read straight from the block-structured cache
+ * (no gathered copy of the context). Built by common/engine/cpu_attention.py with the system C compiler, for this
+ * machine (-march=native), and called through ctypes on the tensors' memory.
+ *
+ * Per sequence, K and V are read once, token by token, every KV head of a token at once (a token's heads are
+ * contiguous in a block: [block_size, num_kv_heads, head_dim]); scores, softmax and the weighted sum run in
+ * float32. Loops over head_dim keep 16 independent lanes so the compiler vectorises them without -ffast-math
+ * (which would change the process's float environment). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* row[0..d) as float32: from bf16 (is_bf16) or float32 storage */
+static inline void load_row(const void *src, int64_t index, int64_t d, int is_bf16, float *dst) {
+    if (is_bf16) {
+        const uint16_t *s = (const uint16_t *)src + index;
+        for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, (const float *)src + index, (size_t)d * sizeof(float));
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    float lanes[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += a[i + l] * b[i + l];
+    for (int width = LANES / 2; width > 0; width /= 2)  /* a tree, which stays in vector registers */
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    float sum = lanes[0];
+    for (; i < d; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* exp(x) for x <= 0 (scores less their maximum): 2^(x log2 e), the fraction by a degree-6 polynomial (relative
+ * error below 1e-7, about expf's), so the loop vectorises where expf would be called once an element. */
+static inline float exp_nonpositive(float x) {
+    float t = (x < -126.0f ? -126.0f : x) * 1.44269504088896341f;
+    float whole = floorf(t), f = t - whole;
+    float p = 0.000218712622881867f;
+    p = p * f + 0.001238241558894515f;
+    p = p * f + 0.009686185978353024f;
+    p = p * f + 0.055478911846876144f;
+    p = p * f + 0.24023109674453735f;
+    p = p * f + 0.693146824836731f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)whole * (1 << 23);
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+/* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the tokens [starts[b], seq_lens[b]) of sequence b,
+ * whose token t lives at block block_ids[b * max_blocks + t / block_size], row t % block_size.
+ * q, out: [B, Hq, D]; caches: blocks block_stride elements apart, a block [block_size, Hkv, D]; query head h
+ * reads KV head h / (Hq / Hkv). Returns 0, or -1 if a workspace could not be allocated. */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_ids, const int64_t *seq_lens, const int64_t *starts,
+                           int64_t B, int64_t max_blocks, int64_t block_size, int64_t Hq, int64_t Hkv, int64_t D,
+                           int64_t block_stride, float scale, int is_bf16) {
+    int64_t group = Hq / Hkv, row = Hkv * D, longest = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (seq_lens[b] - starts[b] > longest) longest = seq_lens[b] - starts[b];
+    float *qf = malloc(sizeof(float) * (size_t)(Hq * D));
+    float *acc = malloc(sizeof(float) * (size_t)(Hq * D));
+    float *kv = malloc(sizeof(float) * (size_t)row);
+    float *scores = malloc(sizeof(float) * (size_t)(Hq * (longest > 0 ? longest : 1)));
+    if (!qf || !acc || !kv || !scores) {
+        free(qf); free(acc); free(kv); free(scores);
+        return -1;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t start = starts[b], len = seq_lens[b] - start;
+        const int64_t *blocks = block_ids + b * max_blocks;
+        load_row(q, b * Hq * D, Hq * D, is_bf16, qf);
+        for (int64_t t = 0; t < len; t++) {
+            int64_t pos = start + t;
+            load_row(k_cache, blocks[pos / block_size] * block_stride + (pos % block_size) * row, row, is_bf16, kv);
+            for (int64_t h = 0; h < Hq; h++)
+                scores[h * len + t] = dot(qf + h * D, kv + (h / group) * D, D) * scale;
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            float *s = scores + h * len, top = -INFINITY, total = 0.0f;
+            for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
+            for (int64_t t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - top);
+            for (int64_t t = 0; t < len; t++) total += s[t];
+            for (int64_t t = 0; t < len; t++) s[t] /= total;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(Hq * D));
+        for (int64_t t = 0; t < len; t++) {
+            int64_t pos = start + t;
+            load_row(v_cache, blocks[pos / block_size] * block_stride + (pos % block_size) * row, row, is_bf16, kv);
+            for (int64_t h = 0; h < Hq; h++) {
+                float p = scores[h * len + t], *a = acc + h * D;
+                const float *v = kv + (h / group) * D;
+                for (int64_t i = 0; i < D; i++) a[i] += p * v[i];
+            }
+        }
+        if (is_bf16) {
+            uint16_t *o = (uint16_t *)out + b * Hq * D;
+            for (int64_t i = 0; i < Hq * D; i++) o[i] = f32_to_bf16(acc[i]);
+        } else {
+            memcpy((float *)out + b * Hq * D, acc, sizeof(float) * (size_t)(Hq * D));
+        }
+    }
+    free(qf); free(acc); free(kv); free(scores);
+    return 0;
+}
