@@ -3,6 +3,7 @@ server, and the router's pool that follows each worker's health (tests/integrati
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import grpc
@@ -87,7 +88,9 @@ def test_the_pool_stops_picking_a_worker_that_turns_not_serving_and_keeps_it_kno
 
     seen_s, known, down = asyncio.run(scenario())
     assert seen_s < 1.0 and known
-    assert "is not serving (NOT_SERVING) since" in down, down
+    # The stop sends NOT_SERVING and then ends the watch; on a loaded machine the end (GOAWAY) can overtake the
+    # message, and the watch's failure is then the reason given. Either says the worker is not serving, and since when.
+    assert re.search(r"is not serving \((NOT_SERVING|its health watch (failed: UNAVAILABLE|ended))\) since", down), down
 
 
 def test_end_watches_ends_every_health_watch_so_the_server_stops_at_once():
