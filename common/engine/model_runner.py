@@ -7,13 +7,14 @@ and its heads of the cache, meeting the others in the model's collectives. Only 
 from __future__ import annotations
 
 import dataclasses
-import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
+from common.cpu_cores import pin_model_thread, usable_cores
 from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
@@ -115,8 +116,8 @@ class ModelRunner:
         self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
         self.device = rank_device(config.device, self.tp.rank)
         bind_thread(self.device)  # the loading thread's kernels (and a graph's capture) go to this rank's GPU
-        if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp.size))
+        if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the cores this process may use
+            torch.set_num_threads(max(1, len(usable_cores()) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp)
         if packs(self.device, self.dtype):  # bf16 GEMMs on the CPU's own instructions, weights packed once
             pack_linears(self.model)
@@ -142,6 +143,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)
         self._greedy: torch.Tensor | None = None  # a follower's: its last step's greedy tokens (the next ahead's input)
+        self._stepping_thread: int | None = None  # the thread pinned to the model's cores (the engine loop's)
 
     def _make_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.ranks is None:
@@ -227,6 +229,9 @@ class ModelRunner:
     def run_step(self, step: StepInputs, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """One forward pass on this rank (rank 0 first hands it to the followers): the logits of the sampled
         rows, None when no row samples. `ids`: the tokens on the device, for a step launched ahead."""
+        if self._stepping_thread != threading.get_ident():  # the thread that steps runs on the model's cores, if any
+            self._stepping_thread = threading.get_ident()
+            pin_model_thread()
         self._send(step)
         if ids is None:
             ids = self._upload(step.input_ids)

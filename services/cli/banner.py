@@ -29,6 +29,7 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
   model {plan.model_name}: {plan.model_dir}  (the --tokenizer of aiperf, guidellm, vLLM's bench)
 {workers}
 {sharing(plan.workers, plan.gpu_memory_utilization)}\
+{placement_notes(plan)}\
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
   disagg generate "Tell me about the sea" --router {router}
@@ -38,6 +39,12 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
 {http_lines}
 A process that dies is restarted. Ctrl-C stops everything.
 """
+
+
+def placement_notes(plan: "Plan") -> str:
+    """Why `up` chose this layout, and where the CPU workers' models run: a line each (nothing on GPUs)."""
+    lines = [plan.why, plan.cpu.describe() if plan.cpu else ""]
+    return "".join(f"{line}\n" for line in lines if line)
 
 
 def sharing(workers: tuple[WorkerPlacement, ...], utilization: float | None) -> str:

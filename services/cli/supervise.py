@@ -8,6 +8,8 @@ restart in a row (1 s, 2 s, 4 s, ... up to 30 s) and resets once it has run for 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -54,6 +56,8 @@ class Child:
     module: str
     args: list[str]
     echo: bool = True
+    env: dict[str, str] = field(default_factory=dict)  # set in the child's environment, beside ours
+    cores: tuple[int, ...] | None = None  # the child's CPU affinity (its threads inherit it); None: ours
     process: subprocess.Popen | None = None
     address: str | None = None
     metrics_url: str | None = None  # as announced; its port is kept across restarts
@@ -66,8 +70,9 @@ class Child:
     restart_at: float | None = None  # monotonic time of the pending restart, if the child is dead
 
     @classmethod
-    def start(cls, name: str, module: str, args: list[str], echo: bool = True) -> "Child":
-        child = cls(name, module, list(args), echo)
+    def start(cls, name: str, module: str, args: list[str], echo: bool = True, env: dict[str, str] | None = None,
+              cores: tuple[int, ...] | None = None) -> "Child":
+        child = cls(name, module, list(args), echo, dict(env or {}), cores)
         child._spawn()
         return child
 
@@ -75,7 +80,11 @@ class Child:
         self.ready, self.metrics_ready = threading.Event(), threading.Event()
         self.started_at = time.monotonic()
         self.process = subprocess.Popen([sys.executable, "-u", "-m", self.module, *self.args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                        env={**os.environ, **self.env} if self.env else None)
+        if self.cores is not None:  # before the child has started a thread: Python is still starting up
+            with contextlib.suppress(ProcessLookupError):  # it died at once: supervise() reports it
+                os.sched_setaffinity(self.process.pid, self.cores)
         self.reader = threading.Thread(target=self._pump, args=(self.process, self.ready, self.metrics_ready),
                                        name=f"{self.name}-output", daemon=True)
         self.reader.start()

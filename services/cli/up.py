@@ -5,8 +5,10 @@ Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-m
 --max-num-seqs, ...) go to every worker. With --device cuda the workers are laid out on the GPUs in order
 (--gpus, default all visible; prefill first, each worker its tensor-parallel size of consecutive GPUs; more
 ranks than GPUs needs --share-gpus), and with no --prefill/--decode the layout follows the GPUs: 1 prefill and
-a decode worker per other GPU (one GPU: the two share it). Each child's log lines are echoed with its name; a child
-that dies is restarted on its port with a back-off, so the cluster keeps serving. Each child serves
+a decode worker per other GPU (one GPU: the two share it). With --device cpu each worker's model runs on cores of
+its own, a torch thread a core, and the router and the workers' other threads on a core left over where there is
+one (services/cli/cpu_layout.py; --no-cpu-pinning turns it off). Each child's log lines are echoed with its name;
+a child that dies is restarted on its port with a back-off, so the cluster keeps serving. Each child serves
 Prometheus /metrics on a port of its own, kept across its restarts: free ones, or with --metrics-port-base N
 router N, then prefill-0.. and decode-0.. on N+1, N+2, ... (a Prometheus scrape list stays right). Ctrl-C or
 SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period).
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import time
 
 from common import tls
+from common.cpu_cores import usable_cores
 from common.engine.default_model import model_label
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
@@ -27,6 +31,7 @@ from services.worker.engine_flags import add_engine_args, engine_argv, engine_co
 from services.router import policies
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from services.cli import banner
+from services.cli.cpu_layout import CpuLayout, cpu_layout
 from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
                                     parse_gpus, place, shares_gpus)
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
@@ -41,6 +46,11 @@ ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
 # limit) raised decode's ITL p99 from 5.9-11 ms to 25-31 ms, past the 15 ms SLO at every rate, and TTFT p90 too;
 # the decode GPU's batch pays for every local prefill, and the prefill GPU had room.
 SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS = 0
+# Why `disagg up --device cpu` splits by default, even on two cores: there, prefill and decode on a core each (the
+# router beside them) served more than one aggregated worker on a core with the router on the other
+# (tests/bench/vllm_cpu.py, README "The CPU path").
+CPU_SPLIT_WHY = ("prefill-0 and decode-0 by default: on 2 cores, a core each served 1.10x the output tok/s of one "
+                 "aggregated worker (--prefill 0) at concurrency 8 with 0.63x its TTFT, and as much at 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +63,8 @@ class Plan:
     tp: dict[str, int]  # each role's tensor-parallel size
     max_local_prefill_tokens: int
     gpu_memory_utilization: float | None  # the user's; each worker gets memory_share of it
+    cpu: CpuLayout | None = None  # --device cpu: each worker's model cores (None: pinning off)
+    why: str = ""  # why this layout, where up chose it (the summary says it)
 
     @property
     def names(self) -> list[str]:
@@ -97,6 +109,14 @@ def layout(args: argparse.Namespace, visible_gpus: int | None = None) -> list[Wo
     return place(counts, tp, gpus, share=args.share_gpus or not chosen)
 
 
+def cpu_plan(args: argparse.Namespace, workers: list[WorkerPlacement], cores: tuple[int, ...]) -> CpuLayout | None:
+    """Each CPU worker's model cores (services/cli/cpu_layout.py); None on CUDA, with --no-cpu-pinning, or with a
+    tensor-parallel CPU worker (its ranks are processes of their own that share the worker's cores)."""
+    if on_cuda(args.device) or args.no_cpu_pinning or any(tp > 1 for tp in tp_sizes(args).values()):
+        return None
+    return cpu_layout(cores, [w.name for w in workers], os.environ.get("OMP_NUM_THREADS"))
+
+
 def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, metrics_port: int) -> list[str]:
     """A worker's command line: the engine flags, with its own device, TP size and memory share, each once."""
     overrides: dict[str, object] = {"tensor_parallel_size": plan.tp[worker.role]}
@@ -120,7 +140,9 @@ def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str],
 def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
     ports = metrics_ports(plan.names, args.metrics_port_base)
-    workers = [Child.start(w.name, f"services.{w.role}", worker_argv(args, plan, w, ports[w.name]))
+    cpu = plan.cpu
+    workers = [Child.start(w.name, f"services.{w.role}", worker_argv(args, plan, w, ports[w.name]),
+                           env=cpu.env(w.name) if cpu else None, cores=cpu.other_cores if cpu else None)
                for w in plan.workers]
     children = list(workers)
     try:
@@ -128,7 +150,7 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
         router = router_argv(args, plan, addresses, ports["router"])
-        children.insert(0, Child.start("router", "services.router", router))
+        children.insert(0, Child.start("router", "services.router", router, cores=cpu.other_cores if cpu else None))
         wait_ready(children[:1], args.start_timeout)
     except BaseException:
         stop_all(children)
@@ -187,6 +209,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default 0: free ports; -1 turns metrics off); each kept across restarts")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each process may take to start")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--no-cpu-pinning", action="store_true",
+                        help="CPU: leave every thread where the OS puts it, with torch's own thread count (default: "
+                             "each worker's model on cores of its own, one torch thread a core, the router and the "
+                             "rest on a core left over)")
     for role in ("prefill", "decode"):
         parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                             help=f"{role} workers' tensor-parallel size (default: --tensor-parallel-size); prefill "
@@ -205,14 +231,19 @@ def _gpus(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def plan(args: argparse.Namespace, visible_gpus: int | None = None) -> Plan:
-    """The workers' layout and the router's local-prefill default (no model needed; see `preflight`)."""
+def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple[int, ...] | None = None) -> Plan:
+    """The workers' layout, their CPU cores and the router's local-prefill default (no model needed; see
+    `preflight`). `cores`: the CPU cores to lay out (default: this process's)."""
+    cores = usable_cores() if cores is None else cores
     workers = tuple(layout(args, visible_gpus))
     local = args.max_local_prefill_tokens
     if local is None:
         local = (0 if not on_cuda(args.device) else ONE_GPU_MAX_LOCAL_PREFILL_TOKENS if shares_gpus(workers)
                  else SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS)
-    return Plan(model_label(args.model), "", workers, tp_sizes(args), local, args.gpu_memory_utilization)
+    chose = args.prefill is not None or args.decode is not None
+    why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
+    return Plan(model_label(args.model), "", workers, tp_sizes(args), local, args.gpu_memory_utilization,
+                cpu_plan(args, list(workers), cores), why)
 
 
 def preflight(args: argparse.Namespace) -> Plan:
