@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.engine.config import ENGINES, EngineConfig
+from common.engine.config import CPU_LONG_PREFILL_TOKENS, ENGINES, EngineConfig
 from common.engine.default_model import resolve_model
 
 # (flag, attribute) of every valued engine flag, in the order `engine_argv` writes them.
@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most prompt tokens of one request per step, so a long prompt shares steps with the "
-                        "others (default: 64 on the CPU, no limit on CUDA)")
+                        f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     g.add_argument("--no-prefix-caching", action="store_true")
