@@ -10,7 +10,7 @@ two methods (`prepare`, `forward`) and is chosen in model_runner.make_attention_
 
 On the CPU it is also the serving path, so its choices are measured ones (one core of an AMD EPYC, SmolLM2-135M's
 9 query / 3 KV heads of 64, per layer): decodes read the blocks in place with a C kernel (cpu_attention.py; eight
-decodes of 150 tokens 167 us, one 28 us); where it is not built, blocks are gathered whole with `index_select` on
+decodes of 150 tokens 141 us, one 23 us); where it is not built, blocks are gathered whole with `index_select` on
 the block ids rather than indexed by table (7 against 25 us for one sequence of 150 tokens, 29 against 170 for
 eight); and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in bf16: eight decodes of
 150 tokens 279 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).

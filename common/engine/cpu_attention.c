@@ -4,14 +4,15 @@
  *
  * Per sequence, K and V are read once, token by token, every KV head of a token at once (a token's heads are
  * contiguous in a block: [block_size, num_kv_heads, head_dim]); scores, softmax and the weighted sum run in
- * float32. Loops over head_dim keep 16 independent lanes so the compiler vectorises them without -ffast-math
- * (which would change the process's float environment). */
+ * float32. Loops over head_dim keep 8 independent lanes so the compiler vectorises them without -ffast-math
+ * (which would change the process's float environment); 8 measured faster than 16 (fewer steps to sum a dot
+ * product's lanes: 8 decodes of 150 tokens 141 against 196 us) and than 4. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#define LANES 8
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
