@@ -108,8 +108,11 @@ def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
     wait_for(lambda: _scalar(prometheus, 'sum(disagg_kv_pull_bytes_total{role="decode"})') == pulled, 20,
              "the KV pull bytes to reach Prometheus")
     assert _scalar(prometheus, 'sum(disagg_kv_pull_seconds_count{role="decode"})') == NUM_REQUESTS
-    assert _scalar(prometheus, 'disagg_requests_total{role="router",status="OK"}') == NUM_REQUESTS
-    assert _scalar(prometheus, 'disagg_generation_tokens_total{role="router"}') == NUM_REQUESTS * MAX_TOKENS
+    # A request is counted once its stream has ended, just after the client read its last message: a scrape that
+    # saw the last TTFT may come before that count.
+    wait_for(lambda: (_scalar(prometheus, 'disagg_requests_total{role="router",status="OK"}'),
+                      _scalar(prometheus, 'disagg_generation_tokens_total{role="router"}'))
+             == (NUM_REQUESTS, NUM_REQUESTS * MAX_TOKENS), 20, "the router's request and token counts to reach Prometheus")
     # The prefill worker is scraped on its own schedule: wait for its scrape after the requests too.
     wait_for(lambda: [_scalar(prometheus, f'disagg_kv_sessions_{what}_total{{role="prefill"}}')
                       for what in ("exported", "pulled")] == [NUM_REQUESTS, NUM_REQUESTS], 20,
