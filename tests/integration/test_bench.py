@@ -85,3 +85,12 @@ def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(
         assert [r["output_tokens"] for r in result["requests"]] == lengths[api], api
         assert all(r["ttft_ms"] > 0 for r in result["requests"]), api
     assert_no_leaks(stack[:2])
+
+
+def test_bench_openai_alone_needs_only_the_http_server(stack, tmp_path):
+    """`--api openai` alone lists the models over HTTP (GET /v1/models), so it drives any OpenAI-compatible server
+    (vLLM's in tests/bench/vllm_cpu.py): here --router points nowhere."""
+    result = _bench(f"127.0.0.1:{free_port()}", tmp_path, "--api", "openai", "--http", stack[2].http_url,
+                    "--num-prompts", "4", "--input-len", "fixed:16", "--output-len", "fixed:4", "--warmup", "0")
+    assert result["summary"]["completed"] == 4 and all(r["output_tokens"] == 4 for r in result["requests"])
+    assert result["config"]["model"] == "tiny-text"  # the router's model, as its /v1/models names it
