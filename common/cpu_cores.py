@@ -27,15 +27,23 @@ def format_cores(cores: tuple[int, ...]) -> str:
     return ",".join(map(str, cores))
 
 
+def can_pin() -> bool:
+    """Whether this OS lets a process choose its threads' cores (Linux does; macOS has no sched_setaffinity)."""
+    return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+
+
 def usable_cores() -> tuple[int, ...]:
-    """The cores this process may run on (its affinity: taskset, cgroups' cpusets)."""
+    """The cores this process may run on (its affinity: taskset, cgroups' cpusets; all of them where the OS has
+    no affinity)."""
+    if not can_pin():
+        return tuple(range(os.cpu_count() or 1))
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
 def pin_model_thread() -> tuple[int, ...] | None:
     """Pin the calling thread to DISAGG_MODEL_CORES, where set; returns them (None: not set, nothing done)."""
     text = os.environ.get(MODEL_CORES_ENV)
-    if not text:
+    if not text or not can_pin():
         return None
     cores = parse_cores(text)
     os.sched_setaffinity(0, cores)  # 0: the calling thread; threads it starts (OpenMP's) inherit it

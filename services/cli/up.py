@@ -23,7 +23,7 @@ import sys
 import time
 
 from common import tls
-from common.cpu_cores import usable_cores
+from common.cpu_cores import can_pin, usable_cores
 from common.engine.default_model import model_label
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
@@ -110,9 +110,11 @@ def layout(args: argparse.Namespace, visible_gpus: int | None = None) -> list[Wo
 
 
 def cpu_plan(args: argparse.Namespace, workers: list[WorkerPlacement], cores: tuple[int, ...]) -> CpuLayout | None:
-    """Each CPU worker's model cores (services/cli/cpu_layout.py); None on CUDA, with --no-cpu-pinning, or with a
-    tensor-parallel CPU worker (its ranks are processes of their own that share the worker's cores)."""
-    if on_cuda(args.device) or args.no_cpu_pinning or any(tp > 1 for tp in tp_sizes(args).values()):
+    """Each CPU worker's model cores (services/cli/cpu_layout.py); None on CUDA, with --no-cpu-pinning, with a
+    tensor-parallel CPU worker (its ranks are processes of their own that share the worker's cores), or on an OS
+    without thread affinity."""
+    if (on_cuda(args.device) or args.no_cpu_pinning or any(tp > 1 for tp in tp_sizes(args).values())
+            or not can_pin()):
         return None
     return cpu_layout(cores, [w.name for w in workers], os.environ.get("OMP_NUM_THREADS"))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.engine import cpu_attention
+from common.engine import cpu_attention, cpu_linear, model_runner
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig
 from common.engine.cpu_linear import pack_linears, packs
@@ -112,3 +112,15 @@ def test_one_thread_engine_matches_hf_for_each_family(tiny_model_dirs, family, o
     for prompt, got in zip(prompts, engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
                                                                             ignore_eos=True))):
         assert got == hf_greedy(path, prompt, 10)[0]
+
+
+@pytest.mark.skipif(not packs(CPU, torch.bfloat16), reason="this CPU's oneDNN has no bf16 GEMM")
+def test_bf16_engine_packs_its_linears_and_generates_as_unpacked(tiny_llama, monkeypatch):
+    prompt = torch.randint(3, 512, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    packed = LLMEngine(EngineConfig(model=tiny_llama, dtype="bfloat16", block_size=4, num_kv_blocks=64))
+    assert isinstance(packed.runner.model.lm_head.forward, cpu_linear._PackedForward)
+    monkeypatch.setattr(model_runner, "packs", lambda device, dtype: False)
+    plain = LLMEngine(EngineConfig(model=tiny_llama, dtype="bfloat16", block_size=4, num_kv_blocks=64))
+    assert "forward" not in vars(plain.runner.model.lm_head)
+    assert packed.generate([prompt], greedy) == plain.generate([prompt], greedy)
