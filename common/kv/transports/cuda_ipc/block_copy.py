@@ -87,14 +87,10 @@ def compile_for(cache: torch.Tensor) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int],
-                stream: torch.cuda.Stream | None = None) -> None:
-    """Enqueue the copy on `stream` (default: the current one of the GPU it runs on; returns at once on a GPU);
-    nothing need be kept alive for it."""
+def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+    """Enqueue the copy on the current stream (returns at once on a GPU); nothing need be kept alive for it. Caches of
+    one GPU or the host: a peer copy's ids stay in pinned memory its kernel reads, so it goes through BlockCopier."""
     copier = BlockCopier(src, dst)
-    if copier.peer is not None:  # its pinned ids are read by a kernel: wait for it (a probe's or a test's copy)
-        kept = copier(src_ids, dst_ids, stream)
-        if kept is not None:
-            (stream or torch.cuda.current_stream(copier.device)).synchronize()
-        return
-    copier(src_ids, dst_ids, stream, upload=True)
+    if copier.peer is not None:
+        raise ValueError(f"copy_blocks copies within one GPU; {src.device} -> {dst.device} takes a BlockCopier")
+    copier(src_ids, dst_ids, upload=True)
