@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
+from tests.hf_reference import hf_greedy  # noqa: E402
 from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything,  # noqa: E402
                                                 check_handoff)
 
@@ -40,11 +41,11 @@ def reference(tiny_llama) -> LLMEngine:
     return LLMEngine(EngineConfig(model=tiny_llama, device=LAST, block_size=4, num_kv_blocks=64, max_num_seqs=8))
 
 
-def test_an_engine_on_the_last_gpu_keeps_its_work_there(reference):
+def test_an_engine_on_the_last_gpu_keeps_its_work_there(reference, tiny_llama):
     assert reference.runner.device == torch.device(LAST)
     assert reference.kv_cache.device == torch.device(LAST)
     out = reference.generate([PROMPT[:9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
-    assert len(out) == 4
+    assert out == hf_greedy(tiny_llama, PROMPT[:9], 4)[0]
 
 
 def test_prefill_on_gpu0_decodes_on_the_last_gpu_over_cuda_ipc(cluster, reference):
