@@ -47,9 +47,7 @@ def test_converted_dir_loads_offline_as_plain_float32_llama(model_dir):
 
 def test_second_call_returns_same_dir_without_reconverting(model_dir):
     weights_mtime = (model_dir / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     again = default_model_dir()
-    assert time.perf_counter() - start < 1.0
     assert again == model_dir
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime
 
