@@ -35,6 +35,8 @@ _IDLE_WAKEUP_S = 0.25  # how often an idle loop wakes to expire KV sessions
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    members: int = 1  # choices (n > 1: each ends with a finished output of its own)
+    running: int = 1  # of them, those not finished yet (the engine thread's count)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -66,18 +68,22 @@ class AsyncLLMEngine:
         request_id = request.request_id
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, request.prompt_token_ids, request.sampling, request.request_type,
-                               request.kv_import, request.first_token, request.images)
+            added = engine.add_request(request_id, request.prompt_token_ids, request.sampling, request.request_type,
+                                       request.kv_import, request.first_token, request.images,
+                                       request.more_first_tokens, request.choices)
+            stream.members = stream.running = 1 + len(added.forks)
             self._streams[request_id] = stream
 
         await self.call(add)
         finished = False
+        running = stream.members
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                running -= item.finished
+                finished = running == 0
                 yield item
         finally:
             if not finished:
@@ -88,14 +94,23 @@ class AsyncLLMEngine:
         return await self.call(lambda e: self._abort(e, request_id))
 
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
-        stream = self._streams.pop(request_id, None)
-        request = engine.requests.get(request_id)
-        aborted = engine.abort_request(request_id)
-        if stream is not None and aborted:
-            stream.put(RequestOutput(request_id, [], [], finished=True, finish_reason=FinishReason.ABORT,
-                                     num_prompt_tokens=request.num_prompt_tokens,
+        """Abort a request (every choice), or one choice of it by "<id>#<index>"; each ends with an ABORT output."""
+        aborted = engine.abort_members(request_id)
+        for request in aborted:
+            stream = self._streams.get(request.output_id)
+            if stream is None:
+                continue
+            stream.put(RequestOutput(request.output_id, [], [], finished=True, finish_reason=FinishReason.ABORT,
+                                     num_prompt_tokens=request.num_prompt_tokens, index=request.index,
                                      num_output_tokens=len(request.output_token_ids)))
-        return aborted
+            self._ended(request.output_id, stream)
+        return bool(aborted)
+
+    def _ended(self, request_id: str, stream: _Stream) -> None:
+        """One choice of the stream's request finished: the stream goes when the last one has."""
+        stream.running -= 1
+        if stream.running <= 0:
+            self._streams.pop(request_id, None)
 
     # --- the engine interface (common.engine.interface.Engine) ---
 
@@ -173,8 +188,8 @@ class AsyncLLMEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+                    if out.finished:
+                        self._ended(out.request_id, stream)
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -59,8 +59,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def match_prefix(self, request: Request) -> None:
-        """On a request's first schedule: take the cached blocks of its longest cached prefix."""
-        if not self.enable_prefix_caching or request.block_table:
+        """On a request's first schedule: take the cached blocks of its longest cached prefix. Not for one that asked
+        for its prompt's logprobs: they come from the logits of every prompt position, so it computes them all."""
+        if not self.enable_prefix_caching or request.block_table or request.sampling.prompt_logprobs is not None:
             return
         with self.lock:
             self._match_prefix(request)
@@ -92,6 +93,13 @@ class BlockManager:
             self._take_fresh(fresh)
             request.block_table.extend(fresh)
         return True
+
+    def share(self, block_ids: list[int]) -> list[int]:
+        """One more reference to each of these (full, written) blocks, for another choice of the same prompt."""
+        with self.lock:
+            for block_id in block_ids:
+                self._take(block_id)
+        return list(block_ids)
 
     def reserve(self, num_blocks: int) -> list[int] | None:
         """Free blocks for KV written from outside the engine (an import), none of which a step in flight may

@@ -44,6 +44,7 @@ class LLMEngine:
         self.sessions = KvSessionTable(config.session_ttl_s)
         self.requests: dict[str, Request] = {}
         self._stop_rules: dict[str, StopRule] = {}
+        self._groups: dict[str, list[Request]] = {}  # n > 1: the leader's id -> every choice, while any runs
         self.num_preemptions = 0
         # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck).
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
@@ -61,9 +62,15 @@ class LLMEngine:
         kv_import: KvExport | None = None,
         first_token: int | None = None,
         images: list[ImageEmbedding] | None = None,
+        more_first_tokens: list[int] | None = None,
+        choices: list[int] | None = None,
     ) -> Request:
+        """n > 1 (sampling.n, or `choices`, the choice indices this engine runs, leader first): one request per
+        choice; generation_only takes each choice's first token (`first_token`, then `more_first_tokens`)."""
         sampling = sampling or SamplingParams()
+        choices = list(choices) if choices else list(range(sampling.n))
         self._validate(request_id, prompt_token_ids, request_type, kv_import, first_token)
+        self._validate_choices(sampling, choices, request_type, more_first_tokens or [])
         mm = self._multimodal(prompt_token_ids, images, kv_import is not None)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(f"the engine queue is full: {self.config.max_waiting} requests waiting, its limit "
@@ -74,18 +81,41 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
             request_type=request_type, kv_import=kv_import, max_total_tokens=rule.max_total_tokens,
-            arrival_time=time.monotonic(), mm=mm,
+            arrival_time=time.monotonic(), mm=mm, index=choices[0],
         )
         if first_token is not None:
             request.output_token_ids.append(first_token)
+        firsts = more_first_tokens or [None] * (len(choices) - 1)
+        request.forks = [dataclasses.replace(request, request_id=f"{request_id}#{i}", index=i, group_id=request_id,
+                                             output_token_ids=[] if t is None else [t], block_table=[],
+                                             block_hashes=[], forks=[], kv_import=None, prompt_logprobs=[])
+                         for i, t in zip(choices[1:], firsts)]
         if isinstance(kv_import, PlacedKv):  # already in our blocks: the request takes them over
             request.block_table = kv_import.adopt() or []
             if not request.block_table:
                 raise InvalidRequest(f"the KV imported for {request_id!r} was discarded before the engine took it")
         self.requests[request_id] = request
         self._stop_rules[request_id] = rule
+        for child in request.forks:  # they wait in the leader until its prompt's KV is complete (_fork)
+            self.requests[child.request_id] = child
+            self._stop_rules[child.request_id] = rule
+        if request.forks:
+            self._groups[request_id] = [request, *request.forks]
         self.scheduler.add(request)
         return request
+
+    def _validate_choices(self, sampling: SamplingParams, choices: list[int], request_type: RequestType,
+                          more_first_tokens: list[int]) -> None:
+        sampling.check_vocab(self.vocab_size)
+        if len(set(choices)) != len(choices) or not all(0 <= i < SamplingParams.MAX_N for i in choices):
+            raise InvalidRequest(f"choices must be distinct indices in [0, {SamplingParams.MAX_N}), got {choices}")
+        wanted = len(choices) - 1 if request_type is RequestType.GENERATION_ONLY else 0
+        if len(more_first_tokens) != wanted:
+            raise InvalidRequest(f"{len(more_first_tokens)} more first tokens for {len(choices)} choices of a "
+                                 f"{request_type.value} request; it takes {wanted}")
+        bad = [t for t in more_first_tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"first tokens outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def _validate(self, request_id, prompt, request_type, kv_import, first_token) -> None:
         if request_id in self.requests:
@@ -128,11 +158,15 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it is unknown or already done."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, FinishReason.ABORT)
-        return True
+        return bool(self.abort_members(request_id))
+
+    def abort_members(self, request_id: str) -> list[Request]:
+        """Abort a request, every choice of it (the leader's id) or one choice ("<id>#<index>"): those it ended."""
+        members = self._groups.get(request_id) or [self.requests.get(request_id)]
+        live = [m for m in members if m is not None and self._live(m)]
+        for member in live:
+            self._finish(member, FinishReason.ABORT)
+        return live
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None
@@ -159,6 +193,8 @@ class LLMEngine:
                 if isinstance(request.kv_import, KvExport):
                     self.runner.import_blocks(request.block_table, request.kv_import)
                 request.kv_import = None
+                if request.forks:  # the prompt's KV is in: the other choices take its blocks
+                    self._fork(request)
             if batch.empty:
                 return []
             self.block_manager.steps_launched += 1
@@ -176,9 +212,25 @@ class LLMEngine:
             if self._live(request):
                 request.num_computed_tokens += n
                 self.block_manager.commit_full_blocks(request)
+                if request.forks and request.num_computed_tokens >= request.num_prompt_tokens:
+                    self._fork(request)  # before its token is booked: that may end it and free its blocks
         read_at = time.monotonic()
         return [self._append_token(request, token, lp, read_at)
                 for request, (token, lp) in zip(launched.sampled, drawn) if self._live(request)]
+
+    def _fork(self, leader: Request) -> None:
+        """The other choices take the leader's full prompt blocks (one more reference each) and queue first, each to
+        compute the rest of its prompt (under a block) with its own first token. Context_only choices take nothing:
+        they only sampled their first token from the leader's last prompt position."""
+        children, leader.forks = leader.forks, []
+        if leader.request_type is RequestType.CONTEXT_ONLY:
+            return
+        full = leader.num_prompt_tokens // self.config.block_size
+        for child in reversed([c for c in children if self._live(c)]):
+            child.block_table = self.block_manager.share(leader.block_table[:full])
+            child.block_hashes = leader.block_hashes[:full]
+            child.num_computed_tokens = full * self.config.block_size
+            self.scheduler.waiting.appendleft(child)
 
     def _live(self, request: Request) -> bool:
         """Still this engine's request: not finished or aborted while a step launched ahead computed it."""
@@ -213,17 +265,25 @@ class LLMEngine:
         request.output_token_ids.append(token)
         reason = self._stop_rules[request.request_id].check(token, request.num_tokens)
         output = RequestOutput(
-            request_id=request.request_id, new_token_ids=[token], new_logprobs=[logprob] if logprob else [],
-            num_prompt_tokens=request.num_prompt_tokens,
+            request_id=request.output_id, new_token_ids=[token], new_logprobs=[logprob] if logprob else [],
+            num_prompt_tokens=request.num_prompt_tokens, index=request.index,
             num_cached_tokens=request.num_cached_tokens, num_output_tokens=len(request.output_token_ids),
         )
         if request.first_token_time is None:
             request.first_token_time = read_at
             output.first_scheduled_time, output.first_token_time = request.first_scheduled_time, read_at
-        if reason is None and request.request_type is RequestType.CONTEXT_ONLY:
-            session = self._pin_session(request, token)
-            output.session_id, output.session = session.session_id, dataclasses.replace(session)
-            reason = FinishReason.CONTEXT_DONE
+            if request.sampling.prompt_logprobs is not None and not request.group_id \
+                    and request.request_type is not RequestType.GENERATION_ONLY:
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        if request.request_type is RequestType.CONTEXT_ONLY:
+            # With several choices the leader's session serves those its first token did not end.
+            if request.group_id:
+                reason = FinishReason.CONTEXT_DONE
+                self._finish(request, reason)
+            elif reason is None or request.request_id in self._groups:
+                session = self._pin_session(request, token)
+                output.session_id, output.session = session.session_id, dataclasses.replace(session)
+                reason = FinishReason.CONTEXT_DONE
         if reason is not None:
             output.finished, output.finish_reason = True, reason
             if reason is not FinishReason.CONTEXT_DONE:
@@ -235,8 +295,14 @@ class LLMEngine:
         if request.block_table:
             self.block_manager.free(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
         self._stop_rules.pop(request.request_id, None)
+        group = self._groups.get(request.output_id)
+        if group is not None and not any(self._live(m) for m in group):
+            del self._groups[request.output_id]
 
     # --- KV sessions (context_only → generation_only handoff) ---
 
@@ -250,8 +316,7 @@ class LLMEngine:
         self.scheduler.remove(request)
         request.block_table = []
         request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.CONTEXT_DONE
-        self.requests.pop(request.request_id, None)
-        self._stop_rules.pop(request.request_id, None)
+        self._forget(request)
         return session
 
     def export_session(self, session_id: str) -> KvExport:

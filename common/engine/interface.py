@@ -73,6 +73,10 @@ class EngineRequest:
     kv_import: KvImport | None = None
     first_token: int | None = None
     images: list[ImageEmbedding] | None = None
+    # n > 1 (sampling.n): the choice indices this engine runs, leader first (empty: 0..n-1), and for
+    # generation_only the first token of each choice after the leader's (`first_token`).
+    more_first_tokens: list[int] = field(default_factory=list)
+    choices: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

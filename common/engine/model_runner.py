@@ -34,7 +34,14 @@ from common.pb.disagg.v1 import worker_pb2
 
 def _plain_greedy(request: Request) -> bool:
     s = request.sampling
-    return s.greedy and s.repetition_penalty == 1.0 and not s.logprobs
+    return s.greedy and not s.adjusts_logits and not s.logprobs
+
+
+def _prompt_rows(request: Request, start: int, n: int) -> range:
+    """Positions of this chunk whose logits score the next prompt token (prompt_logprobs asked for)."""
+    if request.sampling.prompt_logprobs is None or request.output_token_ids or request.group_id:
+        return range(0)  # not asked for, sent with the first token (or prefill's), or another choice's (the leader's)
+    return range(start, min(start + n, request.num_prompt_tokens - 1))
 
 
 def _image_rows(batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -100,6 +107,26 @@ class StepLaunch:
                 self.ready.synchronize()
             self.drawn = [(t, None) for t in self.host.tolist()]
         return self.drawn
+
+
+def _score_prompts(scored: list[tuple[Request, range]], logits: torch.Tensor) -> None:
+    """Each scored position's logits give the next prompt token's logprob (and the top k asked for): appended to
+    the request's prompt_logprobs, in one host copy per step."""
+    targets = [r.prompt_token_ids[p + 1] for r, positions in scored for p in positions]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(r.sampling.prompt_logprobs for r, _ in scored)
+    top = torch.topk(lp, k) if k else None
+    values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    row = 0
+    for request, positions in scored:
+        if positions.start == 0:
+            request.prompt_logprobs = []  # a recompute from the start (a preemption) scores again
+        want = request.sampling.prompt_logprobs
+        for _ in positions:
+            tops = list(zip(ids[row][:want], values[row][:want])) if want else []
+            request.prompt_logprobs.append(TokenLogprob(targets[row], chosen[row], tops))
+            row += 1
 
 
 class ModelRunner:
@@ -200,26 +227,39 @@ class ModelRunner:
         positions: list[int] = []
         last_rows: list[int] = []
         sampled: list[Request] = []
+        scored: list[tuple[Request, range]] = []  # prompt positions whose logprobs are asked for
+        score_rows: list[int] = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
             if n == 1 and start == request.num_tokens - 1:  # a decode: skip copying the whole sequence
                 input_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
             else:
                 input_ids.extend(request.all_token_ids[start : start + n])
+            if positions_scored := _prompt_rows(request, start, n):
+                scored.append((request, positions_scored))
+                score_rows.extend(len(input_ids) - n + p - start for p in positions_scored)
             positions.extend(range(start, start + n))
             if start + n == request.num_tokens:  # a finished prefill chunk or a decode: sample
                 last_rows.append(len(input_ids) - 1)
                 sampled.append(request)
+                if not request.output_token_ids:  # its prompt is done: choices waiting on it sample the same row
+                    waiting = [c for c in request.forks if not c.output_token_ids]
+                    last_rows += [len(input_ids) - 1] * len(waiting)
+                    sampled += waiting
         layout = BatchLayout(
             query_lens=list(batch.num_new_tokens),
             context_lens=[r.num_computed_tokens for r in batch.requests],
             block_tables=[r.block_table for r in batch.requests],
         )
         scheduled = list(zip(batch.requests, batch.num_new_tokens))
-        if self._graphed(layout, batch.requests):
+        plain = not scored and len(set(last_rows)) == len(last_rows)  # no prompt scored, no choice forking
+        if self._graphed(layout, batch.requests) and plain:
             self._send(StepInputs(input_ids, positions, layout, last_rows, graphed=True))
             return self._sample(scheduled, sampled, *self.graphs.run(input_ids, positions, layout))
-        logits = self.run_step(StepInputs(input_ids, positions, layout, last_rows, _image_rows(batch)))
+        logits = self.run_step(StepInputs(input_ids, positions, layout, last_rows + score_rows, _image_rows(batch)))
+        if scored:  # rows after the sampled ones: prompt positions
+            _score_prompts(scored, logits[len(last_rows):])
+            logits = logits[: len(last_rows)]
         if not sampled:
             return StepLaunch(scheduled, [], drawn=[])
         return self._sample(scheduled, sampled, logits, None)

@@ -50,8 +50,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI's penalties, as vLLM applies them: over the tokens generated so far.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted and sorted
+    n: int = 1  # choices, all from one prefill
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and its top k (vLLM's name)
 
     MAX_TOP_LOGPROBS = 20
+    MAX_N = 16  # choices share the prompt's blocks but each decodes: n multiplies a request's decode cost
+    MAX_LOGIT_BIAS = 300  # entries, as OpenAI documents; each is applied to every step of the request
+    MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
+    MAX_BIAS = 100.0
     # What a request may ask for whose cost grows with its size, refused up front rather than paid by every request
     # that shares the router's event loop. Stop strings are matched at every delta (common.text_stream): OpenAI
     # takes up to 4, as TGI does by default (--max-stop-sequences); vLLM has no cap. 64 leaves room for a client
@@ -64,6 +74,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_sizes()
+        if isinstance(self.logit_bias, dict):  # frozen, and hashable: pairs in id order
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -71,11 +83,19 @@ class SamplingParams:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             f"max_tokens must be >= 1 (0 only to score a prompt, with prompt_logprobs), got {self.max_tokens}"),
             (0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.top_logprobs}"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (-self.MAX_PENALTY <= self.presence_penalty <= self.MAX_PENALTY,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-self.MAX_PENALTY <= self.frequency_penalty <= self.MAX_PENALTY,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (1 <= self.n <= self.MAX_N, f"n must be in [1, {self.MAX_N}], got {self.n}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -91,10 +111,31 @@ class SamplingParams:
         if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
                                  f"{self.MAX_STOP_TOKEN_IDS} are accepted")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS} "
+                                 "are accepted")
+        bias = dict(self.logit_bias)
+        bad = [(t, b) for t, b in bias.items() if not (isinstance(t, int) and t >= 0 and math.isfinite(b)
+                                                        and -self.MAX_BIAS <= b <= self.MAX_BIAS)]
+        if bad:
+            raise InvalidRequest(f"logit_bias maps token ids >= 0 to biases in [-100, 100]; got {bad[0][0]}: "
+                                 f"{bad[0][1]}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or biases change this request's logits before it samples (the greedy fast path skips them)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidRequest for a logit_bias token id outside the vocabulary (the router's and the engine's check)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def check_fits_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -139,6 +180,17 @@ class Request:
     first_token_time: float | None = None  # its first generated token read back (a step's result)
     num_preemptions: int = 0
     mm: MultiModalInputs | None = None  # image embeddings spliced over the prompt's placeholders
+    # n > 1: every choice is a Request; the first (the leader) runs the prompt, the others wait in `forks` until
+    # its prompt's KV is complete, then take its full blocks (engine.py). They answer under the leader's id.
+    index: int = 0  # the choice this request is (its seed stream and its outputs' index)
+    group_id: str = ""  # the leader's request id ("" for the leader itself)
+    forks: list["Request"] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. as prefill computes them
+
+    @property
+    def output_id(self) -> str:
+        """The id its outputs carry: the leader's for every choice."""
+        return self.group_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -175,3 +227,6 @@ class RequestOutput:
     # stamp them): Request.first_scheduled_time and first_token_time, time.monotonic() in the engine's process.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    index: int = 0  # the choice (n > 1)
+    # With the first token of a request that asked for prompt_logprobs: prompt tokens 1.. (token 0 has none).
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -7,11 +7,12 @@ import xxhash
 from common.engine.request import Request, TokenLogprob
 
 
-def _row_generator(seed: int, step: int) -> torch.Generator:
-    # Seeded per (seed, output position): the same request draws the same tokens in every
-    # mode (aggregated, prefill→decode) and after a preemption.
+def _row_generator(seed: int, step: int, index: int = 0) -> torch.Generator:
+    # Seeded per (seed, choice, output position): the same request draws the same tokens in every
+    # mode (aggregated, prefill→decode) and after a preemption; choice 0 draws what n=1 draws.
     g = torch.Generator()
-    g.manual_seed(xxhash.xxh64_intdigest(f"{seed}:{step}".encode()) & (2**63 - 1))
+    key = f"{seed}:{step}" if index == 0 else f"{seed}/{index}:{step}"
+    g.manual_seed(xxhash.xxh64_intdigest(key.encode()) & (2**63 - 1))
     return g
 
 
@@ -20,6 +21,25 @@ def _apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalt
     ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
     seen = logits[ids]
     logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def _apply_bias_and_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """A penalised copy of one row, in vLLM's order: logit_bias, then repetition (prompt and output, as Hugging
+    Face), then OpenAI's presence and frequency penalties over the output so far:
+    logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)."""
+    s = request.sampling
+    logits = logits.clone()
+    if s.logit_bias:
+        ids, biases = zip(*s.logit_bias)
+        logits[torch.tensor(ids, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,
+                                                                         device=logits.device)
+    if s.repetition_penalty != 1.0:
+        _apply_repetition_penalty(logits, request.all_token_ids, s.repetition_penalty)
+    if (s.presence_penalty or s.frequency_penalty) and request.output_token_ids:
+        counts = torch.bincount(torch.tensor(request.output_token_ids, device=logits.device),
+                                minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -57,17 +77,15 @@ class Sampler:
         tokens = []
         for i, req in enumerate(requests):
             s = req.sampling
-            if s.greedy and s.repetition_penalty == 1.0:
+            if s.greedy and not s.adjusts_logits:
                 tokens.append(argmax[i])
                 continue
-            row = logits[i]
-            if s.repetition_penalty != 1.0:
-                row = row.clone()
-                _apply_repetition_penalty(row, req.all_token_ids, s.repetition_penalty)
+            row = _apply_bias_and_penalties(logits[i], req) if s.adjusts_logits else logits[i]
             if s.greedy:
                 tokens.append(int(torch.argmax(row).item()))
             else:
-                gen = _row_generator(s.seed, len(req.output_token_ids)) if s.seed is not None else self._unseeded
+                gen = (_row_generator(s.seed, len(req.output_token_ids), req.index) if s.seed is not None
+                       else self._unseeded)
                 tokens.append(_sample_row(row, req, gen))
         want = [i for i, r in enumerate(requests) if r.sampling.logprobs]
         if not want:

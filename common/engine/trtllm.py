@@ -89,6 +89,12 @@ def sampling_kwargs(sampling: SamplingParams, max_new_tokens: int) -> dict[str, 
         kwargs["repetition_penalty"] = sampling.repetition_penalty
     if sampling.logprobs:
         kwargs["logprobs"] = max(1, sampling.top_logprobs)
+    if sampling.presence_penalty:
+        kwargs["presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        kwargs["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.n > 1 or sampling.logit_bias or sampling.prompt_logprobs is not None:
+        raise InvalidRequest("n > 1, logit_bias and prompt_logprobs run on the torch engine, not on TensorRT-LLM")
     return kwargs
 
 
