@@ -4,8 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -21,6 +22,12 @@ TINY_FAMILIES = {
     "qwen3-qknorm": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
     "phi3": (Phi3Config, Phi3ForCausalLM, dict(num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=False)),
+    # Sparse layer 0, dense layer 1 (mlp_only_layers); 8 experts, 2 a token, renormalised as Qwen3-30B-A3B's.
+    "qwen3-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_key_value_heads=2, num_local_experts=4,
+                                                         num_experts_per_tok=2, sliding_window=None)),
 }
 # Beside the families: shapes a test needs that the families above do not have.
 TINY_SHAPES = {

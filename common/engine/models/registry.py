@@ -17,6 +17,8 @@ MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
 }
 
 

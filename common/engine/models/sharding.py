@@ -33,6 +33,8 @@ class Rowwise:
     def cut(self, tensor: torch.Tensor, param: str, tp: TensorParallel) -> torch.Tensor:
         if param == "bias":
             return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+        if param == "weight_scale" and tensor.shape[-1] == 1:  # an FP8 weight's row scale holds for every column
+            return tensor
         return tensor.chunk(tp.size, dim=-1)[tp.rank]
 
 
@@ -51,7 +53,18 @@ class VocabRows:
         return torch.cat([rows, rows.new_zeros((per - len(rows), *rows.shape[1:]))])
 
 
-Shard = Colwise | Rowwise | VocabRows
+@dataclass(frozen=True)
+class ExpertColumns:
+    """A MoE layer's stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]): each expert's intermediate
+    columns split as a dense MLP's are, its gate rows and its up rows Colwise, its down_proj columns Rowwise."""
+
+    def cut(self, tensor: torch.Tensor, param: str, tp: TensorParallel) -> torch.Tensor:
+        if param == "down_proj":
+            return tensor.chunk(tp.size, dim=-1)[tp.rank]
+        return torch.cat([part.chunk(tp.size, dim=1)[tp.rank] for part in tensor.chunk(2, dim=1)], dim=1)
+
+
+Shard = Colwise | Rowwise | VocabRows | ExpertColumns
 
 
 def _spec_of(module: str, plan: dict[str, Shard]) -> Shard | None:

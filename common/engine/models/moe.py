@@ -1,0 +1,133 @@
+"""The sparse mixture-of-experts block: a router picks each token's top-k experts, each expert is a gated MLP
+(silu(gate) · up → down), and the token's output is the routing-weighted sum of its experts' outputs.
+
+Experts are held as Hugging Face stores them in memory (transformers ≥ 5): `experts.gate_up_proj` [E, 2I, H]
+(each expert's gate ‖ up rows) and `experts.down_proj` [E, H, I]; the router is `gate` [E, H], whole on every rank.
+Under tensor parallelism each expert's intermediate columns split across ranks as a dense MLP's do
+(sharding.ExpertColumns), and the block ends in the same one all-reduce.
+
+Three ways to run the experts, the same sums:
+- `looped_experts` (the CPU, the reference): sort the (token, expert) pairs by expert, one GEMM pair per expert that
+  got tokens; it reads the counts on the host.
+- `grouped_experts` (CUDA, bf16): the pairs sorted by expert feed two grouped GEMMs (`torch._grouped_mm`) whose
+  group boundaries stay on the device, so a decode step is CUDA-graph capturable. Unmeasured on a GPU so far.
+- `dense_experts`: every expert on every row, the unrouted weighted 0; only while a CUDA graph captures a step
+  that grouped GEMM cannot run (float32), as it needs no host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.engine.kernels import silu_and_mul
+from common.engine.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """One family's sparse block: experts, experts per token, each expert's intermediate size, and whether the
+    top-k probabilities (softmax over every expert) are renormalised to sum to 1 (Mixtral: always, which is the
+    softmax over the top-k logits; Qwen3-MoE: `norm_topk_prob`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights [T, k], expert ids [T, k]) of router logits [T, E], as transformers' routers give them."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [T·k, H] in expert order back to token order, each weighted, summed over a token's k experts."""
+    T, k = weights.shape
+    unsorted = torch.empty_like(rows)
+    unsorted[order] = rows
+    return (unsorted.view(T, k, -1).float() * weights[..., None]).sum(dim=1).to(dtype)
+
+
+def looped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """The torch reference: x [T, H] through experts gate_up [E, 2I, H] / down [E, H, I] chosen by ids [T, k]."""
+    k = ids.shape[1]
+    order = ids.flatten().argsort(stable=True)
+    tokens = order // k
+    counts = torch.bincount(ids.flatten(), minlength=gate_up.shape[0]).tolist()
+    rows = x.new_empty(len(order), x.shape[1])
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            part = slice(start, start + n)
+            rows[part] = F.linear(silu_and_mul(F.linear(x[tokens[part]], gate_up[expert])), down[expert])
+            start += n
+    return _combine(rows, order, weights, x.dtype)
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """The same sums through two grouped GEMMs over the pairs sorted by expert; no host sync."""
+    k, num_experts = ids.shape[1], gate_up.shape[0]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    h = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=offsets)
+    rows = torch._grouped_mm(silu_and_mul(h), down.transpose(1, 2), offs=offsets)
+    return _combine(rows, order, weights, x.dtype)
+
+
+def dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """Every expert on every row ([E, T, ·] intermediates), weighted by a [T, E] matrix zero off the routed ones."""
+    mix = torch.zeros(x.shape[0], gate_up.shape[0], device=x.device).scatter_(1, ids, weights)
+    out = torch.matmul(silu_and_mul(torch.matmul(x, gate_up.transpose(1, 2))), down.transpose(1, 2))
+    return torch.einsum("eth,te->th", out.float(), mix).to(x.dtype)
+
+
+def _grouped_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """torch's grouped GEMM on CUDA takes bf16 on sm80+, with rows a multiple of 16 bytes."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)
+            and x.shape[-1] % 8 == 0 and down.shape[-1] % 8 == 0)
+
+
+def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    if _grouped_applies(x, gate_up, down):
+        return grouped_experts(x, gate_up, down, ids, weights)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return dense_experts(x, gate_up, down, ids, weights)
+    return looped_experts(x, gate_up, down, ids, weights)
+
+
+class Experts(nn.Module):
+    def __init__(self, spec: MoeSpec, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        intermediate = tp.split(spec.intermediate_size, "expert MLP columns (moe intermediate size)")
+        self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts, 2 * intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, intermediate))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, spec: MoeSpec, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.spec = spec
+        self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
+        self.experts = Experts(spec, hidden_size, tp)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (after the post-attention norm) → this rank's partial sum, all-reduced."""
+        weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+        return self.tp.all_reduce(out)
