@@ -94,10 +94,14 @@ def dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     return torch.einsum("eth,te->th", out.float(), mix).to(x.dtype)
 
 
+# torch's grouped GEMM on CUDA: sm90 only in torch 2.8, sm80+ from 2.9.
+_GROUPED_MIN_CAPABILITY = (8, 0) if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9) else (9, 0)
+
+
 def _grouped_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """torch's grouped GEMM on CUDA takes bf16 on sm80+, with rows a multiple of 16 bytes."""
+    """torch's grouped GEMM on CUDA takes bf16, with rows a multiple of 16 bytes."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (8, 0)
+            and torch.cuda.get_device_capability(x.device) >= _GROUPED_MIN_CAPABILITY
             and x.shape[-1] % 8 == 0 and down.shape[-1] % 8 == 0)
 
 
