@@ -5,7 +5,8 @@ opens (common.channels: router → workers, decode → prefill's TensorStore, cl
 credentials without passing them through each call site. Without a config everything is plaintext, which is
 what loopback development and the tests use.
 
-    --tls-cert / DISAGG_TLS_CERT    this process's certificate chain (PEM); with --tls-key, servers use TLS
+    --tls-cert / DISAGG_TLS_CERT    this process's certificate chain (PEM); with --tls-key, servers use TLS (the
+                                    router's OpenAI-compatible HTTP door too: HTTPS)
     --tls-key  / DISAGG_TLS_KEY     its private key (PEM)
     --tls-ca   / DISAGG_TLS_CA      CA bundle that verifies peers; channels use TLS when it is set
     --tls-client-auth / DISAGG_TLS_CLIENT_AUTH=1   servers require a client certificate signed by the CA (mTLS)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -51,10 +53,32 @@ class TlsConfig:
     def dials_tls(self) -> bool:
         return self.ca is not None
 
+    def environment(self) -> dict[str, str]:
+        """DISAGG_TLS_* for a child process (`disagg up`'s), so that it uses these settings."""
+        values = {"cert": self.cert, "key": self.key, "ca": self.ca, "client_auth": "1" if self.client_auth else None}
+        return {_ENV[name]: str(value) for name, value in values.items() if value is not None}
+
     def server_credentials(self) -> grpc.ServerCredentials:
         root = self.ca.read_bytes() if self.client_auth else None
         return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())],
                                            root_certificates=root, require_client_auth=self.client_auth)
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """The same certificate, and client-certificate rule, for an HTTP server (the router's OpenAI door)."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.client_auth:
+            context.load_verify_locations(cafile=self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """For HTTPS clients (disagg bench, the health check): the CA verifies the server (the system's roots
+        without one); our certificate is presented, for servers that require one."""
+        context = ssl.create_default_context(cafile=self.ca)
+        if self.cert is not None:
+            context.load_cert_chain(self.cert, self.key)
+        return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Verifies the server against the CA; presents our certificate too, for servers that require it."""

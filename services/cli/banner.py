@@ -12,15 +12,20 @@ if TYPE_CHECKING:
     from services.cli.up import Plan
 
 
-def summary(children: list[Child], plan: "Plan", host: str, http_port: int) -> str:
+def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keyed: bool = False) -> str:
+    """`keyed`: the router requires an API key (the commands send $DISAGG_API_KEY; the key itself is never shown)."""
     router = children[0].address
     placed = {w.name: w for w in plan.workers}
     workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)"
                         + (f"  on {placed[c.name].gpus_text()}" if placed[c.name].devices else "")
                         for c in children[1:])
     metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
-    http = f"http://{host}:{http_port}" if http_port else None
-    http_lines = (f"""  curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' \\
+    ca = plan.tls.ca if plan.tls.serves_tls else None
+    http = f"{'https' if ca else 'http'}://{host}:{http_port}" if http_port else None
+    curl_flags = (f" --cacert {ca}" if ca else "") + (' -H "Authorization: Bearer $DISAGG_API_KEY"' if keyed else "")
+    grpcurl_flags = (f"-cacert {ca}" if ca else "-plaintext") + (
+        ' -H "authorization: Bearer $DISAGG_API_KEY"' if keyed else "")
+    http_lines = (f"""  curl -N{curl_flags} {http}/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{{"messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
 """ if http else "")
     return f"""
@@ -32,9 +37,9 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
 {placement_notes(plan)}\
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
-  disagg generate "Tell me about the sea" --router {router}
-  grpcurl -plaintext {router} list
-  grpcurl -plaintext -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
+  disagg generate "Tell me about the sea" --router {router}{f" --tls-ca {ca}" if ca else ""}
+  grpcurl {"-plaintext" if not ca else f"-cacert {ca}"} {router} list
+  grpcurl {grpcurl_flags} -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate
 {http_lines}
 A process that dies is restarted. Ctrl-C stops everything.

@@ -1,7 +1,8 @@
 """`disagg generate "prompt"`: stream an answer from a running router to the terminal.
 
 It first waits (up to --wait seconds) for the router's health to say SERVING, so that it can be run right after
-the router is started: a router that is still starting refuses the connection, or has no decode worker yet."""
+the router is started: a router that is still starting refuses the connection, or has no decode worker yet.
+--api-key (default: DISAGG_API_KEY) is sent as `authorization: Bearer KEY` metadata, for a router that asks one."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import DEFAULT_PORT
 from services.cli.sampling_flags import add_sampling_args, sampling_from_args
 from services.cli.wait import wait_serving
+from services.kit.auth import add_client_api_key_arg, client_key, grpc_metadata
 
 DEFAULT_ROUTER = os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}")
 
@@ -60,6 +62,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the router to answer health SERVING before sending (default 10; "
                              "0: send at once)")
     add_sampling_args(parser)
+    add_client_api_key_arg(parser)
     tls.add_tls_args(parser)
     return parser
 
@@ -78,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    not_ready = wait_serving(args.router, args.wait) if args.wait > 0 else None
+    metadata = grpc_metadata(client_key(args))
+    not_ready = wait_serving(args.router, args.wait, metadata) if args.wait > 0 else None
     with channels.sync_channel(args.router) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for response in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False):
+            for response in stub.Generate(build_request(args), timeout=args.timeout, wait_for_ready=False,
+                                          metadata=metadata):
                 if response.HasField("delta"):
                     sys.stdout.write(response.delta.text)
                     sys.stdout.flush()

@@ -2,7 +2,9 @@
 SERVING (and, with --http, the router's OpenAI-compatible front door answers 200 on /health).
 
 For container health checks (docker compose `healthcheck`); the address defaults to this container's
-own port from DISAGG_GRPC_PORT. Plaintext, or TLS when DISAGG_TLS_CA is set (common.tls).
+own port from DISAGG_GRPC_PORT. Plaintext, or TLS when DISAGG_TLS_CA or --tls-ca is set (common.tls); the HTTP check
+is HTTPS where this container serves TLS (DISAGG_TLS_CERT). The router's API key (DISAGG_API_KEY,
+DISAGG_API_KEY_FILE) goes with both, for a router whose health asks one.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import channels, tls
+from services.kit.auth import client_key, grpc_metadata, http_headers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,12 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--http", default=None,
                         help="also require 200 from the HTTP front door's /health: a port (on 127.0.0.1) or a URL")
+    tls.add_tls_args(parser)
     args = parser.parse_args(argv)
-    tls.configure(tls.tls_from_args(argparse.Namespace()))
+    tls.configure(tls.tls_from_args(args))
+    key = client_key(argparse.Namespace())
     try:
         with channels.sync_channel(args.address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout,
+                metadata=grpc_metadata(key)).status
     except grpc.RpcError as exc:
         print(f"{args.address}: {exc.code().name}", file=sys.stderr)
         return 1
@@ -37,13 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.address}: {name}")
     if status != health_pb2.HealthCheckResponse.SERVING:
         return 1
-    return 0 if args.http is None else _check_http(args.http, args.timeout)
+    return 0 if args.http is None else _check_http(args.http, args.timeout, key)
 
 
-def _check_http(target: str, timeout_s: float) -> int:
-    url = target if "://" in target else f"http://127.0.0.1:{target}/health"
+def _check_http(target: str, timeout_s: float, key: str | None) -> int:
+    settings = tls.current()
+    url = target if "://" in target else f"{'https' if settings.serves_tls else 'http'}://127.0.0.1:{target}/health"
+    context = settings.client_ssl_context() if url.startswith("https://") and settings.dials_tls else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        request = urllib.request.Request(url, headers=http_headers(key))
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
             print(f"{url}: HTTP {response.status}")
             return 0 if response.status == 200 else 1
     except OSError as exc:  # URLError and HTTPError (503: not ready) are OSErrors

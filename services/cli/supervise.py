@@ -58,6 +58,7 @@ class Child:
     echo: bool = True
     env: dict[str, str] = field(default_factory=dict)  # set in the child's environment, beside ours
     cores: tuple[int, ...] | None = None  # the child's CPU affinity (its threads inherit it); None: ours
+    health_metadata: tuple[tuple[str, str], ...] = ()  # sent with its health checks (an API key, where it asks one)
     process: subprocess.Popen | None = None
     address: str | None = None
     metrics_url: str | None = None  # as announced; its port is kept across restarts
@@ -71,8 +72,8 @@ class Child:
 
     @classmethod
     def start(cls, name: str, module: str, args: list[str], echo: bool = True, env: dict[str, str] | None = None,
-              cores: tuple[int, ...] | None = None) -> "Child":
-        child = cls(name, module, list(args), echo, dict(env or {}), cores)
+              cores: tuple[int, ...] | None = None, health_metadata: tuple[tuple[str, str], ...] = ()) -> "Child":
+        child = cls(name, module, list(args), echo, dict(env or {}), cores, health_metadata)
         child._spawn()
         return child
 
@@ -197,7 +198,7 @@ def _check_health(child: Child, deadline: float) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5, metadata=child.health_metadata).status
                 problem = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
             except grpc.RpcError as exc:
                 status, problem = None, f"{exc.code().name}: {exc.details()}"

@@ -12,6 +12,10 @@ a child that dies is restarted on its port with a back-off, so the cluster keeps
 Prometheus /metrics on a port of its own, kept across its restarts: free ones, or with --metrics-port-base N
 router N, then prefill-0.. and decode-0.. on N+1, N+2, ... (a Prometheus scrape list stays right). Ctrl-C or
 SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period).
+
+--api-key / --api-key-file (or DISAGG_API_KEY) go to the router: its OpenAI, disagg.v1 and KServe doors then require
+the key (services/kit/auth.py). --tls-cert/--tls-key/--tls-ca (--tls-client-auth) go to every process, as
+DISAGG_TLS_* do: gRPC between them is TLS, and the router's OpenAI door is HTTPS.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import sys
 import time
 
 from common import tls
+from common.tls import TlsConfig
 from common.cpu_cores import can_pin, usable_cores
 from common.engine.default_model import model_label
 from common.engine.start import check_startable
@@ -36,6 +41,7 @@ from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus,
                                     parse_gpus, place, shares_gpus)
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
 from services.cli.supervise import Child, log, stop_all, wait_ready
+from services.kit.auth import KEY_ENV, add_api_key_args, api_keys_from_args, grpc_metadata, keys_from_args
 
 # `disagg up --device cuda` with its workers sharing a GPU (one GPU, or --share-gpus). There, a remote prefill
 # pays (issue #24's targets against aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from
@@ -65,6 +71,7 @@ class Plan:
     gpu_memory_utilization: float | None  # the user's; each worker gets memory_share of it
     cpu: CpuLayout | None = None  # --device cpu: each worker's model cores (None: pinning off)
     why: str = ""  # why this layout, where up chose it (the summary says it)
+    tls: TlsConfig = TlsConfig()  # every process's (the flags, else DISAGG_TLS_*)
 
     @property
     def names(self) -> list[str]:
@@ -136,15 +143,28 @@ def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str],
              "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens),
              "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level,
              "--metrics-port", str(metrics_port)]
-    return flags + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
+    keys = (["--api-key-file", os.path.abspath(args.api_key_file)] if args.api_key_file else [])
+    keys += ["--api-key-protects-health"] if args.api_key_protects_health else []
+    return flags + keys + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
+
+
+def router_env(args: argparse.Namespace) -> dict[str, str]:
+    """--api-key values reach the router in its environment, not on its command line, which `ps` shows."""
+    return {KEY_ENV: ",".join(args.api_key)} if args.api_key else {}
+
+
+def router_health_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """What up's health checks of the router send: a key, where the router's health asks one."""
+    return grpc_metadata(keys_from_args(args)[0]) if args.api_key_protects_health else ()
 
 
 def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
     """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
     ports = metrics_ports(plan.names, args.metrics_port_base)
     cpu = plan.cpu
+    tls_env = plan.tls.environment()
     workers = [Child.start(w.name, f"services.{w.role}", worker_argv(args, plan, w, ports[w.name]),
-                           env=cpu.env(w.name) if cpu else None, cores=cpu.other_cores if cpu else None)
+                           env={**tls_env, **(cpu.env(w.name) if cpu else {})}, cores=cpu.other_cores if cpu else None)
                for w in plan.workers]
     children = list(workers)
     try:
@@ -152,7 +172,9 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
         router = router_argv(args, plan, addresses, ports["router"])
-        children.insert(0, Child.start("router", "services.router", router, cores=cpu.other_cores if cpu else None))
+        children.insert(0, Child.start("router", "services.router", router, env={**tls_env, **router_env(args)},
+                                       cores=cpu.other_cores if cpu else None,
+                                       health_metadata=router_health_metadata(args)))
         wait_ready(children[:1], args.start_timeout)
     except BaseException:
         stop_all(children)
@@ -220,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             help=f"{role} workers' tensor-parallel size (default: --tensor-parallel-size); prefill "
                                  "and decode may differ: a session moves with every KV head")
     add_engine_args(parser)
+    add_api_key_args(parser)
+    tls.add_tls_args(parser)
     args = parser.parse_args(argv)
     if (args.decode is not None and args.decode < 1) or (args.prefill is not None and args.prefill < 0):
         parser.error("--decode must be >= 1 and --prefill >= 0")
@@ -255,15 +279,20 @@ def preflight(args: argparse.Namespace) -> Plan:
             or check_metrics_ports(settled.names, args.metrics_port_base, args.host, args.router_port, args.http_port))
     if busy:
         raise InvalidConfig(busy)
+    settings = tls.tls_from_args(args)  # the flags, else DISAGG_TLS_*: every child gets them
+    if settings.serves_tls and not settings.dials_tls:
+        raise InvalidConfig("--tls-cert needs --tls-ca: every process serves TLS, and the router and up dial them "
+                            "with the CA that signed it")
+    tls.configure(settings)
+    api_keys_from_args(args)  # a key file that cannot be read, said before anything starts
     try:
         config = engine_config_from_args(args)  # the model resolves (the default one is converted once, here)
         for worker in settled.workers:  # and every worker's flags hold, before any process loads the model
             check_startable(config.replace(device=worker.device or config.device,
                                            tensor_parallel_size=settled.tp[worker.role]))
-        tls.configure(tls.tls_from_args(argparse.Namespace()))  # DISAGG_TLS_*, which the children inherit too
     except (ValueError, FileNotFoundError) as exc:
         raise InvalidConfig(str(exc)) from None
-    return dataclasses.replace(settled, model_dir=config.model)
+    return dataclasses.replace(settled, model_dir=config.model, tls=settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     children: list[Child] = []
     try:
         children = start_cluster(args, settled)
-        print(banner.summary(children, settled, args.host, args.http_port), flush=True)
+        print(banner.summary(children, settled, args.host, args.http_port, keyed=bool(keys_from_args(args))),
+              flush=True)
         while True:
             now = time.monotonic()
             for child in children:

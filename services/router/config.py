@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from common.discovery import Role, StaticDiscovery
 from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
+from services.kit.auth import ApiKeys, add_api_key_args, api_keys_from_args
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.router import policies
 
@@ -42,6 +43,8 @@ class RouterConfig:
     kv_load_weight: float = 1.0
     """kv_aware: cost of one block of prefill this router already has queued on the worker."""
     """How many times a request may move to another decode worker when its worker is lost mid-stream."""
+    api_keys: ApiKeys = ApiKeys()
+    """Keys every front door requires (none: open); services/kit/auth.py."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,6 +109,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="times a request may move to another decode worker when its worker is lost mid-stream "
                              "(0: it ends with UNAVAILABLE)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_api_key_args(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -116,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,
         kv_overlap_weight=args.kv_overlap_weight, kv_load_weight=args.kv_load_weight,
+        api_keys=api_keys_from_args(args),
     )
 
 

@@ -11,6 +11,7 @@ import socket
 import grpc
 
 from common.discovery import Discovery
+from common.telemetry.metrics import Metrics
 from services.kit.observability import Observability
 from services.router.config import RouterConfig
 from services.router import frontends, policies
@@ -18,6 +19,7 @@ from services.router.kv_index import KvIndex
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
+from services.kit.grpc_auth import api_key_interceptors
 from services.kit.serving import Server, start_server, wait_for_signal
 from services.kit.wire import ParseRequests
 
@@ -34,11 +36,12 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     pool = worker_pool(config, discovery)
     orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)
     doors = frontends.doors()
+    health_methods = [method for door in doors for method in door.health_methods]
     server = await start_server(lambda s: _add_grpc_front_doors(s, doors, orchestrator),
                                 [name for door in doors for name in door.grpc_services], config.host, config.port,
-                                interceptors=[ParseRequests()])
+                                interceptors=[*api_key_interceptors(config.api_keys, health_methods), ParseRequests()])
     try:
-        listeners = await _start_listeners(doors, orchestrator, config)
+        listeners = await _start_listeners(doors, orchestrator, config, obs.metrics if obs is not None else None)
     except BaseException:  # a port taken: stop the gRPC server too, or its threads keep the process alive
         await server.server.stop(0)
         raise
@@ -84,13 +87,13 @@ def _add_grpc_front_doors(server: grpc.aio.Server, doors: list[frontends.FrontDo
             door.add_to_server(server, orchestrator)
 
 
-async def _start_listeners(doors: list[frontends.FrontDoor], orchestrator: Orchestrator,
-                           config: RouterConfig) -> list[frontends.Listener]:
+async def _start_listeners(doors: list[frontends.FrontDoor], orchestrator: Orchestrator, config: RouterConfig,
+                           metrics: Metrics | None) -> list[frontends.Listener]:
     """The front doors' own listeners (those the config turns on); when one fails, those started are stopped."""
     listeners: list[frontends.Listener] = []
     try:
         for door in doors:
-            listener = await door.start(orchestrator, config) if door.start is not None else None
+            listener = await door.start(orchestrator, config, metrics) if door.start is not None else None
             if listener is not None:
                 listeners.append(listener)
     except BaseException:

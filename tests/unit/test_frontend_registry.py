@@ -39,7 +39,7 @@ class _Listener:
         await self._server.wait_closed()
 
 
-async def _start_listener(core, config) -> _Listener | None:
+async def _start_listener(core, config, metrics) -> _Listener | None:
     port = int(os.environ.get(LISTENER_PORT_ENV, "0"))
     if not port:
         return None

@@ -1,9 +1,11 @@
 """One client per front door, each timing every token arrival of one request: disagg.v1 Generate (gRPC),
 OpenAI `/v1/completions` with SSE (aiohttp), KServe v2 `ModelStreamInfer` (gRPC). The same workload goes through
-each, so their figures differ only by the front door (and the client's own cost, kept small: no SDKs)."""
+each, so their figures differ only by the front door (and the client's own cost, kept small: no SDKs). Each sends
+the API key it is given (services/kit/auth.py): metadata on gRPC, `Authorization: Bearer` on HTTP."""
 from __future__ import annotations
 
 import json
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -11,11 +13,12 @@ from dataclasses import dataclass
 import aiohttp
 import grpc
 
-from common import channels
+from common import channels, tls
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from common.pb.inference import grpc_service_pb2 as kserve_pb2, grpc_service_pb2_grpc as kserve_grpc
 from services.cli.bench.stats import RequestRecord
 from services.cli.bench.workload import BenchRequest
+from services.kit.auth import grpc_metadata, http_headers
 from services.router.frontends.kserve_tensors import encode_bytes
 
 API_NAMES = ("grpc", "openai", "kserve")
@@ -30,12 +33,19 @@ class SendOptions:
     run_id: str = "run"
 
 
+def https_context(url: str) -> ssl.SSLContext | bool:
+    """An https:// URL is verified with --tls-ca where given (the system's roots otherwise)."""
+    settings = tls.current()
+    return settings.client_ssl_context() if url.startswith("https://") and settings.dials_tls else True
+
+
 class GrpcClient:
     """disagg.v1 Generation.Generate: one server-streaming RPC per request on one channel."""
 
-    def __init__(self, router: str, channel_options=()):
+    def __init__(self, router: str, channel_options=(), api_key: str | None = None):
         self._channel = channels.aio_channel(router, channel_options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = grpc_metadata(api_key)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -50,7 +60,7 @@ class GrpcClient:
         else:
             message.token_ids.ids.extend(request.prompt_token_ids)
         try:
-            async for response in self._stub.Generate(message, timeout=options.timeout_s):
+            async for response in self._stub.Generate(message, timeout=options.timeout_s, metadata=self._metadata):
                 if response.HasField("delta"):
                     if response.delta.token_ids:
                         record.token_times.append(time.perf_counter())
@@ -68,10 +78,11 @@ class OpenAIClient:
     """POST /v1/completions with stream and include_usage: a chunk with text is a token arrival; the usage
     chunk counts the tokens."""
 
-    def __init__(self, base_url: str, max_connections: int | None = None):
+    def __init__(self, base_url: str, max_connections: int | None = None, api_key: str | None = None):
         self._url = base_url.rstrip("/") + "/v1/completions"
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections or 0),
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        self._headers = http_headers(api_key)
+        connector = aiohttp.TCPConnector(limit=max_connections or 0, ssl=https_context(base_url))
+        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
     async def close(self) -> None:
         await self._session.close()
@@ -80,7 +91,7 @@ class OpenAIClient:
         body = {"model": options.model, "max_tokens": request.max_tokens, "temperature": options.temperature,
                 "ignore_eos": options.ignore_eos, "stream": True, "stream_options": {"include_usage": True},
                 "prompt": request.prompt_text if request.prompt_text is not None else request.prompt_token_ids}
-        headers = {"X-Request-Id": f"bench-{options.run_id}-{request.index}"}
+        headers = {**self._headers, "X-Request-Id": f"bench-{options.run_id}-{request.index}"}
         timeout = aiohttp.ClientTimeout(total=options.timeout_s)
         try:
             async with self._session.post(self._url, json=body, headers=headers, timeout=timeout) as response:
@@ -110,9 +121,10 @@ class KServeClient:
     in `sampling_parameters`); a response with text is a token arrival. KServe carries no token counts, so a
     request that ends by length counts its max_tokens, and one that stops early one token per text response."""
 
-    def __init__(self, router: str, channel_options=()):
+    def __init__(self, router: str, channel_options=(), api_key: str | None = None):
         self._channel = channels.aio_channel(router, channel_options)
         self._stub = kserve_grpc.GRPCInferenceServiceStub(self._channel)
+        self._metadata = grpc_metadata(api_key)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -120,7 +132,7 @@ class KServeClient:
     async def one(self, request: BenchRequest, options: SendOptions, record: RequestRecord) -> None:
         if request.prompt_text is None:
             raise ValueError("KServe takes text prompts (text_input); make the workload with a tokenizer")
-        call = self._stub.ModelStreamInfer(timeout=options.timeout_s)
+        call = self._stub.ModelStreamInfer(timeout=options.timeout_s, metadata=self._metadata)
         texts, finish = 0, ""
         try:
             await call.write(_kserve_request(request, options))
@@ -161,11 +173,12 @@ def _outputs(response: kserve_pb2.ModelInferResponse) -> tuple[str, str]:
     return found["text_output"], found["finish_reason"]
 
 
-def make_client(api: str, router: str, http_url: str, max_concurrency: int | None, channel_options=()):
+def make_client(api: str, router: str, http_url: str, max_concurrency: int | None, channel_options=(),
+                api_key: str | None = None):
     if api == "grpc":
-        return GrpcClient(router, channel_options)
+        return GrpcClient(router, channel_options, api_key)
     if api == "openai":
-        return OpenAIClient(http_url, max_concurrency)
+        return OpenAIClient(http_url, max_concurrency, api_key)
     if api == "kserve":
-        return KServeClient(router, channel_options)
+        return KServeClient(router, channel_options, api_key)
     raise ValueError(f"unknown API {api!r}; one of {list(API_NAMES)}")

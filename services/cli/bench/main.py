@@ -27,6 +27,7 @@ from services.cli.bench.report import format_breakdown, format_comparison, forma
 from services.cli.bench.runner import LoadShape, list_models, list_models_http, run_load
 from services.cli.bench.stats import SloLimits, summarize
 from services.cli.bench.workload import LengthDist, make_requests
+from services.kit.auth import add_client_api_key_arg, client_key, grpc_metadata, http_headers
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the summary and per-request timings here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the latency distributions here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_client_api_key_arg(p)
     tls.add_tls_args(p)
     return p
 
@@ -98,7 +100,9 @@ def _progress(total: int, enabled: bool):
 
 async def _bench(args: argparse.Namespace) -> int:
     # --api openai alone asks the HTTP server: any OpenAI-compatible one can be driven (tests/bench/vllm_cpu.py)
-    listed = await (list_models_http(args.http) if args.api == ("openai",) else list_models(args.router))
+    key = client_key(args)
+    listed = await (list_models_http(args.http, headers=http_headers(key)) if args.api == ("openai",)
+                    else list_models(args.router, grpc_metadata(key)))
     models = listed.models
     info = next((m for m in models if m.id == args.model), models[0] if models and not args.model else None)
     if info is None:
@@ -144,7 +148,7 @@ def _text_prompts(args: argparse.Namespace):
 
 
 async def _run_api(api: str, args: argparse.Namespace, requests, warm, options: SendOptions):
-    client = make_client(api, args.router, args.http, args.max_concurrency)
+    client = make_client(api, args.router, args.http, args.max_concurrency, api_key=client_key(args))
     try:
         if warm:
             await run_load(client, warm, LoadShape(max_concurrency=args.max_concurrency),
@@ -163,7 +167,7 @@ async def _run_api(api: str, args: argparse.Namespace, requests, warm, options: 
 def _write(args: argparse.Namespace, api: str, model: str, summary, records, duration: float, title: str) -> None:
     """--json / --plot, each named as written; with several APIs each file gets the API's name before its suffix."""
     config = {k: (str(v) if isinstance(v, (Path, LengthDist)) else v) for k, v in vars(args).items()
-              if not k.startswith("tls")}
+              if not k.startswith("tls") and k != "api_key"}  # the key never goes into a file
     config.update(model=model, api=api, started_at_unix=time.time() - duration)
     def path(p: Path) -> Path:
         return p if len(args.api) == 1 else p.with_name(f"{p.stem}-{api}{p.suffix}")

@@ -9,7 +9,7 @@ import aiohttp
 
 from common import channels
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
-from services.cli.bench.clients import SendOptions
+from services.cli.bench.clients import SendOptions, https_context
 from services.cli.bench.stats import RequestRecord
 from services.cli.bench.workload import BenchRequest, arrival_gaps
 
@@ -52,20 +52,24 @@ async def run_load(client, requests: list[BenchRequest], shape: LoadShape, optio
     return records, time.perf_counter() - start
 
 
-async def list_models(target: str) -> generation_pb2.ListModelsResponse:
+async def list_models(target: str, metadata: tuple[tuple[str, str], ...] = ()) -> generation_pb2.ListModelsResponse:
     async with channels.aio_channel(target) as channel:
-        return await generation_pb2_grpc.GenerationStub(channel).ListModels(generation_pb2.ListModelsRequest(),
-                                                                            timeout=30, wait_for_ready=True)
+        return await generation_pb2_grpc.GenerationStub(channel).ListModels(
+            generation_pb2.ListModelsRequest(), timeout=30, wait_for_ready=True, metadata=metadata)
 
 
-async def list_models_http(base_url: str, wait_s: float = 30.0) -> generation_pb2.ListModelsResponse:
+async def list_models_http(base_url: str, wait_s: float = 30.0,
+                           headers: dict[str, str] | None = None) -> generation_pb2.ListModelsResponse:
     """GET /v1/models of an OpenAI-compatible server (ours, or another such as vLLM's), as ListModels' answer;
     retried until `wait_s` while the server starts."""
     deadline = time.monotonic() + wait_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+    connector = aiohttp.TCPConnector(ssl=https_context(base_url))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), connector=connector) as session:
         while True:
             try:
-                async with session.get(base_url.rstrip("/") + "/v1/models") as response:
+                async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as response:
+                    if 400 <= response.status < 500:  # a wrong key (401): said at once, not retried
+                        raise RuntimeError(f"GET /v1/models: HTTP {response.status}: {(await response.text())[:200]}")
                     cards = (await response.json())["data"]
                     break
             except (aiohttp.ClientError, TimeoutError):

@@ -16,6 +16,7 @@ from services.router.registry import Registry
 if TYPE_CHECKING:
     import grpc
 
+    from common.telemetry.metrics import Metrics
     from services.router.config import RouterConfig
     from services.router.generation import Core
 
@@ -32,12 +33,14 @@ class Listener(Protocol):
 @dataclass(frozen=True)
 class FrontDoor:
     """What a front door serves: gRPC services on the router's port (added by `add_to_server`; their full names,
-    for health and reflection, in `grpc_services`), a listener of its own (`start`; None when the config turns it
-    off), or both."""
+    for health and reflection, in `grpc_services`), a listener of its own (`start`, given the process's metrics, None
+    where there are none; it returns None when the config turns it off), or both. `health_methods`: its gRPC methods
+    ("/package.Service/Method") that report health, which an API key guards only with --api-key-protects-health."""
 
     grpc_services: tuple[str, ...] = ()
     add_to_server: "Callable[[grpc.aio.Server, Core], None] | None" = None
-    start: "Callable[[Core, RouterConfig], Awaitable[Listener | None]] | None" = None
+    start: "Callable[[Core, RouterConfig, Metrics | None], Awaitable[Listener | None]] | None" = None
+    health_methods: tuple[str, ...] = ()
 
 
 MODULES_ENV = "DISAGG_ROUTER_FRONTEND_MODULES"

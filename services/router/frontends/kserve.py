@@ -96,4 +96,5 @@ def add_to_server(server: grpc.aio.Server, core: Core) -> None:
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(KserveServicer(core), server)
 
 
-FRONT_DOOR = FrontDoor(grpc_services=(SERVICE_NAME,), add_to_server=add_to_server)
+FRONT_DOOR = FrontDoor(grpc_services=(SERVICE_NAME,), add_to_server=add_to_server,
+                       health_methods=tuple(f"/{SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady")))

@@ -1,4 +1,6 @@
-"""The router's OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The router's OpenAI-compatible HTTP front door: /v1/chat/completions, /v1/completions, /v1/models, /health,
+and the router's Prometheus /metrics. HTTPS with the router's --tls-cert/--tls-key; --api-key guards it
+(openai_access.py).
 
 aiohttp, embedded (AppRunner + TCPSite) in the router's running event loop beside grpc.aio, with no signal
 handling of its own. `handler_cancellation=True` cancels a handler whose client disconnected; the cancellation
@@ -11,18 +13,24 @@ import contextlib
 import contextvars
 import json
 import logging
+import ssl
 import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
+from common import tls
 from common.errors import DisaggError
 from common.telemetry import tracing
+from common.telemetry.metrics import Metrics
+from services.kit.auth import ApiKeys
 from services.kit.ports import port_taken
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES
 from services.router.config import RouterConfig
 from services.router.frontends import FrontDoor
+from services.router.frontends.openai_access import metrics_handler, require_api_key
 from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
                                                        parse_completion)
 from services.router.frontends.openai_responses import Json, Shapes, error_json, error_of
@@ -35,55 +43,70 @@ _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id") 
 _SHUTDOWN_S = 5.0  # stop(): how long in-flight responses may take to finish before their handlers are cancelled
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # a proxy (nginx) must not buffer the stream
-_HTTP_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
+_HTTP_ERRORS = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                415: "unsupported_media_type"}
+_KEPT_HEADERS = ("Allow", "WWW-Authenticate")  # of aiohttp's HTTP errors, onto the JSON answer
 
 
 class HttpFrontDoor:
     """A started HTTP server; `port` is the bound one (0 asked for a free port)."""
 
-    def __init__(self, runner: web.AppRunner, port: int):
+    def __init__(self, runner: web.AppRunner, port: int, https: bool = False):
         self._runner = runner
         self.port = port
+        self.scheme = "https" if https else "http"
 
     def banner(self, host: str) -> str:
-        return f"OpenAI-compatible HTTP on http://{host}:{self.port}/v1"
+        return f"OpenAI-compatible HTTP on {self.scheme}://{host}:{self.port}/v1"
 
     async def stop(self) -> None:
         await self._runner.cleanup()
 
 
-async def start(core: Core, config: RouterConfig) -> HttpFrontDoor | None:
-    """The router's HTTP front door on --http-port (0: none). PortTaken naming the flag when the port is held."""
+async def start(core: Core, config: RouterConfig, metrics: Metrics | None) -> HttpFrontDoor | None:
+    """The router's HTTP front door on --http-port (0: none), HTTPS when the router serves TLS. PortTaken naming
+    the flag when the port is held."""
     if not config.http_port:
         return None
+    settings = tls.current()
     try:
-        return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES)
+        return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES,
+                                api_keys=config.api_keys, metrics=metrics.registry if metrics is not None else None,
+                                ssl_context=settings.server_ssl_context() if settings.serves_tls else None)
     except OSError as exc:
         raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
 
 
-async def start_http(core: Core, host: str, port: int, max_body_bytes: int) -> HttpFrontDoor:
-    runner = web.AppRunner(make_app(core, max_body_bytes), handler_cancellation=True, shutdown_timeout=_SHUTDOWN_S)
+async def start_http(core: Core, host: str, port: int, max_body_bytes: int, *, api_keys: ApiKeys = ApiKeys(),
+                     metrics: CollectorRegistry | None = None, ssl_context: ssl.SSLContext | None = None
+                     ) -> HttpFrontDoor:
+    runner = web.AppRunner(make_app(core, max_body_bytes, api_keys=api_keys, metrics=metrics),
+                           handler_cancellation=True, shutdown_timeout=_SHUTDOWN_S)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except BaseException:
         await runner.cleanup()
         raise
-    return HttpFrontDoor(runner, runner.addresses[0][1])
+    return HttpFrontDoor(runner, runner.addresses[0][1], https=ssl_context is not None)
 
 
-def make_app(core: Core, max_body_bytes: int) -> web.Application:
-    """The routes; bodies over `max_body_bytes` are refused with 413 (as JSON, by the middleware)."""
+def make_app(core: Core, max_body_bytes: int, *, api_keys: ApiKeys = ApiKeys(),
+             metrics: CollectorRegistry | None = None) -> web.Application:
+    """The routes; bodies over `max_body_bytes` are refused with 413 (as JSON, by the middleware). With keys, every
+    route but health and /metrics needs one (401 otherwise); /metrics serves `metrics` (None: 404)."""
     handlers = _Handlers(core)
     tracing.instrument_http_server()  # before the Application is made: the instrumentor wraps the class
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors_as_json])
+    middlewares = [_errors_as_json, *([require_api_key(api_keys)] if api_keys.required else [])]
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app.router.add_post("/v1/chat/completions", handlers.chat)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model}", handlers.model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/health/live", handlers.live)
+    if metrics is not None:
+        app.router.add_get("/metrics", metrics_handler(metrics))
     return app
 
 
@@ -101,8 +124,7 @@ async def _errors_as_json(request: web.Request, handler: Callable[[web.Request],
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        if "Allow" in exc.headers:
-            headers["Allow"] = exc.headers["Allow"]
+        headers.update({name: exc.headers[name] for name in _KEPT_HEADERS if name in exc.headers})
         message = f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.text
         body = error_json(message, "invalid_request_error", _HTTP_ERRORS.get(exc.status, "http_error"))
         return web.json_response(body, status=exc.status, headers=headers)
