@@ -10,6 +10,8 @@ from common.errors import InvalidConfig
 
 # --engine's choices → "module:class" under common.engine that common.engine.start loads (one line per engine).
 ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
+# --load-format's choices: the model directory's safetensors, or random weights made from its config.json alone.
+LOAD_FORMATS = ("auto", "dummy")
 # A CPU prefill chunk of this many tokens runs in a few tenths of a second (SmolLM2-135M on one core: 0.23 s bf16,
 # 0.42 s float32 at 384 tokens of context), so a request arriving behind a long prompt gets its first token within
 # about a second. Measured (README "The CPU path"): a 512-token prompt prefills at 630 tok/s bf16 / 321 float32 in
@@ -51,6 +53,11 @@ class EngineConfig:
     """Which engine runs the model: "torch" (ours) or "trtllm" (TensorRT-LLM's LLM API; common.engine.trtllm)."""
     tensor_parallel_size: int = 1
     """Ranks the model is sharded over (one process each, common/engine/parallel.py); must divide its heads."""
+    load_format: str = "auto"
+    """"auto": the weights of the model directory's safetensors; "dummy": random ones made on the device from its
+    config.json alone (common/engine/models/dummy.py), to run a shape without writing its checkpoint."""
+    dummy_seed: int = 0
+    """The dummy weights' seed: the same seed gives the same weights, on every rank and every worker."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,6 +78,10 @@ class EngineConfig:
             (self.tensor_parallel_size == 1 or self.device.split(":")[0] in ("cpu", "cuda"),
              f"--tensor-parallel-size {self.tensor_parallel_size} runs on --device cpu (gloo) or cuda (NCCL, a GPU "
              f"a rank), not {self.device!r}"),
+            (self.load_format in LOAD_FORMATS, f"--load-format must be one of {list(LOAD_FORMATS)}, got "
+                                               f"{self.load_format!r}"),
+            (self.load_format == "auto" or self.engine == "torch",
+             f"--load-format {self.load_format} makes its weights in our engine; run it with --engine torch"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

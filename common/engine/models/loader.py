@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 
 from common.engine.models.checkpoint import load_config, load_state
 from common.engine.models.contract import CausalLM
+from common.engine.models.dummy import dummy_state
 from common.engine.models.registry import model_class
 from common.engine.models.sharding import shard_state
 from common.engine.parallel import SINGLE, TensorParallel
@@ -50,17 +51,27 @@ def check_shardable(model_dir: str | Path, tp_size: int) -> None:
         _check_plan(model_class(config)(config, TensorParallel(0, tp_size)), TensorParallel(0, tp_size))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallel = SINGLE) -> tuple[CausalLM, PretrainedConfig]:
+def _checkpoint_state(model: CausalLM, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+                      tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's share of the checkpoint's tensors, under the model's parameter names, in `dtype`."""
+    state = model.checkpoint_state(load_state(model_dir, device))
+    state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in model.tied_keys}
+    return shard_state(fuse_projections(state, model.packed_modules_mapping), model.tp_plan(), tp)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
+               load_format: str = "auto", seed: int = 0) -> tuple[CausalLM, PretrainedConfig]:
     """The registered model for the checkpoint's architecture, its weights loaded (this rank's share of them
-    under tensor parallelism), and its language config."""
+    under tensor parallelism), and its language config. load_format "dummy": random weights of `seed` instead,
+    from config.json alone (models/dummy.py); no safetensors file is read."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = model_class(config)(config, tp)
     _check_plan(model, tp)
-    state = model.checkpoint_state(load_state(model_dir, device))
-    state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in model.tied_keys}
-    state = shard_state(fuse_projections(state, model.packed_modules_mapping), model.tp_plan(), tp)
+    if load_format == "dummy":
+        state = dummy_state(model, config, dtype, device, tp, seed)
+    else:
+        state = _checkpoint_state(model, model_dir, dtype, device, tp)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if k not in model.tied_keys]
     if missing or result.unexpected_keys:
