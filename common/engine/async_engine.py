@@ -66,11 +66,14 @@ class AsyncLLMEngine:
         leaving the loop early (or being cancelled) aborts the request and frees its blocks."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         request_id = request.request_id
+        grammar = None
+        if request.sampling.structured is not None:  # compiled off the engine thread: the batch steps meanwhile
+            grammar = await self.engine.grammars.compile_async(request.sampling.structured)
 
         def add(engine: LLMEngine) -> None:
             added = engine.add_request(request_id, request.prompt_token_ids, request.sampling, request.request_type,
                                        request.kv_import, request.first_token, request.images,
-                                       request.more_first_tokens, request.choices)
+                                       request.more_first_tokens, request.choices, grammar=grammar)
             stream.members = stream.running = 1 + len(added.forks)
             self._streams[request_id] = stream
 

@@ -7,6 +7,8 @@ import time
 
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, resolve_max_model_len
+from common.engine.grammar import Grammars
+from common.engine.grammar_mask import GrammarState
 from common.engine.model_runner import ModelRunner, StepLaunch
 from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
@@ -35,6 +37,7 @@ class LLMEngine:
         facts = load_model_facts(config.model)
         self.eos_token_ids = facts.eos_token_ids
         self.image_token_id = facts.image_token_id
+        self.grammars = Grammars(config.model, self.vocab_size, self.eos_token_ids)  # structured output's
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
@@ -64,6 +67,7 @@ class LLMEngine:
         images: list[ImageEmbedding] | None = None,
         more_first_tokens: list[int] | None = None,
         choices: list[int] | None = None,
+        grammar: object | None = None,
     ) -> Request:
         """n > 1 (sampling.n, or `choices`, the choice indices this engine runs, leader first): one request per
         choice; generation_only takes each choice's first token (`first_token`, then `more_first_tokens`)."""
@@ -72,6 +76,8 @@ class LLMEngine:
         self._validate(request_id, prompt_token_ids, request_type, kv_import, first_token)
         self._validate_choices(sampling, choices, request_type, more_first_tokens or [])
         mm = self._multimodal(prompt_token_ids, images, kv_import is not None)
+        if sampling.structured is not None and grammar is None:  # (AsyncLLMEngine compiles it off this thread)
+            grammar = self.grammars.compile(sampling.structured)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise ResourceExhausted(f"the engine queue is full: {self.config.max_waiting} requests waiting, its limit "
                                     "(--max-waiting); retry later or add workers")
@@ -90,6 +96,9 @@ class LLMEngine:
                                              output_token_ids=[] if t is None else [t], block_table=[],
                                              block_hashes=[], forks=[], kv_import=None, prompt_logprobs=[])
                          for i, t in zip(choices[1:], firsts)]
+        if grammar is not None:  # each choice its own state, past its first token if it has one
+            for member in (request, *request.forks):
+                member.grammar = GrammarState.after(grammar, member.output_token_ids)
         if isinstance(kv_import, PlacedKv):  # already in our blocks: the request takes them over
             request.block_table = kv_import.adopt() or []
             if not request.block_table:
@@ -264,6 +273,8 @@ class LLMEngine:
                       read_at: float) -> RequestOutput:
         request.output_token_ids.append(token)
         reason = self._stop_rules[request.request_id].check(token, request.num_tokens)
+        if reason is None and request.grammar is not None and request.grammar.ends_with(token):
+            reason = FinishReason.STOP
         output = RequestOutput(
             request_id=request.output_id, new_token_ids=[token], new_logprobs=[logprob] if logprob else [],
             num_prompt_tokens=request.num_prompt_tokens, index=request.index,
@@ -383,6 +394,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what runs beside this engine (a tensor-parallel engine's follower ranks)."""
         self.runner.close()
+        self.grammars.close()
 
     # --- convenience for scripts and tests ---
 

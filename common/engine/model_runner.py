@@ -33,6 +33,8 @@ from common.pb.disagg.v1 import worker_pb2
 
 
 def _plain_greedy(request: Request) -> bool:
+    if request.grammar is not None:  # the sampler masks its row first
+        return False
     s = request.sampling
     return s.greedy and not s.adjusts_logits and not s.logprobs
 

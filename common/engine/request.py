@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.engine.structured import StructuredOutput
 from common.errors import InvalidRequest
 
 if TYPE_CHECKING:  # torch lives there; the router builds SamplingParams without it
+    from common.engine.grammar_mask import GrammarState
     from common.engine.multimodal import MultiModalInputs
     from common.kv.session import KvSession
 
@@ -50,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: StructuredOutput | None = None  # what the output must match (grammar-constrained decoding)
     # OpenAI's penalties, as vLLM applies them: over the tokens generated so far.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -180,6 +183,7 @@ class Request:
     first_token_time: float | None = None  # its first generated token read back (a step's result)
     num_preemptions: int = 0
     mm: MultiModalInputs | None = None  # image embeddings spliced over the prompt's placeholders
+    grammar: GrammarState | None = None  # sampling.structured's state, advanced by every token appended
     # n > 1: every choice is a Request; the first (the leader) runs the prompt, the others wait in `forks` until
     # its prompt's KV is complete, then take its full blocks (engine.py). They answer under the leader's id.
     index: int = 0  # the choice this request is (its seed stream and its outputs' index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from common.engine.grammar_mask import apply_grammar_masks
 from common.engine.request import Request, TokenLogprob
 
 
@@ -65,6 +66,18 @@ def _sample_row(logits: torch.Tensor, request: Request, generator: torch.Generat
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
+def _grammar_masked(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each row with a grammar keeps only the tokens its grammar allows next (-inf elsewhere); the others as they
+    are. In place, unless logprobs are asked for: they stay those of the raw logits, as without a grammar."""
+    grammars = [r.grammar for r in requests]
+    if all(g is None for g in grammars):
+        return logits
+    if any(r.sampling.logprobs for r in requests):
+        logits = logits.clone()
+    apply_grammar_masks(logits, grammars)
+    return logits
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self._unseeded = torch.Generator()
@@ -73,6 +86,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """logits [B, V] float32, raw from the model. Logprobs are of the raw distribution, as HF's output_logits.
         Host syncs: one for the tokens (plus one per sampled row), one for all the logprobs asked for."""
+        raw, logits = logits, _grammar_masked(logits, requests)
         argmax = logits.argmax(dim=-1).tolist()  # one call serves every plain greedy row
         tokens = []
         for i, req in enumerate(requests):
@@ -91,7 +105,7 @@ class Sampler:
         if not want:
             return [(t, None) for t in tokens]
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
-        for i, lp in zip(want, _logprobs(logits, want, tokens, [requests[i].sampling.top_logprobs for i in want])):
+        for i, lp in zip(want, _logprobs(raw, want, tokens, [requests[i].sampling.top_logprobs for i in want])):
             logprobs[i] = lp
         return list(zip(tokens, logprobs))
 

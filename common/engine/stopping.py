@@ -21,7 +21,9 @@ class StopRule:
     def of(cls, sampling: SamplingParams, eos_token_ids: Iterable[int], num_prompt_tokens: int,
            token_limit: int) -> StopRule:
         """token_limit: the most tokens (prompt + output) the request may hold, max_tokens aside."""
-        ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        # A grammar's output ends at EOS even with ignore_eos: the grammar allows nothing after it.
+        keep_eos = not sampling.ignore_eos or sampling.structured is not None
+        ids = set(sampling.stop_token_ids) | (set(eos_token_ids) if keep_eos else set())
         limit = token_limit if sampling.max_tokens is None else min(token_limit,
                                                                     num_prompt_tokens + sampling.max_tokens)
         return cls(frozenset(ids), limit)

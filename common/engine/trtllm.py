@@ -71,6 +71,9 @@ def llm_kwargs(config: EngineConfig, max_model_len: int) -> dict[str, Any]:
 def sampling_kwargs(sampling: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
     """tensorrt_llm.SamplingParams(**...). Stop strings stay with the router (it owns the text stream);
     greedy is top_k=1, TensorRT-LLM's greedy rule (its temperature must be > 0)."""
+    if sampling.structured is not None:  # its own guided decoding is not wired to ours
+        raise FailedPrecondition("structured output (response_format, guided_*) needs --engine torch; this worker "
+                                 "runs TensorRT-LLM")
     kwargs: dict[str, Any] = {"max_tokens": min(sampling.max_tokens or max_new_tokens, max_new_tokens),
                               "ignore_eos": sampling.ignore_eos, "detokenize": False}
     if sampling.greedy:

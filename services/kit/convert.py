@@ -1,9 +1,11 @@
 """Proto ↔ engine types, in one place for every service."""
 from __future__ import annotations
 
+import json
 import time
 
 from common.engine.request import FinishReason, RequestType, SamplingParams, TokenLogprob
+from common.engine.structured import CHOICE, JSON_OBJECT, StructuredOutput
 from common.errors import InvalidRequest
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
@@ -39,7 +41,35 @@ def sampling_from_proto(
             raise InvalidRequest(f"top_logprobs must be >= 0, got {output.top_logprobs}")
         kwargs["logprobs"] = output.logprobs or output.top_logprobs > 0
         kwargs["top_logprobs"] = output.top_logprobs
+    if sampling.HasField("structured"):
+        kwargs["structured"] = structured_from_proto(sampling.structured)
     return SamplingParams(**kwargs)
+
+
+def structured_from_proto(message: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set; InvalidRequest naming the field for a spec that does not hold."""
+    kind = message.WhichOneof("kind")
+    try:
+        if kind is None:
+            return None
+        if kind == CHOICE:
+            return StructuredOutput.choice(list(message.choice.options))
+        if kind == JSON_OBJECT:
+            if not message.json_object:
+                raise InvalidRequest("json_object must be true when set")
+            return StructuredOutput(JSON_OBJECT)
+        return StructuredOutput(kind, getattr(message, kind))
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"sampling.structured.{exc}") from None
+
+
+def structured_to_proto(structured: StructuredOutput) -> common_pb2.StructuredOutput:
+    if structured.kind == CHOICE:
+        return common_pb2.StructuredOutput(choice=common_pb2.StructuredOutput.Choice(
+            options=json.loads(structured.spec)))
+    if structured.kind == JSON_OBJECT:
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{structured.kind: structured.spec})
 
 
 def sampling_to_proto(params: SamplingParams) -> tuple[common_pb2.SamplingParams, common_pb2.StopConditions,
@@ -53,6 +83,8 @@ def sampling_to_proto(params: SamplingParams) -> tuple[common_pb2.SamplingParams
         sampling.seed = params.seed
     if params.max_tokens is not None:
         sampling.max_tokens = params.max_tokens
+    if params.structured is not None:
+        sampling.structured.CopyFrom(structured_to_proto(params.structured))
     stop = common_pb2.StopConditions(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
                                      ignore_eos=params.ignore_eos)
     output = common_pb2.OutputOptions(logprobs=params.logprobs, top_logprobs=params.top_logprobs)

@@ -263,3 +263,21 @@ def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins)
         codes = {p.name: p.stop() for p in reversed(processes)}
     assert all(code == 0 for code in codes.values()), (codes, [p.log() for p in processes])
     assert double.services == {}
+
+
+def test_the_router_alone_gets_the_api_key_and_the_tls_files_mounted():
+    env = {"DISAGG_API_KEY": "sk-compose", "ROUTER_TLS_CERT": "/etc/disagg/router.pem",
+           "ROUTER_TLS_KEY": "/etc/disagg/router.key", "ROUTER_TLS_CA": "/etc/disagg/ca.pem"}
+    services = json.loads(_compose("--profile", "*", "config", "--format", "json", env=env).stdout)["services"]
+    for name in ("router", "router-gpu"):
+        router = services[name]
+        assert {k: router["environment"][k] for k in ("DISAGG_API_KEY", "DISAGG_TLS_CERT", "DISAGG_TLS_KEY")} == {
+            "DISAGG_API_KEY": "sk-compose", "DISAGG_TLS_CERT": "/etc/disagg/router.pem",
+            "DISAGG_TLS_KEY": "/etc/disagg/router.key"}
+        [mount] = [v for v in router["volumes"] if v["target"] == "/etc/disagg"]
+        assert mount["read_only"] and mount["source"] == str(COMPOSE_DIR / "secrets")
+        assert router["healthcheck"]["test"][-2:] == ["--tls-ca", "/etc/disagg/ca.pem"]
+    for name in ("prefill", "decode"):  # the workers, on the compose network, stay plaintext and keyless
+        assert not {"DISAGG_API_KEY", "DISAGG_TLS_CERT"} & set(services[name]["environment"]), name
+    plain = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]["router"]
+    assert plain["environment"]["DISAGG_API_KEY"] == "" and plain["environment"]["DISAGG_TLS_CERT"] == ""

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from common.engine.request import SamplingParams
+from common.engine.structured import StructuredOutput
 from common.errors import InvalidRequest
 from common.pb.inference import grpc_service_pb2 as pb
 from services.router.frontends.kserve_model import FLOATS, INPUTS, OUTPUTS, InputSpec, Reply
 from services.router.frontends.kserve_tensors import Tensor, decode_inputs
+from services.router.frontends.structured_fields import FIELDS as STRUCTURED_KEYS, structured_output
 from services.router.generation import GenerationRequest
 
 EMPTY_FINAL = "triton_enable_empty_final_response"
@@ -160,12 +162,23 @@ def _json_fields(tensor: Tensor | None) -> dict[str, object]:
     if not isinstance(document, dict):
         raise InvalidRequest(f"{where} must be a JSON object, got {type(document).__name__}")
     fields = {}
+    structured = {key: document.pop(key) for key in STRUCTURED_KEYS if key in document}
+    if structured:
+        fields["structured"] = _structured(where, structured)
     for key, value in document.items():
         convert = _JSON_KEYS.get(key)
         if convert is None:
-            raise InvalidRequest(f"{where} has unknown key '{key}' (known: {', '.join(_JSON_KEYS)})")
+            raise InvalidRequest(f"{where} has unknown key '{key}' (known: {', '.join([*_JSON_KEYS, *STRUCTURED_KEYS])})")
         fields[key] = convert(f"{where} key '{key}'", value)
     return fields
+
+
+def _structured(where: str, values: dict[str, object]) -> StructuredOutput | None:
+    """response_format or a guided_* key, as the OpenAI door reads them (a JSON value or its JSON text)."""
+    try:
+        return structured_output(values)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where} key {exc}") from None
 
 
 def _as_float(where: str, value: object) -> float:

@@ -109,7 +109,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (lambda v: v is None or _one_of("none", "auto")(v), _NO_TOOLS),
     "functions": (_empty, _NO_TOOLS),
     "function_call": (lambda v: v is None or _one_of("none", "auto")(v), _NO_TOOLS),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, 'only {"type": "text"} is supported'),
     "logit_bias": (_empty, "token biases are not supported"),
     "best_of": (lambda v: v is None or _one_of(1)(v), "must be 1: this server generates one sequence per request"),
     "suffix": (_empty, "insertion (text after the completion) is not supported"),
@@ -119,10 +118,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_tokens": (lambda v: v is None or _one_of(0)(v), "only 0 is supported"),
     "modalities": (lambda v: v is None or v == ["text"], 'only ["text"] output is supported'),
     "audio": (_empty, "audio output is not supported"),
-    "guided_json": (_empty, "guided decoding is not supported"),
-    "guided_regex": (_empty, "guided decoding is not supported"),
-    "guided_choice": (_empty, "guided decoding is not supported"),
-    "guided_grammar": (_empty, "guided decoding is not supported"),
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
 from services.router.frontends.openai_fields import BadField, Fields, ModelNotFound, refuse_unsupported
+from services.router.frontends.structured_fields import structured_output
 from services.router.generation import ChatMessage, GenerationRequest, ImageInput, ServedModel, check_message_count
 
 CHAT = "chat"
@@ -108,6 +109,7 @@ def _sampling(fields: Fields, max_tokens: int | None, logprobs: bool, top_logpro
         "stop": fields.strings("stop"), "stop_token_ids": fields.integers("stop_token_ids"),
         "ignore_eos": fields.boolean("ignore_eos"), "logprobs": logprobs, "top_logprobs": top_logprobs,
     }
+    values["structured"] = structured_output(fields.body)  # response_format, guided_*
     try:
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
     except InvalidRequest as exc:  # its message starts with the field it refuses

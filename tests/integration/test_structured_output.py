@@ -1,0 +1,99 @@
+"""Structured output through `disagg up`, prefill→decode and aggregated, with clients none of us wrote: the openai
+SDK's response_format and vLLM's guided_* extras, LangChain's with_structured_output, KServe's sampling_parameters.
+The output validates against its schema (the `jsonschema` package); a schema xgrammar cannot compile is a 400 naming
+it, and the next request is served."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterator
+
+import jsonschema
+import openai
+import pytest
+
+from common.engine.default_model import default_model_dir
+from tests.integration.front_doors import MODES, Cluster, run_cluster
+from tests.integration.leaks import assert_no_leaks
+
+# Every string bounded: a random-weight model must still close the object within max_tokens.
+BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                            "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+           "required": ["ok", "colour", "n"], "additionalProperties": False}
+PERSON = {"title": "Person", "description": "Someone, by name and age.", "type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+UNCOMPILABLE = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_json_schema_output_validates_in_every_mode(front_doors: Cluster):
+    sdk = front_doors.sdk()
+    answer = sdk.chat.completions.create(
+        model=front_doors.model, messages=[{"role": "user", "content": "Pick a colour."}], max_tokens=60,
+        temperature=0, response_format=_json_schema(BOUNDED))
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), BOUNDED)
+    streamed = sdk.chat.completions.create(
+        model=front_doors.model, messages=[{"role": "user", "content": "Pick a colour."}], max_tokens=60,
+        temperature=0, response_format=_json_schema(BOUNDED), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer.choices[0].message.content
+
+
+def test_guided_extras_and_sampling_keep_to_the_grammar(front_doors: Cluster):
+    sdk = front_doors.sdk()
+    choice = sdk.completions.create(model=front_doors.model, prompt="Yes or no?", max_tokens=8, temperature=0,
+                                    extra_body={"guided_choice": ["yes", "no", "perhaps"]})
+    assert choice.choices[0].text in ("yes", "no", "perhaps")
+    for seed in range(3):
+        code = sdk.completions.create(model=front_doors.model, prompt="A code:", max_tokens=12, temperature=1.0,
+                                      seed=seed, extra_body={"guided_regex": "[A-Z]{3}-[0-9]{4}"})
+        assert re.fullmatch("[A-Z]{3}-[0-9]{4}", code.choices[0].text)
+    anything = sdk.chat.completions.create(model=front_doors.model, messages=[{"role": "user", "content": "JSON"}],
+                                           max_tokens=12, temperature=0, response_format={"type": "json_object"})
+    text = anything.choices[0].message.content
+    assert text.startswith("{")  # an object, cut short by max_tokens unless the model closed it
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_an_uncompilable_schema_is_a_400_and_the_next_request_is_served(front_doors: Cluster):
+    sdk = front_doors.sdk()
+    with pytest.raises(openai.BadRequestError, match=r"json_schema cannot be compiled: .*missing") as caught:
+        sdk.chat.completions.create(model=front_doors.model, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=8, response_format=_json_schema(UNCOMPILABLE))
+    assert caught.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="type must be one of") as caught:
+        sdk.chat.completions.create(model=front_doors.model, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=8, response_format=_json_schema({"type": "strng"}))
+    assert caught.value.body["param"] == "response_format"
+    served = sdk.completions.create(model=front_doors.model, prompt="A code:", max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "[0-9]{2}"})
+    assert re.fullmatch("[0-9]{2}", served.choices[0].text)
+    assert_no_leaks(front_doors.workers)
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def smollm2(request) -> Iterator[Cluster]:
+    """`disagg up` with the default model, SmolLM2-135M-Instruct, one per mode."""
+    yield from run_cluster(str(default_model_dir()), request.param)
+
+
+@pytest.mark.slow
+def test_smollm2_fills_a_schema_through_the_sdk_and_langchain(smollm2: Cluster):
+    from langchain_openai import ChatOpenAI
+
+    answer = smollm2.sdk().chat.completions.create(
+        model=smollm2.model, max_tokens=80, temperature=0, response_format=_json_schema(PERSON),
+        messages=[{"role": "user", "content": "Invent a person: their name and age."}])
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+    llm = ChatOpenAI(model=smollm2.model, base_url=f"{smollm2.http}/v1", api_key="unused", temperature=0,
+                     max_tokens=80, max_retries=0)
+    person = llm.with_structured_output(PERSON, method="json_schema").invoke("Alice is 30 years old. Who is she?")
+    jsonschema.validate(person, PERSON)

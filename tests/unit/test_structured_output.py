@@ -1,0 +1,206 @@
+"""Grammar-constrained decoding (structured output): greedy equals Hugging Face greedy under the same xgrammar mask,
+constrained and unconstrained requests share a batch, the grammar follows the first token through prefill→decode
+and through a preemption, and a spec xgrammar refuses is InvalidRequest while the engine serves on."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import LLMEngine
+from common.engine.request import FinishReason, RequestType, SamplingParams
+from common.engine.structured import StructuredOutput
+from common.errors import InvalidRequest
+from tests.hf_reference import hf_model
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["id", "ok"]}
+REGEX = r"[0-9]{3}-[a-z]{2}"
+PROMPTS = [[5, 9, 31, 44, 7], [12, 80, 3, 250, 19, 6, 77], [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama, tmp_path_factory) -> str:
+    """The tiny random llama (512 logits) with SmolLM2's tokenizer: its first 512 tokens hold every byte."""
+    path = shutil.copytree(tiny_llama, tmp_path_factory.mktemp("structured") / "tiny-with-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, path / name)
+    return str(path)
+
+
+def _engine(model, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, **{"block_size": 4, "num_kv_blocks": 64, **overrides}))
+
+
+def _greedy(structured: StructuredOutput | None, max_tokens: int = 24, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured, **kwargs)
+
+
+class XgrammarMask(LogitsProcessor):
+    """The reference: Hugging Face's greedy with xgrammar's mask, built here from xgrammar alone."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, prompt_len: int):
+        self.matcher, self.prompt_len = xgr.GrammarMatcher(compiled), prompt_len
+        self.bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.prompt_len:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        xgr.apply_token_bitmask_inplace(scores, self.bitmask)
+        return scores
+
+
+def _reference_compiler(model) -> xgr.GrammarCompiler:
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model), vocab_size=512,
+                                              stop_token_ids=[2])
+    return xgr.GrammarCompiler(info)
+
+
+@torch.inference_mode()
+def _hf_masked_greedy(model, compiled, prompt, max_new_tokens) -> list[int]:
+    out = hf_model(model).generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=2, pad_token_id=0,
+        logits_processor=LogitsProcessorList([XgrammarMask(compiled, len(prompt))]))
+    return out[0, len(prompt):].tolist()
+
+
+def _run(engine: LLMEngine) -> dict[str, tuple[list[int], FinishReason | None]]:
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason | None] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            reasons[out.request_id] = out.finish_reason
+    return {rid: (tokens[rid], reasons[rid]) for rid in tokens}
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+def test_constrained_greedy_equals_hf_greedy_under_the_same_mask(model, kind):
+    compiler = _reference_compiler(model)
+    structured, compiled = {
+        "json_schema": (StructuredOutput.json_schema(SCHEMA),
+                        compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)),
+        "regex": (StructuredOutput("regex", REGEX), compiler.compile_regex(REGEX)),
+        "choice": (StructuredOutput.choice(["yes", "no", "maybe not"]),
+                   compiler.compile_grammar('root ::= "yes" | "no" | "maybe not"')),
+    }[kind]
+    engine = _engine(model)
+    for prompt in PROMPTS:
+        expected = _hf_masked_greedy(model, compiled, prompt, 24)
+        assert engine.generate([prompt], _greedy(structured))[0] == expected
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_constrained_and_unconstrained_requests_share_a_batch(model):
+    engine = _engine(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    plain = _greedy(None, ignore_eos=True)
+    regex, choice = _greedy(StructuredOutput("regex", REGEX)), _greedy(StructuredOutput.choice(["left", "right"]))
+    alone = {name: engine.generate([PROMPTS[0]], sampling)[0]
+             for name, sampling in (("plain", plain), ("regex", regex), ("choice", choice))}
+    for name, sampling in (("plain", plain), ("regex", regex), ("choice", choice)):
+        engine.add_request(name, PROMPTS[0], sampling)
+    together = _run(engine)
+    assert {name: tokens for name, (tokens, _) in together.items()} == alone
+    assert together["regex"][1] is FinishReason.STOP and together["choice"][1] is FinishReason.STOP
+    assert re.fullmatch(REGEX, tokenizer.decode(alone["regex"], skip_special_tokens=True))
+    assert tokenizer.decode(alone["choice"], skip_special_tokens=True) in ("left", "right")
+    assert len(alone["plain"]) == 24  # unconstrained: its row was not masked (it would have stopped)
+
+
+def test_sampling_and_logprobs_keep_to_the_grammar(model):
+    engine = _engine(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    structured = StructuredOutput("regex", REGEX)
+    for seed in range(4):
+        sampling = SamplingParams(temperature=1.0, seed=seed, max_tokens=24, structured=structured)
+        tokens = engine.generate([PROMPTS[1]], sampling)[0]
+        assert re.fullmatch(REGEX, tokenizer.decode(tokens, skip_special_tokens=True))
+    greedy = engine.generate([PROMPTS[1]], _greedy(structured))[0]
+    engine.add_request("lp", PROMPTS[1], _greedy(structured, logprobs=True, top_logprobs=3))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert [t for o in outputs for t in o.new_token_ids] == greedy  # the mask works on a copy; tokens are the same
+    raw = [lp for o in outputs for lp in o.new_logprobs]
+    assert all(lp.logprob <= 0 for lp in raw)
+    # Logprobs are of the raw distribution: its top tokens are not held to the grammar.
+    assert any(lp.top[0][0] != lp.token_id for lp in raw)
+
+
+def test_prefill_then_decode_follows_the_grammar_from_the_first_token(model):
+    structured = _greedy(StructuredOutput.json_schema(SCHEMA), max_tokens=20)
+    prompt = PROMPTS[1]
+    aggregated = _engine(model).generate([prompt], structured)[0]
+    prefill, decode = _engine(model), _engine(model)
+    prefill.add_request("p", prompt, structured, RequestType.CONTEXT_ONLY)
+    outputs = []
+    while prefill.has_unfinished_requests():
+        outputs.extend(prefill.step())
+    (out,) = outputs
+    assert out.finish_reason is FinishReason.CONTEXT_DONE
+    first = out.new_token_ids[0]
+    kv = prefill.export_session(out.session_id)
+    prefill.release_session(out.session_id)
+    decode.add_request("d", prompt, structured, RequestType.GENERATION_ONLY, kv_import=kv, first_token=first)
+    assert [first] + _run(decode)["d"][0] == aggregated
+    assert decode.block_manager.num_free_blocks == 64
+    with pytest.raises(InvalidRequest, match="does not fit"):  # a first token the grammar never allows: "x" first
+        decode.add_request("bad", prompt, structured, RequestType.GENERATION_ONLY, kv_import=kv,
+                           first_token=AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("x"))
+    assert not decode.has_unfinished_requests()
+
+
+def test_a_preempted_request_keeps_its_grammar_state(model):
+    # 10 blocks of 4 tokens cannot hold three requests growing past 24 tokens: someone is preempted and recomputed.
+    structured = _greedy(StructuredOutput("regex", "[a-z]{16,40}"), max_tokens=16)
+    expected = _engine(model).generate(PROMPTS, structured)
+    engine = _engine(model, num_kv_blocks=10, enable_prefix_caching=False)
+    assert engine.generate(PROMPTS, structured) == expected
+    assert engine.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("structured, message", [
+    (("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}'),
+     "json_schema cannot be compiled: .*missing"),
+    (("regex", "a(b"), "regex cannot be compiled: .*parenthesis"),
+    (("grammar", 'root ::= "a" |'), "grammar cannot be compiled: .*EBNF"),
+])
+def test_a_spec_xgrammar_refuses_is_invalid_and_the_engine_serves_on(model, structured, message):
+    engine = _engine(model)
+    with pytest.raises(InvalidRequest, match=message):
+        engine.add_request("bad", PROMPTS[0], _greedy(StructuredOutput(*structured)))
+    assert not engine.has_unfinished_requests()
+    assert engine.generate([PROMPTS[0]], _greedy(StructuredOutput.choice(["fine"])))[0]
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("yaml", "", "kind must be one of json_schema, json_object, regex, choice, grammar, structural_tag"),
+    ("json_schema", "{not json", "json_schema is not valid JSON"),
+    ("json_schema", "[1, 2]", "json_schema must be a JSON object"),
+    ("json_schema", '{"properties": {"a": {"type": "strin"}}}', "at '/properties/a': type must be one of"),
+    ("json_schema", "[" * 70 + "]" * 70, "nests deeper than 64"),
+    ("json_object", "{}", "json_object takes no spec"),
+    ("regex", " ", "regex is empty"),
+    ("choice", '["a", ""]', "choice must be a non-empty array of non-empty strings"),
+    ("choice", "[]", "choice must be a non-empty array"),
+    ("grammar", "x" * 70000, "grammar has 70000 characters; at most 65536"),
+    ("structural_tag", "{}", 'structural_tag must be a JSON object with a "format"'),
+])
+def test_structured_output_is_checked_when_built(kind, spec, message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        StructuredOutput(kind, spec)
+
+
+def test_a_property_named_type_is_not_a_type():
+    schema = {"type": "object", "properties": {"type": {"type": "string"}}, "default": {"type": "anything"}}
+    assert StructuredOutput.json_schema(schema).kind == "json_schema"
