@@ -14,6 +14,8 @@ decodes of 150 tokens 141 us, one 23 us); where it is not built, blocks are gath
 the block ids rather than indexed by table (7 against 25 us for one sequence of 150 tokens, 29 against 170 for
 eight); and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in bf16: eight decodes of
 150 tokens 279 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
+An FP8 cache (quantization/kv_cache.py) is read the same ways: by the C kernel, each byte's value from a table, or
+gathered and dequantised to the compute dtype.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine import cpu_attention
+from common.engine.quantization.kv_cache import KvCacheFormat
 
 
 @dataclass
@@ -71,10 +74,12 @@ class TorchPagedAttention:
     fused_rope_store = False  # the model applies RoPE and calls `forward`, which writes K/V into the cache
     graphable = False  # no `host_arrays`: decode steps are not captured in CUDA graphs
 
-    def __init__(self, block_size: int, windows: set[int | None], device: torch.device):
+    def __init__(self, block_size: int, windows: set[int | None], device: torch.device,
+                 kv: KvCacheFormat | None = None):
         self.block_size = block_size
         self.windows = windows
         self.device = device
+        self.kv = kv or KvCacheFormat(torch.float32)  # None: a cache of the compute dtype, nothing to convert
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs, dev = self.block_size, self.device
@@ -125,16 +130,16 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        self.kv.write(k_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, k)
+        self.kv.write(v_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, v)
         if not meta.prefills:  # every row a decode, in order
             return self._decode(q, k_cache, v_cache, meta, scale, window)
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, window)
         for seq in meta.prefills:
-            keys = k_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len]
-            values = v_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len]
+            keys = self.kv.read(k_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len], q.dtype)
+            values = self.kv.read(v_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len], q.dtype)
             out[seq.token_slice] = _sdpa(q[seq.token_slice].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                          seq.masks[window], scale).squeeze(0)
         return out
@@ -142,10 +147,10 @@ class TorchPagedAttention:
     def _decode(self, q, k_cache, v_cache, meta, scale, window) -> torch.Tensor:
         if cpu_attention.applies(q, k_cache):  # straight from the blocks, no gathered copy
             return cpu_attention.decode(q, k_cache, v_cache, meta.decode_block_ids, meta.decode_seq_lens,
-                                        meta.decode_starts[window], scale)
+                                        meta.decode_starts[window], scale, self.kv.scale)
         shape = (q.shape[0], -1, *k_cache.shape[2:])  # [B, max_kv, Hkv, D]
-        keys = k_cache.index_select(0, meta.decode_block_ids).view(shape)
-        values = v_cache.index_select(0, meta.decode_block_ids).view(shape)
+        keys = self.kv.read(k_cache.index_select(0, meta.decode_block_ids).view(shape), q.dtype)
+        values = self.kv.read(v_cache.index_select(0, meta.decode_block_ids).view(shape), q.dtype)
         return _sdpa(q.unsqueeze(1), keys, values, meta.decode_masks[window], scale).squeeze(1)
 
 

@@ -12,6 +12,9 @@ from common.errors import InvalidConfig
 ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
 # --load-format's choices: the model directory's safetensors, or random weights made from its config.json alone.
 LOAD_FORMATS = ("auto", "dummy")
+# --quantization's and --kv-cache-dtype's choices (common/engine/quantization).
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 # A CPU prefill chunk of this many tokens runs in a few tenths of a second (SmolLM2-135M on one core: 0.23 s bf16,
 # 0.42 s float32 at 384 tokens of context), so a request arriving behind a long prompt gets its first token within
 # about a second. Measured (README "The CPU path"): a 512-token prompt prefills at 630 tok/s bf16 / 321 float32 in
@@ -58,6 +61,12 @@ class EngineConfig:
     config.json alone (common/engine/models/dummy.py), to run a shape without writing its checkpoint."""
     dummy_seed: int = 0
     """The dummy weights' seed: the same seed gives the same weights, on every rank and every worker."""
+    quantization: str | None = None
+    """"fp8": an unquantised checkpoint's linear layers quantised to FP8 at load, one scale per output row. An FP8
+    checkpoint (its config's quantization_config) loads as FP8 without it (common/engine/quantization)."""
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores: "auto", the model's dtype; "fp8", float8_e4m3fn with a scale of 1.0 (half the
+    bytes of bf16 in memory and in every handoff)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -82,6 +91,12 @@ class EngineConfig:
                                                f"{self.load_format!r}"),
             (self.load_format == "auto" or self.engine == "torch",
              f"--load-format {self.load_format} makes its weights in our engine; run it with --engine torch"),
+            (self.quantization in (None, *QUANTIZATIONS),
+             f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
+            (self.engine == "torch" or (self.quantization is None and self.kv_cache_dtype == "auto"),
+             "--quantization and --kv-cache-dtype fp8 are our engine's; run them with --engine torch"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

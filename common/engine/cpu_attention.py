@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # of q and out
+_CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 2}  # of the caches: the compute dtype, or FP8 (read times a scale)
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
 
@@ -60,31 +61,34 @@ def kernel():
         log.warning("the CPU attention kernel could not be built (%s); decode attention gathers blocks instead", detail)
         return None
     function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 4 + [_I64P] * 3 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    function.argtypes = ([ctypes.c_void_p] * 4 + [_I64P] * 3 + [ctypes.c_int64] * 7
+                         + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float])
     return function
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The kernel's cases: CPU tensors of float32 or bf16, each cache block [block_size, Hkv, D] contiguous (a
-    tensor-parallel rank's slice of the heads is not), one torch thread (the kernel runs on one core; with more,
-    torch's SDPA spreads over them) and the kernel built."""
+    """The kernel's cases: CPU tensors of float32 or bf16, the caches of the same dtype or FP8 (an FP8 KV cache),
+    each cache block [block_size, Hkv, D] contiguous (a tensor-parallel rank's slice of the heads is not), one torch
+    thread (the kernel runs on one core; with more, torch's SDPA spreads over them) and the kernel built."""
     n, block_size, heads, dim = k_cache.shape
-    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype in (q.dtype, torch.float8_e4m3fn)
             and k_cache.stride()[1:] == (heads * dim, dim, 1) and torch.get_num_threads() == 1
             and kernel() is not None)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-           seq_lens: torch.Tensor, starts: torch.Tensor, scale: float) -> torch.Tensor:
+           seq_lens: torch.Tensor, starts: torch.Tensor, scale: float, kv_scale: float = 1.0) -> torch.Tensor:
     """q [B, Hq, D]; caches [N, block_size, Hkv, D]; block_ids [B * max_blocks] int64, each sequence's blocks;
-    attends to tokens [starts[b], seq_lens[b]) of sequence b → [B, Hq, D] (check `applies` first)."""
+    attends to tokens [starts[b], seq_lens[b]) of sequence b → [B, Hq, D] (check `applies` first). An FP8
+    cache's values are read times `kv_scale`."""
     q = q.contiguous()
     out = torch.empty_like(q)
     batch, heads, dim = q.shape
     ptr = lambda t: ctypes.cast(t.data_ptr(), _I64P)  # noqa: E731
     status = kernel()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(block_ids),
                       ptr(seq_lens), ptr(starts), batch, block_ids.numel() // max(batch, 1), k_cache.shape[1], heads,
-                      k_cache.shape[2], dim, k_cache.stride(0), scale, _DTYPES[q.dtype])
+                      k_cache.shape[2], dim, k_cache.stride(0), scale, _DTYPES[q.dtype], _CACHE_DTYPES[k_cache.dtype],
+                      kv_scale)
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its workspace")
     return out

@@ -32,7 +32,9 @@ class LLMEngine:
         hf = self.runner.hf_config
         self.vocab_size: int = hf.vocab_size
         self.max_model_len = resolve_max_model_len(config, hf.max_position_embeddings)
-        self.fingerprint = model_fingerprint(hf, config.dtype)
+        quantized = {"quantization": config.quantization} if config.quantization else {}
+        self.fingerprint = model_fingerprint(hf, config.dtype,
+                                             {**self.runner.kv_format.fingerprint_fields(), **quantized})
         self.kv_layout = self.runner.layout(self.fingerprint)
         facts = load_model_facts(config.model)
         self.eos_token_ids = facts.eos_token_ids

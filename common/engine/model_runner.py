@@ -20,6 +20,7 @@ from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
+from common.engine.quantization.kv_cache import KvCacheFormat
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
 from common.engine.request import Request, TokenLogprob
@@ -61,8 +62,12 @@ def _image_rows(batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | No
     return torch.cat(rows), torch.cat(values)
 
 
-def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device):
-    """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else."""
+def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device,
+                           kv: KvCacheFormat | None = None):
+    """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else, and for an
+    FP8 cache (the Triton kernels read caches of the compute dtype; dequantising in them is not written yet)."""
+    if kv is not None and kv.is_fp8:
+        return TorchPagedAttention(block_size, windows, device, kv)
     if device.type == "cuda":
         try:
             from common.engine.attention_triton import TritonPagedAttention
@@ -137,6 +142,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, seed: int = 0, tp: TensorParallel | None = None,
                  kv_cache: torch.Tensor | None = None):
         self.dtype = config.torch_dtype
+        self.kv_format = KvCacheFormat.of(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = self.kv_format.dtype  # what the cache holds (and the handoff moves)
         self.block_size = config.block_size
         self.ranks = None
         if tp is None and config.tensor_parallel_size > 1:
@@ -149,20 +156,20 @@ class ModelRunner:
         if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the cores this process may use
             torch.set_num_threads(max(1, len(usable_cores()) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp, config.load_format,
-                                                config.dummy_seed)
+                                                config.dummy_seed, config.quantization)
         if packs(self.device, self.dtype):  # bf16 GEMMs on the CPU's own instructions, weights packed once
             pack_linears(self.model)
         c = self.hf_config
         shape = self.model.kv_shape()
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         heads = self.num_kv_heads // self.tp.size
-        block_bytes = 2 * self.num_layers * self.block_size * heads * self.head_dim * self.dtype.itemsize
+        block_bytes = 2 * self.num_layers * self.block_size * heads * self.head_dim * self.kv_dtype.itemsize
         self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
         if self.tp.size > 1 and self.device.type == "cuda":
             # A cache of its own heads on each rank's GPU; rank 0 maps the others' (kv_cache: every head).
             self.num_kv_blocks = self.tp.min(self.num_kv_blocks)
             self.rank_cache = torch.zeros((self.num_layers, 2, self.num_kv_blocks, self.block_size, heads,
-                                           self.head_dim), dtype=self.dtype, device=self.device)
+                                           self.head_dim), dtype=self.kv_dtype, device=self.device)
             self.kv_cache = self._map_rank_caches()
         else:
             # Every KV head (what the KV data plane and the handoff see); rank_cache: the heads this rank computes.
@@ -170,7 +177,7 @@ class ModelRunner:
             self.kv_cache = kv_cache if kv_cache is not None else self._make_cache(cache_shape)
             self.rank_cache = self.kv_cache[..., self.tp.rank * heads:(self.tp.rank + 1) * heads, :] \
                 if self.tp.size > 1 else self.kv_cache
-        self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device)
+        self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device, self.kv_format)
         if self.device.type == "cpu":
             cpu_attention.kernel()  # built (once per machine) or loaded now, not in the first request's step
         self.sampler = Sampler(seed)
@@ -180,8 +187,8 @@ class ModelRunner:
 
     def _make_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.ranks is None:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        shared = SharedKvCache.create(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        shared = SharedKvCache.create(shape, self.kv_dtype)
         try:
             self.ranks.send(shared)
             cache = shared.open()
@@ -356,7 +363,7 @@ class ModelRunner:
     def layout(self, fingerprint: str) -> KvLayout:
         return KvLayout(
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size, dtype=str(self.dtype).removeprefix("torch."), fingerprint=fingerprint,
+            block_size=self.block_size, dtype=str(self.kv_dtype).removeprefix("torch."), fingerprint=fingerprint,
         )
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -366,7 +373,7 @@ class ModelRunner:
 
     def import_blocks(self, block_ids: list[int], kv: KvExport) -> None:
         """Scatter imported blocks into ours; the KV plane already put them on this device (a side stream)."""
-        blocks = kv.blocks.to(device=self.device, dtype=self.dtype)
+        blocks = kv.blocks.to(device=self.device, dtype=self.kv_dtype)
         if blocks.is_cuda:  # allocated on the plane's stream: keep it alive until this stream's scatter ran
             blocks.record_stream(torch.cuda.current_stream(blocks.device))
         ids = block_ids[: blocks.shape[2]]
@@ -376,4 +383,7 @@ class ModelRunner:
                 torch.cuda.synchronize(device)
             return
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        self.kv_cache.index_copy_(2, index, blocks)
+        if self.kv_format.is_fp8:  # torch has no index_copy_ of float8: the same bytes as uint8
+            self.kv_cache.view(torch.uint8).index_copy_(2, index, blocks.view(torch.uint8))
+        else:
+            self.kv_cache.index_copy_(2, index, blocks)

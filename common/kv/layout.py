@@ -19,10 +19,13 @@ KV_FORMAT_VERSION = 1
 _NON_ARCHITECTURAL = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
 
 
-def model_fingerprint(config: PretrainedConfig, dtype: str) -> str:
-    """Hash of the model config + KV dtype + KV format version: equal only when KV blocks are interchangeable."""
+def model_fingerprint(config: PretrainedConfig, dtype: str, extra: dict[str, object] | None = None) -> str:
+    """Hash of the model config + dtype + KV format version, and `extra`: what else decides the blocks' values (an
+    FP8 cache's dtype and scale, weights quantised at load; an FP8 checkpoint says so in its config). Equal only when
+    KV blocks are interchangeable; without `extra` it is what it was before FP8."""
     arch = {k: v for k, v in sorted(config.to_dict().items()) if k not in _NON_ARCHITECTURAL}
-    payload = json.dumps({"config": arch, "dtype": dtype, "kv_format": KV_FORMAT_VERSION}, sort_keys=True, default=str)
+    fields = {"config": arch, "dtype": dtype, "kv_format": KV_FORMAT_VERSION, **(extra or {})}
+    payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

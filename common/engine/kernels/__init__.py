@@ -36,7 +36,8 @@ def _gemv():
 
 
 def _gemv_applies(x: torch.Tensor, layer: nn.Linear, prologue: str | None = None) -> bool:
-    return _on_gpu(x) and x.dim() == 2 and x.shape[0] == 1 and _gemv().applies(x, layer.weight, layer.bias, prologue)
+    # Only plain linears: an Fp8Linear (common/engine/quantization) runs its own FP8 GEMM.
+    return _on_gpu(x) and isinstance(layer, nn.Linear) and x.dim() == 2 and x.shape[0] == 1 and _gemv().applies(x, layer.weight, layer.bias, prologue)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ from common.engine.models.dummy import dummy_state
 from common.engine.models.registry import model_class
 from common.engine.models.sharding import shard_state
 from common.engine.parallel import SINGLE, TensorParallel
+from common.engine.quantization.fp8_checkpoint import Fp8Weights
 from common.errors import InvalidConfig
 
 __all__ = ["check_shardable", "fuse_projections", "load_config", "load_model", "load_state"]
@@ -52,26 +53,35 @@ def check_shardable(model_dir: str | Path, tp_size: int) -> None:
 
 
 def _checkpoint_state(model: CausalLM, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                      tp: TensorParallel) -> dict[str, torch.Tensor]:
-    """This rank's share of the checkpoint's tensors, under the model's parameter names, in `dtype`."""
+                      tp: TensorParallel, fp8: Fp8Weights | None = None) -> dict[str, torch.Tensor]:
+    """This rank's share of the checkpoint's tensors, under the model's parameter names, in `dtype` (with `fp8`:
+    FP8 weights beside their scales)."""
     state = model.checkpoint_state(load_state(model_dir, device))
-    state = {k: v.to(dtype) for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in model.tied_keys}
-    return shard_state(fuse_projections(state, model.packed_modules_mapping), model.tp_plan(), tp)
+    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in model.tied_keys}
+    packed = model.packed_modules_mapping
+    state = fp8.read(state, dtype, model, packed) if fp8 else {k: v.to(dtype) for k, v in state.items()}
+    return shard_state(fuse_projections(state, packed), model.tp_plan(), tp)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
-               load_format: str = "auto", seed: int = 0) -> tuple[CausalLM, PretrainedConfig]:
+               load_format: str = "auto", seed: int = 0,
+               quantization: str | None = None) -> tuple[CausalLM, PretrainedConfig]:
     """The registered model for the checkpoint's architecture, its weights loaded (this rank's share of them
     under tensor parallelism), and its language config. load_format "dummy": random weights of `seed` instead,
-    from config.json alone (models/dummy.py); no safetensors file is read."""
+    from config.json alone (models/dummy.py); no safetensors file is read. FP8 weights (an FP8 checkpoint, or
+    `quantization` "fp8") load into Fp8Linear layers (common/engine/quantization)."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = model_class(config)(config, tp)
     _check_plan(model, tp)
+    fp8 = Fp8Weights.of(config, quantization)
     if load_format == "dummy":
         state = dummy_state(model, config, dtype, device, tp, seed)
+        state = fp8.quantize_made(model, state) if fp8 else state
     else:
-        state = _checkpoint_state(model, model_dir, dtype, device, tp)
+        state = _checkpoint_state(model, model_dir, dtype, device, tp, fp8)
+    if fp8:
+        fp8.install(model, state, tp)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if k not in model.tied_keys]
     if missing or result.unexpected_keys:

@@ -19,6 +19,8 @@ def copy_blocks_reference(src: torch.Tensor, src_ids: Sequence[int], dst: torch.
                           dst_ids: Sequence[int]) -> None:
     src_index = torch.tensor(list(src_ids), dtype=torch.long, device=src.device)
     dst_index = torch.tensor(list(dst_ids), dtype=torch.long, device=dst.device)
+    if dst.dtype.itemsize == 1:  # an FP8 cache: torch has no index_copy_ of float8, the same bytes as uint8 do
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     dst.index_copy_(2, dst_index, src.index_select(2, src_index).to(dst.device))
 
 
