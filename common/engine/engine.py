@@ -172,8 +172,13 @@ class LLMEngine:
         return bool(self.abort_members(request_id))
 
     def abort_members(self, request_id: str) -> list[Request]:
-        """Abort a request, every choice of it (the leader's id) or one choice ("<id>#<index>"): those it ended."""
+        """Abort a request, every choice of it (the leader's id) or one choice ("<id>#<index>"): those it ended.
+        A leader whose prompt is not done yet takes the choices waiting on it along."""
         members = self._groups.get(request_id) or [self.requests.get(request_id)]
+        if members == [None] and "#" in request_id:  # the leader's own choice, by its index
+            group_id, _, index = request_id.rpartition("#")
+            members = [m for m in self._groups.get(group_id, ()) if str(m.index) == index]
+            members += [c for m in members for c in m.forks]
         live = [m for m in members if m is not None and self._live(m)]
         for member in live:
             self._finish(member, FinishReason.ABORT)

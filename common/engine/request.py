@@ -87,7 +87,7 @@ class SamplingParams:
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
-             f"max_tokens must be >= 1 (0 only to score a prompt, with prompt_logprobs), got {self.max_tokens}"),
+             f"max_tokens must be >= 1, got {self.max_tokens} (0 only scores a prompt, with prompt_logprobs)"),
             (0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS,
              f"top_logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.top_logprobs}"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),

@@ -16,8 +16,8 @@ import argparse
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -72,6 +72,8 @@ class _Plan:
     handoff: KvImport | None  # a transport the engine drives: its kv_import, made from the ref (KvPath.handoff)
     time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
     embeddings: list[common_pb2.EmbeddingRef] | None = None  # aggregated image requests: pulled here
+    choices: list[int] = field(default_factory=list)  # n > 1: the choices run here (leader first)
+    more_first_tokens: list[int] = field(default_factory=list)  # with a session: the other choices' first tokens
 
 
 def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> _Plan:
@@ -90,9 +92,13 @@ def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> _
     if has_session:
         _check_session(start, layout, kv_path)
         handoff = kv_path.handoff(start.session)
+    choices = list(start.choice_indices) or list(range(sampling.n))
+    if start.more_first_tokens and not has_session:
+        raise InvalidRequest("more_first_tokens go with a session: without one the worker samples every choice")
     return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
                  sampling, request_type, start.session if has_session else None,
-                 start.first_token if has_session else None, handoff, embeddings=list(start.embeddings))
+                 start.first_token if has_session else None, handoff, embeddings=list(start.embeddings),
+                 choices=choices, more_first_tokens=list(start.more_first_tokens))
 
 
 def _check_session(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> None:
@@ -129,9 +135,15 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             except Exception as exc:
                 await self._refuse(context, start, exc)
             outbox: asyncio.Queue = asyncio.Queue()
-            work = asyncio.create_task(self._work(engine, plan, outbox))
+            progress = Progress(plan.request_id, len(plan.prompt), plan.choices)
+            work = asyncio.create_task(self._work(engine, plan, outbox, progress))
             work.add_done_callback(lambda _: outbox.put_nowait(None))  # the stream ends however the work ends
-            watcher = asyncio.create_task(_watch(request_iterator, work, outbox))
+
+            def cancel_choice(index: int) -> None:  # one choice's stop string matched: the others go on
+                progress.cancelled.add(index)
+                self.state.spawn(engine.abort(f"{plan.engine_id}#{index}"))
+
+            watcher = asyncio.create_task(_watch(request_iterator, work, outbox, cancel_choice))
             try:
                 while (item := await outbox.get()) is not None:
                     if isinstance(item, BaseException):
@@ -150,8 +162,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             await asyncio.shield(kv_path.give_back(ref))
         await abort_with(context, exc)
 
-    async def _work(self, engine: Engine, plan: _Plan, outbox: asyncio.Queue) -> None:
-        progress = Progress(plan.request_id, len(plan.prompt))
+    async def _work(self, engine: Engine, plan: _Plan, outbox: asyncio.Queue, progress: Progress) -> None:
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
         owed = plan.handoff is not None  # the exporter's session, ours to release once the engine has the KV
@@ -165,12 +176,12 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                           if plan.embeddings else None)
             self.state.require_engine()  # not if shutdown began during the pull
             request = EngineRequest(plan.engine_id, plan.prompt, plan.sampling, plan.request_type, kv,
-                                    plan.first_token, images)
+                                    plan.first_token, images, plan.more_first_tokens, plan.choices)
             async for out in engine.generate(request):
                 if owed:  # the engine answers once its transfer has brought the KV
                     self.state.kv_path.give_back(plan.session)
                     owed = False
-                if out.finish_reason is FinishReason.ABORT:
+                if out.finish_reason is FinishReason.ABORT and out.index not in progress.cancelled:
                     raise self.state.ended()
                 if out.new_token_ids and progress.usage.completion_tokens == 0:
                     span.add_event("first_token")
@@ -251,14 +262,18 @@ async def _read_start(request_iterator: AsyncIterator[worker_pb2.DecodeClientMes
 
 
 async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage], work: asyncio.Task,
-                 outbox: asyncio.Queue) -> None:
-    """Reads the rest of the stream: `cancel` cancels the request; a half-close changes nothing."""
+                 outbox: asyncio.Queue, cancel_choice: Callable[[int], None]) -> None:
+    """Reads the rest of the stream: `cancel` cancels the request (with an index, that choice alone); a half-close
+    changes nothing."""
     try:
         async for message in request_iterator:
-            if message.WhichOneof("kind") == "cancel":
-                work.cancel()
-            else:
+            if message.WhichOneof("kind") != "cancel":
                 outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only `cancel`"))
+            elif message.cancel.HasField("index"):
+                cancel_choice(message.cancel.index)
+                continue
+            else:
+                work.cancel()
             return
     except DecodeError as exc:
         outbox.put_nowait(InvalidRequest(f"could not parse a DecodeClientMessage: {exc}"))

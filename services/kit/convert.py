@@ -28,9 +28,12 @@ def sampling_from_proto(
 ) -> SamplingParams:
     """Unset fields take the engine's defaults; bad values raise InvalidRequest naming the field."""
     kwargs: dict = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens",
+                 "presence_penalty", "frequency_penalty", "n", "prompt_logprobs"):
         if sampling.HasField(name):
             kwargs[name] = getattr(sampling, name)
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
     if stop is not None:
         kwargs["stop"] = tuple(stop.stop)
         kwargs["stop_token_ids"] = tuple(stop.stop_token_ids)
@@ -83,6 +86,15 @@ def sampling_to_proto(params: SamplingParams) -> tuple[common_pb2.SamplingParams
         sampling.seed = params.seed
     if params.max_tokens is not None:
         sampling.max_tokens = params.max_tokens
+    if params.presence_penalty:
+        sampling.presence_penalty = params.presence_penalty
+    if params.frequency_penalty:
+        sampling.frequency_penalty = params.frequency_penalty
+    if params.n != 1:
+        sampling.n = params.n
+    if params.prompt_logprobs is not None:
+        sampling.prompt_logprobs = params.prompt_logprobs
+    sampling.logit_bias.update(dict(params.logit_bias))
     if params.structured is not None:
         sampling.structured.CopyFrom(structured_to_proto(params.structured))
     stop = common_pb2.StopConditions(stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
@@ -116,6 +128,10 @@ def request_type_name(value: int) -> str:
 
 def finish_reason_to_proto(reason: FinishReason | None) -> int:
     return _FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in logprobs or ()]
 
 
 def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:

@@ -21,7 +21,7 @@ from common.engine.multimodal import ImageEmbedding
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.transfer import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.kit.convert import logprob_to_proto, request_type_name, sampling_from_proto
+from services.kit.convert import logprob_to_proto, logprobs_to_proto, request_type_name, sampling_from_proto
 from services.kit.serving import abort_with, check_deliverable
 from services.worker.tensor_store import TensorStoreServicer, add_tensor_store
 from services.worker.ttft import prompt_parts
@@ -56,8 +56,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
                 # Pulled and released before the engine sees the request: a cancel here leaves nothing held.
                 images = await pull_and_release_embeddings(self.channels.get, request.embeddings,
                                                            context.time_remaining())
-                output = await _context_only(engine, engine_id, request, sampling, images)
+                outputs = await _context_only(engine, engine_id, request, sampling, images)
+                output = outputs[0]
                 response = await self._response(engine, output, request.request_id)
+                _more_choices(response, outputs[1:])
                 response.ttft_breakdown.CopyFrom(prompt_parts(received, output))
                 check_deliverable(context, "the prefill answer")
             except asyncio.CancelledError:
@@ -79,6 +81,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             logprob = logprob_to_proto(output.new_logprobs[0])
             response.first_token_logprob = logprob.logprob
             response.first_token_top_logprobs.extend(logprob.top_logprobs)
+        response.prompt_logprobs.extend(logprobs_to_proto(output.prompt_logprobs))
         if output.session_id is not None:
             ref = await self._session_ref(engine, output)
             ref.request_id, ref.first_token_logprob = request_id, response.first_token_logprob
@@ -104,11 +107,20 @@ def _sampling(request: worker_pb2.PrefillRequest) -> SamplingParams:
 
 
 async def _context_only(engine: Engine, engine_id: str, request: worker_pb2.PrefillRequest,
-                        sampling: SamplingParams, images: list[ImageEmbedding]) -> RequestOutput:
+                        sampling: SamplingParams, images: list[ImageEmbedding]) -> list[RequestOutput]:
+    """Each choice's last output, by index: choice 0's holds the session (n > 1: the others only their first token)."""
     context_only = EngineRequest(engine_id, list(request.token_ids), sampling, RequestType.CONTEXT_ONLY,
                                  images=images or None)
-    outputs = [out async for out in engine.generate(context_only)]
-    return outputs[-1]
+    last = {out.index: out async for out in engine.generate(context_only)}
+    return [last[i] for i in sorted(last)]
+
+
+def _more_choices(response: worker_pb2.PrefillResponse, outputs: list[RequestOutput]) -> None:
+    """The first tokens of choices 1..n-1 (an aborted choice has none: the request was cancelled)."""
+    for out in outputs:
+        lp = logprob_to_proto(out.new_logprobs[0]) if out.new_logprobs else None
+        response.more_first_tokens.append(lp if lp is not None else common_pb2.TokenLogprob(
+            token_id=out.new_token_ids[0] if out.new_token_ids else 0))
 
 
 async def _forget(engine: Engine, engine_id: str) -> None:

@@ -15,6 +15,8 @@ class Tokens:
 
     token_ids: Sequence[int]
     logprobs: Sequence[common_pb2.TokenLogprob] = ()
+    index: int = 0  # the choice (n > 1)
+    prompt_logprobs: Sequence[common_pb2.TokenLogprob] = ()  # with choice 0's first tokens, when asked for
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class WorkerTimings:
 class DecodeFinished:
     reason: FinishReason
     stop_token_id: int | None = None  # the EOS or stop token id that ended it
+    choices: tuple[tuple[int, FinishReason, int | None], ...] = ()  # n > 1: (index, reason, stop token id) each
 
 
 DecodeEvent = Union[Tokens, KvTransfer, CachedTokens, WorkerTimings, DecodeFinished]

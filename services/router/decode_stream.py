@@ -88,7 +88,10 @@ class DecodeStream:
                     for event in _worker_finished(message.finished, handoff, timed):
                         yield event
                     return
-                yield Tokens(message.delta.token_ids, message.delta.logprobs)
+                delta = message.delta
+                yield Tokens(delta.token_ids, delta.logprobs, delta.index, delta.prompt_logprobs)
+                for index in flight.sent.stopped_choices():  # n > 1: that choice alone stops; the others go on
+                    await _write(call, worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel(index=index)))
                 if flight.sent.stopped:  # a stop string: the worker generates on until told
                     finished = await _cancelled(call)
                     for event in _usage(finished, handoff, timed) if finished is not None else ():
@@ -123,7 +126,9 @@ class DecodeStream:
                      worker.endpoint, interrupted.error.details(), other.endpoint)
             route.worker = other
             return
-        other = await self._pick_decode({worker}) if route.migrations < self._migration_limit else None
+        # A migration continues one choice from its tokens: a request with several choices is not migrated.
+        movable = route.migrations < self._migration_limit and req.params.n == 1
+        other = await self._pick_decode({worker}) if movable else None
         if other is None:
             raise Unavailable(f"decode worker {worker.endpoint} failed during request {req.request_id} "
                               f"after {delivered} tokens were delivered ({interrupted}); retry the request") from None
@@ -139,8 +144,15 @@ def aggregated_start(req: PreparedRequest) -> worker_pb2.DecodeStart:
                                   stop=worker_stop_conditions(stop), output=output)
 
 
-def handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.KvSessionRef) -> worker_pb2.DecodeStart:
+def handoff_start(req: PreparedRequest, first_token: int, session: common_pb2.KvSessionRef,
+                  choices: dict[int, int] | None = None) -> worker_pb2.DecodeStart:
+    """`choices` (n > 1): the first token of each choice still running, by index; first_token is then unused."""
     start = aggregated_start(req)
+    start.sampling.ClearField("prompt_logprobs")  # prefill sent them
+    if choices:
+        first_token, *more = choices.values()
+        start.choice_indices.extend(choices)
+        start.more_first_tokens.extend(more)
     start.first_token = first_token
     start.session.CopyFrom(session)
     return start
@@ -159,8 +171,11 @@ def continuation_start(req: PreparedRequest, generated: list[int]) -> worker_pb2
 
 def _worker_finished(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[DecodeEvent]:
     stop_id = finished.matched_stop_token_id if finished.HasField("matched_stop_token_id") else None
+    choices = tuple((c.index, _FINISH_REASONS.get(c.reason, FinishReason.STOP),
+                     c.matched_stop_token_id if c.HasField("matched_stop_token_id") else None)
+                    for c in finished.choices)
     return [*_usage(finished, handoff, timed),
-            DecodeFinished(_FINISH_REASONS.get(finished.reason, FinishReason.STOP), stop_id)]
+            DecodeFinished(_FINISH_REASONS.get(finished.reason, FinishReason.STOP), stop_id, choices)]
 
 
 def _usage(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[DecodeEvent]:

@@ -18,7 +18,7 @@ from services.kit.serving import status_of
 from services.router.deadline import Deadline
 from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvTransfer, Tokens,
                                            WorkerTimings)
-from services.router.generation import Event, Finished, GenerationRequest
+from services.router.generation import Event, Finished, FinishReason, GenerationRequest
 from services.router.handoff import ExportedSession, PrefillReady, Releaser, first_token_ends
 from services.router.prepare import PreparedRequest
 from services.router.streaming import ResponseBuilder
@@ -109,6 +109,9 @@ class Flight:
         sent = self.sent
         sent.cached_prompt_tokens = ready.response.cached_tokens
         sent.prefilled(ready.response.ttft_breakdown)
+        sent.prompt_scored(ready.response.prompt_logprobs)
+        if self.prepared.params.n > 1:
+            return self._prefilled_choices(ready, eos_token_ids)
         delta = sent.delta([ready.first_token], [ready.first_logprob()])
         events: list[Event] = [delta] if delta is not None else []
         ending = first_token_ends(self.prepared, sent.stopped, ready.first_token, eos_token_ids)
@@ -116,15 +119,36 @@ class Flight:
             events += sent.finish(*ending)
         return events
 
+    def _prefilled_choices(self, ready: PrefillReady, eos_token_ids: list[int]) -> list[Event]:
+        """n > 1: each choice's first token; those it ends end here, the others go to decode (`first_tokens`)."""
+        sent, events = self.sent, []
+        for index, logprob in enumerate(ready.first_logprobs()):
+            delta = sent.delta([logprob.token_id], [logprob], index)
+            events += [delta] if delta is not None else []
+            ending = first_token_ends(self.prepared, index not in sent.live_choices(), logprob.token_id,
+                                      eos_token_ids)
+            if ending is not None:
+                events += sent.end_choice(index, *ending)
+        if sent.stopped:
+            events += sent.finish(FinishReason.STOP)
+        return events
+
+    def first_tokens(self, ready: PrefillReady) -> dict[int, int]:
+        """n > 1: the first token of each choice still running, by index (for the decode worker)."""
+        live = set(self.sent.live_choices())
+        return {i: lp.token_id for i, lp in enumerate(ready.first_logprobs()) if i in live}
+
     def apply(self, event: DecodeEvent) -> list[Event]:
         """A decode worker's event, applied to what the client has been sent: the client's events it makes."""
         sent = self.sent
         match event:
-            case Tokens(token_ids, logprobs):
-                delta = sent.delta(token_ids, logprobs)
+            case Tokens(token_ids, logprobs, index, prompt_logprobs):
+                if prompt_logprobs:
+                    sent.prompt_scored(prompt_logprobs)
+                delta = sent.delta(token_ids, logprobs, index)
                 return [delta] if delta is not None else []
-            case DecodeFinished(reason, stop_token_id):
-                return sent.finish(reason, stop_token_id)
+            case DecodeFinished(reason, stop_token_id, choices):
+                return sent.finish(reason, stop_token_id, choices)
             case KvTransfer(backend, num_bytes, ms):
                 sent.kv_transfer = (backend, num_bytes, ms)
             case CachedTokens(count):

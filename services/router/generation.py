@@ -78,7 +78,7 @@ class TopLogprob:
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (TextDelta.prompt_logprobs)
     text: str = ""
     top: tuple[TopLogprob, ...] = ()
 
@@ -91,6 +91,9 @@ class TextDelta:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
     prompt_token_ids: tuple[int, ...] = ()  # on the first delta, when the request asked to echo the prompt
+    index: int = 0  # the choice (SamplingParams.n > 1)
+    # On a choice's first delta, when the request asked for prompt_logprobs: every prompt token (the first: None).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,27 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ChoiceEnd:
+    """How one choice of a request with n > 1 ended (Finished.choices)."""
+
+    index: int
+    reason: FinishReason
+    completion_tokens: int = 0
+    matched_stop: str = ""
+    matched_stop_token_id: int | None = None
+
+
+@dataclass(frozen=True)
 class Finished:
-    """The last event of a request."""
+    """The last event of a request. With n > 1, `choices` says how each ended (the fields above: choice 0; usage
+    sums every choice's tokens)."""
 
     reason: FinishReason
     usage: Usage
     matched_stop: str = ""  # the stop string that ended it
     matched_stop_token_id: int | None = None  # the EOS or stop token id that ended it
     error: BaseException | None = None  # reason ERROR: the typed error (common.errors) or a worker's status
+    choices: tuple[ChoiceEnd, ...] = ()
 
 
 Event = Union[TextDelta, Finished]

@@ -110,6 +110,10 @@ class PrefillReady:
         return common_pb2.TokenLogprob(token_id=r.first_token, logprob=r.first_token_logprob,
                                        top_logprobs=r.first_token_top_logprobs)
 
+    def first_logprobs(self) -> list[common_pb2.TokenLogprob]:
+        """Every choice's first token and its logprobs, by index (n > 1)."""
+        return [self.first_logprob(), *self.response.more_first_tokens]
+
 
 class Handoff:
     """Encode and Prefill calls: unary, each freeing what it stored when its caller goes away."""

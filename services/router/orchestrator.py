@@ -18,7 +18,7 @@ import grpc
 
 from common.discovery import Role
 from common.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
-from common.pb.disagg.v1 import common_pb2
+from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
 from common.telemetry.metrics import Metrics
 from services.router.config import RouterConfig
@@ -123,8 +123,7 @@ class Orchestrator:
                             yield event
                         if flight.sent.finished:
                             return
-                        start = (handoff_start(req, ready.first_token, ready.session.ref)
-                                 if ready.session.ref is not None else continuation_start(req, [ready.first_token]))
+                        start = self._after_prefill(flight, ready, req)
                     route = DecodeRoute(decode, start)
                     while True:
                         flight.sent.dispatched()
@@ -144,6 +143,17 @@ class Orchestrator:
                                        "were delivered") from None
             finally:
                 flight.release(self._handoff.releaser)
+
+    @staticmethod
+    def _after_prefill(flight: Flight, ready: PrefillReady, req: PreparedRequest) -> worker_pb2.DecodeStart:
+        """The decode worker's start after prefill answered: with its session (n > 1: each running choice's first
+        token), or, without one, continuing aggregated from the first token."""
+        if ready.session.ref is None:
+            if req.params.n > 1:  # our engine pins one for every multi-choice prompt: an engine that did not
+                raise FailedPrecondition("the prefill worker exported no KV session for a request with n > 1")
+            return continuation_start(req, [ready.first_token])
+        choices = flight.first_tokens(ready) if req.params.n > 1 else None
+        return handoff_start(req, ready.first_token, ready.session.ref, choices)
 
     async def _prepare(self, flight: Flight) -> PreparedRequest:
         model = self.served_model()

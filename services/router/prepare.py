@@ -53,6 +53,7 @@ class RequestPreparer:
         bad_stops = [t for t in params.stop_token_ids if t >= self.facts.vocab_size]
         if bad_stops:  # the engine would never match them; say so instead of silently ignoring
             raise InvalidRequest(f"stop_token_ids outside the vocabulary [0, {self.facts.vocab_size}): {bad_stops[:5]}")
+        params.check_vocab(self.facts.vocab_size)
         self._refuse_oversized_text(request, model)
         prompt = self._tokens(request)
         if self.image_tokens is not None and (request.images or self.image_tokens.token_id in prompt):

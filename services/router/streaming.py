@@ -11,10 +11,24 @@ from common.pb.disagg.v1 import common_pb2
 from common.telemetry.metrics import Metrics
 from common.text_stream import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
-from services.router.generation import (Event, Finished, FinishReason, TextDelta, TokenLogprob, TopLogprob,
-                                        TtftBreakdown, Usage)
+from services.router.generation import (ChoiceEnd, Event, Finished, FinishReason, TextDelta, TokenLogprob,
+                                        TopLogprob, TtftBreakdown, Usage)
 from services.router.prepare import PreparedRequest
 from services.kit.serving import status_of
+
+
+class _Choice:
+    """One choice's text: its detokenizer (stop strings), the tokens sent, how it ended."""
+
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer | None, echo: bool):
+        self.index = index
+        self.detokenizer = detokenizer
+        self.echo = echo
+        self.opened = False  # its first delta was made (the echo and the prompt's logprobs go in it)
+        self.token_ids: list[int] = []
+        self.matched_stop: str | None = None
+        self.stop_cancelled = False  # its worker was told to stop it (n > 1)
+        self.end: ChoiceEnd | None = None
 
 
 class ResponseBuilder:
@@ -34,25 +48,38 @@ class ResponseBuilder:
         self._started = time.perf_counter() if started is None else started
         self._first_token_at: float | None = None
         self._prompt: list[int] = []
-        self._detokenizer: IncrementalDetokenizer | None = None
         self._want_logprobs = False
-        self._echo_pending = False
-        self.completion_tokens = 0
-        self.token_ids: list[int] = []  # every token sent to the client, in order
+        self._choices = [_Choice(0, None, False)]  # bind() makes one per choice
+        self._prompt_logprobs: tuple[TokenLogprob, ...] = ()  # once they came, until every choice's first delta
+        self._scoring = False  # max_tokens 0: the prompt's logprobs only, no token
         self.cached_prompt_tokens = 0
         self.kv_transfer: tuple[str, int, float] = ("", 0, 0.0)  # backend, bytes, ms of the KV handoff
         self._dispatched_at: float | None = None  # the call that produced the first token was sent
         self._worker_parts: dict[str, float] = {}  # TtftBreakdown fields the workers measured
         self.prefilled_remotely = False  # a prefill worker ran the prompt (else the decode worker did)
-        self.matched_stop: str | None = None
         self.finished = False
 
     def bind(self, request: PreparedRequest) -> None:
         self._prompt = request.prompt
-        if self._tokenizer is not None:
-            self._detokenizer = IncrementalDetokenizer(self._tokenizer, request.prompt, stop=request.params.stop)
-        self._want_logprobs = request.params.logprobs
-        self._echo_pending = request.echo_prompt_token_ids
+        params = request.params
+        self._choices = [_Choice(i, IncrementalDetokenizer(self._tokenizer, request.prompt, stop=params.stop)
+                                 if self._tokenizer is not None else None, request.echo_prompt_token_ids)
+                         for i in range(params.n)]
+        self._want_logprobs = params.logprobs
+        self._scoring = params.max_tokens == 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self._choices)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token of choice 0 sent to the client, in order (a migration continues from them; n = 1 only)."""
+        return self._choices[0].token_ids
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._choices[0].matched_stop
 
     def dispatched(self) -> None:
         """The call that is to produce the first token (Prefill, or the aggregated Decode) is being sent: the router
@@ -79,44 +106,95 @@ class ResponseBuilder:
 
     @property
     def stopped(self) -> bool:
-        """A stop string matched: the request is over whatever the workers say."""
-        return self.matched_stop is not None
+        """A stop string matched (n > 1: every choice has stopped or ended): the request is over whatever the
+        workers say."""
+        return all(c.matched_stop is not None or c.end is not None for c in self._choices)
 
-    def delta(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprob] = ()) -> TextDelta | None:
-        """The delta for newly generated tokens (logprobs as the workers sent them); tokens after a matched
-        stop string are dropped."""
+    def stopped_choices(self) -> list[int]:
+        """n > 1: choices whose stop string matched since last asked, for their worker to stop them alone."""
+        if len(self._choices) == 1:
+            return []
+        fresh = [c for c in self._choices if c.matched_stop is not None and c.end is None and not c.stop_cancelled]
+        for choice in fresh:
+            choice.stop_cancelled = True
+        return [c.index for c in fresh]
+
+    def live_choices(self) -> list[int]:
+        """The choices that have not ended (nor matched a stop string)."""
+        return [c.index for c in self._choices if c.matched_stop is None and c.end is None]
+
+    def prompt_scored(self, logprobs: Sequence[common_pb2.TokenLogprob]) -> None:
+        """The prompt's logprobs (prompt_logprobs), for every choice's first delta: one per prompt token, the first
+        with logprob None (nothing comes before it)."""
+        first = self._with_text(common_pb2.TokenLogprob(token_id=self._prompt[0]))
+        self._prompt_logprobs = (TokenLogprob(first.token_id, None, first.text),
+                                 *(self._with_text(lp) for lp in logprobs))
+
+    def delta(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprob] = (),
+              index: int = 0) -> TextDelta | None:
+        """The delta for newly generated tokens of choice `index` (logprobs as the workers sent them); tokens after
+        a matched stop string are dropped, and every token of a request that only scores its prompt."""
+        choice = self._choices[index] if index < len(self._choices) else None
+        if choice is None or choice.end is not None:
+            return None
         kept: list[int] = []
         texts: list[str] = []
-        for token in token_ids:
-            if self.stopped:
+        for token in () if self._scoring else token_ids:
+            if choice.matched_stop is not None:
                 break
             kept.append(token)
-            if self._detokenizer is not None:
-                out = self._detokenizer.add([token])
+            if choice.detokenizer is not None:
+                out = choice.detokenizer.add([token])
                 texts.append(out.text)
-                self.matched_stop = out.matched_stop
-        if not kept:
+                choice.matched_stop = out.matched_stop
+        first = not choice.opened
+        if not kept and not (first and (choice.echo or self._prompt_logprobs)):
             return None
-        self._timed(len(kept))
-        self.completion_tokens += len(kept)
-        self.token_ids.extend(kept)
-        echoed = tuple(self._prompt) if self._echo_pending else ()
-        self._echo_pending = False
+        if kept:
+            self._timed(len(kept))
+        choice.token_ids.extend(kept)
+        echoed = tuple(self._prompt) if first and choice.echo else ()
+        prompt_logprobs = self._prompt_logprobs if first else ()
+        choice.opened = True
         lps = tuple(self._with_text(lp) for lp in logprobs[: len(kept)]) if self._want_logprobs else ()
-        return TextDelta(token_ids=tuple(kept), text="".join(texts), logprobs=lps, prompt_token_ids=echoed)
+        return TextDelta(token_ids=tuple(kept), text="".join(texts), logprobs=lps, prompt_token_ids=echoed,
+                         index=index, prompt_logprobs=prompt_logprobs)
 
-    def finish(self, reason: FinishReason, matched_stop_token_id: int | None = None) -> list[Event]:
-        """The held-back text (if any) and the Finished event."""
+    def end_choice(self, index: int, reason: FinishReason, matched_stop_token_id: int | None = None) -> list[Event]:
+        """n > 1: choice `index` ended (its held-back text, if any); the request goes on until every choice has."""
+        choice = self._choices[index]
+        if choice.end is not None:
+            return []
         events: list[Event] = []
-        if self._detokenizer is not None and not self.stopped:
-            text = self._detokenizer.flush()
-            self.matched_stop = self._detokenizer.matched_stop
+        if choice.detokenizer is not None and choice.matched_stop is None:
+            text = choice.detokenizer.flush()
+            choice.matched_stop = choice.detokenizer.matched_stop
             if text:
-                events.append(TextDelta(text=text))
-        stopped, usage = self.stopped, self.usage()
+                events.append(TextDelta(text=text, index=index))
+        stopped = choice.matched_stop is not None
+        choice.end = ChoiceEnd(index, FinishReason.STOP if stopped else reason, len(choice.token_ids),
+                               choice.matched_stop or "", None if stopped else matched_stop_token_id)
+        return events
+
+    def finish(self, reason: FinishReason, matched_stop_token_id: int | None = None,
+               choices: Sequence[tuple[int, FinishReason, int | None]] = ()) -> list[Event]:
+        """The held-back text (if any) and the Finished event. n > 1: `choices` says how each choice still running
+        ended (index, reason, stop token id); any other takes `reason`."""
+        events: list[Event] = []
+        if len(self._choices) > 1:
+            for index, choice_reason, stop_id in choices:
+                events += self.end_choice(index, choice_reason, stop_id)
+            for choice in self._choices:
+                events += self.end_choice(choice.index, reason)
+            ends = tuple(c.end for c in self._choices)
+            reason, matched_stop_token_id = ends[0].reason, ends[0].matched_stop_token_id
+        else:
+            events += self.end_choice(0, reason, matched_stop_token_id)
+            ends = ()
+        end, usage = self._choices[0].end, self.usage()
         events.append(self._finished(Finished(
-            reason=FinishReason.STOP if stopped else reason, usage=usage, matched_stop=self.matched_stop or "",
-            matched_stop_token_id=None if stopped else matched_stop_token_id)))
+            reason=end.reason, usage=usage, matched_stop=end.matched_stop,
+            matched_stop_token_id=end.matched_stop_token_id, choices=ends)))
         self._report_breakdown(usage)
         self.close(grpc.StatusCode.OK)
         return events

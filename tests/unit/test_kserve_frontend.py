@@ -119,7 +119,8 @@ def test_tensor_format_errors_name_the_input():
 
 def test_sampling_comes_from_the_json_object_and_the_scalar_inputs():
     sampling = {"temperature": "0.5", "top_p": 0.9, "max_tokens": "12", "stop": "\n\n", "ignore_eos": "true",
-                "stop_token_ids": [2, 3], "min_p": 0.1, "repetition_penalty": 1.1}
+                "stop_token_ids": [2, 3], "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                "frequency_penalty": "-0.25", "logit_bias": {"7": -100, "9": "2.5"}}
     request = infer_request(MODEL, [
         ("text_input", "BYTES", [1], ["The sea is"]), ("sampling_parameters", "BYTES", [1], [json.dumps(sampling)]),
         ("top_k", "INT32", [1], [5]), ("random_seed", "UINT64", [1], [42])], request_id="r-1")
@@ -128,7 +129,8 @@ def test_sampling_comes_from_the_json_object_and_the_scalar_inputs():
     assert parsed.generation.request_id.startswith("r-1-")  # unique for the core, the client's id still shows
     assert parsed.generation.params == SamplingParams(
         temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1, seed=42, max_tokens=12,
-        stop=("\n\n",), stop_token_ids=(2, 3), ignore_eos=True)
+        stop=("\n\n",), stop_token_ids=(2, 3), ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.25,
+        logit_bias={7: -100.0, 9: 2.5})
     assert not parsed.stream and not parsed.empty_final
     assert parsed.reply.request_id == "r-1" and parsed.reply.outputs == ("text_output", "finish_reason")
 

@@ -145,8 +145,8 @@ def test_request_type_mirrors_trtllm():
 
 
 def test_every_sampling_field_is_optional():
-    for field in common_pb2.SamplingParams.DESCRIPTOR.fields:
-        assert field.has_presence, field.name
+    for field in common_pb2.SamplingParams.DESCRIPTOR.fields:  # a map (logit_bias) is unset when empty
+        assert field.has_presence or field.message_type and field.message_type.GetOptions().map_entry, field.name
     params = common_pb2.SamplingParams(temperature=0.0, top_k=0)
     assert params.HasField("temperature") and params.HasField("top_k")
     assert not params.HasField("top_p") and not params.HasField("max_tokens")

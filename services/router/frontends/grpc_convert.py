@@ -45,7 +45,9 @@ def response_of(request_id: str, event: Event) -> generation_pb2.GenerateRespons
 
 def delta_to_proto(delta: TextDelta) -> common_pb2.Delta:
     return common_pb2.Delta(token_ids=delta.token_ids, text=delta.text,
-                            logprobs=[_logprob(lp) for lp in delta.logprobs], prompt_token_ids=delta.prompt_token_ids)
+                            logprobs=[_logprob(lp) for lp in delta.logprobs], prompt_token_ids=delta.prompt_token_ids,
+                            index=delta.index,
+                            prompt_logprobs=[_logprob(lp) for lp in delta.prompt_logprobs if lp.logprob is not None])
 
 
 def _logprob(lp: TokenLogprob) -> common_pb2.TokenLogprob:
@@ -58,6 +60,11 @@ def finished_to_proto(finished: Finished) -> common_pb2.Finished:
                               usage=usage_to_proto(finished.usage))
     if finished.matched_stop_token_id is not None:
         out.matched_stop_token_id = finished.matched_stop_token_id
+    for end in finished.choices:
+        choice = out.choices.add(index=end.index, reason=_FINISH_REASONS[end.reason], matched_stop=end.matched_stop,
+                                 completion_tokens=end.completion_tokens)
+        if end.matched_stop_token_id is not None:
+            choice.matched_stop_token_id = end.matched_stop_token_id
     if finished.error is not None:
         out.error.CopyFrom(common_pb2.ErrorStatus(code=status_of(finished.error).value[0],
                                                   message=message_of(finished.error) or type(finished.error).__name__))

@@ -220,6 +220,16 @@ def _as_ints(where: str, value: object) -> tuple[int, ...]:
     return _token_ids(where, value)
 
 
+def _as_bias(where: str, value: object) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias}; its size is checked before it is read."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{where} must be an object of token id -> bias, got {json.dumps(value)}")
+    if len(value) > SamplingParams.MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"{where}: logit_bias has {len(value)} entries; at most {SamplingParams.MAX_LOGIT_BIAS} "
+                             "are accepted")
+    return {_as_int(f"{where} token id", key): _as_float(f"{where} bias of {key}", bias) for key, bias in value.items()}
+
+
 def _token_ids(where: str, values: Sequence[int]) -> tuple[int, ...]:
     if any(value < 0 for value in values):
         raise InvalidRequest(f"{where}: token ids must be >= 0, got {min(values)}")
@@ -229,5 +239,6 @@ def _token_ids(where: str, values: Sequence[int]) -> tuple[int, ...]:
 _JSON_KEYS: dict[str, Callable[[str, object], object]] = {
     "max_tokens": _as_int, "temperature": _as_float, "top_p": _as_float, "top_k": _as_int, "min_p": _as_float,
     "repetition_penalty": _as_float, "seed": _as_int, "stop": _as_texts, "stop_token_ids": _as_ints,
-    "ignore_eos": _as_bool,
+    "ignore_eos": _as_bool, "presence_penalty": _as_float, "frequency_penalty": _as_float,
+    "logit_bias": _as_bias,
 }

@@ -61,23 +61,27 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ..., output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ..., request_type: _Optional[_Union[_common_pb2.RequestType, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_token_logprob", "first_token_top_logprobs", "session", "cached_tokens", "ttft_breakdown")
+    __slots__ = ("first_token", "first_token_logprob", "first_token_top_logprobs", "session", "cached_tokens", "ttft_breakdown", "more_first_tokens", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_token_logprob: float
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
     session: _common_pb2.KvSessionRef
     cached_tokens: int
     ttft_breakdown: _common_pb2.TtftBreakdown
-    def __init__(self, first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., ttft_breakdown: _Optional[_Union[_common_pb2.TtftBreakdown, _Mapping]] = ...) -> None: ...
+    more_first_tokens: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., ttft_breakdown: _Optional[_Union[_common_pb2.TtftBreakdown, _Mapping]] = ..., more_first_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
-    __slots__ = ("request_id", "token_ids", "first_token", "session", "sampling", "stop", "output", "request_type", "embeddings")
+    __slots__ = ("request_id", "token_ids", "first_token", "session", "sampling", "stop", "output", "request_type", "embeddings", "choice_indices", "more_first_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +91,8 @@ class DecodeStart(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TYPE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -96,7 +102,9 @@ class DecodeStart(_message.Message):
     output: _common_pb2.OutputOptions
     request_type: _common_pb2.RequestType
     embeddings: _containers.RepeatedCompositeFieldContainer[_common_pb2.EmbeddingRef]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ..., request_type: _Optional[_Union[_common_pb2.RequestType, str]] = ..., embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ...) -> None: ...
+    choice_indices: _containers.RepeatedScalarFieldContainer[int]
+    more_first_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_common_pb2.StopConditions, _Mapping]] = ..., output: _Optional[_Union[_common_pb2.OutputOptions, _Mapping]] = ..., request_type: _Optional[_Union[_common_pb2.RequestType, str]] = ..., embeddings: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ..., choice_indices: _Optional[_Iterable[int]] = ..., more_first_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeClientMessage(_message.Message):
     __slots__ = ("start", "cancel")
