@@ -184,7 +184,7 @@ BAD_INPUTS = [
     (CHAT_PATH, {**CHAT, "top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
     (CHAT_PATH, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
     (CHAT_PATH, {**CHAT, "tools": [{"type": "function"}]}, "tools", "no tool or function calling"),
-    (CHAT_PATH, {**CHAT, "response_format": {"type": "json_object"}}, "response_format", '"text"'),
+    (CHAT_PATH, {**CHAT, "response_format": {"type": "xml"}}, "response_format", "text, json_object or json_schema"),
     (CHAT_PATH, {**CHAT, "logit_bias": {"50": 1}}, "logit_bias", "cannot be honoured"),
     (CHAT_PATH, {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "repetition_penalty"),
     (CHAT_PATH, {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids", "non-negative integers"),
