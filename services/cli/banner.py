@@ -38,7 +38,7 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
   disagg generate "Tell me about the sea" --router {router}{f" --tls-ca {ca}" if ca else ""}
-  grpcurl {"-plaintext" if not ca else f"-cacert {ca}"} {router} list
+  grpcurl {grpcurl_flags} {router} list
   grpcurl {grpcurl_flags} -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate
 {http_lines}

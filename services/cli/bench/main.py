@@ -20,6 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
+
 from common import tls
 from common.errors import InvalidConfig
 from services.cli.bench.clients import API_NAMES, SendOptions, make_client
@@ -101,8 +103,15 @@ def _progress(total: int, enabled: bool):
 async def _bench(args: argparse.Namespace) -> int:
     # --api openai alone asks the HTTP server: any OpenAI-compatible one can be driven (tests/bench/vllm_cpu.py)
     key = client_key(args)
-    listed = await (list_models_http(args.http, headers=http_headers(key)) if args.api == ("openai",)
-                    else list_models(args.router, grpc_metadata(key)))
+    try:
+        listed = await (list_models_http(args.http, headers=http_headers(key)) if args.api == ("openai",)
+                        else list_models(args.router, grpc_metadata(key)))
+    except grpc.aio.AioRpcError as exc:  # a wrong key, a router that is not there: one line, no traceback
+        print(f"disagg bench: {args.router}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"disagg bench: {args.http}: {exc}", file=sys.stderr)
+        return 1
     models = listed.models
     info = next((m for m in models if m.id == args.model), models[0] if models and not args.model else None)
     if info is None:
