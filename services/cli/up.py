@@ -2,7 +2,10 @@
 
 Workers bind free ports; the router binds --router-port (50051, what `disagg generate` expects).
 Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-memory-utilization,
---max-num-seqs, ...) go to every worker. With --device cuda the workers are laid out on the GPUs in order
+--max-num-seqs, ...) go to every worker, merged here with --engine-config FILE.yaml and --engine-overrides JSON
+(defaults < YAML < JSON < flags given), and --prefill-engine-overrides / --decode-engine-overrides JSON over
+them for that role's workers alone (below its flags given).
+With --device cuda the workers are laid out on the GPUs in order
 (--gpus, default all visible; prefill first, each worker its tensor-parallel size of consecutive GPUs; more
 ranks than GPUs needs --share-gpus), and with no --prefill/--decode the layout follows the GPUs: 1 prefill and
 a decode worker per other GPU (one GPU: the two share it). With --device cpu each worker's model runs on cores of
@@ -32,7 +35,8 @@ from common.cpu_cores import can_pin, usable_cores
 from common.engine.default_model import model_label
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
-from services.worker.engine_flags import add_engine_args, engine_argv, engine_config_from_args
+from services.worker.engine_file import read_json
+from services.worker.engine_flags import add_engine_args, apply_engine_config, engine_argv, engine_config_from_args
 from services.router import policies
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from services.cli import banner
@@ -126,13 +130,31 @@ def cpu_plan(args: argparse.Namespace, workers: list[WorkerPlacement], cores: tu
     return cpu_layout(cores, [w.name for w in workers], os.environ.get("OMP_NUM_THREADS"))
 
 
+# Engine flags `up` lays the workers out by (or that every worker must share): not a role's to override.
+_LAID_OUT = ("model", "device", "tensor-parallel-size", "gpu-memory-utilization")
+
+
+def role_args(args: argparse.Namespace, role: str) -> argparse.Namespace:
+    """The engine flags of `role`'s workers: up's (already merged with --engine-config and --engine-overrides) with
+    --{role}-engine-overrides over them, under the flags given. What up lays workers out by stays up's."""
+    flag = f"--{role}-engine-overrides"
+    layer = read_json(getattr(args, f"{role}_engine_overrides") or "{}", flag)
+    for key in layer:
+        if str(key).replace("_", "-") in _LAID_OUT:
+            raise InvalidConfig(f"{flag}: {key} is up's to lay the workers out by; set it with --{key} or in "
+                                f"--engine-config (a role's TP size: --{role}-tensor-parallel-size)")
+    return apply_engine_config(argparse.Namespace(**vars(args)), (flag, layer))
+
+
 def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, metrics_port: int) -> list[str]:
-    """A worker's command line: the engine flags, with its own device, TP size and memory share, each once."""
+    """A worker's command line: the engine flags (its role's overrides applied), with its own device, TP size and
+    memory share, each once."""
     overrides: dict[str, object] = {"tensor_parallel_size": plan.tp[worker.role]}
     if worker.device is not None:
         overrides.update(device=worker.device,
                          gpu_memory_utilization=memory_share(plan.gpu_memory_utilization, worker))
-    return ["--host", args.host, "--log-level", args.log_level, *engine_argv(args, **overrides),
+    engine = engine_argv(role_args(args, worker.role), **overrides)
+    return ["--host", args.host, "--log-level", args.log_level, *engine,
             "--metrics-port", str(metrics_port)]
 
 
@@ -241,12 +263,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                             help=f"{role} workers' tensor-parallel size (default: --tensor-parallel-size); prefill "
                                  "and decode may differ: a session moves with every KV head")
+        parser.add_argument(f"--{role}-engine-overrides", metavar="JSON", default=None,
+                            help=f"{role} workers' engine flags over --engine-config and --engine-overrides, e.g. "
+                                 "'{\"max-num-seqs\": 128}' (under the flags given)")
     add_engine_args(parser)
     add_api_key_args(parser)
     tls.add_tls_args(parser)
     args = parser.parse_args(argv)
     if (args.decode is not None and args.decode < 1) or (args.prefill is not None and args.prefill < 0):
         parser.error("--decode must be >= 1 and --prefill >= 0")
+    try:  # the layout follows the merged values (--device, --tensor-parallel-size from a file too)
+        apply_engine_config(args)
+        for role in ("prefill", "decode"):
+            role_args(args, role)
+    except InvalidConfig as exc:
+        parser.exit(2, f"disagg up: error: {exc}\n")
     return args
 
 
@@ -288,8 +319,9 @@ def preflight(args: argparse.Namespace) -> Plan:
     try:
         config = engine_config_from_args(args)  # the model resolves (the default one is converted once, here)
         for worker in settled.workers:  # and every worker's flags hold, before any process loads the model
-            check_startable(config.replace(device=worker.device or config.device,
-                                           tensor_parallel_size=settled.tp[worker.role]))
+            role_config = engine_config_from_args(role_args(args, worker.role))
+            check_startable(role_config.replace(device=worker.device or config.device,
+                                                tensor_parallel_size=settled.tp[worker.role]))
     except (ValueError, FileNotFoundError) as exc:
         raise InvalidConfig(str(exc)) from None
     return dataclasses.replace(settled, model_dir=config.model, tls=settings)
@@ -302,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidConfig as exc:
         log(str(exc))
         return 2
+    for merged in ("DISAGG_ENGINE_CONFIG", "DISAGG_ENGINE_OVERRIDES"):  # the workers get the merged values as flags:
+        os.environ.pop(merged, None)  # a file read again under them would set what they leave unset (None, false)
     _stop_on_interrupts()
     children: list[Child] = []
     try:

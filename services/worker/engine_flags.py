@@ -1,58 +1,96 @@
 """Engine flags shared by every process that runs an engine (run, prefill, decode, and `disagg up`,
-which passes them on to its workers)."""
+which passes them on to its workers), and the one place they merge with --engine-config and --engine-overrides
+(services/worker/engine_file.py: defaults < YAML < JSON < flags given)."""
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
-from common.engine.config import CPU_LONG_PREFILL_TOKENS, ENGINES, EngineConfig
+from common.engine.config import CPU_LONG_PREFILL_TOKENS, ENGINES, LOAD_FORMATS, EngineConfig
 from common.engine.default_model import resolve_model
-
-# (flag, attribute) of every valued engine flag, in the order `engine_argv` writes them.
-_VALUED = (("--model", "model"), ("--dtype", "dtype"), ("--device", "device"), ("--block-size", "block_size"),
-           ("--num-kv-blocks", "num_kv_blocks"), ("--gpu-memory-utilization", "gpu_memory_utilization"),
-           ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
-           ("--long-prefill-token-threshold", "long_prefill_token_threshold"),
-           ("--max-model-len", "max_model_len"), ("--max-waiting", "max_waiting"), ("--session-ttl", "session_ttl"),
-           ("--engine", "engine"), ("--tensor-parallel-size", "tensor_parallel_size"))
+from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_specs, read_json, read_yaml
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--engine", default=os.environ.get("DISAGG_ENGINE", "torch"), choices=list(ENGINES),
-                   help="torch (ours, runs everywhere) or trtllm (TensorRT-LLM's LLM API, needs NVIDIA's TensorRT-LLM "
-                        "image; unverified on hardware) (env DISAGG_ENGINE)")
-    g.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
-                   help="Hugging Face model directory, or 'default' for SmolLM2-135M-Instruct (env DISAGG_MODEL)")
-    g.add_argument("--dtype", default=os.environ.get("DISAGG_DTYPE", "float32"),
-                   choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"))
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=int(os.environ.get("DISAGG_NUM_KV_BLOCKS", 1024)),
-                   help="KV cache blocks (ignored with --gpu-memory-utilization)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="CUDA only: size the KV cache to fill this fraction of the GPU's memory after the weights "
-                        "are loaded (e.g. 0.9), instead of --num-kv-blocks")
-    g.add_argument("--max-num-seqs", type=int, default=32)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="most prompt tokens of one request per step, so a long prompt shares steps with the "
-                        f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps without CUDA graphs")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="GPU: read each decode step's tokens before launching the next (default: launch ahead)")
-    g.add_argument("--tensor-parallel-size", type=int,
-                   default=int(os.environ.get("DISAGG_TENSOR_PARALLEL_SIZE", 1)),
-                   help="shard the model over this many ranks, one process each (must divide its attention and "
-                        "KV heads; --device cpu, over gloo) (env DISAGG_TENSOR_PARALLEL_SIZE)")
-    g.add_argument("--session-ttl", type=float, default=float(os.environ.get("DISAGG_SESSION_TTL", 60.0)),
-                   help="seconds an exported KV session waits for its pull")
+    g = parser.add_argument_group("engine", "every engine flag may also come from --engine-config / "
+                                  "--engine-overrides, under the flags given here")
+    g.add_argument("--engine-config", default=os.environ.get("DISAGG_ENGINE_CONFIG") or None, metavar="FILE.yaml",
+                   help="a YAML file of engine flags (keys: the flag names without --), under the flags given here "
+                        "(env DISAGG_ENGINE_CONFIG)")
+    g.add_argument("--engine-overrides", default=os.environ.get("DISAGG_ENGINE_OVERRIDES") or None, metavar="JSON",
+                   help="a JSON object of engine flags over --engine-config's, under the flags given here "
+                        "(env DISAGG_ENGINE_OVERRIDES)")
+    _add_engine_flags(g)
+
+
+def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
+    """The engine flags proper: each notes itself given (engine_file.Given), so a file's value never beats it."""
+    add = functools.partial(g.add_argument, action=Given)
+    add("--engine", default=os.environ.get("DISAGG_ENGINE", "torch"), choices=list(ENGINES),
+        help="torch (ours, runs everywhere) or trtllm (TensorRT-LLM's LLM API, needs NVIDIA's TensorRT-LLM "
+             "image; unverified on hardware) (env DISAGG_ENGINE)")
+    add("--model", default=os.environ.get("DISAGG_MODEL"),
+        help="Hugging Face model directory, or 'default' for SmolLM2-135M-Instruct (env DISAGG_MODEL)")
+    add("--dtype", default=os.environ.get("DISAGG_DTYPE", "float32"),
+        choices=["float32", "float16", "bfloat16"])
+    add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"))
+    add("--block-size", type=int, default=16)
+    add("--num-kv-blocks", type=int, default=int(os.environ.get("DISAGG_NUM_KV_BLOCKS", 1024)),
+        help="KV cache blocks (ignored with --gpu-memory-utilization)")
+    add("--gpu-memory-utilization", type=float, default=None,
+        help="CUDA only: size the KV cache to fill this fraction of the GPU's memory after the weights "
+             "are loaded (e.g. 0.9), instead of --num-kv-blocks")
+    add("--max-num-seqs", type=int, default=32)
+    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--long-prefill-token-threshold", type=int, default=None,
+        help="most prompt tokens of one request per step, so a long prompt shares steps with the "
+             f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
+    add("--max-model-len", type=int, default=None)
+    add("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    add("--no-prefix-caching", action=GivenSwitch)
+    add("--enforce-eager", action=GivenSwitch, help="GPU: run decode steps without CUDA graphs")
+    add("--no-async-scheduling", action=GivenSwitch,
+        help="GPU: read each decode step's tokens before launching the next (default: launch ahead)")
+    add("--tensor-parallel-size", type=int,
+        default=int(os.environ.get("DISAGG_TENSOR_PARALLEL_SIZE", 1)),
+        help="shard the model over this many ranks, one process each (must divide its attention and "
+             "KV heads; --device cpu, over gloo) (env DISAGG_TENSOR_PARALLEL_SIZE)")
+    add("--session-ttl", type=float, default=float(os.environ.get("DISAGG_SESSION_TTL", 60.0)),
+        help="seconds an exported KV session waits for its pull")
+    add("--load-format", default="auto", choices=list(LOAD_FORMATS),
+        help="auto: the model directory's safetensors; dummy: random weights made on the device from its "
+             "config.json alone (tokenizer files still read from it), to run any shape without weights")
+    add("--dummy-seed", type=int, default=0,
+        help="seed of --load-format dummy's weights (the same seed, the same model)")
+
+
+def _engine_actions() -> list[argparse.Action]:
+    """The engine flags proper (a parser of them alone: its defaults read the environment as it is now)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_engine_flags(parser.add_argument_group("engine"))
+    return [a for a in parser._actions if a.option_strings]
+
+
+def apply_engine_config(args: argparse.Namespace, *more: tuple[str, Mapping[str, Any]]) -> argparse.Namespace:
+    """`args` with every engine flag not given on the command line taken from --engine-config, then
+    --engine-overrides, then each (source, layer) of `more` (a later one wins); InvalidConfig names a bad key.
+    Changes `args` in place, and may run again: the same layers give the same values."""
+    layers = []
+    if getattr(args, "engine_config", None):
+        layers.append((f"--engine-config {args.engine_config}", read_yaml(args.engine_config)))
+    if getattr(args, "engine_overrides", None):
+        layers.append(("--engine-overrides", read_json(args.engine_overrides)))
+    apply_layers(args, [*layers, *more], flag_specs(_engine_actions()))
+    return args
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags, merged with --engine-config and --engine-overrides (apply_engine_config)."""
+    apply_engine_config(args)
     return EngineConfig(
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -61,21 +99,33 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format, dummy_seed=args.dummy_seed,
     )
+
+
+def effective_engine_flags(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
+    """Every engine flag's value as the engine runs with it, by key (the flag without --), the model directory
+    resolved: what Worker/GetInfo shows, and itself a valid --engine-config file."""
+    flags = {a.option_strings[-1].removeprefix("--"): getattr(args, a.dest) for a in _engine_actions()}
+    return {**flags, "model": config.model}
+
+
+def effective_engine_json(args: argparse.Namespace, config: EngineConfig) -> str:
+    return json.dumps(effective_engine_flags(args, config), sort_keys=True)
 
 
 def engine_argv(args: argparse.Namespace, **overrides: object) -> list[str]:
     """The engine flags as a command line, so that a child process gets the same engine settings; `overrides`
     (by attribute: device=..., tensor_parallel_size=...) replace a value of `args`, so each flag appears once."""
-    unknown = set(overrides) - {name for _, name in _VALUED}
+    actions = _engine_actions()
+    unknown = set(overrides) - {a.dest for a in actions if a.nargs != 0}
     if unknown:
         raise TypeError(f"engine_argv: no engine flag for {sorted(unknown)}")
     out: list[str] = []
-    for flag, name in _VALUED:
-        value = overrides[name] if name in overrides else getattr(args, name)
-        if value is not None:
-            out += [flag, str(value)]
-    switches = (("--no-prefix-caching", args.no_prefix_caching), ("--enforce-eager", args.enforce_eager),
-                ("--no-async-scheduling", args.no_async_scheduling))
-    return out + [flag for flag, on in switches if on]
+    for action in actions:
+        value = overrides[action.dest] if action.dest in overrides else getattr(args, action.dest)
+        if action.nargs == 0:  # a switch
+            out += [action.option_strings[-1]] if value else []
+        elif value is not None:
+            out += [action.option_strings[-1], str(value)]
+    return out

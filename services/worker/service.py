@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import time
 import uuid
@@ -26,11 +27,12 @@ from common.kv.paths import KvPath, open_path
 from common.telemetry.metrics import Metrics, observe_engine_load
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.kit.convert import kv_event_to_proto
-from services.worker.engine_flags import add_engine_args, engine_config_from_args
+from services.worker.engine_flags import add_engine_args, effective_engine_json, engine_config_from_args
 from services.kit.drain import Admission
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
 from services.worker.tensor_store import TensorSource
 
+log = logging.getLogger(__name__)
 ROLE_NAMES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECODE: "decode",
               worker_pb2.WORKER_ROLE_ENCODE: "encode"}
 
@@ -53,6 +55,7 @@ class WorkerState:
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     kv_transfer_backends: tuple[str, ...] = PREFERENCE  # offered (prefill) or accepted (decode)
     kv_path: KvPath | None = None  # how its sessions' KV moves (common.kv.paths), known once the engine is loaded
+    engine_config_json: str = ""  # the effective engine settings (WorkerInfo.engine_config_json)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     @property
@@ -174,13 +177,15 @@ class EngineRole:
         add_engine_args(parser)
 
     def configure(self, args: argparse.Namespace) -> EngineConfig:
-        config = engine_config_from_args(args)
+        config = engine_config_from_args(args)  # args now hold --engine-config's and --engine-overrides' values too
         args.kv_transfer_backends = parse_backends(args.kv_transfer_backends)
+        log.info("engine config: %s", effective_engine_json(args, config))
         return config
 
     def new_state(self, args: argparse.Namespace, config: EngineConfig, model_name: str) -> WorkerState:
         return WorkerState(self.role, model_name, args.max_message_bytes,
-                           kv_transfer_backends=args.kv_transfer_backends)
+                           kv_transfer_backends=args.kv_transfer_backends,
+                           engine_config_json=effective_engine_json(args, config))
 
     def load(self, state: WorkerState, config: EngineConfig) -> Engine:
         return start_engine(config)
@@ -217,7 +222,7 @@ class EngineRole:
             max_model_len=facts.max_model_len, limits=_limits(facts.config), engine=facts.name,
             transfer_backends=state.kv_path.transfer_backends(),
             supports_images=facts.image_token_id is not None,
-            tensor_parallel_size=facts.config.tensor_parallel_size,
+            tensor_parallel_size=facts.config.tensor_parallel_size, engine_config_json=state.engine_config_json,
         )
 
     async def load_report(self, state: WorkerState) -> worker_pb2.Load:

@@ -274,7 +274,7 @@ class WorkerLimits(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., session_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "model", "fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "max_model_len", "limits", "worker_id", "endpoint", "engine", "engine_version", "transfer_backends", "supports_images", "tensor_parallel_size")
+    __slots__ = ("role", "model", "fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "max_model_len", "limits", "worker_id", "endpoint", "engine", "engine_version", "transfer_backends", "supports_images", "tensor_parallel_size", "engine_config_json")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,7 @@ class WorkerInfo(_message.Message):
     TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_IMAGES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model: str
     fingerprint: str
@@ -309,7 +310,8 @@ class WorkerInfo(_message.Message):
     transfer_backends: _containers.RepeatedScalarFieldContainer[_common_pb2.TransferBackend]
     supports_images: bool
     tensor_parallel_size: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[_Union[_common_pb2.TransferBackend, str]]] = ..., supports_images: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    engine_config_json: str
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[_Union[_common_pb2.TransferBackend, str]]] = ..., supports_images: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., engine_config_json: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
