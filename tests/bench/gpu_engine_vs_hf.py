@@ -2,10 +2,13 @@
 
     python -m tests.bench.gpu_engine_vs_hf --model qwen2.5-0.5b     # or llama-3.2-1b; --quick for a smoke run
     python -m tests.bench.gpu_engine_vs_hf --model llama-3.2-1b --skip-hf --skip-hf-continuous   # roofline figures
+    python -m tests.bench.gpu_engine_vs_hf --model llama-3.1-8b --load-format dummy --skip-hf   # no checkpoint
 
 Random-weight models with the shapes of Qwen2.5-0.5B / Llama-3.2-1B in bf16 (configs built here, no
-download). Work: N requests (default 256) with input and output lengths uniform in [100, 1024], random
-token ids, ignore_eos. Prints, as one JSON line per figure and a table at the end:
+download; --model may also name a directory holding any shape's config.json). --load-format dummy writes only the
+config and the engine makes its weights on the GPU (HF then runs its own random init of the config).
+Work: N requests (default 256) with input and output lengths uniform in [100, 1024], random token ids, ignore_eos.
+Prints, as one JSON line per figure and a table at the end:
 - our engine's output-token throughput on all N requests, and on the first `--hf-requests` of them
   next to HF `generate` (static batches of `--hf-batch`, left padded, each batch run to its longest
   output; only each request's own output tokens are counted) and HF continuous batching (`generate_batch`);
@@ -21,9 +24,10 @@ import json
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
@@ -47,7 +51,28 @@ SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001),
+    "llama-3.1-8b": lambda: _llama31(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32),
+    "llama-3.1-70b": lambda: _llama31(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                      num_attention_heads=64),
 }
+def _llama31(**shape) -> LlamaConfig:
+    """A Llama-3.1 shape (8B, 70B): 8 KV heads of 128, 128k vocabulary, llama3 RoPE scaling, untied head."""
+    return LlamaConfig(vocab_size=128256, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                                            "factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192},
+                       tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, **shape)
+
+
+def shape_arg(text: str) -> str:
+    if text in SHAPES or (Path(text) / "config.json").is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a shape ({', '.join(sorted(SHAPES))}) nor a directory "
+                                     "with a config.json")
+
+
 TARGETS = {"llama-3.2-1b": 1.5, "llama-3.2-3b": 1.3}  # batch-1 ITL / roofline, at most
 DECODE_TARGET = 0.60  # batch-64 decode step: fraction of HBM bandwidth, at least
 
@@ -72,9 +97,27 @@ def hbm_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def make_model(shape: str, directory: str) -> tuple[int, int]:
-    """Saves a random bf16 model; returns (weight bytes read per decode step, KV bytes per token)."""
-    config = SHAPES[shape]()
+def shape_config(shape: str) -> PretrainedConfig:
+    """A SHAPES name's config, or that of a directory holding a config.json (any shape)."""
+    return SHAPES[shape]() if shape in SHAPES else AutoConfig.from_pretrained(shape)
+
+
+def model_figures(config: PretrainedConfig) -> tuple[int, int]:
+    """(weight bytes read per decode step in bf16, KV bytes per token), counted on the meta device."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding counted once
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return weight_bytes, config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+
+
+def make_model(shape: str, directory: str, load_format: str = "auto") -> tuple[int, int]:
+    """Saves a random bf16 model (load_format dummy: its config.json alone, the engine makes the weights);
+    returns (weight bytes read per decode step, KV bytes per token)."""
+    config = shape_config(shape)
+    if load_format == "dummy":
+        config.save_pretrained(directory)
+        return model_figures(config)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -93,10 +136,12 @@ def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def engine_for(model_dir: str, max_num_seqs: int, num_blocks: int, tp: int = 1) -> LLMEngine:
+def engine_for(model_dir: str, max_num_seqs: int, num_blocks: int, tp: int = 1,
+               load_format: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
                                   num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                  max_model_len=4096, enable_prefix_caching=False, tensor_parallel_size=tp))
+                                  max_model_len=4096, enable_prefix_caching=False, tensor_parallel_size=tp,
+                                  load_format=load_format))
 
 
 def run_engine(engine: LLMEngine, work: list[tuple[list[int], int]]) -> tuple[float, int]:
@@ -232,11 +277,11 @@ def gemv_choices() -> list[dict]:
              "uses_gemv": c.uses_gemv} for k, c in gemv.choices.items()]
 
 
-def itl_of_shape(shape: str, bw: float, steps: int) -> dict:
+def itl_of_shape(shape: str, bw: float, steps: int, load_format: str = "auto") -> dict:
     """Batch-1 ITL of another model shape (its own random checkpoint and engine), next to its roofline."""
     with tempfile.TemporaryDirectory() as model_dir:
-        weight_bytes, _ = make_model(shape, model_dir)
-        engine = engine_for(model_dir, max_num_seqs=1, num_blocks=4096 // 16 + 8)
+        weight_bytes, _ = make_model(shape, model_dir, load_format)
+        engine = engine_for(model_dir, max_num_seqs=1, num_blocks=4096 // 16 + 8, load_format=load_format)
         batch1_itl(engine, 64, 8)  # warm-up
         emit("gemv_choices", model=shape, shapes=gemv_choices())
         itl = batch1_itl(engine, 512, steps)
@@ -306,7 +351,10 @@ def hf_continuous(model, work: list[tuple[list[int], int]]) -> tuple[float, int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--model", type=shape_arg, default="qwen2.5-0.5b",
+                        help=f"one of {sorted(SHAPES)}, or a directory holding a config.json")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: write only the config; the engine makes random weights on the GPU")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=32, help="the subset HF runs (it is slow)")
     parser.add_argument("--hf-batch", type=int, default=32)
@@ -323,14 +371,15 @@ def main() -> None:
     bw = hbm_bandwidth()
     emit("hbm_copy_bandwidth", bytes_per_s=bw, device=torch.cuda.get_device_name())
     with tempfile.TemporaryDirectory() as model_dir:
-        weight_bytes, kv_per_token = make_model(args.model, model_dir)
+        weight_bytes, kv_per_token = make_model(args.model, model_dir, args.load_format)
         roofline = weight_bytes / bw
         emit("model", model=args.model, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
              batch1_roofline_s=roofline)
-        vocab = SHAPES[args.model]().vocab_size
+        vocab = shape_config(args.model).vocab_size
         work = workload(args.requests, 0, vocab)
         t = time.perf_counter()
-        engine = engine_for(model_dir, max_num_seqs=256, num_blocks=256 * 2048 // 16 + 64)
+        engine = engine_for(model_dir, max_num_seqs=256, num_blocks=256 * 2048 // 16 + 64,
+                            load_format=args.load_format)
         emit("engine_startup", seconds=time.perf_counter() - t, cuda_graph_buckets=engine.runner.graphs.buckets)
         emit("gemv_choices", model=args.model, shapes=gemv_choices())
         run_engine(engine, workload(4, 99, vocab))  # warm-up: prefill kernel shapes, allocator
@@ -362,11 +411,13 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
         for shape in filter(None, args.itl_shapes.split(",")):
-            itls.append(itl_of_shape(shape, bw, 128))
+            itls.append(itl_of_shape(shape, bw, 128, args.load_format))
         summary(itls, dec)
         if args.skip_hf:
             return
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+        model = (AutoModelForCausalLM.from_config(shape_config(model_dir), dtype=torch.bfloat16)
+                 if args.load_format == "dummy" else
+                 AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)).cuda().eval()
         hf_static(model, workload(2, 98, vocab), 2)  # warm-up
         seconds, tokens = hf_static(model, subset, args.hf_batch)
         hf = emit("hf_generate_static", requests=len(subset), batch=args.hf_batch, seconds=seconds,

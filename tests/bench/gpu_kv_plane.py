@@ -54,10 +54,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 TARGETS = {"cuda_ipc_ms": 0.6, "grpc_gbps": 5.0, "throughput_ratio": 0.9, "ttft_ratio": 1.5}
 
 
-def model_dir(shape: str, tokenizer_from: Path, root: Path) -> Path:
-    directory = root / shape
+def model_dir(shape: str, tokenizer_from: Path, root: Path, load_format: str = "auto") -> Path:
+    """ROOT/<shape> holding the shape's random checkpoint (load_format dummy: its config.json alone) and
+    tokenizer_from's tokenizer files; made once."""
+    directory = root / (Path(shape).name + ("-dummy" if load_format == "dummy" else ""))
     if not (directory / "config.json").exists():
-        make_model(shape, str(directory))
+        make_model(shape, str(directory), load_format)
         for name in TOKENIZER_FILES:
             if (tokenizer_from / name).exists():
                 shutil.copy(tokenizer_from / name, directory / name)

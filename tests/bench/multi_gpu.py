@@ -4,10 +4,11 @@
         [--num-prompts 200] [--input-len uniform:512:2048] [--output-len 128] [--slo-ttft-p90-ms 250]
         [--slo-itl-p99-ms 15] [--agg-chunks 512,2048] [--budget-s 540] [--out DIR]
 
-Saves a random bf16 model of --shape (with DIR's tokenizer files), then for each layout starts its workers, each on
-the GPUs it is given (`--device cuda:N`; a TP worker on N..N+tp-1) and a router over them, and runs `disagg bench`
-at each Poisson --rates point (the same seed and prompts for every layout) until the layout saturates (it
-completes under 75 % of the offered rate (a short run's rate counts its tail), fails a request, or its TTFT p90 passes 4× the SLO's). Layouts:
+Saves a random bf16 model of --shape (with DIR's tokenizer files; --load-format dummy: its config.json alone, the
+workers make the weights on their GPUs, e.g. `--shape llama-3.1-8b --load-format dummy`), then for each layout
+starts its workers, each on the GPUs it is given (`--device cuda:N`; a TP worker on N..N+tp-1) and a router over
+them, and runs `disagg bench` at each Poisson --rates point (the same seed and prompts for every layout) until
+the layout saturates (it completes under 75 % of the offered rate (a short run's rate counts its tail), fails a request, or its TTFT p90 passes 4× the SLO's). Layouts:
 - `Kxagg`: K aggregated workers, one a GPU (the router with no prefill worker); with --agg-chunks, one run per
   chunked-prefill size (--long-prefill-token-threshold), so the peer is the best aggregated setup, not the default,
 - `xPyD`: x prefill and y decode workers, one a GPU, prefill first (`1P1D`, `1P3D`, `2P2D`, `3P1D`),
@@ -36,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.bench.disagg_sweep import pull_totals  # noqa: E402
-from tests.bench.gpu_engine_vs_hf import SHAPES  # noqa: E402
+from tests.bench.gpu_engine_vs_hf import SHAPES, shape_arg  # noqa: E402
 from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
 from tests.integration.observed import scrape  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
@@ -77,7 +78,8 @@ class Layout:
 
 def engine_args(model: Path, args: argparse.Namespace) -> tuple[str, ...]:
     return ("--model", str(model), "--dtype", "bfloat16", "--num-kv-blocks", str(args.kv_blocks),
-            "--max-model-len", str(args.max_model_len), "--no-prefix-caching", "--session-ttl", "120")
+            "--max-model-len", str(args.max_model_len), "--no-prefix-caching", "--session-ttl", "120",
+            "--load-format", args.load_format)
 
 
 def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
@@ -235,7 +237,10 @@ def write(results: list[dict], args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer-from", type=Path, required=True)
-    parser.add_argument("--shape", default="llama-3.2-3b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama-3.2-3b", type=shape_arg,
+                        help=f"one of {sorted(SHAPES)}, or a directory holding a config.json")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: write only the config; each worker makes random weights on its GPUs")
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "disagg-bench-models")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     parser.add_argument("--layouts", type=lambda t: [Layout.parse(x) for x in t.split(",")], default=None,
@@ -266,7 +271,7 @@ def main() -> int:
             parser.error(f"layout {layout.name} needs {layout.gpus} GPUs; {gpus} visible")
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
-    model = model_dir(args.shape, args.tokenizer_from, args.models)
+    model = model_dir(args.shape, args.tokenizer_from, args.models, args.load_format)
     results: list[dict] = []
     for layout in args.layouts:
         chunks = [None, *args.agg_chunks] if layout.prefill == 0 else [None]

@@ -9,6 +9,7 @@ shape (bf16), against the memory roofline, plus the KV handoff between worker pr
   TP=2 (Usage's kv_transfer_bytes / kv_transfer_ms, median of 10).
 
     python -m tests.bench.tensor_parallel_gpu [--model llama-3.2-3b]      # on a machine with two GPUs
+    python -m tests.bench.tensor_parallel_gpu --model llama-3.1-8b --load-format dummy   # no checkpoint written
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from tests.bench.gpu_engine_vs_hf import SHAPES, emit, engine_for, hbm_bandwidth, make_model, start_decoding
+from tests.bench.gpu_engine_vs_hf import (SHAPES, emit, engine_for, hbm_bandwidth, make_model, shape_arg,
+                                          start_decoding)
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the machine's rule: no NVLink multicast (the followers inherit it)
 
@@ -69,8 +71,9 @@ def batch1_profile(engine: LLMEngine, steps: int) -> dict:
             "top_kernels_us_per_step": {e.key[:60]: round(e.self_device_time_total / (steps + 2), 1) for e in top}}
 
 
-def engine_figures(model_dir: str, tp: int, weight_bytes: int, kv_per_token: int, bw: float, steps: int) -> dict:
-    engine = engine_for(model_dir, max_num_seqs=64, num_blocks=3072, tp=tp)
+def engine_figures(model_dir: str, tp: int, weight_bytes: int, kv_per_token: int, bw: float, steps: int,
+                   load_format: str = "auto") -> dict:
+    engine = engine_for(model_dir, max_num_seqs=64, num_blocks=3072, tp=tp, load_format=load_format)
     try:
         itl = statistics.mean(decode_steps(engine, 1, 512, steps)[0])
         roofline = weight_bytes / tp / bw
@@ -85,14 +88,14 @@ def engine_figures(model_dir: str, tp: int, weight_bytes: int, kv_per_token: int
                 batch64_hbm_fraction=round(step_bytes / step / (tp * bw), 3))
 
 
-def handoffs(model_dir: str, prompt_len: int, repeats: int) -> None:
+def handoffs(model_dir: str, prompt_len: int, repeats: int, load_format: str = "auto") -> None:
     """Sessions pulled over cuda_ipc between real workers at every pair of TP sizes in {1, 2}."""
     from tests.integration.kv_backend_cases import decode_start, prefill
     from tests.integration.processes import start_services, stop_cleanly
     from tests.integration.worker_client import WorkerClient, split
 
     base = ("--model", model_dir, "--device", "cuda", "--dtype", "bfloat16", "--block-size", "16",
-            "--num-kv-blocks", "512", "--max-model-len", "4096", "--no-prefix-caching")
+            "--num-kv-blocks", "512", "--max-model-len", "4096", "--no-prefix-caching", "--load-format", load_format)
     tp2 = ("--tensor-parallel-size", "2")
     ipc = ("--kv-transfer-backends", "cuda_ipc")
     specs = [("prefill", base), ("prefill", (*base, *tp2)), ("decode", (*base, *ipc)), ("decode", (*base, *tp2, *ipc))]
@@ -117,7 +120,10 @@ def handoffs(model_dir: str, prompt_len: int, repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="llama-3.2-3b")
+    parser.add_argument("--model", type=shape_arg, default="llama-3.2-3b",
+                        help=f"one of {sorted(SHAPES)}, or a directory holding a config.json")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: write only the config; every rank makes its share of random weights on its GPU")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--handoff-tokens", type=int, default=1500)
     parser.add_argument("--skip-handoff", action="store_true")
@@ -127,12 +133,12 @@ def main() -> None:
     bw = hbm_bandwidth()
     emit("hbm", gb_per_s=round(bw / 1e9))
     with tempfile.TemporaryDirectory() as model_dir:
-        weight_bytes, kv_per_token = make_model(args.model, model_dir)
+        weight_bytes, kv_per_token = make_model(args.model, model_dir, args.load_format)
         emit("model", shape=args.model, weight_gb=round(weight_bytes / 1e9, 2))
         for tp in (1, 2):
-            engine_figures(model_dir, tp, weight_bytes, kv_per_token, bw, args.steps)
+            engine_figures(model_dir, tp, weight_bytes, kv_per_token, bw, args.steps, args.load_format)
         if not args.skip_handoff:
-            handoffs(model_dir, args.handoff_tokens, 10)
+            handoffs(model_dir, args.handoff_tokens, 10, args.load_format)
 
 
 if __name__ == "__main__":
