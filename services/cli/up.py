@@ -37,7 +37,7 @@ from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from services.worker.engine_file import read_json
 from services.worker.engine_flags import add_engine_args, apply_engine_config, engine_argv, engine_config_from_args
-from services.router import policies
+from services.router import policies, reasoning_parsers, tool_parsers
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from services.cli import banner
 from services.cli.cpu_layout import CpuLayout, cpu_layout
@@ -167,7 +167,9 @@ def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str],
              "--metrics-port", str(metrics_port)]
     keys = (["--api-key-file", os.path.abspath(args.api_key_file)] if args.api_key_file else [])
     keys += ["--api-key-protects-health"] if args.api_key_protects_health else []
-    return flags + keys + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
+    parsers = [f"--{flag}={value}" for flag, value in (("tool-call-parser", args.tool_call_parser),
+                                                      ("reasoning-parser", args.reasoning_parser)) if value]
+    return flags + keys + parsers + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
 
 
 def router_env(args: argparse.Namespace) -> dict[str, str]:
@@ -243,6 +245,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="CUDA: more GPU ranks than GPUs go round-robin, several workers on a GPU, each with the "
                              "--gpu-memory-utilization divided by the workers on its GPU")
     parser.add_argument("--policy", default="round_robin", choices=policies.names())
+    parser.add_argument("--tool-call-parser", default=None, choices=tool_parsers.names(),
+                        help="the router's reader of tool calls in chat answers (default: the model's template's)")
+    parser.add_argument("--reasoning-parser", default=None, choices=reasoning_parsers.names(),
+                        help="the router's reader of <think> reasoning in chat answers (default: none)")
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
     parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
                         help="prompts with at most this many uncached tokens prefill on the decode worker (default: "

@@ -7,8 +7,9 @@ JSON. Protobuf stays at the edges: the front doors and the worker stubs.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
@@ -43,9 +44,58 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call: one the model made earlier (in an assistant message) or one parsed from its output."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call, described to it by the chat template."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""  # its JSON schema, as JSON text ("": none given)
+
+    def template_dict(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "description": self.description}
+        if self.parameters:
+            function["parameters"] = json.loads(self.parameters)
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the function that answered
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates read it; a call's arguments as an object where they parse
+        as one (templates write them with `tojson`), as vLLM passes them."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": _arguments_value(c.arguments)}}
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments_value(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 @dataclass(frozen=True)
@@ -57,6 +107,7 @@ class GenerationRequest:
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the model's chat template
+    tools: tuple[Tool, ...] = ()  # with messages: the functions the chat template describes to the model
     model: str = ""  # empty: the served model
     images: tuple[ImageInput, ...] = ()
     params: SamplingParams = field(default_factory=SamplingParams)  # sampling, stop conditions, logprobs

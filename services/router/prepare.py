@@ -89,14 +89,14 @@ class RequestPreparer:
                 raise InvalidRequest("prompt is empty")
             return tokenizer.encode(self._marked(request.prompt, len(request.images)))
         tokenizer = self._require_tokenizer("chat")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [m.template_dict() for m in request.messages]
         for i, message in enumerate(messages):
             if not message["role"]:  # the template would render a turn nobody said
                 raise InvalidRequest(f"chat: messages[{i}] needs a role (system, user, assistant, ...)")
         if request.images and self.image_tokens is not None:
             messages = self.image_tokens.mark_messages(messages, len(request.images))
         try:
-            return tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages, tools=[t.template_dict() for t in request.tools] or None)
         except ValueError as exc:
             raise InvalidRequest(f"chat: {exc}") from exc
 

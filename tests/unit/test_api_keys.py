@@ -258,3 +258,38 @@ def test_up_refuses_a_certificate_without_the_ca_that_dials_it(tmp_path):
                        "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")])
     with pytest.raises(InvalidConfig, match="--tls-cert needs --tls-ca"):
         preflight(args)
+
+
+# --- HTTPS ---
+
+def test_the_http_door_serves_https_from_the_tls_flags_and_client_auth_asks_a_certificate(tmp_path):
+    import ssl
+
+    import aiohttp
+
+    from common.tls import TlsConfig
+    from services.router.frontends.openai import start_http
+    from tests.integration.test_tls import make_pki
+
+    pki = make_pki(tmp_path)
+    cert, key, ca = pki / "node.pem", pki / "node.key", pki / "ca.pem"
+
+    async def get(settings: TlsConfig, client: ssl.SSLContext) -> int | str:
+        door = await start_http(FakeCore(WORDS), "127.0.0.1", 0, 4096, ssl_context=settings.server_ssl_context())
+        try:
+            assert door.banner("127.0.0.1") == f"OpenAI-compatible HTTP on https://127.0.0.1:{door.port}/v1"
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"https://127.0.0.1:{door.port}/health", ssl=client) as response:
+                    return response.status
+        except aiohttp.ClientError as exc:
+            return type(exc).__name__
+        finally:
+            await door.stop()
+
+    ca_only = TlsConfig(ca=ca).client_ssl_context()
+    with_cert = TlsConfig(cert=cert, key=key, ca=ca).client_ssl_context()
+    assert asyncio.run(get(TlsConfig(cert=cert, key=key), ca_only)) == 200
+    mutual = TlsConfig(cert=cert, key=key, ca=ca, client_auth=True)
+    assert asyncio.run(get(mutual, with_cert)) == 200
+    refused = asyncio.run(get(mutual, ca_only))  # the TLS handshake fails: no HTTP status at all
+    assert refused in ("ServerDisconnectedError", "ClientOSError", "ClientConnectorError"), refused

@@ -21,7 +21,7 @@ def require_api_key(keys: ApiKeys) -> Callable[[web.Request, Handler], Awaitable
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if keys.guards(is_health=request.path in OPEN_PATHS):
-            refusal = keys.refusal(presented_key(request.headers.get("Authorization"), request.headers.get("X-Api-Key")))
+            refusal = keys.refusal(presented_key(request.headers.get("Authorization")))
             if refusal is not None:
                 challenge = _REALM if refusal == MISSING else f'{_REALM}, error="invalid_token"'
                 raise web.HTTPUnauthorized(text=refusal, headers={"WWW-Authenticate": challenge})

@@ -101,14 +101,9 @@ def _one_of(*allowed: Any) -> Callable[[Any], bool]:
     return lambda value: any(value == a and type(value) is type(a) for a in allowed)
 
 
-_NO_TOOLS = "this server has no tool or function calling"
 # Fields whose only values we can honour are "off": anything else is refused by name. Other unknown fields are
 # ignored, since clients send extras.
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_empty, _NO_TOOLS),
-    "tool_choice": (lambda v: v is None or _one_of("none", "auto")(v), _NO_TOOLS),
-    "functions": (_empty, _NO_TOOLS),
-    "function_call": (lambda v: v is None or _one_of("none", "auto")(v), _NO_TOOLS),
     "logit_bias": (_empty, "token biases are not supported"),
     "best_of": (lambda v: v is None or _one_of(1)(v), "must be 1: this server generates one sequence per request"),
     "suffix": (_empty, "insertion (text after the completion) is not supported"),

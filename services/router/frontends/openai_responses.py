@@ -6,6 +6,7 @@ from typing import Any
 
 import grpc
 
+from services.router.frontends.openai_chat_output import ChatOutput
 from services.router.frontends.openai_fields import BadField, ModelNotFound
 from services.router.frontends.openai_requests import CHAT, ApiRequest
 from services.router.generation import Finished, TextDelta, TokenLogprob, Usage
@@ -75,20 +76,24 @@ class Shapes:
                       "object": "chat.completion" if self.chat else "text_completion",
                       "created": created, "model": api.generation.model}
         self._offset = 0
+        self._output = ChatOutput(api.output)  # chat: reasoning and tool calls read out of the text
 
     def opening(self) -> list[Json]:
         """The first chat chunk carries the role (completions have no opening chunk)."""
         return [self._chunk({"delta": {"role": "assistant", "content": ""}})] if self.chat else []
 
     def delta(self, delta: TextDelta) -> Json | None:
-        if not delta.text and not delta.logprobs:
-            return None  # tokens whose text is still held back (a partial character or stop string)
-        text = {"delta": {"content": delta.text}} if self.chat else {"text": delta.text}
+        fields = self._output.delta(delta.text) if self.chat else {}
+        if not (fields if self.chat else delta.text) and not delta.logprobs:
+            return None  # tokens whose text is still held back (a partial character, stop string, tag or call)
+        text = {"delta": fields} if self.chat else {"text": delta.text}
         return self._chunk({**text, "logprobs": self._logprobs(delta.logprobs)})
 
     def finish(self, finished: Finished) -> list[Json]:
+        held = self._output.finish() if self.chat else {}
+        chunks = [self._chunk({"delta": held})] if held else []
         text = {"delta": {}} if self.chat else {"text": ""}
-        chunks = [self._chunk({**text, "finish_reason": finished.reason.value})]
+        chunks.append(self._chunk({**text, "finish_reason": self._output.finish_reason(finished.reason.value)}))
         if self.include_usage:
             chunks.append({**self._head, "object": self._chunk_object, "choices": [],
                            "usage": usage_json(finished.usage)})
@@ -97,8 +102,9 @@ class Shapes:
     def response(self, deltas: list[TextDelta], finished: Finished) -> Json:
         text = "".join(d.text for d in deltas)
         logprobs = self._logprobs(tuple(t for d in deltas for t in d.logprobs))
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = {"index": 0, **body, "logprobs": logprobs, "finish_reason": finished.reason.value}
+        body = {"message": self._output.message(text)} if self.chat else {"text": text}
+        choice = {"index": 0, **body, "logprobs": logprobs,
+                  "finish_reason": self._output.finish_reason(finished.reason.value)}
         return {**self._head, "choices": [choice], "usage": usage_json(finished.usage)}
 
     @property
