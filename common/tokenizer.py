@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -45,8 +47,11 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """The messages (OpenAI's shape: a tool message's tool_call_id, an assistant's tool_calls) and the tools
+        the model may call, rendered by the model's chat template."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
         if not messages:
@@ -56,9 +61,12 @@ class Tokenizer:
                 message.get("content"), str
             ):
                 raise ValueError(f"messages[{i}] must have a string 'role' and a string 'content'")
-        ids = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
+        try:
+            ids = self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        except TemplateError as exc:  # the template's own raise_exception (roles out of order, a tool call it lacks)
+            raise ValueError(f"the chat template refused the messages: {exc}") from None
         return list(ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

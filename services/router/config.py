@@ -10,7 +10,7 @@ from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
 from services.kit.auth import ApiKeys, add_api_key_args, api_keys_from_args
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
-from services.router import policies
+from services.router import policies, reasoning_parsers, tool_parsers
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's OpenAI server port, where OpenAI clients are usually pointed
@@ -45,6 +45,10 @@ class RouterConfig:
     """How many times a request may move to another decode worker when its worker is lost mid-stream."""
     api_keys: ApiKeys = ApiKeys()
     """Keys every front door requires (none: open); services/kit/auth.py."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of chat answers (tool_parsers/); None: the one that fits the model's template."""
+    reasoning_parser: str | None = None
+    """How reasoning is read out of chat answers (reasoning_parsers/); None: no reasoning is read."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +65,10 @@ class RouterConfig:
             (self.worker_wait_s > 0, f"--worker-wait must be > 0, got {self.worker_wait_s}"),
             (self.drain_timeout_s >= 0, f"--drain-timeout must be >= 0, got {self.drain_timeout_s}"),
             (self.migration_limit >= 0, f"--migration-limit must be >= 0, got {self.migration_limit}"),
+            (self.tool_call_parser in (None, *tool_parsers.names()),
+             f"--tool-call-parser must be one of {list(tool_parsers.names())}, got {self.tool_call_parser!r}"),
+            (self.reasoning_parser in (None, *reasoning_parsers.names()),
+             f"--reasoning-parser must be one of {list(reasoning_parsers.names())}, got {self.reasoning_parser!r}"),
             (self.kv_overlap_weight >= 0 and self.kv_load_weight >= 0,
              f"--kv-overlap-weight and --kv-load-weight must be >= 0, got {self.kv_overlap_weight}, "
              f"{self.kv_load_weight}"),
@@ -109,6 +117,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="times a request may move to another decode worker when its worker is lost mid-stream "
                              "(0: it ends with UNAVAILABLE)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--tool-call-parser", choices=tool_parsers.names(), default=None,
+                        help="how tool calls are read out of chat answers (default: the one the model's chat "
+                             "template writes; hermes for a template without tools)")
+    parser.add_argument("--reasoning-parser", choices=reasoning_parsers.names(), default=None,
+                        help="read <think> reasoning out of chat answers into reasoning_content (default: none)")
     add_api_key_args(parser)
 
 
@@ -121,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,
         kv_overlap_weight=args.kv_overlap_weight, kv_load_weight=args.kv_load_weight,
         api_keys=api_keys_from_args(args),
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
 
 

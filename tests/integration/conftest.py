@@ -93,6 +93,15 @@ def front_doors(request, front_door_model) -> Iterator[Cluster]:
     yield from run_cluster(front_door_model, request.param)
 
 
+@pytest.fixture(scope="session", params=list(MODES))
+def smollm2(request) -> Iterator[Cluster]:
+    """`disagg up` with the default model, SmolLM2-135M-Instruct, one per mode, for every test that needs a model
+    that answers sensibly."""
+    from common.engine.default_model import default_model_dir
+
+    yield from run_cluster(str(default_model_dir()), request.param)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import ssl
@@ -34,6 +35,7 @@ from services.router.frontends.openai_access import metrics_handler, require_api
 from services.router.frontends.openai_requests import (ApiRequest, check_model, decode_body, parse_chat,
                                                        parse_completion)
 from services.router.frontends.openai_responses import Json, Shapes, error_json, error_of
+from services.router.frontends.openai_tools import ChatParsing
 from services.router.generation import Core, Event, Finished, FinishReason, ServedModel, TextDelta
 
 log = logging.getLogger(__name__)
@@ -72,15 +74,17 @@ async def start(core: Core, config: RouterConfig, metrics: Metrics | None) -> Ht
     try:
         return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES,
                                 api_keys=config.api_keys, metrics=metrics.registry if metrics is not None else None,
-                                ssl_context=settings.server_ssl_context() if settings.serves_tls else None)
+                                ssl_context=settings.server_ssl_context() if settings.serves_tls else None,
+                                chat=ChatParsing.for_model(config.model, config.tool_call_parser,
+                                                           config.reasoning_parser))
     except OSError as exc:
         raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
 
 
 async def start_http(core: Core, host: str, port: int, max_body_bytes: int, *, api_keys: ApiKeys = ApiKeys(),
-                     metrics: CollectorRegistry | None = None, ssl_context: ssl.SSLContext | None = None
-                     ) -> HttpFrontDoor:
-    runner = web.AppRunner(make_app(core, max_body_bytes, api_keys=api_keys, metrics=metrics),
+                     metrics: CollectorRegistry | None = None, ssl_context: ssl.SSLContext | None = None,
+                     chat: ChatParsing = ChatParsing()) -> HttpFrontDoor:
+    runner = web.AppRunner(make_app(core, max_body_bytes, api_keys=api_keys, metrics=metrics, chat=chat),
                            handler_cancellation=True, shutdown_timeout=_SHUTDOWN_S)
     await runner.setup()
     try:
@@ -92,10 +96,10 @@ async def start_http(core: Core, host: str, port: int, max_body_bytes: int, *, a
 
 
 def make_app(core: Core, max_body_bytes: int, *, api_keys: ApiKeys = ApiKeys(),
-             metrics: CollectorRegistry | None = None) -> web.Application:
+             metrics: CollectorRegistry | None = None, chat: ChatParsing = ChatParsing()) -> web.Application:
     """The routes; bodies over `max_body_bytes` are refused with 413 (as JSON, by the middleware). With keys, every
     route but health and /metrics needs one (401 otherwise); /metrics serves `metrics` (None: 404)."""
-    handlers = _Handlers(core)
+    handlers = _Handlers(core, chat)
     tracing.instrument_http_server()  # before the Application is made: the instrumentor wraps the class
     middlewares = [_errors_as_json, *([require_api_key(api_keys)] if api_keys.required else [])]
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
@@ -136,11 +140,12 @@ async def _errors_as_json(request: web.Request, handler: Callable[[web.Request],
 
 
 class _Handlers:
-    def __init__(self, core: Core):
+    def __init__(self, core: Core, chat: ChatParsing):
         self._core = core
+        self._parse_chat = functools.partial(parse_chat, chat=chat)  # tool calls and reasoning, by the flags
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat)
+        return await self._generate(request, self._parse_chat)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion)

@@ -11,16 +11,20 @@ from typing import Any
 
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
+from services.router.frontends.openai_chat_output import OutputParsing
 from services.router.frontends.openai_fields import BadField, Fields, ModelNotFound, refuse_unsupported
 from services.router.frontends.structured_fields import structured_output
+from services.router.frontends.openai_tools import (ChatParsing, chat_message, constrain, for_template, read_tools,
+                                                    refuse_tools)
 from services.router.generation import ChatMessage, GenerationRequest, ImageInput, ServedModel, check_message_count
 
 CHAT = "chat"
 COMPLETION = "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions; chat runs to the context
 MAX_COMPLETION_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
-# OpenAI's newer "developer" role is its system role.
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# OpenAI's newer "developer" role is its system role; "function" is the older "tool".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+          "function": "tool"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens", "stop",
                     "stop_token_ids", "top_logprobs")
 
@@ -33,6 +37,7 @@ class ApiRequest:
     generation: GenerationRequest
     stream: bool
     include_usage: bool
+    output: OutputParsing = OutputParsing()  # chat: how the answer is read (reasoning, tool calls)
 
 
 def decode_body(raw: bytes) -> Fields:
@@ -51,22 +56,26 @@ def check_model(requested: str | None, served: ServedModel) -> str:
     return served.name
 
 
-def parse_chat(fields: Fields, request_id: str, served: ServedModel) -> ApiRequest:
+def parse_chat(fields: Fields, request_id: str, served: ServedModel, chat: ChatParsing = ChatParsing()
+               ) -> ApiRequest:
     common = _common(fields, served)
     logprobs = bool(fields.boolean("logprobs"))
     top_logprobs = fields.integer("top_logprobs", minimum=0)
     if top_logprobs and not logprobs:
         raise fields.bad("top_logprobs", "needs 'logprobs': true")
     images: list[ImageInput] = []
-    messages = _messages(fields, served, images)
+    tools = read_tools(fields)
+    messages, offered = for_template(_messages(fields, served, images), tools, chat)
     max_tokens = fields.integer("max_completion_tokens", minimum=1)  # the newer name wins over max_tokens
-    params = _sampling(fields, max_tokens, logprobs, top_logprobs or 0, "top_logprobs")
+    params = constrain(_sampling(fields, max_tokens, logprobs, top_logprobs or 0, "top_logprobs"), tools, chat)
     return _request(CHAT, fields, GenerationRequest(
-        request_id, messages=messages, images=tuple(images), params=params, **common))
+        request_id, messages=messages, tools=offered, images=tuple(images), params=params, **common),
+        OutputParsing.of(chat, tools))
 
 
 def parse_completion(fields: Fields, request_id: str, served: ServedModel) -> ApiRequest:
     common = _common(fields, served)
+    refuse_tools(fields)
     # Completions' logprobs is how many alternatives to return per token (OpenAI allows 0-5; we go to our cap).
     top = fields.integer("logprobs", minimum=0)
     if top is not None and top > MAX_COMPLETION_LOGPROBS:
@@ -87,13 +96,14 @@ def _common(fields: Fields, served: ServedModel) -> dict[str, Any]:
     return {"model": model, "timeout_ms": fields.integer("timeout_ms", minimum=0) or 0}
 
 
-def _request(kind: str, fields: Fields, generation: GenerationRequest) -> ApiRequest:
+def _request(kind: str, fields: Fields, generation: GenerationRequest,
+             output: OutputParsing = OutputParsing()) -> ApiRequest:
     stream = bool(fields.boolean("stream"))
     options = fields.object("stream_options")
     if options is not None and not stream:
         raise fields.bad("stream_options", "is only allowed with 'stream': true")
     include_usage = bool(options and options.boolean("include_usage"))
-    return ApiRequest(kind, generation, stream, include_usage)
+    return ApiRequest(kind, generation, stream, include_usage, output)
 
 
 def _sampling(fields: Fields, max_tokens: int | None, logprobs: bool, top_logprobs: int,
@@ -152,11 +162,8 @@ def _messages(fields: Fields, served: ServedModel, images: list[ImageInput]) -> 
         message = Fields(item, f"messages[{i}].")
         role = message.string("role", required=True)
         if role not in _ROLES:
-            raise message.bad("role", f"must be one of system, developer, user, assistant, got {role!r} "
-                                      "(tool and function messages need tool calling, which this server lacks)")
-        if item.get("tool_calls"):
-            raise message.bad("tool_calls", "cannot be honoured: this server has no tool or function calling")
-        messages.append(ChatMessage(_ROLES[role], _content(message, role, served, images)))
+            raise message.bad("role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        messages.append(chat_message(message, _ROLES[role], lambda: _content(message, role, served, images)))
     return tuple(messages)
 
 
