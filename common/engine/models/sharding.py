@@ -83,5 +83,13 @@ def shard_state(state: dict[str, torch.Tensor], plan: dict[str, Shard],
     for key, tensor in state.items():
         module, _, param = key.rpartition(".")
         spec = _spec_of(module, plan)
-        out[key] = tensor if spec is None else spec.cut(tensor, param, tp).contiguous()
+        out[key] = tensor if spec is None else _own(spec.cut(tensor, param, tp), tensor)
     return out
+
+
+def _own(share: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """The share in memory of its own: a cut that is a plain slice (a vocabulary's rows) would otherwise keep the
+    whole tensor alive through its storage, every rank holding the full embedding and LM head."""
+    if share.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+        return share.clone(memory_format=torch.contiguous_format)
+    return share.contiguous()
