@@ -91,7 +91,7 @@ class DecodeStream:
                 delta = message.delta
                 yield Tokens(delta.token_ids, delta.logprobs, delta.index, delta.prompt_logprobs)
                 for index in flight.sent.stopped_choices():  # n > 1: that choice alone stops; the others go on
-                    await _write(call, worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel(index=index)))
+                    await _cancel_choice(call, index)
                 if flight.sent.stopped:  # a stop string: the worker generates on until told
                     finished = await _cancelled(call)
                     for event in _usage(finished, handoff, timed) if finished is not None else ():
@@ -202,6 +202,15 @@ async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | N
     except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError) as exc:
         log.debug("decode worker did not confirm a cancel: %s", exc)
     return None
+
+
+async def _cancel_choice(call: grpc.aio.StreamStreamCall, index: int) -> None:
+    """Ask the worker to stop one choice. Best effort: the worker may have ended the stream already (every choice
+    done), and a stream that broke says so at the next read."""
+    try:
+        await _write(call, worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel(index=index)))
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+        log.debug("choice %d's cancel not written: %s", index, exc)
 
 
 async def _write(call: grpc.aio.StreamStreamCall, message: worker_pb2.DecodeClientMessage) -> None:

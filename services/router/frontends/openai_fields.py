@@ -104,12 +104,7 @@ def _one_of(*allowed: Any) -> Callable[[Any], bool]:
 # Fields whose only values we can honour are "off": anything else is refused by name. Other unknown fields are
 # ignored, since clients send extras.
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (_empty, "token biases are not supported"),
-    "best_of": (lambda v: v is None or _one_of(1)(v), "must be 1: this server generates one sequence per request"),
     "suffix": (_empty, "insertion (text after the completion) is not supported"),
-    "echo": (lambda v: v is None or _one_of(False)(v), "echoing the prompt is not supported"),
-    "presence_penalty": (lambda v: v is None or _one_of(0, 0.0)(v), "only 0 is supported (use repetition_penalty)"),
-    "frequency_penalty": (lambda v: v is None or _one_of(0, 0.0)(v), "only 0 is supported (use repetition_penalty)"),
     "min_tokens": (lambda v: v is None or _one_of(0)(v), "only 0 is supported"),
     "modalities": (lambda v: v is None or v == ["text"], 'only ["text"] output is supported'),
     "audio": (_empty, "audio output is not supported"),

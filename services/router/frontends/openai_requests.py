@@ -5,6 +5,7 @@ prompt, prompt or max_tokens beyond the context).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,8 @@ MAX_COMPLETION_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
           "function": "tool"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "max_tokens", "stop",
-                    "stop_token_ids", "top_logprobs")
+                    "stop_token_ids", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "n",
+                    "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     output: OutputParsing = OutputParsing()  # chat: how the answer is read (reasoning, tool calls)
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
 
 
 def decode_body(raw: bytes) -> Fields:
@@ -59,6 +62,8 @@ def check_model(requested: str | None, served: ServedModel) -> str:
 def parse_chat(fields: Fields, request_id: str, served: ServedModel, chat: ChatParsing = ChatParsing()
                ) -> ApiRequest:
     common = _common(fields, served)
+    if fields.boolean("echo"):
+        raise fields.bad("echo", "is a /v1/completions field; chat answers never repeat the conversation")
     logprobs = bool(fields.boolean("logprobs"))
     top_logprobs = fields.integer("top_logprobs", minimum=0)
     if top_logprobs and not logprobs:
@@ -80,19 +85,28 @@ def parse_completion(fields: Fields, request_id: str, served: ServedModel) -> Ap
     top = fields.integer("logprobs", minimum=0)
     if top is not None and top > MAX_COMPLETION_LOGPROBS:
         raise fields.bad("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {top}")
-    default_max = fields.integer("max_tokens", minimum=1) or COMPLETION_DEFAULT_MAX_TOKENS
-    params = _sampling(fields, default_max, top is not None, top or 0, "logprobs")
-    return _request(COMPLETION, fields, GenerationRequest(
-        request_id, params=params, **_prompt(fields), **common))
+    # echo: the prompt before the completion, with its logprobs when `logprobs` is set; max_tokens 0 with echo
+    # scores a text (log-likelihood evaluation: lm-eval-harness sends echo, max_tokens 0 and logprobs).
+    echo = bool(fields.boolean("echo"))
+    max_tokens = fields.integer("max_tokens", minimum=0 if echo else 1)
+    scored = fields.integer("prompt_logprobs", minimum=0)
+    prompt = _prompt(fields)
+    if echo and (top is not None or max_tokens == 0 or "token_ids" in prompt):  # (token ids: their text too)
+        scored = max(scored or 0, top or 0)
+    params = _sampling(fields, COMPLETION_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                       top is not None, top or 0, "logprobs", scored)
+    api = _request(COMPLETION, fields, GenerationRequest(
+        request_id, params=params, echo_prompt_token_ids=echo, **prompt, **common))
+    return dataclasses.replace(api, echo=echo)
 
 
 def _common(fields: Fields, served: ServedModel) -> dict[str, Any]:
-    """What both endpoints read the same way: model, refused fields, n, the deadline."""
+    """What both endpoints read the same way: model, refused fields, best_of, the deadline."""
     model = check_model(fields.string("model"), served)
     refuse_unsupported(fields)
-    n = fields.integer("n")
-    if n is not None and n != 1:
-        raise fields.bad("n", f"must be 1: this server returns one choice per request, got {n}")
+    best_of = fields.integer("best_of")
+    if best_of is not None and best_of != (fields.integer("n") or 1):
+        raise fields.bad("best_of", f"must equal n: this server returns every choice it generates, got {best_of}")
     return {"model": model, "timeout_ms": fields.integer("timeout_ms", minimum=0) or 0}
 
 
@@ -107,7 +121,7 @@ def _request(kind: str, fields: Fields, generation: GenerationRequest,
 
 
 def _sampling(fields: Fields, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-              top_name: str) -> SamplingParams:
+              top_name: str, prompt_logprobs: int | None = None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", minimum=1)
     top_k = fields.integer("top_k")
@@ -118,6 +132,9 @@ def _sampling(fields: Fields, max_tokens: int | None, logprobs: bool, top_logpro
         "repetition_penalty": fields.number("repetition_penalty"), "max_tokens": max_tokens,
         "stop": fields.strings("stop"), "stop_token_ids": fields.integers("stop_token_ids"),
         "ignore_eos": fields.boolean("ignore_eos"), "logprobs": logprobs, "top_logprobs": top_logprobs,
+        "presence_penalty": fields.number("presence_penalty"), "frequency_penalty": fields.number("frequency_penalty"),
+        "logit_bias": _logit_bias(fields), "n": fields.integer("n"),
+        "prompt_logprobs": fields.integer("prompt_logprobs", minimum=0) if prompt_logprobs is None else prompt_logprobs,
     }
     values["structured"] = structured_output(fields.body)  # response_format, guided_*
     try:
@@ -126,6 +143,25 @@ def _sampling(fields: Fields, max_tokens: int | None, logprobs: bool, top_logpro
         field = str(exc).split(" ", 1)[0]
         param = top_name if field == "top_logprobs" else field
         raise BadField(param if field in _SAMPLING_FIELDS else "", str(exc)) from None
+
+
+def _logit_bias(fields: Fields) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as strings (JSON keys) → numbers. Its size is checked before it is read."""
+    bias = fields.object("logit_bias")
+    if bias is None:
+        return None
+    if len(bias.body) > SamplingParams.MAX_LOGIT_BIAS:
+        raise fields.bad("logit_bias", f"has {len(bias.body)} entries; at most {SamplingParams.MAX_LOGIT_BIAS} are "
+                                       "accepted")
+    out = {}
+    for key in bias.body:
+        if not key.isdigit():
+            raise fields.bad("logit_bias", f"keys are token ids (decimal strings), got {key!r}")
+        value = bias.number(key)
+        if value is None:
+            raise bias.bad(key, "must be a number (a bias in [-100, 100])")
+        out[int(key)] = value
+    return out
 
 
 def _prompt(fields: Fields) -> dict[str, Any]:

@@ -64,68 +64,123 @@ def _chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> Json:
                         for t in logprobs]}
 
 
+class _ChoiceState:
+    """One choice's running state: its chat output's parser, its completions text offset."""
+
+    def __init__(self, api: ApiRequest):
+        self.output = ChatOutput(api.output)  # chat: reasoning and tool calls read out of the text
+        self.offset = 0
+
+
 class Shapes:
     """One request's response JSON, streamed (chunks) or whole. Chat and completions differ only in the choice's
-    text field and in the logprobs shape; completions' `text_offset` counts across chunks, hence the state."""
+    text field and in the logprobs shape; completions' `text_offset` counts across chunks, hence the state (one per
+    choice: n > 1 streams every choice under its index). Completions' echo puts the prompt's text, and with
+    logprobs its tokens' logprobs (the first null), before each choice's own."""
 
     def __init__(self, api: ApiRequest, request_id: str, created: int):
         self.chat = api.kind == CHAT
-        self.logprobs = api.generation.params.logprobs
+        params = api.generation.params
+        self.logprobs = params.logprobs
         self.include_usage = api.include_usage
         self._head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + request_id,
                       "object": "chat.completion" if self.chat else "text_completion",
                       "created": created, "model": api.generation.model}
-        self._offset = 0
-        self._output = ChatOutput(api.output)  # chat: reasoning and tool calls read out of the text
+        self._echo = api.echo
+        self._prompt_text = api.generation.prompt  # None: token ids, whose text comes with their logprobs
+        self._vllm_prompt_logprobs = params.prompt_logprobs is not None and not api.echo
+        self._choices = [_ChoiceState(api) for _ in range(params.n)]
 
     def opening(self) -> list[Json]:
-        """The first chat chunk carries the role (completions have no opening chunk)."""
-        return [self._chunk({"delta": {"role": "assistant", "content": ""}})] if self.chat else []
+        """The first chat chunk of each choice carries the role (completions have no opening chunk)."""
+        if not self.chat:
+            return []
+        return [self._chunk({"delta": {"role": "assistant", "content": ""}}, i) for i in range(len(self._choices))]
 
     def delta(self, delta: TextDelta) -> Json | None:
-        fields = self._output.delta(delta.text) if self.chat else {}
-        if not (fields if self.chat else delta.text) and not delta.logprobs:
+        state = self._choices[delta.index]
+        fields = state.output.delta(delta.text) if self.chat else {}
+        text, logprobs = delta.text, delta.logprobs
+        if self._echo and delta.prompt_token_ids:
+            text, logprobs = self._echoed(delta) + text, self._echoed_logprobs(delta) + logprobs
+        if not (fields if self.chat else text) and not logprobs:
             return None  # tokens whose text is still held back (a partial character, stop string, tag or call)
-        text = {"delta": fields} if self.chat else {"text": delta.text}
-        return self._chunk({**text, "logprobs": self._logprobs(delta.logprobs)})
+        body = {"delta": fields} if self.chat else {"text": text}
+        extra = self._prompt_logprobs_json(delta)
+        return self._chunk({**body, "logprobs": self._logprobs(logprobs, state), **extra}, delta.index)
 
     def finish(self, finished: Finished) -> list[Json]:
-        held = self._output.finish() if self.chat else {}
-        chunks = [self._chunk({"delta": held})] if held else []
-        text = {"delta": {}} if self.chat else {"text": ""}
-        chunks.append(self._chunk({**text, "finish_reason": self._output.finish_reason(finished.reason.value)}))
+        chunks = []
+        reasons = {c.index: c.reason.value for c in finished.choices}
+        for index, state in enumerate(self._choices):
+            held = state.output.finish() if self.chat else {}
+            chunks += [self._chunk({"delta": held}, index)] if held else []
+            text = {"delta": {}} if self.chat else {"text": ""}
+            reason = reasons.get(index, finished.reason.value)
+            chunks.append(self._chunk({**text, "finish_reason": state.output.finish_reason(reason)}, index))
         if self.include_usage:
             chunks.append({**self._head, "object": self._chunk_object, "choices": [],
                            "usage": usage_json(finished.usage)})
         return chunks
 
     def response(self, deltas: list[TextDelta], finished: Finished) -> Json:
-        text = "".join(d.text for d in deltas)
-        logprobs = self._logprobs(tuple(t for d in deltas for t in d.logprobs))
-        body = {"message": self._output.message(text)} if self.chat else {"text": text}
-        choice = {"index": 0, **body, "logprobs": logprobs,
-                  "finish_reason": self._output.finish_reason(finished.reason.value)}
-        return {**self._head, "choices": [choice], "usage": usage_json(finished.usage)}
+        reasons = {c.index: c.reason.value for c in finished.choices}
+        choices = []
+        for index, state in enumerate(self._choices):
+            mine = [d for d in deltas if d.index == index]
+            text = "".join(d.text for d in mine)
+            tokens = tuple(t for d in mine for t in d.logprobs)
+            extra: Json = {}
+            if mine and self._echo and mine[0].prompt_token_ids:
+                text, tokens = self._echoed(mine[0]) + text, self._echoed_logprobs(mine[0]) + tokens
+            if mine:
+                extra = self._prompt_logprobs_json(mine[0])
+            body = {"message": state.output.message(text)} if self.chat else {"text": text}
+            choices.append({"index": index, **body, "logprobs": self._logprobs(tokens, state),
+                            "finish_reason": state.output.finish_reason(reasons.get(index, finished.reason.value)),
+                            **extra})
+        return {**self._head, "choices": choices, "usage": usage_json(finished.usage)}
 
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, choice: Json) -> Json:
+    def _chunk(self, choice: Json, index: int = 0) -> Json:
         chunk = {**self._head, "object": self._chunk_object,
-                 "choices": [{"index": 0, "logprobs": None, "finish_reason": None, **choice}]}
+                 "choices": [{"index": index, "logprobs": None, "finish_reason": None, **choice}]}
         if self.include_usage:
             chunk["usage"] = None  # as OpenAI: every chunk but the last has a null usage
         return chunk
 
-    def _logprobs(self, logprobs: tuple[TokenLogprob, ...]) -> Json | None:
+    def _echoed(self, delta: TextDelta) -> str:
+        if self._prompt_text is not None:
+            return self._prompt_text
+        return "".join(t.text for t in delta.prompt_logprobs)
+
+    def _echoed_logprobs(self, delta: TextDelta) -> tuple[TokenLogprob, ...]:
+        return delta.prompt_logprobs if self.logprobs else ()
+
+    def _prompt_logprobs_json(self, delta: TextDelta) -> Json:
+        """vLLM's `prompt_logprobs` (asked for without echo): per prompt token, null for the first, else its id and
+        its top alternatives' ids → {logprob, decoded_token}."""
+        if not self._vllm_prompt_logprobs or not delta.prompt_logprobs:
+            return {}
+        def entry(t: TokenLogprob) -> Json | None:
+            if t.logprob is None:
+                return None
+            tops = {str(top.token_id): {"logprob": top.logprob, "decoded_token": top.text} for top in t.top}
+            return {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.text}, **tops}
+        return {"prompt_logprobs": [entry(t) for t in delta.prompt_logprobs]}
+
+    def _logprobs(self, logprobs: tuple[TokenLogprob, ...], state: _ChoiceState) -> Json | None:
         if not self.logprobs:
             return None
         if self.chat:
             return _chat_logprobs(logprobs)
         offsets = []
         for t in logprobs:
-            offsets.append(self._offset)
-            self._offset += len(t.text)
+            offsets.append(state.offset)
+            state.offset += len(t.text)
         return {"tokens": [t.text for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{top.text: top.logprob for top in t.top} for t in logprobs], "text_offset": offsets}
+                "top_logprobs": [{top.text: top.logprob for top in t.top} if t.logprob is not None else None
+                                 for t in logprobs], "text_offset": offsets}
