@@ -20,7 +20,7 @@ from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
-from common.engine.quantization.kv_cache import KvCacheFormat
+from common.engine.quantization.kv_cache import KvCacheFormat, as_words
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
 from common.engine.request import Request, TokenLogprob
@@ -383,7 +383,7 @@ class ModelRunner:
                 torch.cuda.synchronize(device)
             return
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if self.kv_format.is_fp8:  # torch has no index_copy_ of float8: the same bytes as uint8
-            self.kv_cache.view(torch.uint8).index_copy_(2, index, blocks.view(torch.uint8))
+        if self.kv_format.is_fp8:  # torch has no index_copy_ of float8: the same bytes as integers
+            as_words(self.kv_cache).index_copy_(2, index, as_words(blocks))
         else:
             self.kv_cache.index_copy_(2, index, blocks)

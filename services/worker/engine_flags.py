@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from common.engine.config import CPU_LONG_PREFILL_TOKENS, ENGINES, LOAD_FORMATS, EngineConfig
+from common.engine.config import (CPU_LONG_PREFILL_TOKENS, ENGINES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
+                                  EngineConfig)
 from common.engine.default_model import resolve_model
 from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_specs, read_json, read_yaml
 
@@ -66,6 +67,12 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
              "config.json alone (tokenizer files still read from it), to run any shape without weights")
     add("--dummy-seed", type=int, default=0,
         help="seed of --load-format dummy's weights (the same seed, the same model)")
+    add("--quantization", default=None, choices=list(QUANTIZATIONS),
+        help="fp8: quantise an unquantised checkpoint's linear layers to FP8 at load, one scale per output row "
+             "(an FP8 checkpoint, Hugging Face's or llm-compressor's, loads as FP8 without it)")
+    add("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="auto: the KV cache holds --dtype; fp8: float8_e4m3fn, scale 1.0 (half the bytes of bf16 held and "
+             "handed off; a worker of another KV dtype refuses its sessions)")
 
 
 def _engine_actions() -> list[argparse.Action]:
@@ -100,6 +107,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format, dummy_seed=args.dummy_seed,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

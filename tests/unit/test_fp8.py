@@ -1,5 +1,8 @@
 """FP8 weights (Hugging Face's and llm-compressor's checkpoints, --quantization fp8) and the FP8 KV cache.
 
+FP8 weights are checked both ways an engine holds them: as Fp8Linear layers (a GPU's way, forced on the CPU, where
+they dequantise on every call) and dequantised once at load (the CPU's way).
+
 Tolerances: against the unquantised float32 model, the relative RMS error of the prompt's logits, |a - b| / |a|,
 stays under 0.25 with FP8 weights and under 0.2 with an FP8 KV cache. Measured on these tiny random models
 (initializer_range 0.2, which amplifies a weight's error about sixfold by the logits): 0.10-0.15 with FP8 weights,
@@ -29,6 +32,7 @@ from common.engine.engine import LLMEngine
 from common.engine.model_runner import ModelRunner, StepInputs
 from common.engine.models.loader import load_model
 from common.engine.parallel import TensorParallel
+from common.engine.quantization import fp8_checkpoint
 from common.engine.quantization.fp8_checkpoint import Fp8Weights
 from common.engine.quantization.fp8_linear import Fp8Linear, dequantize, quantize_rows
 from common.engine.quantization.kv_cache import KvCacheFormat
@@ -136,9 +140,18 @@ def wide_llama(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(params=["held as fp8", "dequantised at load"])
+def held(request, monkeypatch) -> bool:
+    """Both ways an engine holds FP8 weights: Fp8Linear layers (a GPU's way; here their dequantising path, forced)
+    or plain ones dequantised once at load (the CPU's)."""
+    keep = request.param == "held as fp8"
+    monkeypatch.setattr(fp8_checkpoint, "holds_fp8", lambda device: keep)
+    return keep
+
+
 @pytest.mark.parametrize("fmt", ["hf-block-128", "hf-block-32", "compressed-tensors-channel",
                                  "compressed-tensors-tensor"])
-def test_an_fp8_checkpoint_runs_as_its_dequantised_weights_and_near_the_original(fmt, wide_llama, tiny_llama,
+def test_an_fp8_checkpoint_runs_as_its_dequantised_weights_and_near_the_original(fmt, held, wide_llama, tiny_llama,
                                                                                   tmp_path):
     if fmt == "hf-block-128":
         source = wide_llama
@@ -151,10 +164,11 @@ def test_an_fp8_checkpoint_runs_as_its_dequantised_weights_and_near_the_original
         fp8, dequantised = _compressed_tensors_fp8(source, tmp_path, fmt.rpartition("-")[2])
     model, _ = load_model(fp8, torch.float32, torch.device("cpu"))
     layer = model.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj, Fp8Linear) and layer.mlp.gate_up_proj.weight.dtype == FP8
+    assert isinstance(layer.mlp.gate_up_proj, Fp8Linear if held else nn.Linear)
+    assert layer.mlp.gate_up_proj.weight.dtype == (FP8 if held else torch.float32)
     assert isinstance(model.lm_head, nn.Linear)  # lm_head stays unquantised in both formats
     # transformers left k / v (64 rows) unquantised: the fused q ‖ k ‖ v is one plain linear, q dequantised
-    assert isinstance(layer.self_attn.qkv_proj, nn.Linear if fmt == "hf-block-128" else Fp8Linear)
+    assert isinstance(layer.self_attn.qkv_proj, Fp8Linear if held and fmt != "hf-block-128" else nn.Linear)
 
     logits = _prompt_logits(fp8)
     assert torch.equal(logits, _prompt_logits(dequantised))
@@ -162,11 +176,12 @@ def test_an_fp8_checkpoint_runs_as_its_dequantised_weights_and_near_the_original
     assert _engine(fp8).generate([PROMPT], GREEDY) == _engine(dequantised).generate([PROMPT], GREEDY)
 
 
-def test_quantization_fp8_quantises_every_linear_but_lm_head_one_scale_a_row(tiny_llama, tmp_path):
+def test_quantization_fp8_quantises_every_linear_but_lm_head_one_scale_a_row(tiny_llama, held, tmp_path):
     quantized, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"), quantization="fp8")
     linears = {name: type(m) for name, m in quantized.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))}
-    assert linears.pop("lm_head") is nn.Linear and set(linears.values()) == {Fp8Linear}
-    assert quantized.model.layers[1].self_attn.o_proj.weight_scale.shape == (64, 1)
+    assert linears.pop("lm_head") is nn.Linear and set(linears.values()) == {Fp8Linear if held else nn.Linear}
+    if held:
+        assert quantized.model.layers[1].self_attn.o_proj.weight_scale.shape == (64, 1)
 
     # What it should compute: each row scaled to FP8's largest value 448, rounded to FP8, scaled back.
     state = _checkpoint(tiny_llama)
@@ -178,6 +193,15 @@ def test_quantization_fp8_quantises_every_linear_but_lm_head_one_scale_a_row(tin
     assert torch.equal(logits, _prompt_logits(expected))
     assert _rel(_prompt_logits(tiny_llama), logits) < WEIGHT_TOLERANCE
     assert len(_engine(tiny_llama, quantization="fp8", dtype="bfloat16").generate([PROMPT], GREEDY)[0]) == 8
+
+
+def test_dummy_weights_quantise_as_a_checkpoint_does(tiny_llama, monkeypatch):
+    """--load-format dummy --quantization fp8 (the GPU benches' FP8 shapes): the random weights go FP8 row by row."""
+    monkeypatch.setattr(fp8_checkpoint, "holds_fp8", lambda device: True)
+    model, _ = load_model(tiny_llama, torch.bfloat16, torch.device("cpu"), load_format="dummy", quantization="fp8")
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.weight.dtype == FP8 and down.weight_scale.shape == (64, 1)
+    assert isinstance(model.lm_head, nn.Linear)
 
 
 def test_the_fp8_gemm_is_the_dequantised_product_within_the_activations_rounding():
@@ -195,7 +219,8 @@ def test_the_fp8_gemm_is_the_dequantised_product_within_the_activations_rounding
     assert not layer._fp8_gemm_applies(x)  # a CPU tensor: the dequantising path runs
 
 
-def test_fp8_weights_split_over_tensor_parallel_ranks_hold_the_whole(tiny_llama):
+def test_fp8_weights_split_over_tensor_parallel_ranks_hold_the_whole(tiny_llama, monkeypatch):
+    monkeypatch.setattr(fp8_checkpoint, "holds_fp8", lambda device: True)  # a GPU's way, to see the shares
     whole, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"), quantization="fp8")
     ranks = [load_model(tiny_llama, torch.float32, torch.device("cpu"), TensorParallel(r, 2), quantization="fp8")[0]
              for r in range(2)]

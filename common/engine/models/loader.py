@@ -81,7 +81,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     else:
         state = _checkpoint_state(model, model_dir, dtype, device, tp, fp8)
     if fp8:
-        fp8.install(model, state, tp)
+        fp8.install(model, state, tp, device, dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if k not in model.tied_keys]
     if missing or result.unexpected_keys:

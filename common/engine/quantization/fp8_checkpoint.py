@@ -137,9 +137,12 @@ class Fp8Weights:
                         state[weight_key] = dequantize(state[weight_key], scale, self._block_k(scale), dtype)
         return state
 
-    def install(self, model: nn.Module, state: dict[str, torch.Tensor], tp: TensorParallel) -> None:
+    def install(self, model: nn.Module, state: dict[str, torch.Tensor], tp: TensorParallel,
+                device: torch.device, dtype: torch.dtype) -> None:
         """Swap each linear layer with FP8 weights in `state` (this rank's share) for an Fp8Linear on the meta device,
-        for the loader to assign."""
+        for the loader to assign; where the weights are not held as FP8 (`holds_fp8`), dequantise them in `state`
+        instead, for the plain linear layers."""
+        keep = holds_fp8(device)
         for key in [k for k in state if k.endswith(".weight_scale")]:
             name = key.removesuffix(".weight_scale")
             old, scale, cols = model.get_submodule(name), state[key], state[f"{name}.weight"].shape[1]
@@ -149,10 +152,22 @@ class Fp8Weights:
             if block_k is not None and (scale.shape[1] != -(-cols // block_k) or (tp.size > 1 and cols % block_k)):
                 raise InvalidConfig(f"{name}: its FP8 scales of blocks of {block_k} columns do not tile its {cols} "
                                     f"columns on each of {tp.size} tensor-parallel ranks")
+            if not keep:
+                state[f"{name}.weight"] = dequantize(state[f"{name}.weight"], state.pop(key), block_k, dtype)
+                continue
             parent, _, child = name.rpartition(".")
             with torch.device("meta"):
                 new = Fp8Linear(old.in_features, old.out_features, old.bias is not None, scale.shape[1], block_k)
             setattr(model.get_submodule(parent), child, new)
+
+
+def holds_fp8(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 in memory on `device` (Fp8Linear), or are dequantised once at load. The CPU
+    dequantises them: torch converts float8 there at ~6 ns an element on one core of this AMD EPYC (a [1536, 576]
+    weight: 5.8 ms to float32, against 87 us for the bf16 GEMV that reads it), so dequantising on every call made a
+    SmolLM2-135M decode step 18x slower (tests/bench/fp8_cpu.py); dequantised once, it runs as bf16 does, in
+    bf16's memory. A GPU converts at its memory's speed: it keeps them FP8."""
+    return device.type != "cpu"
 
 
 def _linear_names(model: nn.Module, packed: dict[str, tuple[str, ...]]) -> set[str]:

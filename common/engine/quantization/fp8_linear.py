@@ -9,9 +9,10 @@ Where it runs:
 - CUDA, compute capability >= 8.9 (Ada, Hopper), bf16 activations, one scale a row: `torch._scaled_mm`, an FP8
   GEMM, each token's activations quantised with its own dynamic scale (absmax / 448). Unmeasured: no GPU was lent
   to this work (the same call runs in the CPU tests through torch's CPU _scaled_mm).
-- everywhere else (the CPU, older GPUs, block-wise scales): the weight is dequantised to the compute dtype on each
-  call (float32 product, then cast) and multiplied in that dtype. The weights stay FP8 in memory (half of bf16)
-  at the cost of a conversion per call; this path is what the CPU tests check.
+- other GPUs, other dtypes, block-wise scales: the weight is dequantised to the compute dtype on each call
+  (float32 product, then cast) and multiplied in that dtype: FP8 in memory, a conversion per call. Unmeasured.
+- the CPU holds no Fp8Linear: the loader dequantises FP8 weights once, by the same rule, into plain linear layers
+  (fp8_checkpoint.holds_fp8 says why). The CPU tests run this module's two paths on the CPU directly.
 """
 from __future__ import annotations
 
