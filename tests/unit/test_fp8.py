@@ -306,6 +306,21 @@ def test_an_fp8_session_moves_prefill_to_decode_as_fp8_and_decodes_as_aggregated
     assert _decode(decode, PROMPT, out.new_token_ids[0], moved) == aggregated
 
 
+def test_an_fp8_session_of_two_tensor_parallel_ranks_decodes_on_one_as_aggregated(tiny_llama):
+    """FP8 weights and cache on a TP=2 prefill (its ranks share one FP8 cache, each writing its heads), decoded by a
+    TP=1 worker: the tokens of either aggregated."""
+    fp8 = {"kv_cache_dtype": "fp8", "quantization": "fp8"}
+    one = _engine(tiny_llama, **fp8)
+    two = _engine(tiny_llama, tensor_parallel_size=2, **fp8)
+    try:
+        aggregated = two.generate([PROMPT], GREEDY)[0]
+        assert aggregated == one.generate([PROMPT], GREEDY)[0]
+        out = _prefill(two, PROMPT)
+        assert _decode(one, PROMPT, out.new_token_ids[0], two.export_session(out.session_id)) == aggregated
+    finally:
+        two.close()
+
+
 def test_a_bf16_decode_worker_refuses_an_fp8_session_naming_both_dtypes(tiny_llama):
     prefill = _engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="fp8")
     kv = prefill.export_session(_prefill(prefill, PROMPT).session_id)
