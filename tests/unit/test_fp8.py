@@ -38,8 +38,10 @@ from common.engine.quantization.fp8_linear import Fp8Linear, dequantize, quantiz
 from common.engine.quantization.kv_cache import KvCacheFormat
 from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, LayoutMismatch
+from common.pb.disagg.v1 import common_pb2
 from common.kv.chunks import tensor_from_bytes, tensor_to_bytes
-from common.kv.layout import KvExport
+from common.kv.layout import KvExport, layout_of
+from common.kv.transfer import session_ref
 from common.kv.transports.cuda_ipc.block_copy import copy_blocks_reference
 
 FP8 = torch.float8_e4m3fn
@@ -323,11 +325,18 @@ def test_an_fp8_session_of_two_tensor_parallel_ranks_decodes_on_one_as_aggregate
 
 def test_a_bf16_decode_worker_refuses_an_fp8_session_naming_both_dtypes(tiny_llama):
     prefill = _engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="fp8")
-    kv = prefill.export_session(_prefill(prefill, PROMPT).session_id)
+    session_id = _prefill(prefill, PROMPT).session_id
+    kv = prefill.export_session(session_id)
     decode = _engine(tiny_llama, dtype="bfloat16")
-    with pytest.raises(LayoutMismatch, match="dtype: exporter='float8_e4m3fn' importer='bfloat16'"):
+    refusal = "dtype: exporter='float8_e4m3fn' importer='bfloat16'; fingerprint: exporter="
+    with pytest.raises(LayoutMismatch, match=refusal):
         decode.add_request("d", PROMPT, GREEDY, RequestType.GENERATION_ONLY, kv_import=kv, first_token=5)
     assert not decode.has_unfinished_requests()
+    # The decode service's check, before any byte moves: the layout the exporter's ref carries on the wire.
+    ref = common_pb2.KvSessionRef.FromString(
+        session_ref(prefill.kv_layout, prefill.sessions.get(session_id), "127.0.0.1:1").SerializeToString())
+    with pytest.raises(LayoutMismatch, match=refusal):
+        decode.kv_layout.check_compatible(layout_of(ref))
 
 
 def test_fp8_flags_reach_the_engine_config_and_bad_values_are_named(tiny_llama):
