@@ -5,6 +5,7 @@ import torch
 import xxhash
 
 from common.engine.grammar_mask import apply_grammar_masks
+from common.engine.penalties import adjusted_logits
 from common.engine.request import Request, TokenLogprob
 
 
@@ -15,32 +16,6 @@ def _row_generator(seed: int, step: int, index: int = 0) -> torch.Generator:
     key = f"{seed}:{step}" if index == 0 else f"{seed}/{index}:{step}"
     g.manual_seed(xxhash.xxh64_intdigest(key.encode()) & (2**63 - 1))
     return g
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:
-    """As Hugging Face: seen tokens' positive logits are divided by the penalty, negative ones multiplied."""
-    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
-    seen = logits[ids]
-    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
-
-
-def _apply_bias_and_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """A penalised copy of one row, in vLLM's order: logit_bias, then repetition (prompt and output, as Hugging
-    Face), then OpenAI's presence and frequency penalties over the output so far:
-    logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)."""
-    s = request.sampling
-    logits = logits.clone()
-    if s.logit_bias:
-        ids, biases = zip(*s.logit_bias)
-        logits[torch.tensor(ids, device=logits.device)] += torch.tensor(biases, dtype=logits.dtype,
-                                                                         device=logits.device)
-    if s.repetition_penalty != 1.0:
-        _apply_repetition_penalty(logits, request.all_token_ids, s.repetition_penalty)
-    if (s.presence_penalty or s.frequency_penalty) and request.output_token_ids:
-        counts = torch.bincount(torch.tensor(request.output_token_ids, device=logits.device),
-                                minlength=logits.shape[-1]).to(logits.dtype)
-        logits -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -88,16 +63,21 @@ class Sampler:
         Host syncs: one for the tokens (plus one per sampled row), one for all the logprobs asked for."""
         raw, logits = logits, _grammar_masked(logits, requests)
         argmax = logits.argmax(dim=-1).tolist()  # one call serves every plain greedy row
+        adjusted = [i for i, r in enumerate(requests) if r.sampling.adjusts_logits]
+        penalised: dict[int, torch.Tensor] = {}
+        if adjusted:  # penalties and biases for all those rows at once, and one argmax for them
+            rows = adjusted_logits(logits[torch.tensor(adjusted, device=logits.device)],
+                                   [requests[i] for i in adjusted])
+            penalised = dict(zip(adjusted, rows))
+            for i, token in zip(adjusted, rows.argmax(dim=-1).tolist()):
+                argmax[i] = token
         tokens = []
         for i, req in enumerate(requests):
             s = req.sampling
-            if s.greedy and not s.adjusts_logits:
-                tokens.append(argmax[i])
-                continue
-            row = _apply_bias_and_penalties(logits[i], req) if s.adjusts_logits else logits[i]
             if s.greedy:
-                tokens.append(int(torch.argmax(row).item()))
+                tokens.append(argmax[i])
             else:
+                row = penalised[i] if s.adjusts_logits else logits[i]
                 gen = (_row_generator(s.seed, len(req.output_token_ids), req.index) if s.seed is not None
                        else self._unseeded)
                 tokens.append(_sample_row(row, req, gen))

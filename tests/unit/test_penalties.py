@@ -3,9 +3,14 @@ it has one, against OpenAI's documented formula where it has none; the plain gre
 import torch
 
 from common.engine.request import Request, SamplingParams
-from common.engine.sampler import Sampler, _apply_bias_and_penalties
+from common.engine.penalties import adjusted_logits
+from common.engine.sampler import Sampler
 
 VOCAB = 16
+
+
+def _apply_bias_and_penalties(row: torch.Tensor, request: Request) -> torch.Tensor:
+    return adjusted_logits(row[None], [request])[0]
 
 
 def _request(output, prompt=(0, 1), **sampling) -> Request:
@@ -54,6 +59,19 @@ def test_greedy_rows_with_and_without_adjustments_share_a_batch():
     tokens = [t for t, _ in Sampler()(logits, [plain, biased, penalised])]
     assert tokens[0] == 9 and tokens[1] == 4 and tokens[2] != 9
     assert not plain.sampling.adjusts_logits and biased.sampling.adjusts_logits
+
+
+def test_a_batch_penalised_at_once_equals_each_row_alone():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    requests = [_request([3, 3, 5], presence_penalty=0.4, frequency_penalty=0.7),
+                _request([1, 9, 9, 9], prompt=(9, 2), repetition_penalty=1.4, logit_bias={2: -5.0}),
+                _request([], logit_bias={7: 1.5, 8: -0.5}),
+                _request([6, 6], frequency_penalty=-1.0, repetition_penalty=0.8)]
+    together = adjusted_logits(logits, requests)
+    for row, request in zip(range(4), requests):
+        assert torch.allclose(together[row], _apply_bias_and_penalties(logits[row], request))
+    assert torch.equal(adjusted_logits(logits[:1], requests[:1]), together[:1])
+    assert not torch.equal(together, logits)
 
 
 def test_logprobs_stay_those_of_the_raw_distribution():

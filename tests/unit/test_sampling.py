@@ -49,10 +49,8 @@ def test_repetition_penalty_follows_hf():
     logits = torch.tensor([[2.0, -1.0, 0.5, -3.0]])
     request = Request("r", [0, 1], SamplingParams(temperature=0, repetition_penalty=1.7))
     expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[0, 1]]), logits.clone())
-    from common.engine.sampler import _apply_repetition_penalty
-    row = logits[0].clone()
-    _apply_repetition_penalty(row, request.all_token_ids, 1.7)
-    assert torch.allclose(row, expected[0])
+    from common.engine.penalties import adjusted_logits
+    assert torch.allclose(adjusted_logits(logits, [request]), expected)
 
 
 def test_seeded_requests_are_reproducible_and_seed_dependent(tiny_llama):
