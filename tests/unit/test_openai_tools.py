@@ -116,7 +116,7 @@ BAD = [
     ({**ASKED, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice",
      "names the function 'launch', which is not among the tools (offered: add, get_weather)"),
     ({"messages": ASKED["messages"], "tool_choice": "required"}, "tool_choice", "offers no tools"),
-    ({**ASKED, "tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', required or"),
+    ({**ASKED, "tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', 'required' or"),
     ({**ASKED, "tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name",
      "letters, digits"),
     ({**ASKED, "tools": [WEATHER, WEATHER]}, "tools", "names a function twice"),
@@ -222,3 +222,11 @@ def test_disagg_up_passes_both_parsers_to_the_router_which_checks_their_names():
     assert (router.tool_call_parser, router.reasoning_parser) == ("mistral", "qwen3")
     with pytest.raises(InvalidConfig, match="--tool-call-parser must be one of"):
         RouterConfig(model="/m", tool_call_parser="pythonic")
+
+
+def test_tools_too_large_to_force_are_a_400_naming_tools():
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(800)}}
+    tools = [{"type": "function", "function": {"name": "big", "parameters": huge}}]
+    core = FakeCore(_script("x"))
+    status, answer = _post(core, {**ASKED, "tools": tools, "tool_choice": "required"})
+    assert status == 400 and answer["error"]["param"] == "tools" and "at most 65536" in answer["error"]["message"]

@@ -11,6 +11,7 @@ from typing import Callable
 
 from common.engine.request import SamplingParams
 from common.engine.structured import STRUCTURAL_TAG, StructuredOutput
+from common.errors import InvalidRequest
 from services.router import reasoning_parsers, tool_parsers
 from services.router.frontends.openai_fields import BadField, Fields
 from services.router.generation import ChatMessage, Tool, ToolCall
@@ -103,17 +104,25 @@ def _choice(fields: Fields, field: str, value: object, names: frozenset[str], le
         if value == REQUIRED and not names:
             raise fields.bad(field, "is 'required' but the request offers no tools")
         return str(value), None
-    named = value.get("name") if legacy and isinstance(value, dict) else (
-        value.get("function", {}).get("name") if isinstance(value, dict) and value.get("type") == "function"
-        and isinstance(value.get("function"), dict) else None)
+    named = _named(value, legacy)
     if not isinstance(named, str):
-        shape = '{"name": ...}' if legacy else '{"type": "function", "function": {"name": ...}}'
-        raise fields.bad(field, f"must be 'none', 'auto'{'' if legacy else ', required'} or {shape}, "
-                                f"got {json.dumps(value)}")
+        words = ("'none', 'auto' or " + '{"name": ...}') if legacy else (
+            "'none', 'auto', 'required' or " + '{"type": "function", "function": {"name": ...}}')
+        raise fields.bad(field, f"must be {words}, got {json.dumps(value)[:200]}")
     if named not in names:
         offered = ", ".join(sorted(names)) or "none"
         raise fields.bad(field, f"names the function {named!r}, which is not among the tools (offered: {offered})")
     return NAMED, named
+
+
+def _named(value: object, legacy: bool) -> object:
+    """The function a tool_choice (or legacy function_call) object names."""
+    if not isinstance(value, dict):
+        return None
+    if legacy:
+        return value.get("name")
+    function = value.get("function")
+    return function.get("name") if value.get("type") == "function" and isinstance(function, dict) else None
 
 
 def chat_message(message: Fields, role: str, content: Callable[[], str]) -> ChatMessage:
@@ -180,7 +189,11 @@ def constrain(params: SamplingParams, tools: ToolRequest | None, chat: ChatParsi
         what = "'required'" if tools.choice == REQUIRED else f"naming {tools.function!r}"
         raise BadField("tool_choice", f"'tool_choice' {what} forces a tool call, which cannot be combined with "
                                       "response_format or a guided_* field")
-    return replace(params, structured=StructuredOutput(STRUCTURAL_TAG, spec))
+    try:
+        structured = StructuredOutput(STRUCTURAL_TAG, spec)
+    except InvalidRequest as exc:  # its size limit: the grammar holds every forced tool's schema
+        raise BadField("tools", f"'tools' cannot be forced into a call: {exc}") from None
+    return replace(params, structured=structured)
 
 
 def refuse_tools(fields: Fields) -> None:

@@ -38,7 +38,7 @@ class ToolCallParser:
         """An xgrammar structural tag (JSON) for an answer that is one or more calls (one unless `parallel`) of
         `tools`, each with arguments valid against its schema; `before`: formats the calls follow (reasoning)."""
         tags = [{"type": "tag", "begin": self.call_begin(tool.name), "end": self.call_end,
-                 "content": {"type": "json_schema", "json_schema": json.loads(tool.parameters or "true"),
+                 "content": {"type": "json_schema", "json_schema": _schema(tool),
                              "max_whitespace_cnt": MAX_WHITESPACE_RUN}} for tool in tools]
         calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
                  "stop_after_first": not parallel}
@@ -56,6 +56,11 @@ class ToolCallParser:
 
     def render_result(self, message: ChatMessage) -> str:
         return message.content
+
+
+def _schema(tool: Tool) -> dict[str, Any]:
+    """A tool's arguments schema; with none given, any object (a call's arguments are an object)."""
+    return json.loads(tool.parameters) if tool.parameters else {"type": "object"}
 
 
 def _const(text: str) -> list[dict[str, Any]]:
