@@ -26,7 +26,8 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "o
 ASKED = {"model": "tiny", "tools": [WEATHER, ADD], "messages": [{"role": "user", "content": "Weather in Paris?"}]}
 HISTORY = [{"role": "user", "content": "Weather in Paris?"},
            {"role": "assistant", "content": None, "tool_calls": [
-               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -94,7 +94,7 @@ def test_arguments_stream_piece_by_piece_after_the_name_and_text_before_a_call_i
 
 
 def test_a_call_cut_short_keeps_what_was_written_of_its_arguments_whole_and_streamed():
-    answer = f'<tool_call>{{"name": "add", "arguments": {{}}}}</tool_call>\n<tool_call>{{"name": "add", "arguments": {{"x": 1'
+    answer = '<tool_call>{"name": "add", "arguments": {}}</tool_call>\n<tool_call>{"name": "add", "arguments": {"x": 1'
     assert _streamed("hermes", [answer]) == ("", [("add", "{}"), ("add", '{"x": 1')])
     content, calls = tool_parsers.get("hermes").parse(answer, NAMES)
     assert content is None and [c.arguments for c in calls] == ["{}", '{"x": 1']
@@ -113,7 +113,8 @@ def test_a_forced_call_grammar_accepts_the_format_with_valid_arguments_only(pars
     tools = tool_parsers.get(parser)
     one = Grammar.from_structural_tag(tools.constraint(TOOLS, parallel=False))
     many = Grammar.from_structural_tag(tools.constraint(TOOLS, parallel=True))
-    paris, london = ToolCall("1", "get_weather", '{"city": "Paris"}'), ToolCall("2", "get_weather", '{"city": "London"}')
+    paris = ToolCall("1", "get_weather", '{"city": "Paris"}')
+    london = ToolCall("2", "get_weather", '{"city": "London"}')
     add = ToolCall("3", "add", '{"x": [1, 2]}')
     assert accepts(one, tools.render_calls((paris,))) and accepts(one, tools.render_calls((add,)))
     assert not accepts(one, tools.render_calls((london,)))  # not in the schema's enum
@@ -133,7 +134,8 @@ def test_the_registry_names_each_format_and_refuses_an_unknown_one():
 
 
 PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", ",", ":", ";", " ",
-          "\n", '"name"', '"arguments"', '"parameters"', '"add"', '"get_weather"', '"x"', "1", "null", '"\\""', "<", "a"]
+          "\n", '"name"', '"arguments"', '"parameters"', '"add"', '"get_weather"', '"x"', "1", "null", '"\\""',
+          "<", "a"]
 
 
 @settings(max_examples=150, deadline=None)

@@ -12,7 +12,8 @@ _MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_t
 # With no marker in the template, the model type decides; failing both, hermes: the tools of a template that takes
 # none are written into the prompt in its form (render.py), and it is the form small instruct models (SmolLM2,
 # Qwen) follow best, being ChatML's.
-_MODEL_TYPES = {"mistral": "mistral", "mixtral": "mistral", "llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes"}
+_MODEL_TYPES = {"mistral": "mistral", "mixtral": "mistral", "llama": "llama3_json", "qwen2": "hermes",
+                "qwen3": "hermes"}
 FALLBACK_PARSER = "hermes"
 
 
