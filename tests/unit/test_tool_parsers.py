@@ -149,3 +149,18 @@ def test_any_text_streams_the_same_in_any_chunking_as_in_one_piece(parser, piece
     content, calls = tool_parsers.get(parser).parse(answer, NAMES)
     if not calls:
         assert content == answer
+
+
+@pytest.mark.parametrize("reasoning, opening", [("qwen3", "<think>"), ("deepseek_r1", "")])
+def test_a_forced_call_after_reasoning_lets_the_reasoning_come_first(reasoning, opening):
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from services.router import reasoning_parsers
+
+    hermes = tool_parsers.get("hermes")
+    before = reasoning_parsers.get(reasoning).constraint_prefix()
+    grammar = Grammar.from_structural_tag(hermes.constraint(TOOLS, parallel=False, before=before))
+    call = hermes.render_calls((ToolCall("1", "get_weather", '{"city": "Tokyo"}'),))
+    assert accepts(grammar, f"{opening}Tokyo, then.</think>\n\n{call}")
+    assert not accepts(grammar, call) and not accepts(grammar, f"{opening}Tokyo, then.</think>\n\nIt rains.")
