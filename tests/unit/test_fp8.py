@@ -221,6 +221,18 @@ def test_the_fp8_gemm_is_the_dequantised_product_within_the_activations_rounding
     assert not layer._fp8_gemm_applies(x)  # a CPU tensor: the dequantising path runs
 
 
+def test_quantization_fp8_leaves_a_moe_router_and_refuses_fp8_experts_by_name(tiny_model_dirs, held, tmp_path):
+    model, _ = load_model(tiny_model_dirs["qwen3-moe"], torch.float32, torch.device("cpu"), quantization="fp8")
+    router = model.model.layers[0].mlp.gate
+    assert type(router) is nn.Linear  # and its weights as the checkpoint has them, unrounded
+    assert torch.equal(router.weight, _checkpoint(tiny_model_dirs["qwen3-moe"])["model.layers.0.mlp.gate.weight"])
+    assert isinstance(model.model.layers[0].self_attn.o_proj, Fp8Linear if held else nn.Linear)
+    state = {k: v.to(FP8) if ".experts." in k else v for k, v in _checkpoint(tiny_model_dirs["qwen3-moe"]).items()}
+    fp8 = _derived(Path(tiny_model_dirs["qwen3-moe"]), tmp_path / "fp8-experts", state, {"quant_method": "fp8"})
+    with pytest.raises(InvalidConfig, match="experts.gate_up_proj is FP8 but not a linear layer's weight"):
+        load_model(fp8, torch.float32, torch.device("cpu"))
+
+
 def test_fp8_weights_split_over_tensor_parallel_ranks_hold_the_whole(tiny_llama, monkeypatch):
     monkeypatch.setattr(fp8_checkpoint, "holds_fp8", lambda device: True)  # a GPU's way, to see the shares
     whole, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"), quantization="fp8")

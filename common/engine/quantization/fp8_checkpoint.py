@@ -31,6 +31,7 @@ from common.errors import InvalidConfig
 
 FP8_METHODS = ("fp8", "compressed-tensors")  # quantization_config.quant_method values we read
 _SCALES = ("weight_scale", "weight_scale_inv")
+_UNQUANTIZED = ("lm_head", "gate")  # linear layers --quantization fp8 leaves in --dtype (_linear_names)
 # Static activation and calibrated KV-cache scales: read, not used (module docstring).
 _DROPPED = ("input_scale", "activation_scale", "output_scale", "k_scale", "v_scale", "q_scale", "prob_scale")
 
@@ -171,10 +172,11 @@ def holds_fp8(device: torch.device) -> bool:
 
 
 def _linear_names(model: nn.Module, packed: dict[str, tuple[str, ...]]) -> set[str]:
-    """The checkpoint modules of the model's linear layers but lm_head (a fused one's parts)."""
+    """The checkpoint modules of the model's linear layers (a fused one's parts) but lm_head and a MoE layer's
+    router (`gate`), which vLLM's fp8 leaves unquantised too: an expert choice should not flip on FP8 rounding."""
     names = set()
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or name.rpartition(".")[2] == "lm_head":
+        if not isinstance(module, nn.Linear) or name.rpartition(".")[2] in _UNQUANTIZED:
             continue
         fused = next((f for f in packed if name == f or name.endswith("." + f)), None)
         if fused is None:
