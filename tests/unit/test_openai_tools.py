@@ -231,3 +231,15 @@ def test_tools_too_large_to_force_are_a_400_naming_tools():
     core = FakeCore(_script("x"))
     status, answer = _post(core, {**ASKED, "tools": tools, "tool_choice": "required"})
     assert status == 400 and answer["error"]["param"] == "tools" and "at most 65536" in answer["error"]["message"]
+
+
+def test_legacy_function_call_and_function_messages_become_a_call_and_its_result():
+    core = FakeCore(_script("Sunny."))
+    status, _ = _post(core, {"functions": [WEATHER["function"]], "messages": [
+        ASKED["messages"][0],
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": '{"city": "X"}'}},
+        {"role": "function", "name": "get_weather", "content": "18 C"}]})
+    assert status == 200
+    _, asked, result = core.requests[0].messages
+    assert [(c.name, c.arguments) for c in asked.tool_calls] == [("get_weather", '{"city": "X"}')]
+    assert result == ChatMessage("tool", "18 C", name="get_weather")
