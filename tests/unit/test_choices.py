@@ -160,3 +160,15 @@ def test_prompt_logprobs_equal_hf_log_softmax_over_prefill_chunks(tiny_llama, de
     assert torch.allclose(torch.tensor([lp.logprob for lp in scored]), want, atol=1e-4 if device == "cpu" else 2e-3)
     top = torch.topk(expected[:-1], 2)
     assert [[t for t, _ in lp.top] for lp in scored] == top.indices.tolist()
+
+
+def test_choices_survive_preemption_and_steps_launched_ahead(tiny_llama, device):
+    """A pool too small for every choice at once preempts some (they recompute, from the prefix cache where it
+    holds their blocks); with async scheduling the steps after the fork are launched ahead. Greedy stays n=1's."""
+    greedy = dict(temperature=0, max_tokens=14, ignore_eos=True)
+    (alone,) = _run(_engine(tiny_llama, device), sampling=SamplingParams(**greedy)).values()
+    engine = _engine(tiny_llama, device, num_kv_blocks=16, async_scheduling=True)  # 4 choices need 4 + 4 * 4
+    choices = _run(engine, sampling=SamplingParams(**greedy, n=4))
+    assert choices == {i: alone for i in range(4)}
+    assert engine.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 16 and not engine.requests
