@@ -62,9 +62,7 @@ def new_call_id() -> str:
 @dataclass
 class _Call:
     start: CallStart
-    scan: ObjectScan
     sent: int = 0  # characters of the arguments' text sent
-    done: bool = False
 
 
 class CallStream:
@@ -164,7 +162,7 @@ class CallStream:
             if name is not None:
                 if name not in self._names:
                     return self._give_back(out)
-                self._call = _Call(CallStart(self.count, new_call_id(), name), scan)
+                self._call = _Call(CallStart(self.count, new_call_id(), name))
                 self.count += 1
                 self._held = ""
                 out.calls.append(self._call.start)
