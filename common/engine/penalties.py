@@ -3,7 +3,8 @@ logit_bias, then repetition_penalty (over prompt and output, as Hugging Face), t
 penalties over the output so far: logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0).
 
 One sparse update per kind for all rows (not a loop of per-row tensor ops, nor a [rows, vocab] matrix): only the
-tokens a row holds or biases change. Rows that ask for none never come here (the sampler's batched greedy path keeps them)."""
+tokens a row holds or biases change. Rows that ask for none never come here (the sampler's batched greedy path keeps
+them)."""
 from __future__ import annotations
 
 import torch

@@ -268,7 +268,8 @@ async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage]
     try:
         async for message in request_iterator:
             if message.WhichOneof("kind") != "cancel":
-                outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only `cancel`"))
+                outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only "
+                                                 "`cancel`"))
             elif message.cancel.HasField("index"):
                 cancel_choice(message.cancel.index)
                 continue
