@@ -197,6 +197,11 @@ def test_the_chat_template_gets_tools_and_calls_with_their_arguments_as_objects(
 def test_the_default_parser_follows_the_chat_template(tmp_path):
     smollm2 = template_tools(default_model_dir())
     assert (smollm2.takes_tools, smollm2.parser) == (False, "hermes")  # no tools in SmolLM2's template
+    from services.router.config import RouterConfig
+    from services.router.frontends.openai import _chat_parsing
+
+    router = RouterConfig(model=str(default_model_dir()), reasoning_parser="qwen3")
+    assert _chat_parsing(router) == ChatParsing("hermes", "qwen3", template_takes_tools=False)
     (tmp_path / "chat_template.jinja").write_text("{% if tools %}...{% endif %}<tool_call>")
     assert template_tools(tmp_path).parser == "hermes" and template_tools(tmp_path).takes_tools
     (tmp_path / "chat_template.jinja").unlink()

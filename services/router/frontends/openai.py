@@ -75,10 +75,17 @@ async def start(core: Core, config: RouterConfig, metrics: Metrics | None) -> Ht
         return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES,
                                 api_keys=config.api_keys, metrics=metrics.registry if metrics is not None else None,
                                 ssl_context=settings.server_ssl_context() if settings.serves_tls else None,
-                                chat=ChatParsing.for_model(config.model, config.tool_call_parser,
-                                                           config.reasoning_parser))
+                                chat=_chat_parsing(config))
     except OSError as exc:
         raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
+
+
+def _chat_parsing(config: RouterConfig) -> ChatParsing:
+    chat = ChatParsing.for_model(config.model, config.tool_call_parser, config.reasoning_parser)
+    log.info("chat answers: tool calls read by the %s parser (%s), reasoning by %s", chat.tool_call_parser,
+             "the chat template renders tools" if chat.template_takes_tools else
+             "the chat template has no tools: they are written into the messages", chat.reasoning_parser or "none")
+    return chat
 
 
 async def start_http(core: Core, host: str, port: int, max_body_bytes: int, *, api_keys: ApiKeys = ApiKeys(),
