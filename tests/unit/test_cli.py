@@ -229,7 +229,7 @@ def test_up_without_the_default_model_package_says_how_to_get_it_in_one_line(tmp
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--max-tokens", "0"), "max_tokens must be >= 1, got 0"),
+    (("--max-tokens", "0"), "max_tokens must be >= 1, got 0 (0 only scores a prompt, with prompt_logprobs)"),
     (("--max-tokens", "9000"), "max_tokens=9000 with a 31-token prompt exceeds the model's context of 8192 tokens; "
                                "ask for at most 8161"),
     (("--temperature", "-1"), "temperature must be >= 0, got -1.0"),
