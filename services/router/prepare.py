@@ -69,7 +69,9 @@ class RequestPreparer:
         would hold the tokenizer (and every request queued behind it) for seconds."""
         if self.tokenizer is None:
             return
-        texts = [request.prompt] if request.prompt is not None else [m.content for m in request.messages or ()]
+        texts = [request.prompt] if request.prompt is not None else [
+            text for m in request.messages or () for text in (m.content, *(c.arguments for c in m.tool_calls))]
+        texts += [t.description + t.parameters for t in request.tools]  # the template writes them into the prompt
         fewest = sum(self.tokenizer.fewest_tokens(t) for t in texts)
         if fewest >= model.max_model_len:
             chars = sum(len(t) for t in texts)

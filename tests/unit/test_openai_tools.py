@@ -248,3 +248,13 @@ def test_legacy_function_call_and_function_messages_become_a_call_and_its_result
     _, asked, result = core.requests[0].messages
     assert [(c.name, c.arguments) for c in asked.tool_calls] == [("get_weather", '{"city": "X"}')]
     assert result == ChatMessage("tool", "18 C", name="get_weather")
+
+
+def test_tools_past_the_context_are_refused_before_the_template_renders_them():
+    from common.errors import InvalidRequest
+
+    preparer = RequestPreparer.from_model_dir(default_model_dir())
+    tool = Tool("get_weather", "x" * 1_000_000)
+    with pytest.raises(InvalidRequest, match="the prompt has 1000002 characters"):
+        preparer.prepare(GenerationRequest("r", messages=(ChatMessage("user", "Hi"),), tools=(tool,)),
+                         ServedModel("m", 2048))
