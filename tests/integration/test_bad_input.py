@@ -226,7 +226,7 @@ def test_malformed_generate_streams(router):
     assert sorted(errors) == [
         ("", code, "request_id is required on GenerateStream"),
         ("a", code, "request_id 'a' is already in flight on this stream; ids must be unique"),
-        ("b", code, "max_tokens must be >= 1, got 0")]
+        ("b", code, "max_tokens must be >= 1, got 0 (0 only scores a prompt, with prompt_logprobs)")]
     assert finished_a.reason == common_pb2.FINISH_REASON_LENGTH and finished_a.usage.completion_tokens == 40
     assert empty_error.code() == INVALID and "a GenerateStreamRequest must set start or cancel" in empty_error.details()
 

@@ -307,7 +307,7 @@ def test_one_bad_request_on_a_stream_does_not_disturb_the_others(router):
     responses = asyncio.run(_stream_with_cancels(router.address, requests, set(), set()))
     errors = {(r.request_id, r.finished.error.code, r.finished.error.message) for rs in responses.values()
               for r in rs if r.HasField("finished") and r.finished.reason == common_pb2.FINISH_REASON_ERROR}
-    assert ("bad", 3, "max_tokens must be >= 1, got 0") in errors
+    assert ("bad", 3, "max_tokens must be >= 1, got 0 (0 only scores a prompt, with prompt_logprobs)") in errors
     assert ("good", 3, "request_id 'good' is already in flight on this stream; ids must be unique") in errors
     assert ("", 3, "request_id is required on GenerateStream") in errors
     tokens, _, _ = _collect(responses["good"])
