@@ -118,8 +118,8 @@ class SamplingParams:
             raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS} "
                                  "are accepted")
         bias = dict(self.logit_bias)
-        bad = [(t, b) for t, b in bias.items() if not (isinstance(t, int) and t >= 0 and math.isfinite(b)
-                                                        and -self.MAX_BIAS <= b <= self.MAX_BIAS)]
+        bad = [(t, b) for t, b in bias.items() if not (isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
+                                                        and math.isfinite(b) and -self.MAX_BIAS <= b <= self.MAX_BIAS)]
         if bad:
             raise InvalidRequest(f"logit_bias maps token ids >= 0 to biases in [-100, 100]; got {bad[0][0]}: "
                                  f"{bad[0][1]}")

@@ -124,6 +124,8 @@ def test_prefill_samples_every_choice_and_decode_forks_after_one_import(tiny_lla
     ({"n": 0}, r"n must be in \[1, 16\]"),
     ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias has 301 entries; at most 300"),
     ({"logit_bias": {5: 101.0}}, r"biases in \[-100, 100\]"),
+    ({"logit_bias": {5: "up"}}, r"biases in \[-100, 100\]"),
+    ({"logit_bias": {-1: 1.0}}, r"token ids >= 0"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
     ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
