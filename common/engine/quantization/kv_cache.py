@@ -25,7 +25,7 @@ UNCALIBRATED_SCALE = 1.0
 def as_words(fp8: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor's bytes as the widest integers a row of it holds whole. torch has no index_copy_ of float8,
     and copies bytes one by one slower than words: importing a 512-token SmolLM2 session into an FP8 cache took
-    11.2 ms as uint8 against 3.4 ms for bf16's twice as many bytes (tests/bench/fp8_cpu.py)."""
+    11.2 ms as uint8 against 3.4 ms for bf16's twice as many bytes (tests/bench/fp8.py)."""
     for dtype in (torch.int64, torch.int32, torch.int16):
         if fp8.shape[-1] % dtype.itemsize == 0 and fp8.stride(-1) == 1:
             try:
