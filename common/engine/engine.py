@@ -32,7 +32,9 @@ class LLMEngine:
         hf = self.runner.hf_config
         self.vocab_size: int = hf.vocab_size
         self.max_model_len = resolve_max_model_len(config, hf.max_position_embeddings)
-        quantized = {"quantization": config.quantization} if config.quantization else {}
+        # Weights quantised at load change the KV; an FP8 checkpoint says so in its config (the flag is a no-op there).
+        at_load = config.quantization and getattr(hf, "quantization_config", None) is None
+        quantized = {"quantization": config.quantization} if at_load else {}
         self.fingerprint = model_fingerprint(hf, config.dtype,
                                              {**self.runner.kv_format.fingerprint_fields(), **quantized})
         self.kv_layout = self.runner.layout(self.fingerprint)

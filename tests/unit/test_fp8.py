@@ -176,6 +176,8 @@ def test_an_fp8_checkpoint_runs_as_its_dequantised_weights_and_near_the_original
     assert torch.equal(logits, _prompt_logits(dequantised))
     assert _rel(_prompt_logits(source), logits) < WEIGHT_TOLERANCE
     assert _engine(fp8).generate([PROMPT], GREEDY) == _engine(dequantised).generate([PROMPT], GREEDY)
+    # --quantization fp8 changes nothing for an FP8 checkpoint, nor its KV fingerprint
+    assert _engine(fp8, quantization="fp8").fingerprint == _engine(fp8).fingerprint != _engine(source).fingerprint
 
 
 def test_quantization_fp8_quantises_every_linear_but_lm_head_one_scale_a_row(tiny_llama, held, tmp_path):
@@ -194,7 +196,9 @@ def test_quantization_fp8_quantises_every_linear_but_lm_head_one_scale_a_row(tin
     logits = _prompt_logits(tiny_llama, quantization="fp8")
     assert torch.equal(logits, _prompt_logits(expected))
     assert _rel(_prompt_logits(tiny_llama), logits) < WEIGHT_TOLERANCE
-    assert len(_engine(tiny_llama, quantization="fp8", dtype="bfloat16").generate([PROMPT], GREEDY)[0]) == 8
+    quantized = _engine(tiny_llama, quantization="fp8", dtype="bfloat16")
+    assert len(quantized.generate([PROMPT], GREEDY)[0]) == 8
+    assert quantized.fingerprint != _engine(tiny_llama, dtype="bfloat16").fingerprint  # its KV is not bf16's
 
 
 def test_dummy_weights_quantise_as_a_checkpoint_does(tiny_llama, monkeypatch):
