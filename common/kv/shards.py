@@ -61,4 +61,7 @@ class KvShards:
         another process computes on must not read them before they have landed (the caller synchronises)."""
         for heads, shard in self.head_slices():
             index = torch.tensor(list(block_ids), dtype=torch.long).to(shard.device, non_blocking=True)
-            shard.index_copy_(2, index, blocks[:, :, :, :, heads].to(shard.device, non_blocking=True))
+            part = blocks[:, :, :, :, heads].to(shard.device, non_blocking=True)
+            if shard.dtype.itemsize == 1:  # an FP8 cache: index_copy_ of its bytes (torch may have none of float8)
+                shard, part = shard.view(torch.uint8), part.view(torch.uint8)
+            shard.index_copy_(2, index, part)

@@ -41,6 +41,7 @@ from common.errors import InvalidConfig, LayoutMismatch
 from common.pb.disagg.v1 import common_pb2
 from common.kv.chunks import tensor_from_bytes, tensor_to_bytes
 from common.kv.layout import KvExport, layout_of
+from common.kv.shards import KvShards
 from common.kv.transfer import session_ref
 from common.kv.transports.cuda_ipc.block_copy import copy_blocks_reference
 
@@ -286,10 +287,15 @@ def test_the_cpu_decode_kernel_reads_an_fp8_cache_as_the_gathered_path_does(monk
 
 
 def test_raw_block_copies_take_fp8_caches():
+    """cuda_ipc's reference copy, and a tensor-parallel GPU cache's scatter into its shards (CPU tensors stand in)."""
     src = torch.randn(2, 2, 5, 4, 2, 8).to(FP8)
     dst = torch.zeros_like(src)
     copy_blocks_reference(src, [3, 1], dst, [0, 2])
     assert torch.equal(dst[:, :, [0, 2]].view(torch.uint8), src[:, :, [3, 1]].view(torch.uint8))
+    shards = KvShards([torch.zeros(2, 2, 5, 4, 1, 8, dtype=FP8) for _ in range(2)])
+    shards.scatter([4, 0], src[:, :, [3, 1]])
+    assert torch.equal(torch.cat(shards.shards, dim=4)[:, :, [4, 0]].view(torch.uint8),
+                       src[:, :, [3, 1]].view(torch.uint8))
 
 
 def _prefill(engine: LLMEngine, prompt):
