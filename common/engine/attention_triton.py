@@ -6,6 +6,8 @@ Three kernels over the same cache layout as `TorchPagedAttention` (per layer `[2
   streaming the sequence's blocks with an online softmax (flash-decoding without the split);
 - `_prefill`: one program per (tile of BLOCK_M query tokens of one sequence, query head), causal over the
   cached context plus the new tokens, so chunked prefill and prefix-cache hits need no special case.
+The cache may be FP8 (--kv-cache-dtype fp8, scale 1.0): stores convert to it, and the attention kernels convert each
+loaded K / V tile to q's dtype.
 
 All metadata is built on the host in `prepare` and copied with non-blocking pinned copies: the step loop
 never waits on the GPU here. Decode-only batches keep fixed-shape metadata so a CUDA graph can replay them.
@@ -72,8 +74,8 @@ def _decode(q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, s
         blk = tl.load(block_tables + b * stride_bt + pos // BS, mask=valid, other=0)
         base = blk.to(tl.int64) * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # an FP8 cache: read
+        v = tl.load(v_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # as q's dtype
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -156,8 +158,8 @@ def _prefill(q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx
         blk = tl.load(block_tables + s_idx * stride_bt + pos // BS, mask=kvalid, other=0)
         base = blk.to(tl.int64) * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
         kv_mask = kvalid[:, None] & dmask[None, :]
-        k = tl.load(k_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # an FP8 cache: read
+        v = tl.load(v_cache + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # as q's dtype
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -64,17 +64,15 @@ def _image_rows(batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | No
 
 def make_attention_backend(block_size: int, windows: set[int | None], device: torch.device,
                            kv: KvCacheFormat | None = None):
-    """Triton kernels on a CUDA device when triton is installed; the torch reference everywhere else, and for an
-    FP8 cache (the Triton kernels read caches of the compute dtype; dequantising in them is not written yet)."""
-    if kv is not None and kv.is_fp8:
-        return TorchPagedAttention(block_size, windows, device, kv)
-    if device.type == "cuda":
+    """Triton kernels on a CUDA device when triton is installed and they take the cache (`kv`: an FP8 one where
+    Triton has FP8, KvCacheFormat.triton_reads); the torch reference everywhere else."""
+    if device.type == "cuda" and (kv is None or kv.triton_reads(device)):
         try:
             from common.engine.attention_triton import TritonPagedAttention
         except ImportError:
-            return TorchPagedAttention(block_size, windows, device)
+            return TorchPagedAttention(block_size, windows, device, kv)
         return TritonPagedAttention(block_size, windows, device)
-    return TorchPagedAttention(block_size, windows, device)
+    return TorchPagedAttention(block_size, windows, device, kv)
 
 
 @dataclass

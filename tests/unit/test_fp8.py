@@ -12,8 +12,12 @@ engine on the checkpoint's weights dequantised by the format's own rule (transfo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -284,6 +288,42 @@ def test_the_cpu_decode_kernel_reads_an_fp8_cache_as_the_gathered_path_does(monk
     monkeypatch.setattr(cpu_attention, "applies", lambda *args: False)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), attend().float(), atol=tolerance, rtol=tolerance)
+
+
+# The Triton attention kernels on CPU tensors, in Triton's interpreter (set before triton is imported: its own
+# process), float32 (the interpreter has no bf16); K and V values FP8 holds exactly, so that its conversion's
+# rounding (the interpreter's own, not a GPU's) plays no part.
+_TRITON_FP8 = """
+import torch
+from common.engine.attention import BatchLayout, TorchPagedAttention
+from common.engine.attention_triton import TritonPagedAttention
+from common.engine.quantization.kv_cache import KvCacheFormat
+TritonPagedAttention._upload = lambda self, array: torch.from_numpy(array)  # no pinned memory without a GPU
+torch.manual_seed(0)
+cpu, fp8 = torch.device("cpu"), torch.float8_e4m3fn
+for layout in (BatchLayout([1, 1], [13, 6], [[6, 1, 4, 0], [2, 7]]), BatchLayout([5, 1], [3, 6], [[6, 1], [2, 7]])):
+    t = sum(layout.query_lens)
+    q = torch.randn(t, 8, 32)
+    k, v = torch.randn(t, 2, 32).to(fp8).float(), torch.randn(t, 2, 32).to(fp8).float()
+    cache = torch.randn(2, 10, 4, 2, 32).to(fp8)
+    torch_path = TorchPagedAttention(4, {None}, cpu, KvCacheFormat(fp8))
+    want = torch_path.forward(q, k, v, cache.clone(), torch_path.prepare(layout), scale=0.2, window=None)
+    triton_path = TritonPagedAttention(4, {None}, cpu)
+    stored = cache.clone()
+    got = triton_path.forward(q, k, v, stored, triton_path.prepare(layout), scale=0.2, window=None)
+    torch_path.forward(q, k, v, cache, torch_path.prepare(layout), scale=0.2, window=None)
+    print((got - want).abs().max().item(), torch.equal(stored.view(torch.uint8), cache.view(torch.uint8)))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_triton_kernels_store_and_read_an_fp8_cache_as_the_torch_path_does():
+    """Decode and prefill (chunked, over cached context): the same K / V bytes stored, the same attention."""
+    result = subprocess.run([sys.executable, "-c", _TRITON_FP8], env={**os.environ, "TRITON_INTERPRET": "1"},
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert len(lines) == 2 and all(float(error) < 1e-5 and same == "True" for error, same in lines), result.stdout
 
 
 def test_raw_block_copies_take_fp8_caches():

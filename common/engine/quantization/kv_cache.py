@@ -2,9 +2,10 @@
 
 An FP8 cache holds K / scale and V / scale, saturated to FP8's range, and attention reads them back as
 stored * scale: the torch reference dequantises the gathered blocks to the compute dtype, the CPU's C decode kernel
-reads each byte through a table of its values (cpu_attention.c). The Triton kernels read caches of the compute dtype
-only, so on CUDA an FP8 cache runs the torch reference attention, without CUDA graphs
-(model_runner.make_attention_backend): correct, slower, unmeasured. The scale is 1.0 for K and V of every layer,
+reads each byte through a table of its values (cpu_attention.c), and on CUDA the Triton kernels store through
+Triton's own conversion to FP8 (whether it saturates there is unverified) and convert each loaded tile to q's dtype
+(checked in Triton's interpreter on the CPU; unmeasured on a GPU). Where Triton has no FP8 (compute capability < 8.9) the torch reference runs, without CUDA
+graphs (model_runner.make_attention_backend). The scale is 1.0 for K and V of every layer,
 what vLLM uses without calibration (its k_scale / v_scale default); it is part of the KV fingerprint, so two workers
 share FP8 blocks only when they read them with the same scale. Blocks move between workers as the cache holds them:
 FP8, half the bytes of bf16.
@@ -51,6 +52,12 @@ class KvCacheFormat:
     @property
     def is_fp8(self) -> bool:
         return self.dtype == FP8
+
+    def triton_reads(self, device: torch.device) -> bool:
+        """Whether the Triton kernels (attention_triton.py, kernels.rope_store_kv) take this cache on `device`: one of
+        the compute dtype, or FP8 at scale 1.0 (they convert without a scale) where Triton has FP8 (compute
+        capability >= 8.9)."""
+        return not self.is_fp8 or (self.scale == 1.0 and torch.cuda.get_device_capability(device) >= (8, 9))
 
     def write(self, flat_cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         """values [T, H, D] into flat_cache [slots, H, D] at `slots`."""
