@@ -25,8 +25,9 @@ UNCALIBRATED_SCALE = 1.0
 
 def as_words(fp8: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor's bytes as the widest integers a row of it holds whole. torch has no index_copy_ of float8,
-    and copies bytes one by one slower than words: importing a 512-token SmolLM2 session into an FP8 cache took
-    11.2 ms as uint8 against 3.4 ms for bf16's twice as many bytes (tests/bench/fp8.py)."""
+    and copies bytes one by one slower than words: scattering a 512-token SmolLM2 session (32 blocks) into an FP8
+    cache takes 4.8 ms as uint8, 0.8 ms as int64, against 2.4 ms for bf16's element-wise copy of twice the bytes
+    (one core, median of 20)."""
     for dtype in (torch.int64, torch.int32, torch.int16):
         if fp8.shape[-1] % dtype.itemsize == 0 and fp8.stride(-1) == 1:
             try:
