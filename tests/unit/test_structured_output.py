@@ -204,3 +204,31 @@ def test_structured_output_is_checked_when_built(kind, spec, message):
 def test_a_property_named_type_is_not_a_type():
     schema = {"type": "object", "properties": {"type": {"type": "string"}}, "default": {"type": "anything"}}
     assert StructuredOutput.json_schema(schema).kind == "json_schema"
+
+
+def test_each_of_n_choices_keeps_to_the_grammar_on_its_own(model):
+    engine = _engine(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    sampling = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=24, structured=StructuredOutput("regex", REGEX))
+    engine.add_request("n", PROMPTS[2], sampling)
+    choices: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            choices.setdefault(out.index, []).extend(out.new_token_ids)
+    texts = [tokenizer.decode(choices[i], skip_special_tokens=True) for i in range(3)]
+    assert all(re.fullmatch(REGEX, text) for text in texts) and len(set(texts)) > 1, texts
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_a_compile_past_its_time_limit_or_without_a_tokenizer_is_refused(model, tiny_llama):
+    from common.engine.grammar import Grammars
+    from common.errors import FailedPrecondition
+
+    slow = Grammars(model, 512, [2], timeout_s=1e-9)
+    with pytest.raises(InvalidRequest, match=r"compiling the regex \(3 characters\) took more than 1e-09 s"):
+        slow.compile(StructuredOutput("regex", "a+b"))
+    slow.close()
+    engine = _engine(tiny_llama)  # a weights-only directory: no tokenizer to compile for
+    with pytest.raises(FailedPrecondition, match="structured output needs the model's tokenizer"):
+        engine.add_request("r", PROMPTS[0], _greedy(StructuredOutput("regex", "a+")))
+    assert not engine.has_unfinished_requests()
