@@ -15,6 +15,7 @@ import pytest
 from common.engine.default_model import default_model_dir
 from tests.integration.front_doors import MODES, Cluster, run_cluster
 from tests.integration.leaks import assert_no_leaks
+from tests.integration.test_kserve import needs_tritonclient, run_tritonclient
 
 # Every string bounded: a random-weight model must still close the object within max_tokens.
 BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -76,6 +77,19 @@ def test_an_uncompilable_schema_is_a_400_and_the_next_request_is_served(front_do
                                     extra_body={"guided_regex": "[0-9]{2}"})
     assert re.fullmatch("[0-9]{2}", served.choices[0].text)
     assert_no_leaks(front_doors.workers)
+
+
+@needs_tritonclient
+def test_tritonclient_sends_structured_output_in_sampling_parameters(front_doors: Cluster):
+    schema = json.dumps(_json_schema(BOUNDED))
+    answers = run_tritonclient("sampled", url=front_doors.router, model=front_doors.model, prompt="Pick one:",
+                               samplings=[{"temperature": 0, "max_tokens": 60, "response_format": schema},
+                                          {"temperature": 0, "max_tokens": 8, "guided_choice": ["on", "off"]},
+                                          {"max_tokens": 8, "guided_regex": "a("}])
+    assert answers[0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(answers[0]["text"]), BOUNDED)
+    assert answers[1]["text"] in ("on", "off")
+    assert answers[2]["status"] == "StatusCode.INVALID_ARGUMENT" and "regex cannot be compiled" in answers[2]["message"]
 
 
 @pytest.fixture(scope="module", params=list(MODES))

@@ -6,6 +6,7 @@ a virtualenv of its own and imports nothing of this repo). Prints one JSON objec
                `start_stream` + `async_stream_infer` (all prompts in flight on one stream); then a bad request
                each way (its status and message) and one more `infer` that must be served.
     walk_away  starts a long stream, reads a few deltas, then stops the stream cancelling its request.
+    sampled    one `infer` per sampling_parameters object of the plan: its text and finish reason, or its error.
 """
 from __future__ import annotations
 
@@ -132,6 +133,18 @@ def walk_away(plan: dict) -> dict:
     return {"deltas": len(texts), "finished": len(texts) < plan["deltas"], "seconds": seconds}
 
 
+def sampled(plan: dict) -> list[dict]:
+    client = triton.InferenceServerClient(plan["url"])
+    answers = []
+    for sampling in plan["samplings"]:
+        try:
+            result = client.infer(plan["model"], inputs(plan["prompt"], 0, stream=False, sampling=sampling))
+            answers.append({"text": text_of(result), "finish_reason": text_of(result, "finish_reason")})
+        except InferenceServerException as exc:
+            answers.append(error_of(exc))
+    return answers
+
+
 if __name__ == "__main__":
     mode, plan = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps({"generate": generate, "walk_away": walk_away}[mode](plan)))
+    print(json.dumps({"generate": generate, "walk_away": walk_away, "sampled": sampled}[mode](plan)))
