@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from common.engine.default_model import default_model_dir
-from tests.integration.front_doors import MODES, Cluster, run_cluster
+from tests.integration.front_doors import Cluster
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.test_kserve import needs_tritonclient, run_tritonclient
 
@@ -90,12 +88,6 @@ def test_tritonclient_sends_structured_output_in_sampling_parameters(front_doors
     jsonschema.validate(json.loads(answers[0]["text"]), BOUNDED)
     assert answers[1]["text"] in ("on", "off")
     assert answers[2]["status"] == "StatusCode.INVALID_ARGUMENT" and "regex cannot be compiled" in answers[2]["message"]
-
-
-@pytest.fixture(scope="module", params=list(MODES))
-def smollm2(request) -> Iterator[Cluster]:
-    """`disagg up` with the default model, SmolLM2-135M-Instruct, one per mode."""
-    yield from run_cluster(str(default_model_dir()), request.param)
 
 
 @pytest.mark.slow
