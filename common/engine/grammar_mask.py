@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """One request's xgrammar GrammarMatcher. It ends (`terminated`) once it accepts a stop token (EOS), and its
-    mask allows only stop tokens once the grammar is complete."""
+    """One request's xgrammar GrammarMatcher. Once the grammar is complete its mask allows only stop tokens (EOS),
+    and accepting one ends it."""
 
     def __init__(self, compiled: xgr.CompiledGrammar):
         self.matcher = xgr.GrammarMatcher(compiled)
