@@ -22,7 +22,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
 from services.cli.ports import check_port_free
 from tests.integration.observed import wait_for
-from tests.integration.processes import REPO_ROOT, free_port, start_services
+from tests.integration.processes import REPO_ROOT, free_port
 from tests.integration.test_router import make_text_model
 
 BANNER = re.compile(r"disagg is up: router on (\S+)")
@@ -223,27 +223,19 @@ def test_generate_reports_an_unreachable_router():
 
 
 @pytest.mark.slow
-def test_smollm2_through_router_prefill_decode_matches_hf():
+def test_smollm2_through_disagg_up_matches_hf(smollm2):
+    """The shared SmolLM2 clusters (tests/integration/conftest.py): aggregated, and router → prefill → decode."""
     model = str(default_model_dir())
-    workers = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))])
-    processes = list(workers)
-    try:
-        processes += start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
-                                                 "--decode-workers", workers[1].address))])
-        tokenizer = Tokenizer.from_model_dir(model)
-        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(processes[-1].address))
-        for question in ["What is the capital of France?", "Name three colours."]:
-            chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=question)])
-            request = generation_pb2.GenerateRequest(
-                chat=chat, model=DEFAULT_MODEL_NAME,
-                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=24))
-            responses = list(stub.Generate(request, timeout=120))
-            tokens = [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
-            text = "".join(r.delta.text for r in responses if r.HasField("delta"))
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-            expected = hf_greedy(model, prompt, 24, stop_at_eos=True)[0]
-            assert tokens == expected, question
-            assert text == tokenizer.decode(expected)
-    finally:
-        for process in processes:
-            process.stop()
+    tokenizer = Tokenizer.from_model_dir(model)
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(smollm2.router))
+    for question in ["What is the capital of France?", "Name three colours."]:
+        chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=question)])
+        request = generation_pb2.GenerateRequest(
+            chat=chat, model=DEFAULT_MODEL_NAME, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=24))
+        responses = list(stub.Generate(request, timeout=120))
+        tokens = [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+        text = "".join(r.delta.text for r in responses if r.HasField("delta"))
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        expected = hf_greedy(model, prompt, 24, stop_at_eos=True)[0]
+        assert tokens == expected, (smollm2.mode, question)
+        assert text == tokenizer.decode(expected)
