@@ -1,7 +1,7 @@
 """tritonclient against a router that requires an API key and serves TLS, run by
 tests/integration/test_shared_deployment.py as `.venv-tritonclient/bin/python triton_keyed_script.py JSON` (imports
-only its neighbour triton_client_script). Prints one JSON object: liveness without a key, an infer without a key and with a wrong one
-(status and message), then one with `headers={"authorization": "Bearer KEY"}` (its text)."""
+only its neighbour triton_client_script). Prints one JSON object: liveness without a key, an infer without a key and
+with a wrong one (status and message), then one with `headers={"authorization": "Bearer KEY"}` (its text)."""
 from __future__ import annotations
 
 import json
