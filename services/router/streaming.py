@@ -187,7 +187,6 @@ class ResponseBuilder:
             for choice in self._choices:
                 events += self.end_choice(choice.index, reason)
             ends = tuple(c.end for c in self._choices)
-            reason, matched_stop_token_id = ends[0].reason, ends[0].matched_stop_token_id
         else:
             events += self.end_choice(0, reason, matched_stop_token_id)
             ends = ()
