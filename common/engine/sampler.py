@@ -62,14 +62,16 @@ class Sampler:
         """logits [B, V] float32, raw from the model. Logprobs are of the raw distribution, as HF's output_logits.
         Host syncs: one for the tokens (plus one per sampled row), one for all the logprobs asked for."""
         raw, logits = logits, _grammar_masked(logits, requests)
-        argmax = logits.argmax(dim=-1).tolist()  # one call serves every plain greedy row
         adjusted = [i for i, r in enumerate(requests) if r.sampling.adjusts_logits]
         penalised: dict[int, torch.Tensor] = {}
-        if adjusted:  # penalties and biases for all those rows at once, and one argmax for them
+        if not adjusted:
+            argmax = logits.argmax(dim=-1).tolist()  # one call serves every plain greedy row
+        else:  # penalties and biases for all those rows at once; their argmax comes back in the same host copy
             rows = adjusted_logits(logits[torch.tensor(adjusted, device=logits.device)],
                                    [requests[i] for i in adjusted])
             penalised = dict(zip(adjusted, rows))
-            for i, token in zip(adjusted, rows.argmax(dim=-1).tolist()):
+            argmax = torch.cat([logits.argmax(dim=-1), rows.argmax(dim=-1)]).tolist()
+            for i, token in zip(adjusted, argmax[len(requests):]):
                 argmax[i] = token
         tokens = []
         for i, req in enumerate(requests):
