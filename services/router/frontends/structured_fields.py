@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from common.engine.structured import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutput
+from common.engine.structured import GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutput
 from common.errors import InvalidRequest
 from services.router.frontends.openai_fields import BadField
 
@@ -84,7 +84,7 @@ def _guided_choice(field: str, value: Any) -> StructuredOutput:
     choices = _parsed(field, value) if isinstance(value, str) and value.startswith("[") else value
     if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
         raise BadField(field, f"'{field}' must be an array of strings")
-    return StructuredOutput(CHOICE, json.dumps(choices))
+    return StructuredOutput.choice(choices)
 
 
 _READERS = {"response_format": _response_format, "guided_json": _guided_json, "guided_regex": _text(REGEX),
