@@ -130,11 +130,9 @@ class Shapes:
             mine = [d for d in deltas if d.index == index]
             text = "".join(d.text for d in mine)
             tokens = tuple(t for d in mine for t in d.logprobs)
-            extra: Json = {}
             if mine and self._echo and mine[0].prompt_token_ids:
                 text, tokens = self._echoed(mine[0]) + text, self._echoed_logprobs(mine[0]) + tokens
-            if mine:
-                extra = self._prompt_logprobs_json(mine[0])
+            extra = self._prompt_logprobs_json(mine[0]) if mine else {}
             body = {"message": state.output.message(text)} if self.chat else {"text": text}
             choices.append({"index": index, **body, "logprobs": self._logprobs(tokens, state),
                             "finish_reason": state.output.finish_reason(reasons.get(index, finished.reason.value)),
