@@ -44,6 +44,10 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
+# xgrammar's CUDA kernel: triton's, until importing triton fails once (every try searches for it again).
+_cuda_kernel = ["triton"]
+
+
 @functools.cache
 def _batch_matcher() -> xgr.BatchGrammarMatcher:
     return xgr.BatchGrammarMatcher()
@@ -64,6 +68,8 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None
     if cuda:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     try:
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
-    except ImportError:  # a GPU without triton: xgrammar's torch kernel
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows,
+                                        backend=_cuda_kernel[0] if cuda else "auto")
+    except ImportError:  # a GPU without triton: xgrammar's torch kernel, from now on (a failed import is retried)
+        _cuda_kernel[0] = "torch_native"
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows, backend="torch_native")
