@@ -90,5 +90,7 @@ def test_each_rank_makes_its_share_of_the_unsharded_dummy_model(tmp_path, family
         shard = dummy_state(model, config, torch.float32, torch.device("cpu"), tp, seed=5)
         expected = shard_state(whole, model.tp_plan(), tp)
         assert shard.keys() == expected.keys() and all(torch.equal(shard[k], expected[k]) for k in shard)
+        # each share in memory of its own: none keeps its whole tensor alive
+        assert all(v.untyped_storage().nbytes() == v.nbytes for v in shard.values())
         assert {k: v.shape for k, v in shard.items()} == {
             k: v.shape for k, v in model.state_dict().items() if k not in model.tied_keys}

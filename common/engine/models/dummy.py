@@ -45,8 +45,6 @@ def dummy_state(model: CausalLM, config: PretrainedConfig, dtype: torch.dtype, d
             tensor.uniform_(LOW, HIGH, generator=_generator(seed, name, device))
         else:
             tensor.zero_()
-        if tp.size == 1:
-            state[name] = tensor
-        else:  # a copy: a cut that is a view would keep the whole tensor's memory
-            state.update({k: v.clone() for k, v in shard_state({name: tensor}, model.tp_plan(), tp).items()})
+        # shard_state gives each share memory of its own, so the whole tensor is freed once cut
+        state.update(shard_state({name: tensor}, model.tp_plan(), tp) if tp.size > 1 else {name: tensor})
     return state
