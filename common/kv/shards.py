@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from common.engine.quantization.kv_cache import as_words
+
 HEAD_DIM = 4  # of [layers, 2, blocks, block_size, kv_heads, head_dim]
 
 
@@ -62,6 +64,7 @@ class KvShards:
         for heads, shard in self.head_slices():
             index = torch.tensor(list(block_ids), dtype=torch.long).to(shard.device, non_blocking=True)
             part = blocks[:, :, :, :, heads].to(shard.device, non_blocking=True)
-            if shard.dtype.itemsize == 1:  # an FP8 cache: index_copy_ of its bytes (torch may have none of float8)
-                shard, part = shard.view(torch.uint8), part.view(torch.uint8)
+            if shard.dtype.itemsize == 1:  # an FP8 cache: torch has no index_copy_ of float8; the same bytes as words
+                part = as_words(part)
+                shard = shard.view(part.dtype)  # a shard is contiguous: any width of a row of it is a view
             shard.index_copy_(2, index, part)
