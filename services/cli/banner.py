@@ -28,6 +28,8 @@ def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keye
     http_lines = (f"""  curl -N{curl_flags} {http}/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{{"messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
 """ if http else "")
+    # The key is never printed; a user who gave it as --api-key has no $DISAGG_API_KEY in their shell yet.
+    key_line = "  export DISAGG_API_KEY=...   # the router's key: the commands below send it\n" if keyed else ""
     return f"""
 disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inference.GRPCInferenceService)
 {f"  OpenAI-compatible HTTP on {http}/v1" if http else "  OpenAI-compatible HTTP off (--http-port 0)"}
@@ -37,7 +39,7 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
 {placement_notes(plan)}\
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
-  disagg generate "Tell me about the sea" --router {router}{f" --tls-ca {ca}" if ca else ""}
+{key_line}  disagg generate "Tell me about the sea" --router {router}{f" --tls-ca {ca}" if ca else ""}
   grpcurl {grpcurl_flags} {router} list
   grpcurl {grpcurl_flags} -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate

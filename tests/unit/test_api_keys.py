@@ -246,6 +246,8 @@ def test_up_hands_its_router_the_keys_out_of_its_command_line_and_checks_health_
     children = [Child(name, "m", [], address=f"127.0.0.1:{5000 + i}") for i, name in enumerate(settled.names)]
     text = summary(children, dataclasses.replace(settled, model_dir="/m"), "127.0.0.1", 8000, keyed=True)
     assert 'curl -N -H "Authorization: Bearer $DISAGG_API_KEY" http://127.0.0.1:8000/v1/chat/completions' in text
+    # The commands send $DISAGG_API_KEY (disagg generate reads it too): the summary says to set it first.
+    assert text.index("export DISAGG_API_KEY=") < text.index("disagg generate")
     assert KEY not in text
 
 
