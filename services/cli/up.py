@@ -143,7 +143,8 @@ def role_args(args: argparse.Namespace, role: str) -> argparse.Namespace:
         if str(key).replace("_", "-") in _LAID_OUT:
             raise InvalidConfig(f"{flag}: {key} is up's to lay the workers out by; set it with --{key} or in "
                                 f"--engine-config (a role's TP size: --{role}-tensor-parallel-size)")
-    return apply_engine_config(argparse.Namespace(**vars(args)), (flag, layer))
+    merged = argparse.Namespace(**{**vars(args), "engine_config": None, "engine_overrides": None})  # not read again
+    return apply_engine_config(merged, (flag, layer))
 
 
 def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, metrics_port: int) -> list[str]:
