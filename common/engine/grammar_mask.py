@@ -12,6 +12,7 @@ import logging
 import torch
 import xgrammar as xgr
 
+from common.engine import kernels
 from common.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
-# xgrammar's CUDA kernel: triton's, until importing triton fails once (every try searches for it again).
-_cuda_kernel = ["triton"]
-
-
 @functools.cache
 def _batch_matcher() -> xgr.BatchGrammarMatcher:
     return xgr.BatchGrammarMatcher()
@@ -67,9 +64,6 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None
     _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, rows)
     if cuda:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    try:
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows,
-                                        backend=_cuda_kernel[0] if cuda else "auto")
-    except ImportError:  # a GPU without triton: xgrammar's torch kernel, from now on (a failed import is retried)
-        _cuda_kernel[0] = "torch_native"
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows, backend="torch_native")
+    # On a GPU xgrammar's kernel is triton's; where triton is not installed (a CPU image's xgrammar), its torch one.
+    backend = ("triton" if kernels.HAS_TRITON else "torch_native") if cuda else "auto"
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows, backend=backend)

@@ -18,7 +18,7 @@ from torch import nn
 
 from common.engine.kernels import reference
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @cache
@@ -41,7 +41,7 @@ def _gemv_applies(x: torch.Tensor, layer: nn.Linear, prologue: str | None = None
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
-    return x.is_cuda and _HAS_TRITON
+    return x.is_cuda and HAS_TRITON
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
