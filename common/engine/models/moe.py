@@ -17,6 +17,7 @@ Three ways to run the experts, the same sums:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -98,11 +99,15 @@ def dense_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
 _GROUPED_MIN_CAPABILITY = (8, 0) if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9) else (9, 0)
 
 
+@cache
+def _has_grouped_gemm(device: torch.device) -> bool:
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= _GROUPED_MIN_CAPABILITY
+
+
 def _grouped_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """torch's grouped GEMM on CUDA takes bf16, with rows a multiple of 16 bytes."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= _GROUPED_MIN_CAPABILITY
-            and x.shape[-1] % 8 == 0 and down.shape[-1] % 8 == 0)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and down.shape[-1] % 8 == 0
+            and _has_grouped_gemm(x.device))
 
 
 def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
