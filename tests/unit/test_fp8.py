@@ -334,8 +334,9 @@ def test_raw_block_copies_take_fp8_caches():
     assert torch.equal(dst[:, :, [0, 2]].view(torch.uint8), src[:, :, [3, 1]].view(torch.uint8))
     shards = KvShards([torch.zeros(2, 2, 5, 4, 1, 8, dtype=FP8) for _ in range(2)])
     shards.scatter([4, 0], src[:, :, [3, 1]])
-    assert torch.equal(torch.cat(shards.shards, dim=4)[:, :, [4, 0]].view(torch.uint8),
-                       src[:, :, [3, 1]].view(torch.uint8))
+    want = torch.zeros_like(src.view(torch.uint8))  # those two blocks, and the others left as they were
+    want[:, :, [4, 0]] = src[:, :, [3, 1]].view(torch.uint8)
+    assert torch.equal(torch.cat(shards.shards, dim=4).view(torch.uint8), want)
 
 
 def _prefill(engine: LLMEngine, prompt):
