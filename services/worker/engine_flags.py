@@ -111,15 +111,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def effective_engine_flags(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
+def effective_engine_json(args: argparse.Namespace, config: EngineConfig) -> str:
     """Every engine flag's value as the engine runs with it, by key (the flag without --), the model directory
     resolved: what Worker/GetInfo shows, and itself a valid --engine-config file."""
     flags = {a.option_strings[-1].removeprefix("--"): getattr(args, a.dest) for a in _engine_actions()}
-    return {**flags, "model": config.model}
-
-
-def effective_engine_json(args: argparse.Namespace, config: EngineConfig) -> str:
-    return json.dumps(effective_engine_flags(args, config), sort_keys=True)
+    return json.dumps({**flags, "model": config.model}, sort_keys=True)
 
 
 def engine_argv(args: argparse.Namespace, **overrides: object) -> list[str]:
