@@ -20,7 +20,8 @@ from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
-from common.engine.quantization.kv_cache import KvCacheFormat, as_words
+from common.engine.quantization.kv_cache import KvCacheFormat
+from common.kv.words import as_words
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
 from common.engine.request import Request, TokenLogprob

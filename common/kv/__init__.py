@@ -20,4 +20,5 @@ VOCABULARY = (
     "common.kv.session",  # KvSession, the exporter's table of pinned sessions
     "common.kv.shards",  # KvShards: a tensor-parallel engine's cache on several GPUs
     "common.kv.shm_files",  # files of this user under /dev/shm
+    "common.kv.words",  # FP8 blocks copied as the same bytes viewed as integers
 )

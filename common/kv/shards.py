@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from common.engine.quantization.kv_cache import as_words
+from common.kv.words import as_words
 
 HEAD_DIM = 4  # of [layers, 2, blocks, block_size, kv_heads, head_dim]
 
