@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
+from tests.integration.kv_backend_cases import backend_cluster, cpu_backends
 from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import ServiceProcess, start_services
 
@@ -61,6 +62,17 @@ def worker_pair(tiny_worker_args) -> Iterator[WorkerPair]:
     finally:
         for process in processes:
             process.stop()
+
+
+@pytest.fixture(scope="session")
+def kv_workers(tiny_llama) -> Iterator[dict]:
+    """kv_backend_cases.backend_cluster of float32 tiny-llama workers for every CPU backend here, and a prefill that
+    offers shm,grpc only ("prefill_no_nixl"): the KV backend and tensor-parallel tests share it, and each of their
+    tests leaves every pool full."""
+    args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
+    extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
+    with backend_cluster(args, list(cpu_backends()), extra, env=WORKER_ENV) as cluster:
+        yield {**cluster, "prefill_no_nixl": cluster["extra0"]}
 
 
 @pytest.fixture

@@ -4,17 +4,27 @@ bytes, and a cancel at any point leaves every block free on both workers."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Iterator, Mapping
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.kv import transport
+from common.kv import host, transport
+from common.kv.transports.nixl import nixl_unavailable_reason
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
 from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, split
 
 NO_EOS = common_pb2.StopConditions(ignore_eos=True)
+
+
+@functools.cache
+def cpu_backends() -> tuple[str, ...]:
+    """The backends CPU workers on this machine can use, in the order of preference: shm (where the host has an id),
+    nixl (over DRAM, where NIXL runs) and grpc."""
+    return tuple(b for b, ok in (("shm", bool(host.host_id())), ("nixl", nixl_unavailable_reason() is None),
+                                 ("grpc", True)) if ok)
 
 
 @contextlib.contextmanager
@@ -25,13 +35,20 @@ def backend_cluster(args: tuple[str, ...], backends: list[str], extra: list[tupl
     and `extra` workers (clients "extra0", ...); every process stopped cleanly afterwards."""
     specs = [("prefill", args), ("decode", args), *[("decode", (*args, "--kv-transfer-backends", b)) for b in backends],
              *extra]
-    processes: list[ServiceProcess] = start_services(specs, env=env)
+    with connected_workers(specs, env) as (processes, clients):
+        yield {"prefill": clients[0], "prefill_process": processes[0], "decode_any": clients[1],
+               "decode_any_process": processes[1], **dict(zip(backends, clients[2:])),
+               **{f"extra{i}": c for i, c in enumerate(clients[2 + len(backends):])}}
+
+
+@contextlib.contextmanager
+def connected_workers(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str, str] | None = None
+                      ) -> Iterator[tuple[list[ServiceProcess], list[WorkerClient]]]:
+    """The workers of `specs`, started together, and a client on each; every process stopped cleanly afterwards."""
+    processes = start_services(specs, env=env)
     clients = [WorkerClient.connect(p) for p in processes]
-    named = {"prefill": clients[0], "prefill_process": processes[0], "decode_any": clients[1],
-             "decode_any_process": processes[1],
-             **dict(zip(backends, clients[2:])), **{f"extra{i}": c for i, c in enumerate(clients[2 + len(backends):])}}
     try:
-        yield named
+        yield processes, clients
     finally:
         for client in clients:
             client.channel.close()

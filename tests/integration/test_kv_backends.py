@@ -3,31 +3,24 @@ nixl (over DRAM, when NIXL runs here), shm and grpc; and a fallback when an offe
 cuda_ipc needs a GPU: tests/gpu/test_kv_plane_gpu.py runs the same checks there."""
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.kv import host
 from common.kv.transports.nixl import nixl_unavailable_reason
-from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
-from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
+from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff, cpu_backends
 from tests.integration.observed import scrape, wait_for
 from tests.integration.worker_client import assert_pool_full
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
-BACKENDS_HERE = [b for b, ok in (("shm", bool(host.host_id())), ("nixl", nixl_unavailable_reason() is None),
-                                 ("grpc", True)) if ok]  # in the order of preference
+BACKENDS_HERE = list(cpu_backends())  # in the order of preference
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama) -> Iterator[dict]:
-    """kv_backend_cases.backend_cluster, plus a prefill that offers shm,grpc only (for the fallback)."""
-    args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
-    extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
-    with backend_cluster(args, BACKENDS_HERE, extra, env=WORKER_ENV) as cluster:
-        yield {**cluster, "prefill_no_nixl": cluster["extra0"]}
+@pytest.fixture
+def cluster(kv_workers) -> dict:
+    """The shared workers (conftest.kv_workers), with the prefill that offers shm,grpc only (for the fallback)."""
+    return kv_workers
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from common.pb.disagg.v1 import worker_pb2
 from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
-from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
+from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff, connected_workers
 from tests.integration.processes import REPO_ROOT
 from tests.integration.test_router import make_text_model
 from tests.integration.test_up import Up, _child_pids, _cmdline
@@ -30,17 +30,14 @@ TP2 = ("--tensor-parallel-size", "2")
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama) -> Iterator[dict]:
-    """A TP=1 prefill ("prefill") with a TP=1 decode per backend (clients named by the backend), and a TP=2
-    prefill ("extra0") with a TP=2 decode per backend ("extra1", "extra2", ...)."""
-    args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
-    extra = [("prefill", (*args, *TP2)),
-             *[("decode", (*args, *TP2, "--kv-transfer-backends", b)) for b in BACKENDS_HERE]]
-    with backend_cluster(args, BACKENDS_HERE, extra, env=WORKER_ENV) as cluster:
-        cluster["prefill_tp2"] = cluster["extra0"]
-        for i, backend in enumerate(BACKENDS_HERE, start=1):
-            cluster[f"{backend}_tp2"] = cluster[f"extra{i}"]
-        yield cluster
+def cluster(kv_workers, tiny_llama) -> Iterator[dict]:
+    """The shared TP=1 workers (conftest.kv_workers: "prefill", and a decode per backend named by it), and this
+    module's TP=2 prefill ("prefill_tp2") with a TP=2 decode per backend ("shm_tp2", "grpc_tp2")."""
+    args = ("--model", tiny_llama, *TINY_ENGINE_ARGS, *TP2)
+    specs = [("prefill", args), *[("decode", (*args, "--kv-transfer-backends", b)) for b in BACKENDS_HERE]]
+    with connected_workers(specs, env=WORKER_ENV) as (_, clients):
+        yield {**kv_workers, "prefill_tp2": clients[0],
+               **{f"{backend}_tp2": client for backend, client in zip(BACKENDS_HERE, clients[1:])}}
 
 
 @pytest.fixture(scope="module")
