@@ -12,7 +12,7 @@ import pytest
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
 from tests.integration.kv_backend_cases import backend_cluster, cpu_backends
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import ServiceProcess, start_services
+from tests.integration.processes import ServiceProcess, start_services, stop_together
 
 # Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
 TINY_ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "64")
@@ -60,8 +60,7 @@ def worker_pair(tiny_worker_args) -> Iterator[WorkerPair]:
     try:
         yield WorkerPair(*processes)
     finally:
-        for process in processes:
-            process.stop()
+        stop_together(processes)
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ def backend_cluster(args: tuple[str, ...], backends: list[str], extra: list[tupl
 @contextlib.contextmanager
 def connected_workers(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str, str] | None = None
                       ) -> Iterator[tuple[list[ServiceProcess], list[WorkerClient]]]:
-    """The workers of `specs`, started together, and a client on each; every process stopped cleanly afterwards."""
+    """The workers of `specs`, started together, and a client on each; afterwards all stopped together, cleanly."""
     processes = start_services(specs, env=env)
     clients = [WorkerClient.connect(p) for p in processes]
     try:
@@ -52,7 +52,7 @@ def connected_workers(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str
     finally:
         for client in clients:
             client.channel.close()
-        stop_cleanly(processes)
+        stop_cleanly(processes, together=True)
 
 
 def prefill(client: WorkerClient, prompt: list[int], max_tokens: int) -> worker_pb2.PrefillResponse:
