@@ -212,7 +212,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the follower ranks (a runner without them has nothing to stop) and drop the mappings of their
-        caches. The NCCL group stays until the process ends: aborting a communicator whose peers have gone hangs."""
+        caches. Every rank leaves the NCCL group together first (TensorParallel.leave)."""
         if self.ranks is not None:
             self.ranks.close()
             if isinstance(self.kv_cache, KvShards):

@@ -12,9 +12,10 @@ CPU it is gloo, and as the ranks share a host a step's collectives go through sh
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
-
+import logging
 import os
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from common.engine.shm_collectives import ShmCollectives
 from common.errors import InvalidConfig
 
 # A collective waits this long for its peers; a rank that dies is noticed by its process watcher long before.
+log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 _SHM_KEY = "shm_collectives"
 
@@ -63,6 +65,26 @@ class TensorParallel:
             if rank == 0:
                 os.unlink(path)
         return tp
+
+    def leave(self, timeout_s: float = 10.0) -> None:
+        """Tear down an NCCL communicator while its peers are alive (every rank calls this as the engine closes).
+        Left to outlive its peers, it can only be aborted by its watchdog later, and a process that builds one TP
+        engine after another (tests/gpu/test_tensor_parallel_gpu.py) hung on the third. In a thread with a limit: a
+        peer that never comes leaves it as it was, logged, instead of hanging the close."""
+        shutdown = getattr(self.group, "shutdown", None)
+        if self.size == 1 or self.group is None or not isinstance(self.group, getattr(dist, "ProcessGroupNCCL", ())) \
+                or shutdown is None:
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            shutdown()
+            done.set()
+        threading.Thread(target=run, name=f"tp-leave-{self.rank}", daemon=True).start()
+        if not done.wait(timeout_s):
+            log.warning("tensor-parallel rank %d: the NCCL communicator did not shut down in %.0f s; left as it is",
+                        self.rank, timeout_s)
+        self.group = None
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, MLP columns); InvalidConfig when it does not divide."""

@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
             break
         runner.follow(step)
         waited, busy, steps = waited + launched - start, busy + time.perf_counter() - launched, steps + 1
+    tp.leave()  # with rank 0, which closes our stdin as it leaves too
     if steps:  # where a follower's host time goes: a follower slower than the GPU steps holds every rank back
         print(f"tensor-parallel rank {rank}: {steps} steps, {busy / steps * 1e6:.0f} us of host work and "
               f"{waited / steps * 1e6:.0f} us waiting for rank 0 a step", file=sys.stderr, flush=True)

@@ -77,13 +77,15 @@ class FollowerRanks:
             write_message(proc.stdin, message)
 
     def close(self) -> None:
-        """Stop the followers: their stdin closes, they leave their loop and exit."""
+        """Stop the followers: their stdin closes, they leave their loop and the group (with rank 0) and exit."""
         self._closing = True
         for proc in self.procs:
             try:
                 proc.stdin.close()
             except OSError:
                 pass
+        if all(proc.poll() is None for proc in self.procs):  # every rank leaves the NCCL group together
+            self.tp.leave()
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
