@@ -42,6 +42,7 @@ SCRIPT = COMPOSE_DIR / "offline-up.sh"
 IMAGE_TAG = "test-compose"  # disagg:test-compose, so a user's disagg:latest is left alone
 PROMPTS = ["What is the capital of France?", "Count to five.", "Name a colour.", "Say hi."]
 SERVICES = {"disagg-router", "disagg-prefill", "disagg-decode"}
+PROJECT_PREFIX = "disagg-test-"  # then the pid of the test's process
 
 
 def _run(*command: str, timeout: float = 600, env: dict[str, str] | None = None,
@@ -65,11 +66,24 @@ def docker(tmp_path_factory) -> Iterator[str]:
     started = _run(str(SCRIPT), "dockerd", env={"DOCKERD_LOG": str(log)}, timeout=120, check=False)
     if started.returncode != 0:
         pytest.skip(f"dockerd cannot run here: {started.stderr.strip().splitlines()[-1]}")
+    _remove_stacks_left_behind(cli)
     try:
         yield cli
     finally:
         if not running:  # the engine this test started goes with it
             os.kill(int(Path("/var/run/docker.pid").read_text()), signal.SIGTERM)
+
+
+def _remove_stacks_left_behind(docker: str) -> None:
+    """The stacks of earlier runs that never reached their teardown (the run was killed): a project
+    disagg-test-<pid> whose process is gone. The engine restarts their workers (restart: unless-stopped), and with
+    their consul gone they crash and restart in a loop that took one of this machine's two cores."""
+    listed = _run(docker, "ps", "-a", "--filter", "label=com.docker.compose.project",
+                  "--format", '{{.Label "com.docker.compose.project"}}', timeout=60).stdout.split()
+    for project in sorted(set(listed)):
+        pid = project.removeprefix(PROJECT_PREFIX)
+        if project.startswith(PROJECT_PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _run(str(COMPOSE), "--project-name", project, "down", "--remove-orphans", timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +115,7 @@ class Stack:
         self.docker = docker
         self.ports = {name: free_port() for name in ("ROUTER_PORT", "ROUTER_HTTP_PORT", "CONSUL_UI_PORT",
                                                       "JAEGER_UI_PORT", "PROMETHEUS_PORT")}
-        self.env = {"COMPOSE_PROJECT_NAME": f"disagg-test-{os.getpid()}", "COMPOSE_PROFILES": "cpu",
+        self.env = {"COMPOSE_PROJECT_NAME": f"{PROJECT_PREFIX}{os.getpid()}", "COMPOSE_PROFILES": "cpu",
                     "OMP_NUM_THREADS": "1", "NUM_KV_BLOCKS": "256", **{k: str(v) for k, v in self.ports.items()}}
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
