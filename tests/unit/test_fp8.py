@@ -326,6 +326,48 @@ def test_the_triton_kernels_store_and_read_an_fp8_cache_as_the_torch_path_does()
     assert len(lines) == 2 and all(float(error) < 1e-5 and same == "True" for error, same in lines), result.stdout
 
 
+# The batch-1 GEMV on FP8 rows with their scales, and the fused per-token quantisation before an FP8 GEMM, in Triton's
+# interpreter (float32 activations: it has no bf16). The activations are values FP8 holds exactly once scaled (a
+# power-of-two scale, each row's largest value 448): the interpreter's own float8 rounding (it rounds 31.2 to 16,
+# where a GPU gives 32) plays no part; tests/gpu/test_gemv.py checks the rounding against torch on a GPU.
+_TRITON_FP8_LINEAR = """
+import torch
+from common.engine.kernels.gemv import GemvConfig, gemv
+from common.engine.quantization.fp8_linear import FP8, FP8_MAX, _MIN_SCALE, dequantize, quantize_rows
+from common.engine.quantization.fp8_triton import quantize_tokens
+torch.manual_seed(0)
+n, k = 48, 256
+w, scale = quantize_rows(torch.randn(n, k) * 0.05)
+wd, bias, cfg = dequantize(w, scale, None, torch.float32), torch.randn(n), GemvConfig(4, 64, 4, 1)
+x, res, nw, gu = torch.randn(1, k), torch.randn(1, k), torch.rand(k) + 0.5, torch.randn(1, 2 * k)
+h = x + res
+errors = [(gemv(x, w, bias, None, config=cfg, scale=scale) - (x @ wd.T + bias)).abs().max().item()]
+y, total = gemv(x, w, None, "add_norm", res, (nw, 1e-5), cfg, scale)
+errors += [(y - (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ wd.T).abs().max().item(),
+           (total - h).abs().max().item()]
+y = gemv(gu, w, None, "silu_mul", config=cfg, scale=scale)
+errors.append((y - (torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]) @ wd.T).abs().max().item())
+exact = torch.randn(4, 1500).clamp(-440, 440).to(FP8).float()
+exact[:, 7] = 448.0
+exact[3] = 0.0  # an all-zero token
+rows = exact * torch.tensor([2.0 ** -6, 1.0, 2.0 ** 3, 1.0])[:, None]
+q, s = quantize_tokens(rows, FP8, FP8_MAX, _MIN_SCALE)
+want_s = (rows.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+print(max(errors), torch.equal(s, want_s), torch.equal(q.float(), (rows / want_s).to(FP8).float()))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_batch1_gemv_runs_fp8_rows_with_their_scales_and_tokens_quantise_in_one_kernel():
+    """Each GEMV prologue (none, add + RMSNorm, SiLU·up) over FP8 rows = the dequantised weight's product; the fused
+    quantisation gives torch's scales and FP8 values."""
+    result = subprocess.run([sys.executable, "-c", _TRITON_FP8_LINEAR], env={**os.environ, "TRITON_INTERPRET": "1"},
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    error, same_scales, same_values = result.stdout.split()
+    assert float(error) < 1e-5 and same_scales == "True" and same_values == "True", result.stdout
+
+
 def test_raw_block_copies_take_fp8_caches():
     """cuda_ipc's reference copy, and a tensor-parallel GPU cache's scatter into its shards (CPU tensors stand in)."""
     src = torch.randn(2, 2, 5, 4, 2, 8).to(FP8)

@@ -35,9 +35,21 @@ def _gemv():
     return gemv
 
 
-def _gemv_applies(x: torch.Tensor, layer: nn.Linear, prologue: str | None = None) -> bool:
-    # Only plain linears: an Fp8Linear (common/engine/quantization) runs its own FP8 GEMM.
-    return _on_gpu(x) and isinstance(layer, nn.Linear) and x.dim() == 2 and x.shape[0] == 1 and _gemv().applies(x, layer.weight, layer.bias, prologue)
+def _gemv_scale(layer: nn.Module) -> torch.Tensor | None | bool:
+    """What the GEMV multiplies a layer's rows by: None for a plain linear, an Fp8Linear's row scales; False where
+    the GEMV cannot run the layer (an Fp8Linear with block-wise scales, any other module)."""
+    if isinstance(layer, nn.Linear):
+        return None
+    if getattr(layer, "block_k", True) is None and getattr(layer, "weight_scale", None) is not None:
+        return layer.weight_scale
+    return False
+
+
+def _gemv_applies(x: torch.Tensor, layer: nn.Module, prologue: str | None = None) -> bool:
+    if not (_on_gpu(x) and x.dim() == 2 and x.shape[0] == 1):
+        return False
+    scale = _gemv_scale(layer)
+    return scale is not False and _gemv().applies(x, layer.weight, layer.bias, prologue, scale)
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
@@ -79,7 +91,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                 layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual); without a residual, (layer(norm(x)), x)."""
     if residual is not None and _gemv_applies(x, layer, "add_norm"):
-        return _gemv().gemv(x, layer.weight, layer.bias, "add_norm", residual, (norm.weight, norm.eps))
+        return _gemv().gemv(x, layer.weight, layer.bias, "add_norm", residual, (norm.weight, norm.eps),
+                            scale=_gemv_scale(layer))
     if residual is None:
         return linear(rms_norm(x, norm.weight, norm.eps), layer), x
     h, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -89,11 +102,11 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
 def silu_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """layer(silu(gate) · up) of gate_up = gate ‖ up."""
     if _gemv_applies(gate_up, layer, "silu_mul"):
-        return _gemv().gemv(gate_up, layer.weight, layer.bias, "silu_mul")
+        return _gemv().gemv(gate_up, layer.weight, layer.bias, "silu_mul", scale=_gemv_scale(layer))
     return layer(silu_and_mul(gate_up))
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if _gemv_applies(x, layer):
-        return _gemv().gemv(x, layer.weight, layer.bias)
+        return _gemv().gemv(x, layer.weight, layer.bias, scale=_gemv_scale(layer))
     return layer(x)

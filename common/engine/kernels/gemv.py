@@ -80,10 +80,11 @@ def config_for(n: int, k: int) -> GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N, K, eps, stride_wn,
-                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """PROLOGUE: 0 none, 1 add + RMSNorm, 2 silu-and-mul (x holds 2K values). K is a multiple of BLOCK_K."""
+def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, N, K, eps, stride_wn,
+                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_N: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """PROLOGUE: 0 none, 1 add + RMSNorm, 2 silu-and-mul (x holds 2K values). K is a multiple of BLOCK_K.
+    HAS_SCALE: W is FP8 with one float32 scale a row (Fp8Linear's), which multiplies the row's finished sum."""
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -112,6 +113,8 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N
     out = tl.sum(acc, axis=1)
     if PROLOGUE == 1:
         out = out * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    if HAS_SCALE:
+        out = out * tl.load(w_scale_ptr + n, mask=n < N, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + n, out.to(y_ptr.dtype.element_ty), mask=n < N)
@@ -119,8 +122,9 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, N
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str | None = None,
          residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-         config: GemvConfig | None = None):
-    """y [1, N] = f(x) W^T + b; with prologue "add_norm" returns (y, x + residual)."""
+         config: GemvConfig | None = None, scale: torch.Tensor | None = None):
+    """y [1, N] = f(x) W^T + b; with prologue "add_norm" returns (y, x + residual). `scale` [N, 1] (float32): W is
+    FP8 and row n of it stands for scale[n] · W[n] (an Fp8Linear's weight_scale, one per row)."""
     N, K = weight.shape
     config = config or config_for(N, K)
     x = x.contiguous()
@@ -128,8 +132,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     res_out = torch.empty_like(x) if prologue == "add_norm" else x
     norm_w, eps = norm if norm is not None else (x, 0.0)
     _gemv_kernel[(triton.cdiv(N, config.block_n),)](
-        x, residual if residual is not None else x, norm_w, res_out, weight, bias if bias is not None else weight, y,
-        N, K, eps, weight.stride(0), PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None,
+        x, residual if residual is not None else x, norm_w, res_out, weight, scale if scale is not None else x,
+        bias if bias is not None else x, y, N, K, eps, weight.stride(0), PROLOGUE=PROLOGUES[prologue],
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         EVEN_N=N % config.block_n == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return (y, res_out) if prologue == "add_norm" else y
@@ -140,34 +145,37 @@ def fits(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> bool:
         weight.shape[1] % config.block_k == 0
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None = None) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None = None,
+            scale: torch.Tensor | None = None) -> bool:
     """One row on CUDA, K a multiple of the tile's chunk, and this kernel measured no slower than cuBLAS with
-    its separate prologue kernel, for this shape (measured once, outside any CUDA-graph capture)."""
+    its separate prologue kernel (with `scale`, an FP8 weight: than the FP8 GEMM with its activations' quantisation,
+    fp8_linear.scaled_mm_linear), for this shape (measured once, outside any CUDA-graph capture)."""
     config = config_for(*weight.shape)
     if not fits(x, weight, config):
         return False
-    key = (*weight.shape, weight.dtype, bias is not None, prologue)
+    key = (*weight.shape, weight.dtype, x.dtype, bias is not None, prologue)
     if key not in choices:
         if torch.cuda.is_current_stream_capturing():
             return False
-        ours, theirs = compare(weight, bias, prologue, config)
+        ours, theirs = compare(weight, bias, prologue, config, scale, x.dtype)
         choices[key] = GemvChoice(ours, theirs)
     return choices[key].uses_gemv
 
 
-def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None,
-            config: GemvConfig) -> tuple[float, float]:
-    """µs per call, inside a CUDA graph, of this GEMV and of (the prologue as its own kernel +) cuBLAS."""
+def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None, config: GemvConfig,
+            scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """µs per call, inside a CUDA graph, of this GEMV and of (the prologue as its own kernel +) cuBLAS (an FP8
+    weight: its FP8 GEMM)."""
     from common.engine.kernels import triton_ops
 
     N, K = weight.shape
     copies = weight_copies(weight)
-    dev, dt = weight.device, weight.dtype
+    dev, dt = weight.device, dtype or weight.dtype
     x = torch.randn((1, 2 * K if prologue == "silu_mul" else K), dtype=dt, device=dev)
     res, norm_w = torch.randn((1, K), dtype=dt, device=dev), torch.rand(K, dtype=dt, device=dev) + 0.5
 
     def ours(i: int):
-        return gemv(x, copies[i], bias, prologue, res, (norm_w, 1e-5), config)
+        return gemv(x, copies[i], bias, prologue, res, (norm_w, 1e-5), config, scale)
 
     def cublas(i: int):
         h = x
@@ -175,6 +183,10 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
             h, _ = triton_ops.add_rms_norm(x, res, norm_w, 1e-5)
         elif prologue == "silu_mul":
             h = triton_ops.silu_and_mul(x)
+        if scale is not None:
+            from common.engine.quantization.fp8_linear import scaled_mm_linear
+
+            return scaled_mm_linear(h, copies[i], scale, bias)
         return torch.nn.functional.linear(h, copies[i], bias)
 
     return graph_time_us(ours, len(copies)), graph_time_us(cublas, len(copies))

@@ -7,8 +7,9 @@ scales let a fused projection (q ‖ k ‖ v) concatenate its parts' scales as i
 
 Where it runs:
 - CUDA, compute capability >= 8.9 (Ada, Hopper), bf16 activations, one scale a row: `torch._scaled_mm`, an FP8
-  GEMM, each token's activations quantised with its own dynamic scale (absmax / 448). Unmeasured: no GPU was lent
-  to this work (the same call runs in the CPU tests through torch's CPU _scaled_mm).
+  GEMM, each token's activations quantised with its own dynamic scale (absmax / 448) by one Triton kernel
+  (fp8_triton.py). At one token a step, the batch-1 GEMV (common/engine/kernels/gemv.py) reads the FP8 rows with
+  their scales instead, where it measures faster (kernels.linear and its fused variants choose).
 - other GPUs, other dtypes, block-wise scales: the weight is dequantised to the compute dtype on each call
   (float32 product, then cast) and multiplied in that dtype: FP8 in memory, a conversion per call. Unmeasured.
 - the CPU holds no Fp8Linear: the loader dequantises FP8 weights once, by the same rule, into plain linear layers
@@ -16,6 +17,7 @@ Where it runs:
 """
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 
 import torch
@@ -25,6 +27,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or token: any positive scale gives zeros
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +75,27 @@ class Fp8Linear(nn.Module):
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0 and _has_fp8_gemm(x.device))
 
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)  # per token
-        x_fp8 = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        out = torch._scaled_mm(x_fp8, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                               out_dtype=x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+def quantize_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 rows, float32 scale [M, 1]): each token (row) scaled so its largest magnitude is FP8's largest value;
+    one Triton kernel on CUDA (fp8_triton.py), the same arithmetic in torch ops elsewhere."""
+    if rows.is_cuda and HAS_TRITON and rows.stride(-1) == 1:
+        from common.engine.quantization.fp8_triton import quantize_tokens as fused
+
+        return fused(rows, FP8, FP8_MAX, _MIN_SCALE)
+    scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b as an FP8 GEMM (torch._scaled_mm): x's tokens quantised each with its own scale, W [out, in] FP8
+    with one scale a row ([out, 1]); the result in x's dtype."""
+    rows = x.reshape(-1, weight.shape[1])
+    x_fp8, x_scale = quantize_tokens(rows)
+    out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
