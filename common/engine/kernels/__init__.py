@@ -35,21 +35,20 @@ def _gemv():
     return gemv
 
 
-def _gemv_scale(layer: nn.Module) -> torch.Tensor | None | bool:
-    """What the GEMV multiplies a layer's rows by: None for a plain linear, an Fp8Linear's row scales; False where
-    the GEMV cannot run the layer (an Fp8Linear with block-wise scales, any other module)."""
-    if isinstance(layer, nn.Linear):
-        return None
-    if getattr(layer, "block_k", True) is None and getattr(layer, "weight_scale", None) is not None:
-        return layer.weight_scale
-    return False
+def _gemv_scale(layer: nn.Module) -> torch.Tensor | None:
+    """What the GEMV multiplies a layer's rows by: nothing for a plain linear, an Fp8Linear's row scales."""
+    return getattr(layer, "weight_scale", None)
 
 
 def _gemv_applies(x: torch.Tensor, layer: nn.Module, prologue: str | None = None) -> bool:
+    """A plain linear, or an Fp8Linear where its FP8 GEMM would run (one scale a row, bf16, a GPU with FP8: the
+    GEMV's float8 loads need one), at one row on CUDA, where the GEMV measured no slower."""
     if not (_on_gpu(x) and x.dim() == 2 and x.shape[0] == 1):
         return False
-    scale = _gemv_scale(layer)
-    return scale is not False and _gemv().applies(x, layer.weight, layer.bias, prologue, scale)
+    fp8_gemm_applies = getattr(layer, "_fp8_gemm_applies", None)
+    if not (isinstance(layer, nn.Linear) or (fp8_gemm_applies is not None and fp8_gemm_applies(x))):
+        return False
+    return _gemv().applies(x, layer.weight, layer.bias, prologue, _gemv_scale(layer))
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
