@@ -71,7 +71,9 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, wi
 class TorchPagedAttention:
     """Reference paged attention: gathers blocks, then SDPA. Decodes are batched; prefills run one by one."""
 
-    fused_rope_store = False  # the model applies RoPE and calls `forward`, which writes K/V into the cache
+    # The model applies RoPE and calls `forward`, which writes K/V; or, where kernels.rope_store_on_cpu, one C kernel
+    # ropes and writes them and the model calls `attend`.
+    fused_rope_store = False
     graphable = False  # no `host_arrays`: decode steps are not captured in CUDA graphs
 
     def __init__(self, block_size: int, windows: set[int | None], device: torch.device,
@@ -132,6 +134,13 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
         self.kv.write(k_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, k)
         self.kv.write(v_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, v)
+        return self.attend(q, kv_cache, meta, scale, window)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
+               window: int | None) -> torch.Tensor:
+        """`forward` after its K/V write: the step's K and V are in the cache already (kernels.rope_store_kv wrote
+        them, on the CPU in bf16)."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         if not meta.prefills:  # every row a decode, in order
             return self._decode(q, k_cache, v_cache, meta, scale, window)
         out = torch.empty_like(q)

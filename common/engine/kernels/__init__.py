@@ -6,7 +6,8 @@
 - `norm_linear`, `silu_linear`, `linear`: a linear layer with the op before it; at one row on CUDA a Triton
   GEMV with that op fused in (gemv.py), where it measured no slower, inside a CUDA graph, than the op's own
   kernel followed by cuBLAS, for the weight's shape.
-A Triton kernel is used only for CUDA tensors with triton installed, so the CPU path never imports it.
+A Triton kernel is used only for CUDA tensors with triton installed, so the CPU path never imports it. On the CPU,
+norms and RoPE + the K/V write run as C kernels (cpu_ops.py) for bf16 on one torch thread.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from common.engine import cpu_ops
 from common.engine.kernels import reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -58,6 +60,8 @@ def _on_gpu(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _on_gpu(x):
         return _triton().rms_norm(x, weight, eps)
+    if cpu_ops.norm_applies(x, weight):
+        return cpu_ops.add_rms_norm(x, None, weight, eps)[0]
     return reference.rms_norm(x, weight, eps)
 
 
@@ -66,6 +70,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(rms_norm(x + residual), x + residual)."""
     if _on_gpu(x):
         return _triton().add_rms_norm(x, residual, weight, eps)
+    if cpu_ops.norm_applies(x, weight) and residual.dtype == x.dtype:
+        return cpu_ops.add_rms_norm(x, residual, weight, eps)
     return reference.add_rms_norm(x, residual, weight, eps)
 
 
@@ -81,9 +87,18 @@ def rope_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     """q [T, Hq, D] after norm + RoPE; K (normed, roped) and V written at `slots` of the caches [N, bs, Hkv, D].
     q_norm / k_norm: the RMSNorm modules of Qwen3 (weight [D], eps), or None."""
     norms = tuple(None if m is None else (m.weight, m.eps) for m in (q_norm, k_norm))
-    impl = _triton() if _on_gpu(qkv) else reference
+    if _on_gpu(qkv):
+        impl = _triton()
+    else:
+        impl = cpu_ops if cpu_ops.rope_store_applies(qkv, k_cache, cos_sin, norms) else reference
     return impl.rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim,
                               *norms)
+
+
+def rope_store_on_cpu(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a step of `x` ropes q and k and writes K/V with `rope_store_kv` where the backend would write them
+    itself (TorchPagedAttention): on the CPU, where the C kernel takes the step (bf16, the cache's dtype)."""
+    return cpu_ops.rope_store_applies(x, k_cache)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,

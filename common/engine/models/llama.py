@@ -3,7 +3,8 @@
 Module names mirror Hugging Face's, except two fused projections: `qkv_proj` (q ‖ k ‖ v rows, one GEMM)
 and `gate_up_proj` (gate ‖ up rows); the loader concatenates the checkpoint's tensors into them.
 embed → N × (norm, attention, norm, MLP) → norm → lm head, with each residual add fused into the next norm.
-On CUDA the norms, SiLU-and-mul and RoPE run as Triton kernels (common/engine/kernels); elsewhere in torch.
+On CUDA the norms, SiLU-and-mul and RoPE run as Triton kernels (common/engine/kernels), on the CPU in bf16 as C
+kernels (common/engine/cpu_ops.py); elsewhere in torch.
 Under tensor parallelism (common/engine/parallel.py) each rank builds its share: its heads, its slice of the
 MLP and of the vocabulary, cut from the checkpoint by `tp_plan`; o_proj and down_proj end in an all-reduce.
 """
@@ -16,7 +17,8 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from common.engine.attention import TorchAttentionMetadata, TorchPagedAttention
-from common.engine.kernels import add_rms_norm, linear, norm_linear, rms_norm, rope_store_kv, silu_linear
+from common.engine.kernels import (add_rms_norm, linear, norm_linear, rms_norm, rope_store_kv, rope_store_on_cpu,
+                                   silu_linear)
 from common.engine.models.contract import CausalLM, KvShape, head_dim_of
 from common.engine.models.sharding import Colwise, Rowwise, Shard, VocabRows
 from common.engine.parallel import SINGLE, TensorParallel
@@ -129,7 +131,7 @@ class Attention(nn.Module):
         rope: (cos, sin) [T, D] for a backend that stores K/V itself; else the rotary cos_sin_cache
         [max_positions, D], and one kernel applies q/k norms and RoPE while it writes K and V into the cache."""
         T = qkv.shape[0]
-        if backend.fused_rope_store:
+        if not isinstance(rope, tuple):
             q = rope_store_kv(qkv, positions, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
                               self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
             out = backend.attend(q, kv_cache, meta, self.scale, self.window)
@@ -225,7 +227,8 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = self.model.rotary_emb
-        rope = rotary.cos_sin_cache(x.dtype) if backend.fused_rope_store else rotary(positions, x.dtype)
+        fused = backend.fused_rope_store or rope_store_on_cpu(x, kv_caches[0][0])
+        rope = rotary.cos_sin_cache(x.dtype) if fused else rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta, backend)
