@@ -27,7 +27,7 @@ class _PackedForward:
         self.bias = None if layer.bias is None else layer.bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # a step's [tokens, in] as it is: two reshapes cost ~4.5 us, a fifth of a 1-row GEMM's time
+        if x.dim() == 2:  # a step's [tokens, in] as it is: its two reshapes took ~4.5 us a call, 121 calls a step
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")

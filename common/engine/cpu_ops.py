@@ -1,5 +1,5 @@
 """The decoder layer's small bf16 ops on the CPU as C kernels (cpu_ops.c, built and loaded by cpu_build.py): add +
-RMSNorm, and RoPE + the K/V cache write, each one pass over its rows where torch runs several ops.
+RMSNorm, RoPE + the K/V cache write, SiLU * up, each one pass over its rows where torch runs several ops.
 
 They run where the C decode attention does (cpu_attention.applies): bf16 CPU tensors, one torch thread (a worker
 on a core of its own; with more threads torch's ops spread over them), the library built. Float32 keeps torch's
@@ -27,7 +27,18 @@ def _lib() -> ctypes.CDLL | None:
     built.rope_store_kv_bf16.restype = None
     built.rope_store_kv_bf16.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6
                                          + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 2)
+    built.silu_and_mul_bf16.restype = None
+    built.silu_and_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     return built
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = gate ‖ up → silu(gate) * up [..., I], as reference.silu_and_mul (check `applies`)."""
+    rows = _rows(x)
+    inter = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], inter), dtype=x.dtype)
+    _lib().silu_and_mul_bf16(rows.data_ptr(), out.data_ptr(), rows.shape[0], inter)
+    return _shaped(out, x)
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -2,8 +2,8 @@
 (kernels/reference.py), which rounds to bf16 where Hugging Face does.
 
 Tolerance: one bf16 rounding of the result (rtol 2^-7) and 1e-2 absolute for values of unit scale: the kernels round
-where torch does, so they differ only where a float32 sum in another order (the norm's mean of squares) lands on
-the other side of a bf16 rounding. Sums of two bf16 values (the residual) are exact."""
+where torch does, so they differ only where a float32 sum in another order (the norm's mean of squares) or exp's
+last bits (SiLU) land on the other side of a bf16 rounding. Sums of two bf16 values (the residual) are exact."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +48,16 @@ def test_add_rms_norm_kernel_equals_torch(shape, with_residual, one_thread):
     torch.testing.assert_close(out, want, **ONE_ROUNDING)
 
 
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (5, 2 * 771), (3, 2), (2, 3, 2 * 9)])
+def test_silu_and_mul_kernel_equals_torch(shape, one_thread):
+    torch.manual_seed(1)
+    x = torch.randn(shape, dtype=BF16) * 4  # far into both tails of the sigmoid
+    x[0, ..., 0] = -100.0  # exp(100) past float32's range: silu is -0
+    got, want = cpu_ops.silu_and_mul(x), reference.silu_and_mul(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, **ONE_ROUNDING)
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (6, 2, 34), (4, 4, 2)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_store_kv_kernel_equals_torch(heads, qk_norm, one_thread):
@@ -90,7 +100,7 @@ def test_bf16_engine_with_the_kernels_generates_as_without(tiny_model_dirs, fami
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (13, 6)]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    calls = {name: 0 for name in ("add_rms_norm", "rope_store_kv")}
+    calls = {name: 0 for name in ("add_rms_norm", "rope_store_kv", "silu_and_mul")}
     for name in calls:
         def counted(*args, _name=name, _kernel=getattr(cpu_ops, name)):
             calls[_name] += 1

@@ -7,7 +7,7 @@
   GEMV with that op fused in (gemv.py), where it measured no slower, inside a CUDA graph, than the op's own
   kernel followed by cuBLAS, for the weight's shape.
 A Triton kernel is used only for CUDA tensors with triton installed, so the CPU path never imports it. On the CPU,
-norms and RoPE + the K/V write run as C kernels (cpu_ops.py) for bf16 on one torch thread.
+norms, SiLU * up and RoPE + the K/V write run as C kernels (cpu_ops.py) for bf16 on one torch thread.
 """
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _on_gpu(x):
         return _triton().silu_and_mul(x)
+    if cpu_ops.applies(x):
+        return cpu_ops.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
