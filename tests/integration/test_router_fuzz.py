@@ -2,6 +2,7 @@
 real prefill and decode processes. The router never crashes and always answers either a valid stream
 (deltas, then exactly one Finished) or a gRPC status with a message, never INTERNAL or UNKNOWN (which
 would be a bug, not bad input). Afterwards it still serves, and the workers hold nothing.
+It runs on the shared prefill→decode `disagg up` (conftest's front_doors): it leaves it as it found it.
 """
 from __future__ import annotations
 
@@ -13,12 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.front_doors import Cluster
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.processes import start_services, stop_cleanly
-from tests.integration.test_router import make_text_model
 
-ENV = {"OMP_NUM_THREADS": "1"}
-ARGS = ("--block-size", "16", "--num-kv-blocks", "256")
+pytestmark = pytest.mark.parametrize("front_doors", ["prefill-decode"], indirect=True)
 VOCAB = 49152
 BUG_STATUSES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 ANSWERED = {"stream": 0, "status": 0}
@@ -83,20 +82,6 @@ def generate_requests(draw) -> generation_pb2.GenerateRequest:
     return request
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-    workers = start_services([("prefill", ("--model", model, *ARGS)), ("decode", ("--model", model, *ARGS))],
-                             env=ENV)
-    processes = list(workers)
-    try:
-        processes += start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
-                                                 "--decode-workers", workers[1].address))], env=ENV)
-        yield processes
-    finally:
-        stop_cleanly(processes)
-
-
 def _check_stream(responses: list[generation_pb2.GenerateResponse], request_id: str | None = None) -> str:
     """Asserts the stream is well formed; returns how it ended, for the tally."""
     assert responses, "a stream without a single response"
@@ -117,9 +102,8 @@ def _check_stream(responses: list[generation_pb2.GenerateResponse], request_id: 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(request=generate_requests(), on_stream=st.booleans())
-def test_the_router_answers_every_generated_request(cluster, request, on_stream):
-    router = cluster[2]
-    with router.channel() as channel:
+def test_the_router_answers_every_generated_request(front_doors: Cluster, request, on_stream):
+    with grpc.insecure_channel(front_doors.router) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if on_stream:
@@ -139,14 +123,15 @@ def test_the_router_answers_every_generated_request(cluster, request, on_stream)
             STATUSES[error.code().name] += 1
 
 
-def test_the_router_still_serves_and_nothing_leaked(cluster):
+def test_the_router_still_serves_and_nothing_leaked(front_doors: Cluster):
     """Runs after the property test, on the same processes."""
     print(f"\nanswers: {ANSWERED}, {dict(STATUSES)}")
     generated = STATUSES["FINISH_REASON_LENGTH"] + STATUSES["FINISH_REASON_STOP"]
     assert generated > 30 and ANSWERED["status"] > 10, STATUSES  # both generation and refusals were exercised
-    with cluster[2].channel() as channel:
+    with grpc.insecure_channel(front_doors.router) as channel:
         responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
             prompt="The sea is", sampling=common_pb2.SamplingParams(temperature=0, max_tokens=5)), timeout=30))
     _check_stream(responses)
     assert sum(len(r.delta.token_ids) for r in responses[:-1]) == 5
-    assert_no_leaks(cluster[:2])
+    assert_no_leaks(front_doors.workers)
+    assert "restarting it" not in front_doors.log(), front_doors.log()  # `disagg up` restarted no crashed process
