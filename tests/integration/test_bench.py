@@ -1,4 +1,5 @@
-"""`disagg bench` against real router, prefill and decode processes serving a tiny model."""
+"""`disagg bench` against real router, prefill and decode processes serving a tiny model: the shared prefill→decode
+`disagg up` (conftest's front_doors)."""
 from __future__ import annotations
 
 import json
@@ -7,27 +8,11 @@ import sys
 
 import pytest
 
-from tests.integration.processes import REPO_ROOT, free_port, start_service, start_services
+from tests.integration.front_doors import Cluster
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.test_router import make_text_model
+from tests.integration.processes import REPO_ROOT, free_port
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-    workers = start_services([("prefill", ("--model", model, "--num-kv-blocks", "256")),
-                              ("decode", ("--model", model, "--num-kv-blocks", "256"))], env=WORKER_ENV)
-    processes = list(workers)
-    try:
-        processes.append(start_service("router", "--model", model, "--prefill-workers", workers[0].address,
-                                       "--decode-workers", workers[1].address, "--http-port", str(free_port()),
-                                       env=WORKER_ENV))
-        yield processes
-    finally:
-        for process in processes:
-            process.stop()
+pytestmark = pytest.mark.parametrize("front_doors", ["prefill-decode"], indirect=True)
 
 
 def _bench(router: str, tmp_path, *flags: str) -> dict:
@@ -40,9 +25,8 @@ def _bench(router: str, tmp_path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_bench_with_fixed_concurrency_reports_every_request_and_its_full_length(stack, tmp_path):
-    router = stack[2]
-    result = _bench(router.address, tmp_path, "--num-prompts", "12", "--input-len", "uniform:8:64",
+def test_bench_with_fixed_concurrency_reports_every_request_and_its_full_length(front_doors: Cluster, tmp_path):
+    result = _bench(front_doors.router, tmp_path, "--num-prompts", "12", "--input-len", "uniform:8:64",
                     "--output-len", "uniform:4:16", "--max-concurrency", "4", "--warmup", "1",
                     "--goodput-ttft-ms", "60000", "--plot", str(tmp_path / "bench.png"))
     summary, requests = result["summary"], result["requests"]
@@ -54,24 +38,24 @@ def test_bench_with_fixed_concurrency_reports_every_request_and_its_full_length(
     assert 0 < summary["ttft"]["p50"] <= summary["ttft"]["p99"] <= summary["e2e"]["p99"]
     assert summary["itl"]["count"] == sum(len(r["itl_ms"]) for r in requests) > 0
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert_no_leaks(stack[:2])
+    assert_no_leaks(front_doors.workers)
 
 
-def test_bench_with_poisson_arrivals_and_normal_lengths(stack, tmp_path):
-    result = _bench(stack[2].address, tmp_path, "--num-prompts", "8", "--input-len", "normal:32:8",
+def test_bench_with_poisson_arrivals_and_normal_lengths(front_doors: Cluster, tmp_path):
+    result = _bench(front_doors.router, tmp_path, "--num-prompts", "8", "--input-len", "normal:32:8",
                     "--output-len", "fixed:6", "--request-rate", "20", "--warmup", "0")
     assert result["summary"]["completed"] == 8
     assert all(r["output_tokens"] == 6 for r in result["requests"])
     assert result["config"]["request_rate"] == 20
 
 
-def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(stack, tmp_path):
-    router = stack[2]
-    model = router.args[router.args.index("--model") + 1]
-    done = subprocess.run([sys.executable, "-m", "services", "bench", "--router", router.address, "--http",
-                           router.http_url, "--api", "grpc,openai,kserve", "--tokenizer", model, "--num-prompts", "6",
-                           "--input-len", "uniform:8:32", "--output-len", "uniform:4:8", "--max-concurrency", "3",
-                           "--warmup", "0", "--seed", "2", "--json", str(tmp_path / "bench.json"), "--no-progress"],
+def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(front_doors: Cluster,
+                                                                               front_door_model, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "services", "bench", "--router", front_doors.router, "--http",
+                           front_doors.http, "--api", "grpc,openai,kserve", "--tokenizer", front_door_model,
+                           "--num-prompts", "6", "--input-len", "uniform:8:32", "--output-len", "uniform:4:8",
+                           "--max-concurrency", "3", "--warmup", "0", "--seed", "2",
+                           "--json", str(tmp_path / "bench.json"), "--no-progress"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
@@ -84,13 +68,13 @@ def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(
         assert result["summary"]["completed"] == 6 and result["summary"]["failed"] == 0, api
         assert [r["output_tokens"] for r in result["requests"]] == lengths[api], api
         assert all(r["ttft_ms"] > 0 for r in result["requests"]), api
-    assert_no_leaks(stack[:2])
+    assert_no_leaks(front_doors.workers)
 
 
-def test_bench_openai_alone_needs_only_the_http_server(stack, tmp_path):
+def test_bench_openai_alone_needs_only_the_http_server(front_doors: Cluster, tmp_path):
     """`--api openai` alone lists the models over HTTP (GET /v1/models), so it drives any OpenAI-compatible server
     (vLLM's in tests/bench/vllm_cpu.py): here --router points nowhere."""
-    result = _bench(f"127.0.0.1:{free_port()}", tmp_path, "--api", "openai", "--http", stack[2].http_url,
+    result = _bench(f"127.0.0.1:{free_port()}", tmp_path, "--api", "openai", "--http", front_doors.http,
                     "--num-prompts", "4", "--input-len", "fixed:16", "--output-len", "fixed:4", "--warmup", "0")
     assert result["summary"]["completed"] == 4 and all(r["output_tokens"] == 4 for r in result["requests"])
     assert result["config"]["model"] == "tiny-text"  # the router's model, as its /v1/models names it
