@@ -32,15 +32,6 @@ def _lib() -> ctypes.CDLL | None:
     return built
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] = gate ‖ up → silu(gate) * up [..., I], as reference.silu_and_mul (check `applies`)."""
-    rows = _rows(x)
-    inter = rows.shape[1] // 2
-    out = torch.empty((rows.shape[0], inter), dtype=x.dtype)
-    _lib().silu_and_mul_bf16(rows.data_ptr(), out.data_ptr(), rows.shape[0], inter)
-    return _shaped(out, x)
-
-
 def applies(x: torch.Tensor) -> bool:
     """Whether the kernels take `x`: a bf16 CPU tensor, one torch thread, the library built."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and torch.get_num_threads() == 1 and _lib() is not None
@@ -74,14 +65,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return _shaped(out, x), (x if res is None else _shaped(total, x))
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = gate ‖ up → silu(gate) * up [..., I], as reference.silu_and_mul (check `applies`)."""
+    rows = _rows(x)
+    inter = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], inter), dtype=x.dtype)
+    _lib().silu_and_mul_bf16(rows.data_ptr(), out.data_ptr(), rows.shape[0], inter)
+    return _shaped(out, x)
+
+
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return applies(x) and _bf16_block(weight) and weight.numel() == x.shape[-1]
 
 
 def rope_store_applies(x: torch.Tensor, k_cache: torch.Tensor, cos_sin: torch.Tensor | None = None,
                        norms: tuple[tuple[torch.Tensor, float] | None, ...] = ()) -> bool:
-    """Whether `rope_store_kv` takes a step of `x` (bf16, see `applies`) into the cache [N, bs, Hkv, D]: the cache of
-    the same dtype (an FP8 cache keeps the torch write) and contiguous (a tensor-parallel rank's slice of the heads
+    """Whether `rope_store_kv` takes a step of `x` (bf16, see `applies`) into the caches [N, bs, Hkv, D] (K's and V's
+    alike, as a layer's two halves are): the cache of the same dtype (an FP8 cache keeps the torch write) and contiguous (a tensor-parallel rank's slice of the heads
     is not), D even and at most 512; cos_sin, when given, and the per-head norms' weights bf16 and contiguous."""
     dim = k_cache.shape[-1]
     return (applies(x) and k_cache.dtype == x.dtype and k_cache.is_contiguous() and dim % 2 == 0

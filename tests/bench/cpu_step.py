@@ -21,7 +21,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from common.engine import cpu_ops, kernels as dispatch
+from common.engine import cpu_attention, cpu_linear, cpu_ops, kernels as dispatch
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
@@ -57,6 +57,8 @@ OPS: dict[str, dict[bool, list[tuple[object, str]]]] = {
     "RoPE + K/V write": {True: [(llama, "rope_store_kv")],
                          False: [(llama, "apply_rope"), (llama.RotaryEmbedding, "forward"), (KvCacheFormat, "write")]},
     "SiLU * up": {on: [(dispatch, "silu_and_mul")] for on in (True, False)},
+    "GEMMs": {on: [(cpu_linear._PackedForward, "__call__")] for on in (True, False)},
+    "attention": {on: [(cpu_attention, "decode")] for on in (True, False)},
 }
 
 
@@ -130,7 +132,10 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for batch in args.batch:
         timed = decode_steps(engine, batch, args.steps, args.rounds, timed=True)
-        for op in ["step", *OPS]:
+        for side in timed.values():
+            for r in side:
+                r["other (step less the above)"] = r["step"] - sum(r[op] for op in OPS)
+        for op in ["step", *OPS, "other (step less the above)"]:
             off, on = (statistics.median(r[op] for r in timed[side]) for side in (False, True))
             print(f"| {op} | {batch} | {off:.2f} | {on:.2f} |")
 
