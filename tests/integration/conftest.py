@@ -12,7 +12,7 @@ import pytest
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
 from tests.integration.kv_backend_cases import backend_cluster, cpu_backends
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import ServiceProcess, start_services, stop_together
+from tests.integration.processes import ServiceProcess, start_services
 
 # Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
 TINY_ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "64")
@@ -53,21 +53,18 @@ def tiny_worker_args(tiny_llama) -> tuple[str, ...]:
     return ("--model", tiny_llama, *TINY_ENGINE_ARGS)
 
 
-@pytest.fixture(scope="module")
-def worker_pair(tiny_worker_args) -> Iterator[WorkerPair]:
-    """A float32 tiny-llama prefill and decode, shared by a module's tests."""
-    processes = start_services([("prefill", tiny_worker_args), ("decode", tiny_worker_args)], env=WORKER_ENV)
-    try:
-        yield WorkerPair(*processes)
-    finally:
-        stop_together(processes)
+@pytest.fixture(scope="session")
+def worker_pair(kv_workers) -> WorkerPair:
+    """A float32 tiny-llama prefill and decode (tiny_worker_args, every CPU KV backend): kv_workers' "prefill" and
+    "decode_any", which the KV backend tests also use, and which their tests and these leave with every pool full."""
+    return WorkerPair(kv_workers["prefill_process"], kv_workers["decode_any_process"])
 
 
 @pytest.fixture(scope="session")
 def kv_workers(tiny_llama) -> Iterator[dict]:
     """kv_backend_cases.backend_cluster of float32 tiny-llama workers for every CPU backend here, and a prefill that
-    offers shm,grpc only ("prefill_no_nixl"): the KV backend and tensor-parallel tests share it, and each of their
-    tests leaves every pool full."""
+    offers shm,grpc only ("prefill_no_nixl"): the KV backend, tensor-parallel, worker and shm tests share it (the
+    last two through worker_pair), and each of their tests leaves every pool full."""
     args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
     extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
     with backend_cluster(args, list(cpu_backends()), extra, env=WORKER_ENV) as cluster:
