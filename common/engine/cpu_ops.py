@@ -32,6 +32,11 @@ def _lib() -> ctypes.CDLL | None:
     return built
 
 
+def warm() -> None:
+    """Build (once per machine: about half a second) or load the kernels now, not in a bf16 worker's first step."""
+    _lib()
+
+
 def applies(x: torch.Tensor) -> bool:
     """Whether the kernels take `x`: a bf16 CPU tensor, one torch thread, the library built."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and torch.get_num_threads() == 1 and _lib() is not None

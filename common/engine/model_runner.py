@@ -15,7 +15,7 @@ import torch
 from common.engine.attention import BatchLayout, TorchPagedAttention
 from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_model_len
 from common.cpu_cores import pin_model_thread, usable_cores
-from common.engine import cpu_attention
+from common.engine import cpu_attention, cpu_ops
 from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread
 from common.engine.models.loader import check_shardable, load_model
@@ -179,6 +179,8 @@ class ModelRunner:
         self.attention = make_attention_backend(self.block_size, set(shape.windows), self.device, self.kv_format)
         if self.device.type == "cpu":
             cpu_attention.kernel()  # built (once per machine) or loaded now, not in the first request's step
+            if self.dtype == torch.bfloat16:
+                cpu_ops.warm()  # the same for the bf16 norm / RoPE kernels
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)
         self._greedy: torch.Tensor | None = None  # a follower's: its last step's greedy tokens (the next ahead's input)
