@@ -10,10 +10,11 @@ two methods (`prepare`, `forward`) and is chosen in model_runner.make_attention_
 
 On the CPU it is also the serving path, so its choices are measured ones (one core of an AMD EPYC, SmolLM2-135M's
 9 query / 3 KV heads of 64, per layer): decodes read the blocks in place with a C kernel (cpu_attention.py; eight
-decodes of 150 tokens 141 us, one 23 us); where it is not built, blocks are gathered whole with `index_select` on
-the block ids rather than indexed by table (7 against 25 us for one sequence of 150 tokens, 29 against 170 for
-eight); and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in bf16: eight decodes of
-150 tokens 279 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
+decodes of 150 tokens 141 us, one 23 us), and so do prefill chunks, over their cached context and themselves (a
+128-token prompt about 445 against 650 us with the gather and SDPA); where they are not built, blocks are gathered
+whole with `index_select` on the block ids rather than indexed by table (7 against 25 us for one sequence of 150
+tokens, 29 against 170 for eight); and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in
+bf16: eight decodes of 150 tokens 279 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
 An FP8 cache (quantization/kv_cache.py) is read the same ways: by the C kernel, each byte's value from a table, or
 gathered and dequantised to the compute dtype.
 """
@@ -58,6 +59,11 @@ class TorchAttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64: tokens each decode attends to, its own included
     decode_starts: dict[int | None, torch.Tensor]  # sliding window -> [num_decodes] first token in it
     prefills: list[_PrefillSeq] = field(default_factory=list)
+    # the prefills again for the C kernel, each [num_prefills] int64 (block ids [num_prefills * max_blocks])
+    prefill_rows: torch.Tensor | None = None  # first row of each in the packed batch
+    prefill_query_lens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_block_ids: torch.Tensor | None = None  # zero-padded to the longest's blocks
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -90,6 +96,7 @@ class TorchPagedAttention:
             slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + q))
         meta_decode_rows, decode_tables, decode_lens = [], [], []
         prefills: list[_PrefillSeq] = []
+        prefill_rows, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
         start = 0
         for ctx, q, table in zip(layout.context_lens, layout.query_lens, layout.block_tables):
             seq_len = ctx + q
@@ -103,9 +110,13 @@ class TorchPagedAttention:
                 k_pos = torch.arange(seq_len, device=dev)[None, :]
                 masks = {w: _allowed(q_pos, k_pos, torch.tensor(seq_len, device=dev), w) for w in self.windows}
                 prefills.append(_PrefillSeq(slice(start, start + q), torch.tensor(needed, device=dev), seq_len, masks))
+                prefill_rows.append(start)
+                prefill_lens.append(q)
+                prefill_ctx.append(ctx)
+                prefill_tables.append(needed)
             start += q
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        block_ids = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
+        block_ids = _padded(decode_tables)
         lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
         k_pos = torch.arange(max_blocks * bs, device=dev)[None, :]
         q_pos = (lens - 1)[:, None]
@@ -118,6 +129,11 @@ class TorchPagedAttention:
             decode_seq_lens=lens,
             decode_starts={w: (lens - w).clamp_(min=0) if w else torch.zeros_like(lens) for w in self.windows},
             prefills=prefills,
+            **({} if dev.type != "cpu" else dict(  # the C prefill kernel's, on the CPU only
+                prefill_rows=torch.tensor(prefill_rows, dtype=torch.long),
+                prefill_query_lens=torch.tensor(prefill_lens, dtype=torch.long),
+                prefill_context_lens=torch.tensor(prefill_ctx, dtype=torch.long),
+                prefill_block_ids=torch.tensor(_padded(prefill_tables), dtype=torch.long))),
         )
 
     def forward(
@@ -143,9 +159,16 @@ class TorchPagedAttention:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if not meta.prefills:  # every row a decode, in order
             return self._decode(q, k_cache, v_cache, meta, scale, window)
+        kernel = cpu_attention.prefill_applies(q, k_cache)
+        if kernel:
+            q = q.contiguous()  # the kernel's layout, and so out's
         out = torch.empty_like(q)
         if meta.decode_token_idx.numel():
             out[meta.decode_token_idx] = self._decode(q[meta.decode_token_idx], k_cache, v_cache, meta, scale, window)
+        if kernel:  # every prefill in one call, straight from the blocks
+            cpu_attention.prefill(q, out, k_cache, v_cache, meta.prefill_block_ids, meta.prefill_rows,
+                                  meta.prefill_query_lens, meta.prefill_context_lens, scale, window, self.kv.scale)
+            return out
         for seq in meta.prefills:
             keys = self.kv.read(k_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len], q.dtype)
             values = self.kv.read(v_cache.index_select(0, seq.block_ids).flatten(0, 1)[: seq.seq_len], q.dtype)
@@ -161,6 +184,12 @@ class TorchPagedAttention:
         keys = self.kv.read(k_cache.index_select(0, meta.decode_block_ids).view(shape), q.dtype)
         values = self.kv.read(v_cache.index_select(0, meta.decode_block_ids).view(shape), q.dtype)
         return _sdpa(q.unsqueeze(1), keys, values, meta.decode_masks[window], scale).squeeze(1)
+
+
+def _padded(tables: list[list[int]]) -> list[int]:
+    """The block tables flattened, each zero-padded to the longest."""
+    longest = max((len(t) for t in tables), default=0)
+    return [b for t in tables for b in t + [0] * (longest - len(t))]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -133,3 +133,198 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     free(qf); free(acc); free(kv); free(scores);
     return 0;
 }
+
+/* Paged prefill attention: the query tokens of each sequence's chunk attend causally to the sequence's cached
+ * context and to the chunk itself (its K/V are in the cache already), optionally within a sliding window.
+ *
+ * Flash-attention order, so each K and V row is converted once per tile and then reused from the caches: per
+ * sequence, KV head and tile of TILE_Q query tokens (every query head of the group: TILE_Q * group rows), the keys
+ * the tile may see are read from the blocks KEYS at a time into float32 (K transposed, TILE_K keys a chunk), scored
+ * against every row of the tile, and folded into each row's running maximum, sum and weighted sum (online softmax,
+ * all float32) over only the keys that row sees. On one core of the development machine (SmolLM2-135M's 9 / 3 heads
+ * of 64, a 128-token prompt, bf16) it took 445 us a layer against the torch path's 650 (gather, then SDPA in
+ * float32); softmax's reductions as TILE_K lanes over a whole pass rather than a chunk at a time made it 465 ->
+ * 445 us; TILE_K 32 or 8, eight rows scored at once and two sums in the weighted sum measured no faster or slower. */
+#define TILE_Q 16
+#define TILE_K 16
+#define KEYS 128  /* keys scored per pass: softmax's reductions run over up to KEYS scores of a row at once */
+
+/* s[r * ld + j] = q[r] . kt[:, j], j < TILE_K, for `rows` rows of q ([rows, d]) and a transposed chunk kt
+ * ([d, TILE_K]); four rows at once (eight measured no faster) */
+static inline void score_chunk(const float *q, const float *kt, float *s, int64_t rows, int64_t d, int64_t ld) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        float s0[TILE_K] = {0}, s1[TILE_K] = {0}, s2[TILE_K] = {0}, s3[TILE_K] = {0};
+        const float *q0 = q + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        for (int64_t i = 0; i < d; i++) {
+            const float *k = kt + i * TILE_K;
+            for (int j = 0; j < TILE_K; j++) {
+                s0[j] += q0[i] * k[j];
+                s1[j] += q1[i] * k[j];
+                s2[j] += q2[i] * k[j];
+                s3[j] += q3[i] * k[j];
+            }
+        }
+        memcpy(s + r * ld, s0, sizeof s0);
+        memcpy(s + (r + 1) * ld, s1, sizeof s1);
+        memcpy(s + (r + 2) * ld, s2, sizeof s2);
+        memcpy(s + (r + 3) * ld, s3, sizeof s3);
+    }
+    for (; r < rows; r++) {
+        float s0[TILE_K] = {0};
+        const float *q0 = q + r * d;
+        for (int64_t i = 0; i < d; i++)
+            for (int j = 0; j < TILE_K; j++) s0[j] += q0[i] * kt[i * TILE_K + j];
+        memcpy(s + r * ld, s0, sizeof s0);
+    }
+}
+
+/* x[0..n) *= scale; returns their maximum (TILE_K lanes, then a tree: the loop vectorises) */
+static inline float scale_and_max(float *x, int64_t n, float scale) {
+    float lanes[TILE_K];
+    for (int l = 0; l < TILE_K; l++) lanes[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + TILE_K <= n; j += TILE_K)
+        for (int l = 0; l < TILE_K; l++) {
+            x[j + l] *= scale;
+            lanes[l] = x[j + l] > lanes[l] ? x[j + l] : lanes[l];
+        }
+    for (; j < n; j++) {
+        x[j] *= scale;
+        lanes[0] = x[j] > lanes[0] ? x[j] : lanes[0];
+    }
+    for (int width = TILE_K / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l + width] > lanes[l] ? lanes[l + width] : lanes[l];
+    return lanes[0];
+}
+
+/* x[0..n) = exp(x - top); returns their sum (TILE_K lanes, then a tree) */
+static inline float exp_and_sum(float *x, int64_t n, float top) {
+    float lanes[TILE_K] = {0};
+    int64_t j = 0;
+    for (; j + TILE_K <= n; j += TILE_K)
+        for (int l = 0; l < TILE_K; l++) {
+            x[j + l] = exp_nonpositive(x[j + l] - top);
+            lanes[l] += x[j + l];
+        }
+    for (; j < n; j++) {
+        x[j] = exp_nonpositive(x[j] - top);
+        lanes[0] += x[j];
+    }
+    for (int width = TILE_K / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    return lanes[0];
+}
+
+/* acc[0..d) = acc * correction + sum_j p[j] v[j], j < TILE_K; with d a constant where inlined (the common head
+ * sizes), the loop over d vectorises with acc in registers across the chunk */
+static inline __attribute__((always_inline)) void fold_values(float *acc, const float *p, const float *v,
+                                                              float correction, int64_t d) {
+    for (int64_t i = 0; i < d; i++) {
+        float a = acc[i] * correction;
+        for (int j = 0; j < TILE_K; j++) a += p[j] * v[j * d + i];
+        acc[i] = a;
+    }
+}
+
+/* out[row] for the query tokens of S sequences packed in q / out ([T, Hq, D], bf16 if is_bf16 else float32):
+ * sequence s has query_lens[s] tokens from row rows[s], at positions context_lens[s] onwards, and its token t lives
+ * at block block_ids[s * max_blocks + t / block_size], row t % block_size of the caches (as for the decode kernel).
+ * Query token at position p sees keys [p - window + 1, p] (window > 0), or [0, p]. Rows of q outside the
+ * sequences are not written. Returns 0, or -1 if a workspace could not be allocated. */
+int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int64_t *block_ids, const int64_t *rows, const int64_t *query_lens,
+                            const int64_t *context_lens, int64_t S, int64_t max_blocks, int64_t block_size,
+                            int64_t Hq, int64_t Hkv, int64_t D, int64_t block_stride, float scale, int64_t window,
+                            int is_bf16, int cache_kind, float kv_scale) {
+    int64_t group = Hq / Hkv, row = Hkv * D, tile_rows = TILE_Q * group;
+    float fp8[256];
+    if (cache_kind == FP8)
+        for (int i = 0; i < 256; i++) fp8[i] = fp8_e4m3fn_to_f32((uint8_t)i) * kv_scale;
+    float *qt = malloc(sizeof(float) * (size_t)(tile_rows * D));
+    float *acc = malloc(sizeof(float) * (size_t)(tile_rows * D));
+    float *kt = malloc(sizeof(float) * (size_t)(D * TILE_K));
+    float *vv = malloc(sizeof(float) * (size_t)(D * KEYS));
+    float *krow = malloc(sizeof(float) * (size_t)D);
+    float *s = malloc(sizeof(float) * (size_t)(tile_rows * KEYS));
+    float *top = malloc(sizeof(float) * (size_t)tile_rows);
+    float *total = malloc(sizeof(float) * (size_t)tile_rows);
+    if (!qt || !acc || !kt || !vv || !krow || !s || !top || !total) {
+        free(qt); free(acc); free(kt); free(vv); free(krow); free(s); free(top); free(total);
+        return -1;
+    }
+    for (int64_t seq = 0; seq < S; seq++) {
+        const int64_t *blocks = block_ids + seq * max_blocks;
+        int64_t ctx = context_lens[seq], n = query_lens[seq];
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            for (int64_t t0 = 0; t0 < n; t0 += TILE_Q) {
+                int64_t tq = n - t0 < TILE_Q ? n - t0 : TILE_Q, nr = tq * group;
+                int64_t first = ctx + t0, last = first + tq - 1;  /* the tile's positions */
+                int64_t lo = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+                for (int64_t t = 0; t < tq; t++)  /* row t * group + g: token t0 + t, query head kvh * group + g */
+                    load_row(q, ((rows[seq] + t0 + t) * Hq + kvh * group) * D, group * D, is_bf16 ? BF16 : F32, fp8,
+                             qt + t * group * D);
+                for (int64_t r = 0; r < nr; r++) top[r] = -INFINITY, total[r] = 0.0f;
+                memset(acc, 0, sizeof(float) * (size_t)(nr * D));
+                for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
+                    int64_t nk = last + 1 - k0 < KEYS ? last + 1 - k0 : KEYS;
+                    for (int64_t c = 0; c < nk; c += TILE_K) {  /* scores of every row, V rows as float32 */
+                        for (int64_t j = c; j < c + TILE_K; j++) {
+                            if (j < nk) {
+                                int64_t pos = k0 + j, at = blocks[pos / block_size] * block_stride
+                                                           + (pos % block_size) * row + kvh * D;
+                                load_row(k_cache, at, D, cache_kind, fp8, krow);
+                                load_row(v_cache, at, D, cache_kind, fp8, vv + j * D);
+                            } else {  /* past the tile's last key: zeros, never visible */
+                                memset(krow, 0, sizeof(float) * (size_t)D);
+                                memset(vv + j * D, 0, sizeof(float) * (size_t)D);
+                            }
+                            for (int64_t i = 0; i < D; i++) kt[i * TILE_K + j - c] = krow[i];
+                        }
+                        score_chunk(qt, kt, s + c, nr, D, KEYS);
+                    }
+                    for (int64_t r = 0; r < nr; r++) {
+                        /* the keys [from, p] this row sees, as columns [j0, j1] of this pass */
+                        int64_t p = first + r / group, from = window > 0 ? p - window + 1 : 0;
+                        int64_t j0 = from > k0 ? from - k0 : 0, j1 = p - k0 < nk - 1 ? p - k0 : nk - 1;
+                        if (j0 > j1)
+                            continue;
+                        float *sr = s + r * KEYS, *a = acc + r * D;
+                        float m = scale_and_max(sr + j0, j1 + 1 - j0, scale);
+                        m = m > top[r] ? m : top[r];
+                        float sum = exp_and_sum(sr + j0, j1 + 1 - j0, m);
+                        float correction = exp_nonpositive(top[r] - m);  /* top -inf: ~0, times zeros */
+                        top[r] = m;
+                        total[r] = total[r] * correction + sum;
+                        /* the weighted sum TILE_K columns at a time, the columns around [j0, j1] zero */
+                        int64_t g0 = j0 / TILE_K * TILE_K, g1 = j1 / TILE_K * TILE_K + TILE_K;
+                        for (int64_t j = g0; j < j0; j++) sr[j] = 0.0f;
+                        for (int64_t j = j1 + 1; j < g1; j++) sr[j] = 0.0f;
+                        for (int64_t g = g0; g < g1; g += TILE_K) {
+                            float c = g == g0 ? correction : 1.0f;
+                            if (D == 64) fold_values(a, sr + g, vv + g * D, c, 64);
+                            else if (D == 128) fold_values(a, sr + g, vv + g * D, c, 128);
+                            else fold_values(a, sr + g, vv + g * D, c, D);
+                        }
+                    }
+                }
+                for (int64_t t = 0; t < tq; t++) {
+                    int64_t at = ((rows[seq] + t0 + t) * Hq + kvh * group) * D;
+                    for (int64_t g = 0; g < group; g++) {
+                        int64_t r = t * group + g;
+                        float inv = 1.0f / total[r], *a = acc + r * D;
+                        if (is_bf16) {
+                            uint16_t *o = (uint16_t *)out + at + g * D;
+                            for (int64_t i = 0; i < D; i++) o[i] = f32_to_bf16(a[i] * inv);
+                        } else {
+                            float *o = (float *)out + at + g * D;
+                            for (int64_t i = 0; i < D; i++) o[i] = a[i] * inv;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(qt); free(acc); free(kt); free(vv); free(krow); free(s); free(top); free(total);
+    return 0;
+}

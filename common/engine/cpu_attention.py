@@ -1,6 +1,6 @@
-"""The CPU's paged decode attention kernel (cpu_attention.c), built and loaded by cpu_build.py. Where it cannot be
-built, `kernel()` is None and TorchPagedAttention gathers the blocks and calls SDPA instead (the same answer,
-slower: README "The CPU path")."""
+"""The CPU's paged attention kernels (cpu_attention.c: decode, and prefill chunks over their cached context), built
+and loaded by cpu_build.py. Where they cannot be built, `kernel()` is None and TorchPagedAttention gathers the blocks
+and calls SDPA instead (the same answer, slower: README "The CPU path")."""
 from __future__ import annotations
 
 import ctypes
@@ -24,6 +24,19 @@ def kernel():
     function.restype = ctypes.c_int
     function.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                          + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float])
+    return function
+
+
+@cache
+def prefill_kernel():
+    """The compiled prefill kernel's function, or None where the kernels cannot be built."""
+    built = library("cpu_attention.c")
+    if built is None:
+        return None
+    function = built.paged_prefill_attention
+    function.restype = ctypes.c_int
+    function.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
+                         + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float])
     return function
 
 
@@ -52,3 +65,26 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     if status:
         raise MemoryError("the CPU attention kernel could not allocate its workspace")
     return out
+
+
+def prefill_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The prefill kernel's cases: the decode kernel's (`applies`); a name of its own so that a bench or test can
+    turn prefills alone back to the torch path."""
+    return applies(q, k_cache)
+
+
+def prefill(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+            rows: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
+            window: int | None, kv_scale: float = 1.0) -> None:
+    """Writes out[rows[s] : rows[s] + query_lens[s]] for each prefill sequence s: its query tokens (positions
+    context_lens[s] onwards) attend causally, within `window` if set, to the sequence's tokens in the caches, their
+    own included. q and out [T, Hq, D] contiguous; block_ids [S * max_blocks] int64, each sequence's blocks; the
+    other index tensors [S] int64 (check `prefill_applies` first)."""
+    sequences, (_, heads, dim) = rows.numel(), q.shape
+    status = prefill_kernel()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                              block_ids.data_ptr(), rows.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
+                              sequences, block_ids.numel() // max(sequences, 1), k_cache.shape[1], heads,
+                              k_cache.shape[2], dim, k_cache.stride(0), scale, window or 0, _DTYPES[q.dtype],
+                              _CACHE_DTYPES[k_cache.dtype], kv_scale)
+    if status:
+        raise MemoryError("the CPU attention kernel could not allocate its workspace")

@@ -1,7 +1,9 @@
-"""The CPU decode step with the small ops as C kernels (common/engine/cpu_ops.py) against torch's ops, in one process.
+"""The CPU decode step with the small ops as C kernels (common/engine/cpu_ops.py) against torch's ops, and the
+128-token prefill step with the C prefill attention kernel (cpu_attention.c) against the torch path, in one process.
 
     python -m tests.bench.cpu_step                 # SmolLM2-135M-Instruct, bf16, one torch thread, batch 1 and 8
     python -m tests.bench.cpu_step --rounds 8 --steps 64
+    python -m tests.bench.cpu_step --batch --prefill-rounds 40   # the prefill A/B alone
 
 One engine (bf16, one torch thread, as `disagg up` runs a CPU worker on a core of its own) decodes `batch` sequences
 of 128-token prompts; its decode steps alternate between the kernels on and off (torch's ops: the path before
@@ -10,6 +12,10 @@ percentile) and the ratio of medians. Then the same again with timers around the
 timers cost both sides alike): the ms a step spends in each. Inside a step, after the GEMMs have streamed the
 weights through the caches, the ops run slower than alone in a loop, and C SiLU * up is faster than torch's only
 there (alone: 4.9 against 5.8 us for one row, 15.8 against 14.0 for eight).
+
+The prefill A/B: one 128-token prompt a step (a new one each time), the prefill attention kernel on and off
+alternating step by step (the small ops' kernels and the decode kernel on for both), the step and, timed inside it,
+the attention (TorchPagedAttention.attend: the kernel, or the blocks' gather and SDPA).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from common.engine import cpu_attention, cpu_linear, cpu_ops, kernels as dispatch
+from common.engine.attention import TorchPagedAttention
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
@@ -110,16 +117,71 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, rounds: int,
     return results
 
 
+@contextmanager
+def prefill_kernel(on: bool):
+    """The C prefill attention kernel on, or off (the torch path: each prefill's blocks gathered, then SDPA)."""
+    applies = cpu_attention.prefill_applies
+    if not on:
+        cpu_attention.prefill_applies = lambda q, k_cache: False
+    try:
+        yield
+    finally:
+        cpu_attention.prefill_applies = applies
+
+
+def prefill_steps(engine: LLMEngine, rounds: int) -> dict[bool, list[dict[str, float]]]:
+    """Per 128-token prefill step, the prefill kernel on (True) and off, alternating: {"step": ms, "attention": ms}."""
+    results: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    sampling = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            prompt = [3 + (104729 * (2 * r + on) + 31 * j) % (engine.vocab_size - 3) for j in range(PROMPT)]
+            engine.add_request(f"prefill-{r}-{on}", prompt, sampling)
+            spent: dict[str, float] = defaultdict(float)
+            attend = TorchPagedAttention.attend
+
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return attend(*args, **kwargs)
+                finally:
+                    spent["attention"] += time.perf_counter() - start
+            TorchPagedAttention.attend = timed
+            try:
+                with prefill_kernel(on):
+                    start = time.perf_counter()
+                    engine.step()
+                    elapsed = time.perf_counter() - start
+            finally:
+                TorchPagedAttention.attend = attend
+            while engine.has_unfinished_requests():
+                engine.step()
+            results[on].append({"step": 1e3 * elapsed, "attention": 1e3 * spent["attention"]})
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="decode batches (none: no decode A/B)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps of each round's sequences")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--prefill-rounds", type=int, default=20, help="prefill steps on and off each (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     engine = LLMEngine(EngineConfig(model=str(default_model_dir()), dtype="bfloat16", num_kv_blocks=1024,
-                                    enable_prefix_caching=False, max_num_seqs=max(args.batch)))
+                                    enable_prefix_caching=False, max_num_seqs=max(args.batch, default=1)))
     assert cpu_ops.applies(torch.zeros(1, dtype=torch.bfloat16)), "the C kernels are not built here"
+    if args.prefill_rounds:
+        prefill_steps(engine, 1)  # warm: the first steps of a fresh engine run slower
+        sides = prefill_steps(engine, args.prefill_rounds)
+        print("| 128-token prefill step, bf16, 1 thread | prefill kernel off: median (p25-p75) | on | on / off |")
+        print("| --- | --- | --- | --- |")
+        for part in ("step", "attention"):
+            off, on = ([r[part] for r in sides[side]] for side in (False, True))
+            print(f"| {part} | {_spread(off)} | {_spread(on)} | {statistics.median(on) / statistics.median(off):.3f} |")
+        print()
+    if not args.batch:
+        return
     print("| decode step, bf16, 1 thread | kernels off: median (p25-p75) | kernels on | on / off |")
     print("| --- | --- | --- | --- |")
     for batch in args.batch:
