@@ -73,6 +73,17 @@ def test_chunks_over_their_cached_context_equal_the_torch_path(monkeypatch, one_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 150])
+def test_a_long_context_is_read_in_several_passes(monkeypatch, one_thread, dtype, window):
+    """A chunk of 21 after 290 cached tokens: its keys span the kernel's 128-key passes, so each row's running
+    maximum and sum carry from one pass to the next (and a window starts mid-pass)."""
+    torch.manual_seed(3)
+    layout = BatchLayout(query_lens=[21], context_lens=[290], block_tables=[list(range(80, 0, -1))])
+    mine, want = _kernel_and_torch(monkeypatch, layout, (9, 3, 64), dtype, window)
+    torch.testing.assert_close(mine, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_scale", [1.0, 0.5])
 def test_an_fp8_cache_is_read_as_the_torch_path_reads_it(monkeypatch, one_thread, dtype, kv_scale):
     """FP8 values are exact in bf16, so the torch path's dequantised read and the kernel's table agree."""
