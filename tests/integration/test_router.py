@@ -1,14 +1,17 @@
 """The router over real prefill and decode processes on loopback: parity with HF, cancels, errors, limits.
 
 One prefill and one decode worker serve a tiny random Llama whose vocabulary is SmolLM2's, with
-SmolLM2's tokenizer files next to it, so text requests work; several routers share them.
+SmolLM2's tokenizer files next to it, so text requests work; several routers share them. The workers are the shared
+prefill→decode `disagg up`'s (conftest's front_doors); the routers here are this module's own.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -20,7 +23,10 @@ from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.processes import ServiceProcess, start_service, start_services, stop_cleanly
+from tests.integration.processes import ServiceProcess, start_service, stop_cleanly
+
+if TYPE_CHECKING:  # front_doors imports make_text_model from here
+    from tests.integration.front_doors import Cluster, Worker
 
 PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "GPUs are fast because",
            "Bread needs flour, water and"]
@@ -39,14 +45,14 @@ def make_text_model(directory: Path, max_position_embeddings: int = 256) -> Path
     return directory
 
 
-# The deadline tests run a request to the end of the context: 256 positions took about 0.4 s on an idle machine,
-# the deadline itself, so the request sometimes finished first; 1024 take seconds.
-CONTEXT = 1024
+pytestmark = pytest.mark.parametrize("front_doors", ["prefill-decode"], indirect=True)
 
 
 @pytest.fixture(scope="module")
-def text_model(tmp_path_factory) -> str:
-    return str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text", max_position_embeddings=CONTEXT))
+def text_model(front_door_model) -> str:
+    """front_doors' model. The deadline tests run a request to the end of the context: 256 positions took about 0.4 s
+    on an idle machine, the deadline itself, so the request sometimes finished first; its 8192 take many seconds."""
+    return front_door_model
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +61,13 @@ def tokenizer(text_model) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def workers(text_model):
-    processes = start_services([("prefill", ("--model", text_model, "--num-kv-blocks", "256")),
-                                ("decode", ("--model", text_model, "--num-kv-blocks", "256"))])
-    yield processes
-    stop_cleanly(processes)
+def workers(front_doors: Cluster) -> list[Worker]:
+    """[prefill, decode]."""
+    return front_doors.workers
 
 
-def _router(model: str, prefill: list[ServiceProcess], decode: list[ServiceProcess], *flags: str) -> ServiceProcess:
+def _router(model: str, prefill: list, decode: list, *flags: str) -> ServiceProcess:
+    """A router of its own over `prefill` and `decode` (ServiceProcess or Worker: anything with an address)."""
     args = ["--model", model, "--decode-workers", ",".join(p.address for p in decode), *flags]
     if prefill:
         args += ["--prefill-workers", ",".join(p.address for p in prefill)]
@@ -271,12 +276,13 @@ def test_client_disconnect_mid_stream_frees_every_block(router, workers):
     assert_no_leaks(workers)
 
 
-def test_bad_requests_get_clear_statuses_and_the_router_keeps_serving(router, workers):
+def test_bad_requests_get_clear_statuses_and_the_router_keeps_serving(router, workers, text_model):
     stub = _stub(router)
+    context = json.loads((Path(text_model) / "config.json").read_text())["max_position_embeddings"]
     cases = [
         (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-        (dict(prompt="word " * (CONTEXT + 100)), grpc.StatusCode.INVALID_ARGUMENT,
-         f"the model's context is {CONTEXT} tokens"),
+        (dict(prompt="word " * (context + 100)), grpc.StatusCode.INVALID_ARGUMENT,
+         f"the model's context is {context} tokens"),
         (dict(prompt="x", sampling=common_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT,
          "max_tokens must be >= 1, got 0"),
         (dict(prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
