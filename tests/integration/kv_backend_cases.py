@@ -52,7 +52,7 @@ def connected_workers(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str
     finally:
         for client in clients:
             client.channel.close()
-        stop_cleanly(processes, together=True)
+        stop_cleanly(processes)
 
 
 def prefill(client: WorkerClient, prompt: list[int], max_tokens: int) -> worker_pb2.PrefillResponse:

@@ -206,10 +206,13 @@ def stop_together(processes: list[ServiceProcess], timeout_s: float = 15.0) -> l
     return [process.wait_stopped(timeout_s) for process in processes]
 
 
-def stop_cleanly(processes: list[ServiceProcess], together: bool = False) -> None:
+def stop_cleanly(processes: list[ServiceProcess]) -> None:
     """Stop every process (all of them, before any assertion), then assert each exited 0 without a traceback.
-    One after the other, in the order given (a router before its workers), or `together` (stop_together)."""
-    codes = stop_together(processes) if together else [process.stop() for process in processes]
-    for process, code in zip(processes, codes):
+    The routers first (they may still be draining requests to the workers), together, then all the others together,
+    as `disagg up` stops its children: not one after the other at about a second each."""
+    routers = [process for process in processes if process.role == "router"]
+    others = [process for process in processes if process.role != "router"]
+    codes = dict(zip(routers, stop_together(routers))) | dict(zip(others, stop_together(others)))
+    for process, code in codes.items():
         assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
         assert "Traceback" not in process.log(), process.log()
