@@ -206,13 +206,19 @@ def stop_together(processes: list[ServiceProcess], timeout_s: float = 15.0) -> l
     return [process.wait_stopped(timeout_s) for process in processes]
 
 
-def stop_cleanly(processes: list[ServiceProcess]) -> None:
-    """Stop every process (all of them, before any assertion), then assert each exited 0 without a traceback.
-    The routers first (they may still be draining requests to the workers), together, then all the others together,
-    as `disagg up` stops its children: not one after the other at about a second each."""
+def stop_in_waves(processes: list[ServiceProcess]) -> list[int]:
+    """Exit codes in the order given. The routers first (they may still be draining requests to the workers),
+    together, then all the others together, as `disagg up` stops its children: not one after the other at about
+    a second each."""
     routers = [process for process in processes if process.role == "router"]
     others = [process for process in processes if process.role != "router"]
     codes = dict(zip(routers, stop_together(routers))) | dict(zip(others, stop_together(others)))
-    for process, code in codes.items():
+    return [codes[process] for process in processes]
+
+
+def stop_cleanly(processes: list[ServiceProcess]) -> None:
+    """Stop every process (all of them, before any assertion: stop_in_waves), then assert each exited 0 without a
+    traceback."""
+    for process, code in zip(processes, stop_in_waves(processes)):
         assert code == 0, f"{process.name} exited with {code}:\n{process.log()}"
         assert "Traceback" not in process.log(), process.log()

@@ -29,7 +29,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc,
 from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks, load_of
-from tests.integration.processes import ServiceProcess, free_port, start_services
+from tests.integration.processes import ServiceProcess, free_port, start_services, stop_in_waves
 from tests.integration.test_router import make_text_model
 from tests.integration.worker_client import WorkerClient
 
@@ -85,8 +85,7 @@ def cluster(text_model) -> Iterator[Cluster]:
     try:
         yield Cluster(processes[0:2], processes[2:4], processes[4:7], f"http://{addr['http']}")
     finally:
-        for process in processes:
-            process.stop()
+        stop_in_waves(processes)
 
 
 def _request(prompt: str, max_tokens: int = MAX_TOKENS) -> generation_pb2.GenerateRequest:

@@ -24,7 +24,7 @@ from common.pb.disagg.v1 import (
 )
 from tests.hf_reference import hf_greedy
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.processes import ServiceProcess, start_services
+from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
 from tests.integration.worker_client import WorkerClient, split
 
 PROMPT = list(range(3, 40))  # 37 tokens: ten blocks of 4
@@ -66,7 +66,7 @@ def cluster(tiny_llama):
         cluster = Cluster(*processes)
         yield cluster
     finally:
-        codes = [p.stop() for p in processes]
+        codes = stop_in_waves(processes)
     for process, code in zip(processes, codes):
         if process in cluster.killed:
             assert code == -signal.SIGKILL, (process.name, code)

@@ -12,7 +12,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.leaks import assert_no_leaks
-from tests.integration.processes import ServiceProcess, start_services
+from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
 
 BLOCK = 4
 SYSTEM = list(range(100, 164))  # a 64-token shared prefix: 16 blocks (the tiny model has 512 token ids)
@@ -37,8 +37,7 @@ def cluster(tiny_llama):
     try:
         yield state
     finally:
-        for process in [router, *state["prefills"], workers[2]]:
-            process.stop()
+        stop_in_waves([router, *state["prefills"], workers[2]])
 
 
 def _exported(process: ServiceProcess) -> int:

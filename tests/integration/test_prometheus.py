@@ -15,7 +15,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import metrics_url, scrape, wait_for
-from tests.integration.processes import ServiceProcess, free_port, start_service, start_services
+from tests.integration.processes import ServiceProcess, free_port, start_service, start_services, stop_in_waves
 from tests.integration.test_router import make_text_model
 
 PROMETHEUS = shutil.which("prometheus")
@@ -37,7 +37,7 @@ def services(tmp_path_factory) -> Iterator[list[ServiceProcess]]:
                                        "--decode-workers", decode.address, env=env))
         yield processes
     finally:
-        codes = [p.stop() for p in processes]
+        codes = stop_in_waves(processes)
         assert codes == [0] * len(codes), [p.log() for p in processes]
 
 

@@ -12,7 +12,7 @@ from common.errors import InvalidConfig
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from common.tls import TlsConfig
 from tests.hf_reference import hf_greedy
-from tests.integration.processes import start_services
+from tests.integration.processes import start_services, stop_in_waves
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -49,8 +49,7 @@ def mtls_cluster(pki, tiny_llama):
                                                  "--decode-workers", workers[1].address))], env=env)
         yield processes
     finally:
-        for process in processes:
-            process.stop()
+        stop_in_waves(processes)
 
 
 def _request() -> generation_pb2.GenerateRequest:

@@ -14,7 +14,7 @@ import pytest
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.integration.processes import ServiceProcess, free_port, start_service, start_services
+from tests.integration.processes import ServiceProcess, free_port, start_service, start_services, stop_in_waves
 from tests.integration.test_router import make_text_model
 
 MAX_TOKENS = 5
@@ -34,7 +34,7 @@ def traced(tmp_path_factory, receiver) -> Iterator[ServiceProcess]:
                                        env={**env, "OTEL_SERVICE_NAME": "edge-router"}))
         yield processes[-1]
     finally:
-        codes = [p.stop() for p in processes]
+        codes = stop_in_waves(processes)
         assert codes == [0, 0, 0], [p.log() for p in processes]
 
 
