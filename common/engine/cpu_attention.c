@@ -52,23 +52,9 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return sum;
 }
 
-/* exp(x) for x <= 0 (scores less their maximum): 2^(x log2 e), the fraction by a degree-6 polynomial (relative
- * error below 1e-7, about expf's), so the loop vectorises where expf would be called once an element. */
+/* exp(x) for x <= 0 (scores less their maximum), vectorisable (cpu_bf16.h's exp2_clamped). */
 static inline float exp_nonpositive(float x) {
-    float t = (x < -126.0f ? -126.0f : x) * 1.44269504088896341f;
-    float whole = floorf(t), f = t - whole;
-    float p = 0.000218712622881867f;
-    p = p * f + 0.001238241558894515f;
-    p = p * f + 0.009686185978353024f;
-    p = p * f + 0.055478911846876144f;
-    p = p * f + 0.24023109674453735f;
-    p = p * f + 0.693146824836731f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)whole * (1 << 23);
-    memcpy(&p, &bits, sizeof p);
-    return p;
+    return exp2_clamped((x < -126.0f ? -126.0f : x) * 1.44269504088896341f);
 }
 
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the tokens [starts[b], seq_lens[b]) of sequence b,

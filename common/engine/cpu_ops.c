@@ -92,24 +92,10 @@ void rope_store_kv_bf16(const uint16_t *qkv, int64_t row_stride, const int64_t *
     }
 }
 
-/* exp(x), clamped to [2^-126, 2^127]: 2^(x log2 e), the fraction by a degree-6 polynomial (relative error below
- * 1e-7; cpu_attention.c's exp_nonpositive on both sides of 0), so the loop vectorises */
+/* exp(x), clamped to [2^-126, 2^127], vectorisable (cpu_bf16.h's exp2_clamped) */
 static inline float exp_clamped(float x) {
     float t = x * 1.44269504088896341f;
-    t = t < -126.0f ? -126.0f : t > 127.0f ? 127.0f : t;
-    float whole = floorf(t), f = t - whole;
-    float p = 0.000218712622881867f;
-    p = p * f + 0.001238241558894515f;
-    p = p * f + 0.009686185978353024f;
-    p = p * f + 0.055478911846876144f;
-    p = p * f + 0.24023109674453735f;
-    p = p * f + 0.693146824836731f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)whole * (1 << 23);
-    memcpy(&p, &bits, sizeof p);
-    return p;
+    return exp2_clamped(t < -126.0f ? -126.0f : t > 127.0f ? 127.0f : t);
 }
 
 /* Per row of x (gate ‖ up, 2 * inter): out = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) */

@@ -21,15 +21,6 @@ ONE_ROUNDING = dict(rtol=2**-7, atol=1e-2)
 pytestmark = pytest.mark.skipif(cpu_ops._lib() is None, reason="no C compiler for the CPU kernels")
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread, as `disagg up` runs a CPU worker on a core of its own (the kernels' case)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("shape", [(1, 576), (3, 577), (17, 7), (2, 5, 64)])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_kernel_equals_torch(shape, with_residual, one_thread):

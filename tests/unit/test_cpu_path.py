@@ -93,15 +93,6 @@ def test_decode_kernel_reads_the_blocks_as_the_gathered_path_does(monkeypatch, d
     torch.testing.assert_close(kernel.float(), attend().float(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread, as `disagg up` runs a CPU worker on a core of its own (the C kernel's case)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_one_thread_engine_matches_hf_for_each_family(tiny_model_dirs, family, one_thread):
     """Float32 greedy through the CPU serving path (the decode kernel where it is built) equals Hugging Face."""

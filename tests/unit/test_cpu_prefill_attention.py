@@ -24,15 +24,6 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(ato
 pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler for the CPU attention kernel")
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread, as `disagg up` runs a CPU worker on a core of its own (the kernel's case)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _kernel_and_torch(monkeypatch, layout: BatchLayout, heads: tuple[int, int, int], dtype: torch.dtype,
                       window: int | None, kv: KvCacheFormat | None = None, block_size: int = 4):
     """The step's attention output with the kernel, then with the torch path: the same q and cache, K/V of the
