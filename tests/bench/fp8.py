@@ -26,44 +26,18 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
+from tests.bench.engine_steps import decode_step_ms, sync, tokens
 
 CONFIGS = {"bf16": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 kv": {"kv_cache_dtype": "fp8"},
            "fp8 both": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
-DECODE_STEPS = 32
 
 
 def _weight_bytes(engine: LLMEngine) -> int:
     return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
 
 
-def _sync(engine: LLMEngine) -> None:
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize(engine.runner.device)
-
-
-def _tokens(engine: LLMEngine, n: int, seed: int) -> list[int]:
-    return [3 + (7919 * seed + 13 * j) % (engine.vocab_size - 3) for j in range(n)]
-
-
-def _decode_step_ms(engine: LLMEngine, batch: int) -> float:
-    prompts = [_tokens(engine, 128, i) for i in range(batch)]
-    sampling = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"d{time.monotonic_ns()}-{i}", prompt, sampling)
-    steps = []
-    while engine.has_unfinished_requests():
-        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running) \
-            and not engine.scheduler.waiting
-        start = time.perf_counter()
-        engine.step()
-        _sync(engine)
-        if decoding:
-            steps.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(steps)
-
-
 def _prefill_and_handoff(engine: LLMEngine, prompt_tokens: int) -> dict[str, float]:
-    prompt = _tokens(engine, prompt_tokens, 1000)
+    prompt = tokens(engine, prompt_tokens, 1000)
     engine.add_request(f"p{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=2),
                        RequestType.CONTEXT_ONLY)
     start, outputs = time.perf_counter(), []
@@ -76,7 +50,7 @@ def _prefill_and_handoff(engine: LLMEngine, prompt_tokens: int) -> dict[str, flo
     export_s = time.perf_counter() - start
     start = time.perf_counter()
     engine.runner.import_blocks(session.block_ids, kv)  # back into the same blocks: the scatter a decode worker runs
-    _sync(engine)
+    sync(engine)
     import_s = time.perf_counter() - start
     engine.release_session(session.session_id)
     return {"prefill tok/s": prompt_tokens / prefill_s, "handoff MB": kv.blocks.nbytes / 1e6,
@@ -122,7 +96,7 @@ def main() -> None:
         results: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                figures = {f"decode step ms, batch {b}": _decode_step_ms(engine, b) for b in args.batch}
+                figures = {f"decode step ms, batch {b}": decode_step_ms(engine, b) for b in args.batch}
                 figures.update(_prefill_and_handoff(engine, args.prompt))
                 for key, value in figures.items():
                     results[name].setdefault(key, []).append(value)

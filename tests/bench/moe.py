@@ -7,7 +7,7 @@ tok/s, the step against the roofline of the bytes it reads, and the MoE layers' 
 Configs are written once under --models (config.json alone; the engine makes the weights on the device). The dense
 model is --dense (default the llama-3.2-3b shape of gpu_engine_vs_hf: 3.2B parameters, 30B-A3B has 3.3B active).
 Each model runs alone (the first is freed before the second loads), prompts of 128 tokens, the median decode step
-over rounds (fp8.py's measure). Bytes a step reads: every weight but an untied input embedding (a step reads only
+over rounds (engine_steps.decode_step_ms). Bytes a step reads: every weight but an untied input embedding (a step reads only
 its rows), of the MoE's experts only those its tokens were routed to (measured), plus the KV it attends over.
 The MoE share: the sparse blocks' busy time, run alone over the inputs they got in a decode step, over the busy
 time of a whole (eager) decode forward; busy time is the sum of GPU kernel times (torch.profiler) on CUDA, wall
@@ -29,10 +29,9 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.models.moe import SparseMoeBlock, route
 from common.engine.request import SamplingParams
-from tests.bench.fp8 import DECODE_STEPS, _decode_step_ms, _sync, _tokens
+from tests.bench.engine_steps import DECODE_STEPS, PROMPT, decode_step_ms, decoding, sync, tokens
 from tests.bench.gpu_engine_vs_hf import emit, hbm_bandwidth, shape_arg, shape_config
 
-PROMPT = 128  # fp8._decode_step_ms's prompt length
 PROFILE_STEPS = 4
 
 
@@ -141,12 +140,11 @@ def _busy_ms(fn, cuda: bool) -> tuple[float, str]:
     return kernel_us / 1e3, table
 
 
-def _start_decoding(engine: LLMEngine, batch: int, tokens: int) -> None:
-    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+def _start_decoding(engine: LLMEngine, batch: int, max_tokens: int) -> None:
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"prof{time.monotonic_ns()}-{i}", _tokens(engine, PROMPT, i), sampling)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
+        engine.add_request(f"prof{time.monotonic_ns()}-{i}", tokens(engine, PROMPT, i), sampling)
+    while not decoding(engine):
         engine.step()
     engine.step()
 
@@ -173,7 +171,7 @@ def profile_step(engine: LLMEngine, batch: int) -> StepProfile:
     def steps() -> None:
         for _ in range(PROFILE_STEPS):
             engine.step()
-        _sync(engine)
+        sync(engine)
 
     graphs, runner.graphs = runner.graphs, None
     try:
@@ -199,7 +197,7 @@ def profile_step(engine: LLMEngine, batch: int) -> StepProfile:
         for _ in range(repeats):
             for block, x in last:
                 block(x)
-        _sync(engine)
+        sync(engine)
 
     blocks(1)  # warm
     moe_ms, table = _busy_ms(lambda: blocks(PROFILE_STEPS), cuda)
@@ -209,7 +207,7 @@ def profile_step(engine: LLMEngine, batch: int) -> StepProfile:
     return StepProfile(forward_ms, moe_ms / PROFILE_STEPS, hit, table)
 
 
-MAX_LEN = 256  # a prompt, fp8's decode steps and the profile's, in every request's block table
+MAX_LEN = 256  # a prompt, decode_step_ms's decode steps and the profile's, in every request's block table
 
 
 def _engine(args: argparse.Namespace, directory: str) -> LLMEngine:
@@ -231,11 +229,11 @@ def bench_model(args: argparse.Namespace, role: str, name: str, directory: str, 
                  active_params=counts.active_params, weight_bytes=counts.total_bytes,
                  batch1_weight_bytes_read=counts.bytes_read(counts.top_k), kv_bytes_per_token=kv_per_token)
     for batch in args.batch:
-        _decode_step_ms(engine, batch)  # warm: prefill shapes, the allocator
+        decode_step_ms(engine, batch)  # warm: prefill shapes, the allocator
     rounds: dict[int, list[float]] = {b: [] for b in args.batch}
     for _ in range(args.rounds):
         for batch in args.batch:
-            rounds[batch].append(_decode_step_ms(engine, batch))
+            rounds[batch].append(decode_step_ms(engine, batch))
     model["batches"] = []
     for batch in args.batch:
         prof = profile_step(engine, batch)
