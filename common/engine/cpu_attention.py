@@ -14,30 +14,30 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # of q and out
 _CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 2}  # of the caches: the compute dtype, or FP8 (read times a scale)
 
 
-@cache
-def kernel():
-    """The compiled kernel's function, or None where it cannot be built (no C compiler, or DISAGG_CPU_KERNELS=0)."""
+def _function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """cpu_attention.c's function `name`, typed, or None where the kernels cannot be built."""
     built = library("cpu_attention.c")
     if built is None:
         return None
-    function = built.paged_decode_attention
+    function = getattr(built, name)
     function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
-                         + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float])
+    function.argtypes = argtypes
     return function
+
+
+@cache
+def kernel():
+    """The compiled decode kernel's function, or None where it cannot be built (no C compiler, or
+    DISAGG_CPU_KERNELS=0)."""
+    return _function("paged_decode_attention", [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
+                     + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float])
 
 
 @cache
 def prefill_kernel():
     """The compiled prefill kernel's function, or None where the kernels cannot be built."""
-    built = library("cpu_attention.c")
-    if built is None:
-        return None
-    function = built.paged_prefill_attention
-    function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
-                         + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float])
-    return function
+    return _function("paged_prefill_attention", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
+                     + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float])
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
