@@ -167,6 +167,7 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
     """µs per call, inside a CUDA graph, of this GEMV and of (the prologue as its own kernel +) cuBLAS (an FP8
     weight: its FP8 GEMM)."""
     from common.engine.kernels import triton_ops
+    from common.engine.quantization.fp8_linear import scaled_mm_linear
 
     N, K = weight.shape
     copies = weight_copies(weight)
@@ -184,8 +185,6 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
         elif prologue == "silu_mul":
             h = triton_ops.silu_and_mul(x)
         if scale is not None:
-            from common.engine.quantization.fp8_linear import scaled_mm_linear
-
             return scaled_mm_linear(h, copies[i], scale, bias)
         return torch.nn.functional.linear(h, copies[i], bias)
 

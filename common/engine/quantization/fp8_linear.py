@@ -27,6 +27,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or token: any positive scale gives zeros
+# kernels.HAS_TRITON's check, not imported from there: kernels.gemv times its FP8 GEMV against scaled_mm_linear
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -78,13 +79,19 @@ class Fp8Linear(nn.Module):
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
 
+@cache
+def _fused_quantize():
+    """fp8_triton.quantize_tokens, imported once (it needs triton): quantize_tokens runs before every FP8 GEMM."""
+    from common.engine.quantization.fp8_triton import quantize_tokens
+
+    return quantize_tokens
+
+
 def quantize_tokens(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 rows, float32 scale [M, 1]): each token (row) scaled so its largest magnitude is FP8's largest value;
     one Triton kernel on CUDA (fp8_triton.py), the same arithmetic in torch ops elsewhere."""
     if rows.is_cuda and HAS_TRITON and rows.stride(-1) == 1:
-        from common.engine.quantization.fp8_triton import quantize_tokens as fused
-
-        return fused(rows, FP8, FP8_MAX, _MIN_SCALE)
+        return _fused_quantize()(rows, FP8, FP8_MAX, _MIN_SCALE)
     scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
     return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
