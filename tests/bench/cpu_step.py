@@ -35,6 +35,7 @@ from common.engine.engine import LLMEngine
 from common.engine.models import llama
 from common.engine.quantization.kv_cache import KvCacheFormat
 from common.engine.request import SamplingParams
+from tests.bench.engine_steps import decoding, tokens
 
 PROMPT = 128
 
@@ -100,18 +101,16 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, rounds: int,
     sampling = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for r in range(rounds):
         for i in range(batch):
-            prompt = [3 + (7919 * (r * batch + i) + 13 * j) % (engine.vocab_size - 3) for j in range(PROMPT)]
-            engine.add_request(f"{timed}-{r}-{i}", prompt, sampling)
+            engine.add_request(f"{timed}-{r}-{i}", tokens(engine, PROMPT, r * batch + i), sampling)
         on = r % 2 == 0
         while engine.has_unfinished_requests():
-            decoding = not engine.scheduler.waiting and all(
-                q.num_computed_tokens >= q.num_prompt_tokens for q in engine.scheduler.running)
+            decode = decoding(engine)
             spent: dict[str, float] = defaultdict(float)
             with kernels(on), (op_timers(on, spent) if timed else nullcontext()):
                 start = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - start
-            if decoding:
+            if decode:
                 results[on].append({"step": 1e3 * elapsed, **{op: 1e3 * spent[op] for op in OPS}})
                 on = not on
     return results
