@@ -71,11 +71,11 @@ OPS: dict[str, dict[bool, list[tuple[object, str]]]] = {
 
 
 @contextmanager
-def op_timers(on: bool, spent: dict[str, float]):
-    """Timers around each op's calls (OPS), adding seconds to spent[op]."""
+def timers(targets: dict[str, list[tuple[object, str]]], spent: dict[str, float]):
+    """Timers around the calls of each op's (owner, attribute)s, adding seconds to spent[op]."""
     originals = []
-    for op, sides in OPS.items():
-        for owner, name in sides[on]:
+    for op, attributes in targets.items():
+        for owner, name in attributes:
             original = getattr(owner, name)
             originals.append((owner, name, original))
 
@@ -106,7 +106,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, rounds: int,
         while engine.has_unfinished_requests():
             decode = decoding(engine)
             spent: dict[str, float] = defaultdict(float)
-            with kernels(on), (op_timers(on, spent) if timed else nullcontext()):
+            with kernels(on), (timers({op: sides[on] for op, sides in OPS.items()}, spent) if timed else nullcontext()):
                 start = time.perf_counter()
                 engine.step()
                 elapsed = time.perf_counter() - start
@@ -137,22 +137,10 @@ def prefill_steps(engine: LLMEngine, rounds: int) -> dict[bool, list[dict[str, f
             prompt = [3 + (104729 * (2 * r + on) + 31 * j) % (engine.vocab_size - 3) for j in range(PROMPT)]
             engine.add_request(f"prefill-{r}-{on}", prompt, sampling)
             spent: dict[str, float] = defaultdict(float)
-            attend = TorchPagedAttention.attend
-
-            def timed(*args, **kwargs):
+            with timers({"attention": [(TorchPagedAttention, "attend")]}, spent), prefill_kernel(on):
                 start = time.perf_counter()
-                try:
-                    return attend(*args, **kwargs)
-                finally:
-                    spent["attention"] += time.perf_counter() - start
-            TorchPagedAttention.attend = timed
-            try:
-                with prefill_kernel(on):
-                    start = time.perf_counter()
-                    engine.step()
-                    elapsed = time.perf_counter() - start
-            finally:
-                TorchPagedAttention.attend = attend
+                engine.step()
+                elapsed = time.perf_counter() - start
             while engine.has_unfinished_requests():
                 engine.step()
             results[on].append({"step": 1e3 * elapsed, "attention": 1e3 * spent["attention"]})
