@@ -227,7 +227,7 @@ def test_the_fp8_gemm_is_the_dequantised_product_within_the_activations_rounding
     want = x.float() @ dequantize(weight, scale, None, torch.float32).t() + layer.bias
     got = layer._fp8_gemm(x)
     assert got.shape == (3, 5, 64) and got.dtype == torch.bfloat16 and _rel(want, got.float()) < 0.05
-    assert not layer._fp8_gemm_applies(x)  # a CPU tensor: the dequantising path runs
+    assert not layer.fp8_gemm_applies(x)  # a CPU tensor: the dequantising path runs
 
 
 def test_quantization_fp8_leaves_a_moe_router_and_refuses_fp8_experts_by_name(tiny_model_dirs, held, tmp_path):

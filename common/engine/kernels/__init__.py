@@ -47,7 +47,7 @@ def _gemv_applies(x: torch.Tensor, layer: nn.Module, prologue: str | None = None
     GEMV's float8 loads need one), at one row on CUDA, where the GEMV measured no slower."""
     if not (_on_gpu(x) and x.dim() == 2 and x.shape[0] == 1):
         return False
-    fp8_gemm_applies = getattr(layer, "_fp8_gemm_applies", None)
+    fp8_gemm_applies = getattr(layer, "fp8_gemm_applies", None)
     if not (isinstance(layer, nn.Linear) or (fp8_gemm_applies is not None and fp8_gemm_applies(x))):
         return False
     return _gemv().applies(x, layer.weight, layer.bias, prologue, _gemv_scale(layer))

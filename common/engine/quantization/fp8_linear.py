@@ -66,11 +66,11 @@ class Fp8Linear(nn.Module):
                 f"scales={'per row' if self.block_k is None else f'per row and {self.block_k} columns'}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fp8_gemm_applies(x):
+        if self.fp8_gemm_applies(x):
             return self._fp8_gemm(x)
         return F.linear(x, dequantize(self.weight, self.weight_scale, self.block_k, x.dtype), self.bias)
 
-    def _fp8_gemm_applies(self, x: torch.Tensor) -> bool:
+    def fp8_gemm_applies(self, x: torch.Tensor) -> bool:
         # _scaled_mm's row-wise scaling: bf16 out, both GEMM dimensions multiples of 16.
         return (x.is_cuda and self.block_k is None and x.dtype == torch.bfloat16
                 and self.in_features % 16 == 0 and self.out_features % 16 == 0 and _has_fp8_gemm(x.device))
