@@ -7,8 +7,9 @@ tok/s, the step against the roofline of the bytes it reads, and the MoE layers' 
 Configs are written once under --models (config.json alone; the engine makes the weights on the device). The dense
 model is --dense (default the llama-3.2-3b shape of gpu_engine_vs_hf: 3.2B parameters, 30B-A3B has 3.3B active).
 Each model runs alone (the first is freed before the second loads), prompts of 128 tokens, the median decode step
-over rounds (engine_steps.decode_step_ms). Bytes a step reads: every weight but an untied input embedding (a step reads only
-its rows), of the MoE's experts only those its tokens were routed to (measured), plus the KV it attends over.
+over rounds (engine_steps.decode_step_ms). Bytes a step reads: every weight but an untied input embedding (a step
+reads only its rows), of the MoE's experts only those its tokens were routed to (measured), plus the KV it attends
+over.
 The MoE share: the sparse blocks' busy time, run alone over the inputs they got in a decode step, over the busy
 time of a whole (eager) decode forward; busy time is the sum of GPU kernel times (torch.profiler) on CUDA, wall
 time on the CPU.
