@@ -11,7 +11,7 @@ import json
 import shutil
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 import pytest
@@ -61,9 +61,13 @@ def tokenizer(text_model) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def workers(front_doors: Cluster) -> list[Worker]:
-    """[prefill, decode]."""
-    return front_doors.workers
+def workers(front_doors: Cluster) -> Iterator[list[Worker]]:
+    """[prefill, decode]; afterwards, what they logged over this module's tests (echoed by `disagg up`) has no
+    traceback and no restart, as stop_cleanly checked of this module's own workers before they were shared."""
+    start = len(front_doors.up.lines)
+    yield front_doors.workers
+    logged = "".join(front_doors.up.lines[start:])
+    assert "Traceback" not in logged and "restarting it" not in logged, logged
 
 
 def _router(model: str, prefill: list, decode: list, *flags: str) -> ServiceProcess:
