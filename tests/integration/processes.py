@@ -198,21 +198,15 @@ def start_services(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str, s
     return processes
 
 
-def stop_together(processes: list[ServiceProcess], timeout_s: float = 15.0) -> list[int]:
-    """SIGTERM to every process at once, then their exit codes: N stop in about the time of one (about a second
-    each). Only for processes that do not need the others to stop cleanly (workers; not a router and its workers)."""
-    for process in processes:
-        process.signal(signal.SIGTERM)
-    return [process.wait_stopped(timeout_s) for process in processes]
-
-
 def stop_in_waves(processes: list[ServiceProcess]) -> list[int]:
-    """Exit codes in the order given. The routers first (they may still be draining requests to the workers),
-    together, then all the others together, as `disagg up` stops its children: not one after the other at about
-    a second each."""
-    routers = [process for process in processes if process.role == "router"]
-    others = [process for process in processes if process.role != "router"]
-    codes = dict(zip(routers, stop_together(routers))) | dict(zip(others, stop_together(others)))
+    """Exit codes in the order given. The routers first (they may still be draining requests to the workers), then
+    all the others, as `disagg up` stops its children: each wave is sent SIGTERM at once, then waited for, so N
+    processes stop in about the time of one (about a second each), not one after the other."""
+    codes: dict[ServiceProcess, int] = {}
+    for wave in ([p for p in processes if p.role == "router"], [p for p in processes if p.role != "router"]):
+        for process in wave:
+            process.signal(signal.SIGTERM)
+        codes |= {process: process.wait_stopped() for process in wave}
     return [codes[process] for process in processes]
 
 
