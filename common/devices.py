@@ -5,6 +5,7 @@ launches on the current device: an engine on cuda:N must make cuda:N current in 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,3 +26,19 @@ def bind_loop_executor(loop: asyncio.AbstractEventLoop, device: str | torch.devi
     if device is not None and torch.device(device).type == "cuda":
         loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio-cuda", initializer=bind_thread,
                                                      initargs=(device,)))
+
+
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_capture_lock = threading.Lock()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream of `device` to capture its CUDA graphs on. torch.cuda.graph's default is one stream for the
+    whole process, made on whichever GPU was current at the first capture; `with torch.cuda.stream(s)` makes s's GPU
+    current, so a later capture for another GPU would launch its kernels (Triton's, on the current device) on the
+    first one: refused ("cannot be accessed from Triton") or, with peer access on, reading the wrong memory."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _capture_lock:
+        if index not in _capture_streams:
+            _capture_streams[index] = torch.cuda.Stream(device=index)
+        return _capture_streams[index]

@@ -48,6 +48,20 @@ def test_an_engine_on_the_last_gpu_keeps_its_work_there(reference, tiny_llama):
     assert out == hf_greedy(tiny_llama, PROMPT[:9], 4)[0]
 
 
+def test_an_engine_on_gpu0_after_one_on_the_last_gpu_captures_its_graphs_on_gpu0(reference, tiny_llama):
+    """torch.cuda.graph's default capture stream is made once a process, on the GPU current at the first capture
+    (the last one, by `reference`): a second engine's graphs must not be captured there (#36: they read the wrong
+    GPU's memory once peer access was on, and one token came out repeated)."""
+    from common.kv.transports.cuda_ipc.peer_copy import enable_peer_access
+
+    if torch.cuda.device_count() > 1:  # peer access on turns the launch error into wrong tokens: test the worse
+        enable_peer_access(torch.device("cuda:0"), torch.device(LAST))
+    first = LLMEngine(EngineConfig(model=tiny_llama, device="cuda:0", block_size=4, num_kv_blocks=64, max_num_seqs=8))
+    assert first.runner.graphs is not None  # the decode steps below replay graphs
+    out = first.generate([PROMPT[:9]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out == hf_greedy(tiny_llama, PROMPT[:9], 8)[0]
+
+
 def test_prefill_on_gpu0_decodes_on_the_last_gpu_over_cuda_ipc(cluster, reference):
     usage = check_handoff(cluster["prefill"], cluster["extra0"], reference, PROMPT, "cuda_ipc")
     print(f"\ncuda:0 -> {LAST} over cuda_ipc: {usage.kv_transfer_bytes} B in {usage.kv_transfer_ms:.2f} ms")

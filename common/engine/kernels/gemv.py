@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.devices import capture_stream
 from common.engine.kernels.triton_ops import _round
 
 PROLOGUES = {None: 0, "add_norm": 1, "silu_mul": 2}
@@ -148,8 +149,8 @@ def fits(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> bool:
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | None = None,
             scale: torch.Tensor | None = None) -> bool:
     """One row on CUDA, K a multiple of the tile's chunk, and this kernel measured no slower than cuBLAS with
-    its separate prologue kernel (with `scale`, an FP8 weight: than the FP8 GEMM with its activations' quantisation,
-    fp8_linear.scaled_mm_linear), for this shape (measured once, outside any CUDA-graph capture)."""
+    its separate prologue kernel (with `scale`, an FP8 weight: than what Fp8Linear runs, its FP8 GEMM with the
+    activations' quantisation, or the dequantised weight where that GEMM does not take the shape), for this shape (measured once, outside any CUDA-graph capture)."""
     config = config_for(*weight.shape)
     if not fits(x, weight, config):
         return False
@@ -167,7 +168,7 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
     """µs per call, inside a CUDA graph, of this GEMV and of (the prologue as its own kernel +) cuBLAS (an FP8
     weight: its FP8 GEMM)."""
     from common.engine.kernels import triton_ops
-    from common.engine.quantization.fp8_linear import scaled_mm_linear
+    from common.engine.quantization.fp8_linear import dequantize, gemm_dims_fit, scaled_mm_linear
 
     N, K = weight.shape
     copies = weight_copies(weight)
@@ -184,8 +185,10 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
             h, _ = triton_ops.add_rms_norm(x, res, norm_w, 1e-5)
         elif prologue == "silu_mul":
             h = triton_ops.silu_and_mul(x)
-        if scale is not None:
-            return scaled_mm_linear(h, copies[i], scale, bias)
+        if scale is not None:  # what Fp8Linear runs in our place: its FP8 GEMM, or the dequantised weight
+            if gemm_dims_fit(N, K):
+                return scaled_mm_linear(h, copies[i], scale, bias)
+            return torch.nn.functional.linear(h, dequantize(copies[i], scale, None, h.dtype), bias)
         return torch.nn.functional.linear(h, copies[i], bias)
 
     return graph_time_us(ours, len(copies)), graph_time_us(cublas, len(copies))
@@ -204,7 +207,7 @@ def graph_time_us(fn: Callable[[int], object], calls: int, replays: int = 10) ->
     fn(0)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=capture_stream(torch.device("cuda", torch.cuda.current_device()))):
         for i in range(calls_in_graph):
             fn(i % calls)
     graph.replay()

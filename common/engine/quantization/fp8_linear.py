@@ -45,6 +45,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_k: int | None, d
     return (weight.float() * scale).to(dtype)
 
 
+def gemm_dims_fit(out_features: int, in_features: int) -> bool:
+    """_scaled_mm's row-wise scaling takes both GEMM dimensions in multiples of 16."""
+    return out_features % 16 == 0 and in_features % 16 == 0
+
+
 @cache
 def _has_fp8_gemm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -73,7 +78,7 @@ class Fp8Linear(nn.Module):
     def fp8_gemm_applies(self, x: torch.Tensor) -> bool:
         # _scaled_mm's row-wise scaling: bf16 out, both GEMM dimensions multiples of 16.
         return (x.is_cuda and self.block_k is None and x.dtype == torch.bfloat16
-                and self.in_features % 16 == 0 and self.out_features % 16 == 0 and _has_fp8_gemm(x.device))
+                and gemm_dims_fit(self.out_features, self.in_features) and _has_fp8_gemm(x.device))
 
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
