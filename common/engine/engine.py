@@ -201,9 +201,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step and return what it produced. With async scheduling, the next decode step is launched
-        before this one's tokens are read, so the GPU runs it while the host books this one."""
+        before this one's tokens are read, so the GPU runs it while the host books this one. Grammar rows go
+        ahead too: the step launched ahead samples here, at the start of the next, once the tokens before are
+        booked (each grammar took its token), and its masks are filled while its forward still runs."""
         self.expire_sessions()
         launched, self._ahead = self._ahead, None
+        if launched is not None and launched.awaits_masks:
+            self.runner.sample_masked(launched, [r.grammar if self._live(r) else None for r in launched.sampled])
         if launched is None:
             batch = self.scheduler.schedule()
             self.num_preemptions += len(batch.preempted)

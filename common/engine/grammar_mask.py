@@ -6,7 +6,6 @@ changes neither. Only rows with a grammar are masked; the others share the batch
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -45,25 +44,57 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
-@functools.cache
-def _batch_matcher() -> xgr.BatchGrammarMatcher:
-    return xgr.BatchGrammarMatcher()
+class GrammarMasks:
+    """The token bitmasks of a batch's grammar rows, in buffers kept for the engine's life: one on the host (pinned
+    on a GPU, where one non-blocking copy takes it up) and one on the logits' device, each with the grammar rows'
+    indices beside it. They grow only when a batch is wider than any before; xgrammar's kernel masks only the
+    grammar rows, so the others stay as they are."""
 
+    def __init__(self) -> None:
+        self._matcher = xgr.BatchGrammarMatcher()
+        self._host: torch.Tensor | None = None  # [rows, words] int32, xgrammar's bitmask
+        self._host_rows: torch.Tensor | None = None  # [rows] int32: which batch rows the bitmask fills
+        self._device: torch.Tensor | None = None
+        self._device_rows: torch.Tensor | None = None
+        self._uploaded: torch.cuda.Event | None = None  # the last upload: once it ran, the host buffers are free
 
-def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
-    """Set to -inf, in place, each grammar row's logits of tokens its grammar does not allow next. logits [B, V].
+    def apply(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
+        """Set to -inf, in place, each grammar row's logits of tokens its grammar does not allow next. logits [B, V].
 
-    The masks are filled on the host before anything waits for the logits: on a GPU that work overlaps the forward
-    still running there, and one copy (from pinned memory) and one kernel mask every row."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    if not rows:
-        return
-    batch, vocab = logits.shape
-    cuda = logits.device.type == "cuda"
-    bitmask = torch.full(xgr.get_bitmask_shape(batch, vocab), -1, dtype=xgr.bitmask_dtype, pin_memory=cuda)
-    _batch_matcher().batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, rows)
-    if cuda:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
-    # On a GPU xgrammar's kernel is triton's; where triton is not installed (a CPU image's xgrammar), its torch one.
-    backend = ("triton" if kernels.HAS_TRITON else "torch_native") if cuda else "auto"
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows, backend=backend)
+        The masks are filled on the host before anything waits for the logits: on a GPU that work overlaps the
+        forward still running there, and two copies (from pinned memory) and one kernel mask every row."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return
+        batch, vocab = logits.shape
+        self._reserve(batch, xgr.get_bitmask_shape(1, vocab)[1], logits.device)
+        if self._uploaded is not None:  # (done already, in the engine's order of steps)
+            self._uploaded.synchronize()
+        host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
+        self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
+        host_rows.numpy()[:] = rows
+        if logits.device.type != "cuda":
+            xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
+            return
+        bitmask, indices = self._device[:batch], self._device_rows[: len(rows)]
+        bitmask.copy_(host, non_blocking=True)
+        indices.copy_(host_rows, non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+        # xgrammar's kernel is triton's; where triton is not installed (a CPU image's xgrammar), its torch one.
+        backend = "triton" if kernels.HAS_TRITON else "torch_native"
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices, backend=backend)
+
+    def _reserve(self, batch: int, words: int, device: torch.device) -> None:
+        if (self._host is not None and self._host.shape[0] >= batch and self._host.shape[1] == words
+                and self._device.device == device):
+            return
+        if self._uploaded is not None:  # the old buffers may still be read by their last copy
+            self._uploaded.synchronize()
+            self._uploaded = None
+        rows = max(batch, 2 * self._host.shape[0] if self._host is not None else 8)
+        pinned = device.type == "cuda"
+        self._host = torch.full((rows, words), -1, dtype=xgr.bitmask_dtype, pin_memory=pinned)
+        self._host_rows = torch.zeros(rows, dtype=torch.int32, pin_memory=pinned)
+        self._device = self._host.to(device)
+        self._device_rows = self._host_rows.to(device)

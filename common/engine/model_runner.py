@@ -24,6 +24,7 @@ from common.engine.quantization.kv_cache import KvCacheFormat
 from common.kv.words import as_words
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
+from common.engine.grammar_mask import GrammarState
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
@@ -34,11 +35,12 @@ from common.kv.shards import KvShards
 from common.pb.disagg.v1 import worker_pb2
 
 
-def _plain_greedy(request: Request) -> bool:
-    if request.grammar is not None:  # the sampler masks its row first
-        return False
+def _device_greedy(request: Request, masks_here: bool) -> bool:
+    """A greedy row whose token the device picks (argmax), so that it may stay there: no penalty, bias or logprobs,
+    and a grammar only where `masks_here` (one rank: each follower feeds its own argmax, unmasked, to a step
+    launched ahead)."""
     s = request.sampling
-    return s.greedy and not s.adjusts_logits and not s.logprobs
+    return s.greedy and not s.adjusts_logits and not s.logprobs and (masks_here or request.grammar is None)
 
 
 def _prompt_rows(request: Request, start: int, n: int) -> range:
@@ -95,9 +97,11 @@ class StepInputs:
 @dataclass
 class StepLaunch:
     """One forward pass on its way. `scheduled`: every (request, new tokens) of the step; `sampled`: the rows
-    that sample, in order. With every sampled row plain greedy, `tokens` [B] stay on the device (valid until
-    the next step runs; a step launched ahead reads them on the same stream) and `result` waits for their copy
-    to the host; otherwise the sampler already ran and `result` returns what it drew."""
+    that sample, in order. With every sampled row greedy on the device (_device_greedy), `tokens` [B] stay there
+    (valid until the next step runs; a step launched ahead reads them on the same stream) and `result` waits for
+    their copy to the host; otherwise the sampler already ran and `result` returns what it drew. A step launched
+    ahead with grammar rows keeps its `logits` unsampled instead: their masks need the step before's tokens
+    accepted, so the engine books those first and then calls ModelRunner.sample_masked, while this forward runs."""
 
     scheduled: list[tuple[Request, int]]
     sampled: list[Request]
@@ -105,6 +109,11 @@ class StepLaunch:
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     drawn: list[tuple[int, TokenLogprob | None]] | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def awaits_masks(self) -> bool:
+        return self.logits is not None
 
     def result(self) -> list[tuple[int, TokenLogprob | None]]:
         """(token, logprob) of each sampled row; waits for the GPU when the tokens are still on their way."""
@@ -232,8 +241,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepLaunch:
-        """Start one forward pass over a scheduled batch. Its plain-greedy tokens stay on the device until
-        read (`StepLaunch.result`), so a next decode step can be launched first (`launch_ahead`)."""
+        """Start one forward pass over a scheduled batch. Its greedy tokens stay on the device until read
+        (`StepLaunch.result`), so a next decode step can be launched first (`launch_ahead`)."""
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
@@ -304,7 +313,8 @@ class ModelRunner:
     def launch_ahead(self, prev: StepLaunch, rows: list[int]) -> StepLaunch:
         """The decode step after `prev`, launched before prev's tokens are read: each of prev.sampled[rows] feeds
         the token prev sampled for it (still on the device) at its next position. Their block tables must
-        already hold that position; prev must have device tokens (every row plain greedy)."""
+        already hold that position; prev must have device tokens (every row greedy on the device). Grammar rows
+        leave it awaiting its masks (sample_masked)."""
         requests = [prev.sampled[i] for i in rows]
         ctx = [r.num_tokens for r in requests]  # prev writes up to num_tokens - 1; this step writes num_tokens
         layout = BatchLayout(query_lens=[1] * len(requests), context_lens=ctx,
@@ -315,8 +325,8 @@ class ModelRunner:
         step = StepInputs(None, ctx, layout, list(range(len(rows))), ahead_rows=rows)
         if self._graphed(layout, requests):
             self._send(dataclasses.replace(step, graphed=True))
-            return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout))
-        return self._sample(scheduled, requests, self.run_step(step, ids), None)
+            return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout), grammars_current=False)
+        return self._sample(scheduled, requests, self.run_step(step, ids), None, grammars_current=False)
 
     def _rows_of(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return tokens if len(rows) == len(tokens) else tokens.index_select(0, self._upload(rows))
@@ -344,20 +354,41 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _sample(self, scheduled: list[tuple[Request, int]], sampled: list[Request], logits: torch.Tensor,
-                argmax: torch.Tensor | None) -> StepLaunch:
-        """Plain greedy rows only: the tokens stay on the device, copied to pinned memory behind an event.
-        Otherwise the sampler runs now (it reads the logits on the host)."""
-        if not all(_plain_greedy(r) for r in sampled):
+                argmax: torch.Tensor | None, grammars_current: bool = True) -> StepLaunch:
+        """Greedy rows on the device only: the tokens stay there, copied to pinned memory behind an event, grammar
+        rows masked first (or, not `grammars_current`, left for sample_masked). Otherwise the sampler runs now (it
+        reads the logits on the host)."""
+        if not all(_device_greedy(r, self.ranks is None) for r in sampled):
             return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled))
-        tokens = argmax if argmax is not None else logits.argmax(dim=-1)  # the sampler's greedy rule, on the device
+        launch = StepLaunch(scheduled, sampled)
+        if any(r.grammar is not None for r in sampled):
+            if not grammars_current:
+                launch.logits = logits
+                return launch
+            self.sampler.masks.apply(logits, [r.grammar for r in sampled])
+            argmax = None  # (a graph's is of the unmasked logits)
+        self._device_tokens(launch, argmax if argmax is not None else logits.argmax(dim=-1))
+        return launch
+
+    @torch.inference_mode()
+    def sample_masked(self, launch: StepLaunch, grammars: list[GrammarState | None]) -> None:
+        """Sample a step launched ahead that awaits its grammar masks, once every grammar in `grammars` (one a
+        sampled row; None: unmasked, such as a row that ended since) took the tokens before. On a GPU the masks are
+        filled while its forward runs, and its tokens stay on the device as a plain greedy step's do."""
+        logits, launch.logits = launch.logits, None
+        self.sampler.masks.apply(logits, grammars)
+        self._device_tokens(launch, logits.argmax(dim=-1))  # the sampler's greedy rule, on the device
+
+    def _device_tokens(self, launch: StepLaunch, tokens: torch.Tensor) -> None:
         if self.device.type != "cuda":
-            return StepLaunch(scheduled, sampled, tokens=tokens, host=tokens)
+            launch.tokens = launch.host = tokens
+            return
         # Pinned from torch's caching host allocator, which holds the buffer until this copy has run.
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return StepLaunch(scheduled, sampled, tokens=tokens, host=host, ready=ready)
+        launch.ready = torch.cuda.Event()
+        launch.ready.record()
+        launch.tokens, launch.host = tokens, host
 
     # --- KV export / import: whole blocks with their layout ---
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from common.engine.grammar_mask import apply_grammar_masks
+from common.engine.grammar_mask import GrammarMasks
 from common.engine.penalties import adjusted_logits
 from common.engine.request import Request, TokenLogprob
 
@@ -41,27 +41,27 @@ def _sample_row(logits: torch.Tensor, request: Request, generator: torch.Generat
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
-def _grammar_masked(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Each row with a grammar keeps only the tokens its grammar allows next (-inf elsewhere); the others as they
-    are. In place, unless logprobs are asked for: they stay those of the raw logits, as without a grammar."""
-    grammars = [r.grammar for r in requests]
-    if all(g is None for g in grammars):
-        return logits
-    if any(r.sampling.logprobs for r in requests):
-        logits = logits.clone()
-    apply_grammar_masks(logits, grammars)
-    return logits
-
-
 class Sampler:
     def __init__(self, seed: int = 0):
         self._unseeded = torch.Generator()
         self._unseeded.manual_seed(seed)
+        self.masks = GrammarMasks()  # the engine's grammar bitmask buffers (the runner masks greedy rows with them)
+
+    def _grammar_masked(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row with a grammar keeps only the tokens its grammar allows next (-inf elsewhere); the others as
+        they are. In place, unless logprobs are asked for: they stay those of the raw logits, as without a grammar."""
+        grammars = [r.grammar for r in requests]
+        if all(g is None for g in grammars):
+            return logits
+        if any(r.sampling.logprobs for r in requests):
+            logits = logits.clone()
+        self.masks.apply(logits, grammars)
+        return logits
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """logits [B, V] float32, raw from the model. Logprobs are of the raw distribution, as HF's output_logits.
         Host syncs: one for the tokens (plus one per sampled row), one for all the logprobs asked for."""
-        raw, logits = logits, _grammar_masked(logits, requests)
+        raw, logits = logits, self._grammar_masked(logits, requests)
         adjusted = [i for i, r in enumerate(requests) if r.sampling.adjusts_logits]
         penalised: dict[int, torch.Tensor] = {}
         if not adjusted:

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
+from common.engine.grammar_mask import GrammarState
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.engine.structured import StructuredOutput
 from common.errors import InvalidRequest
@@ -114,6 +115,46 @@ def test_constrained_and_unconstrained_requests_share_a_batch(model):
     assert re.fullmatch(REGEX, tokenizer.decode(alone["regex"], skip_special_tokens=True))
     assert tokenizer.decode(alone["choice"], skip_special_tokens=True) in ("left", "right")
     assert len(alone["plain"]) == 24  # unconstrained: its row was not masked (it would have stopped)
+
+
+def _next_mask(state: GrammarState) -> torch.Tensor:
+    bitmask = xgr.allocate_token_bitmask(1, 512)
+    state.matcher.fill_next_token_bitmask(bitmask)
+    return bitmask
+
+
+def test_grammar_rows_go_ahead_and_mask_after_the_tokens_before_are_booked(model):
+    """Async scheduling keeps grammar rows in the pipeline: a step launched ahead runs its forward before the step
+    before's tokens are read, and samples once they are booked, under masks of grammars that took them. A batch of
+    grammar and plain rows, one ending early on its grammar, draws the synchronous engine's tokens."""
+    samplings = {"json": _greedy(StructuredOutput.json_schema(SCHEMA)), "choice": _greedy(StructuredOutput.choice(
+        ["no", "yes"])), "regex": _greedy(StructuredOutput("regex", REGEX)), "plain": _greedy(None)}
+    got, checked = {}, []
+    for async_scheduling in (False, True):
+        engine = _engine(model, async_scheduling=async_scheduling)
+        compiled = {rid: engine.grammars.compile(s.structured) for rid, s in samplings.items() if s.structured}
+        sample_masked = engine.runner.sample_masked
+
+        def checking(launch, grammars):
+            for request, grammar in zip(launch.sampled, grammars):
+                if grammar is not None:  # its input is the last token booked, which its grammar took
+                    assert request.num_computed_tokens == request.num_tokens - 1
+                    fresh = GrammarState.after(compiled[request.request_id], request.output_token_ids)
+                    assert torch.equal(_next_mask(grammar), _next_mask(fresh))
+                    checked.append(request.request_id)
+            sample_masked(launch, grammars)
+
+        engine.runner.sample_masked = checking
+        for (rid, sampling), prompt in zip(samplings.items(), PROMPTS + PROMPTS[:1]):
+            engine.add_request(rid, prompt, sampling)
+        got[async_scheduling] = _run(engine)
+        assert engine.block_manager.num_free_blocks == 64
+    assert got[True] == got[False]
+    assert set(checked) == set(compiled)  # only with async scheduling, every grammar row went ahead
+    assert len(got[True]["choice"][0]) < len(got[True]["regex"][0]) < len(got[True]["plain"][0])
+    compiler = _reference_compiler(model)
+    assert got[True]["json"][0] == _hf_masked_greedy(
+        model, compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False), PROMPTS[0], 24)
 
 
 def test_sampling_and_logprobs_keep_to_the_grammar(model):
