@@ -13,6 +13,9 @@ Three ways to run the experts, the same sums:
   group boundaries stay on the device, so a decode step is CUDA-graph capturable. Unmeasured on a GPU so far.
 - `dense_experts`: every expert on every row, the unrouted weighted 0; only while a CUDA graph captures a step
   that grouped GEMM cannot run (float32), as it needs no host sync.
+On CUDA the whole block after the router's GEMM may instead run as Triton kernels (kernels/fused_moe.py: routing,
+the expert-sorted layout, two grouped GEMMs, the top-k sum), where they measured no slower than the torch path for
+the step's token count.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.engine.kernels import silu_and_mul
+from common.engine.kernels import HAS_TRITON, silu_and_mul
 from common.engine.parallel import TensorParallel
 
 
@@ -119,6 +122,29 @@ def run_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     return looped_experts(x, gate_up, down, ids, weights)
 
 
+@cache
+def _fused():
+    from common.engine.kernels import fused_moe
+
+    return fused_moe
+
+
+def _fused_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, spec: MoeSpec) -> bool:
+    """CUDA with triton, and the Triton path measured no slower than route + run_experts (fused_moe.applies)."""
+    if not (x.is_cuda and HAS_TRITON):
+        return False
+    fused = _fused()
+
+    def triton_path(h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return fused.fused_moe(h, logits, gate_up, down, spec.top_k, spec.renormalize)
+
+    def torch_path(h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(logits, spec.top_k, spec.renormalize)
+        return run_experts(h, gate_up, down, ids, weights)
+
+    return fused.applies(x, gate_up, down, spec.top_k, (triton_path, torch_path))
+
+
 class Experts(nn.Module):
     def __init__(self, spec: MoeSpec, hidden_size: int, tp: TensorParallel):
         super().__init__()
@@ -137,6 +163,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (after the post-attention norm) → this rank's partial sum, all-reduced."""
-        weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
-        out = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+        logits, spec = self.gate(x), self.spec
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if _fused_applies(x, gate_up, down, spec):
+            out = _fused().fused_moe(x, logits, gate_up, down, spec.top_k, spec.renormalize)
+        else:
+            weights, ids = route(logits, spec.top_k, spec.renormalize)
+            out = run_experts(x, gate_up, down, ids, weights)
         return self.tp.all_reduce(out)
