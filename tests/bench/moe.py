@@ -2,6 +2,7 @@
 tok/s, the step against the roofline of the bytes it reads, and the MoE layers' share of the step.
 
     python -m tests.bench.moe --device cuda --batch 1 64 --rounds 3    # 30B-A3B (61 GB bf16) and llama-3.2-3b
+    python -m tests.bench.moe --device cuda --moe-impl torch triton auto --skip-dense  # the MoE paths side by side
     python -m tests.bench.moe --device cpu --tiny                      # a tiny pair: checks the bench runs
 
 Configs are written once under --models (config.json alone; the engine makes the weights on the device). The dense
@@ -10,6 +11,9 @@ Each model runs alone (the first is freed before the second loads), prompts of 1
 over rounds (engine_steps.decode_step_ms). Bytes a step reads: every weight but an untied input embedding (a step
 reads only its rows), of the MoE's experts only those its tokens were routed to (measured), plus the KV it attends
 over.
+--moe-impl runs the MoE model once per path of its sparse blocks on CUDA (kernels/fused_moe.IMPL): the torch path
+(routing, torch's grouped GEMMs), the fused Triton kernels, or auto (each token-count bucket takes whichever timed
+faster at first use; the choices made are printed). The CPU runs the torch reference whatever it says.
 The MoE share: the sparse blocks' busy time, run alone over the inputs they got in a decode step, over the busy
 time of a whole (eager) decode forward; busy time is the sum of GPU kernel times (torch.profiler) on CUDA, wall
 time on the CPU.
@@ -28,6 +32,7 @@ from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.kernels import fused_moe
 from common.engine.models.moe import SparseMoeBlock, route
 from common.engine.request import SamplingParams
 from tests.bench.engine_steps import DECODE_STEPS, PROMPT, decode_step_ms, decoding, sync, tokens
@@ -220,8 +225,12 @@ def _engine(args: argparse.Namespace, directory: str) -> LLMEngine:
                                   num_kv_blocks=args.num_kv_blocks or most * -(-MAX_LEN // 16) + 16))
 
 
-def bench_model(args: argparse.Namespace, role: str, name: str, directory: str, bandwidth: float | None) -> dict:
-    """The model's figures (emitted as they come): its weights, then each batch's decode step and MoE share."""
+def bench_model(args: argparse.Namespace, role: str, name: str, directory: str, bandwidth: float | None,
+                impl: str = "auto") -> dict:
+    """The model's figures (emitted as they come): its weights, then each batch's decode step and MoE share, its
+    sparse blocks on the `impl` path (fused_moe.IMPLS)."""
+    fused_moe.IMPL = impl
+    fused_moe.choices.clear()  # auto: each engine times its own
     engine = _engine(args, directory)
     runner = engine.runner
     counts = WeightCounts.of(engine)
@@ -251,6 +260,10 @@ def bench_model(args: argparse.Namespace, role: str, name: str, directory: str, 
             print(f"{name}: the sparse blocks' kernels, batch {batch} ({PROFILE_STEPS} forwards' worth):\n"
                   + "\n".join(prof.moe_kernels.splitlines()[:16]), flush=True)
         model["batches"].append(figures)
+    if role == "moe" and impl == "auto" and fused_moe.choices:
+        model["moe_choices"] = [emit("moe_choice", model=name, tokens_up_to=key[0], triton_us=c.fused_us,
+                                     torch_us=c.torch_us, uses="triton" if c.uses_fused else "torch")
+                                for key, c in sorted(fused_moe.choices.items(), key=lambda kv: kv[0][0])]
     engine.close()
     del engine, runner
     gc.collect()
@@ -278,6 +291,11 @@ def summary(models: list[dict]) -> None:
                    f"{f['moe_busy_ms']:.3f} | {f['share_of_forward']:.0%} | {f['share_of_step']:.0%}")
             print(f"| {m['model']} | {f['batch']} | {f['step_ms']:.3f} | {f['tok_per_s']:.0f} | {hit} | "
                   f"{f['bytes_read'] / 1e9:.3g} | {roof} | {ratio} | {f['forward_busy_ms']:.3f} | {moe} |")
+    for m in models:
+        if m.get("moe_choices"):
+            print(f"\n{m['model']}: the sparse block's path per token count (µs a block, in a CUDA graph): "
+                  + ", ".join(f"≤{c['tokens_up_to']}: {c['uses']} ({c['triton_us']:.0f} vs torch {c['torch_us']:.0f})"
+                              for c in m["moe_choices"]))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -290,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the dense model: a shape of gpu_engine_vs_hf, or a directory with a config.json")
     parser.add_argument("--tiny", action="store_true", help="a tiny MoE and dense pair (the CPU)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: what the largest batch needs")
+    parser.add_argument("--moe-impl", nargs="+", choices=fused_moe.IMPLS, default=["auto"],
+                        help="the sparse blocks' path on CUDA, the MoE model run once per path given")
+    parser.add_argument("--skip-dense", action="store_true", help="the MoE model alone")
     return parser
 
 
@@ -316,7 +337,10 @@ def main() -> None:
         pair = [("moe", "qwen3-30b-a3b", write_config(models, "qwen3-30b-a3b", qwen3_30b_a3b())),
                 ("dense", args.dense, dense)]
     print(f"MoE: {pair[0][2]}; dense model of about its active size: {pair[1][1]} ({pair[1][2]})", flush=True)
-    summary([bench_model(args, role, name, directory, bandwidth) for role, name, directory in pair])
+    (_, moe_name, moe_dir), dense = pair
+    runs = [("moe", f"{moe_name} [{impl}]", moe_dir, impl) for impl in args.moe_impl]
+    runs += [] if args.skip_dense else [(*dense, "auto")]
+    summary([bench_model(args, role, name, directory, bandwidth, impl) for role, name, directory, impl in runs])
 
 
 if __name__ == "__main__":
