@@ -123,15 +123,18 @@ def _next_mask(state: GrammarState) -> torch.Tensor:
     return bitmask
 
 
-def test_grammar_rows_go_ahead_and_mask_after_the_tokens_before_are_booked(model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU"))])
+def test_grammar_rows_go_ahead_and_mask_after_the_tokens_before_are_booked(model, device):
     """Async scheduling keeps grammar rows in the pipeline: a step launched ahead runs its forward before the step
     before's tokens are read, and samples once they are booked, under masks of grammars that took them. A batch of
-    grammar and plain rows, one ending early on its grammar, draws the synchronous engine's tokens."""
+    grammar and plain rows, one ending early on its grammar, draws the synchronous engine's tokens (on a GPU the
+    step launched ahead is a CUDA graph, masked by xgrammar's kernel)."""
     samplings = {"json": _greedy(StructuredOutput.json_schema(SCHEMA)), "choice": _greedy(StructuredOutput.choice(
         ["no", "yes"])), "regex": _greedy(StructuredOutput("regex", REGEX)), "plain": _greedy(None)}
     got, checked = {}, []
     for async_scheduling in (False, True):
-        engine = _engine(model, async_scheduling=async_scheduling)
+        engine = _engine(model, async_scheduling=async_scheduling, device=device)
         compiled = {rid: engine.grammars.compile(s.structured) for rid, s in samplings.items() if s.structured}
         sample_masked = engine.runner.sample_masked
 
