@@ -51,7 +51,7 @@ class EngineConfig:
     """On a GPU, run decode steps without CUDA graphs (for debugging and comparison)."""
     async_scheduling: bool | None = None
     """Launch each decode step before the previous one's tokens are read, so host work overlaps the GPU
-    (plain greedy batches). None: on where decode steps run as CUDA graphs."""
+    (greedy batches, grammar rows included). None: on where decode steps run as CUDA graphs."""
     engine: str = "torch"
     """Which engine runs the model: "torch" (ours) or "trtllm" (TensorRT-LLM's LLM API; common.engine.trtllm)."""
     tensor_parallel_size: int = 1
