@@ -8,7 +8,8 @@ The default SmolLM2-135M-Instruct (or `--model`: its shape with random weights w
 greedy, `--requests` chat prompts at once. Each schema asks for an array of at
 least 200 strings, so no constrained request can end before --output-tokens; the unconstrained ones ignore EOS: every
 run generates the same number of tokens in batches of the same size, and the difference is the grammar's work (its
-masks filled, copied and applied each step; on a GPU also the host sync that plain greedy decoding skips).
+masks filled, copied and applied each step; on a GPU, with async scheduling, whatever of it the next step's forward
+does not hide).
 """
 from __future__ import annotations
 
