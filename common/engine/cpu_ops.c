@@ -34,14 +34,51 @@ static inline void norm_in_place(float *x, const uint16_t *w, int64_t n, float e
     for (int64_t i = 0; i < n; i++) x[i] = round_bf16(bf16_to_f32(w[i]) * round_bf16(x[i] * r));
 }
 
+#ifdef CPU_BF16_SIMD
+/* One row of add_rms_norm_bf16, 16 lanes at a time; the squares summed in mean_square's order (8 lanes, a tree,
+ * then the last n % 8 one by one), so the values are the scalar loop's to the bit */
+static inline void add_rms_norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out,
+                                    uint16_t *sum, float *row, int64_t n, float eps) {
+    __m256 squares = _mm256_setzero_ps();
+    int64_t whole = n / LANES * LANES;
+    for (int64_t i = 0; i < n; i += 16) {
+        int64_t m = n - i < 16 ? n - i : 16;
+        __m512 s = load_bf16x16(x + i, m);
+        if (residual) s = round_bf16_x16(_mm512_add_ps(s, load_bf16x16(residual + i, m)));
+        if (sum) store_bf16x16(sum + i, s, m);
+        _mm512_storeu_ps(row + i, s);  /* row has room for a whole last vector */
+        __m256 lo = _mm512_castps512_ps256(s), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+        if (i + 8 <= whole) squares = _mm256_fmadd_ps(lo, lo, squares);
+        if (i + 16 <= whole) squares = _mm256_fmadd_ps(hi, hi, squares);
+    }
+    float lanes[LANES];
+    _mm256_storeu_ps(lanes, squares);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    float total = lanes[0];
+    for (int64_t i = whole; i < n; i++) total += row[i] * row[i];
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(total / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16) {
+        int64_t m = n - i < 16 ? n - i : 16;
+        __m512 y = round_bf16_x16(_mm512_mul_ps(_mm512_loadu_ps(row + i), r));
+        store_bf16x16(out + i, _mm512_mul_ps(load_bf16x16(w + i, m), y), m);
+    }
+}
+#endif
+
 /* Per row of n: s = bf16(x + residual) (x alone when residual is NULL), written to sum unless it is NULL;
  * out = RMSNorm(s) * w. Rows are contiguous. Returns 0, or -1 if the row buffer could not be allocated. */
 int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out, uint16_t *sum,
                       int64_t rows, int64_t n, float eps) {
-    float *row = malloc(sizeof(float) * (size_t)n);
+    float *row = malloc(sizeof(float) * (size_t)(n + 16));
     if (!row) return -1;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * n;
+#ifdef CPU_BF16_SIMD
+        add_rms_norm_row(xr, residual ? residual + r * n : NULL, w, out + r * n, sum ? sum + r * n : NULL, row, n,
+                         eps);
+        continue;
+#endif
         if (residual) {
             const uint16_t *rr = residual + r * n;
             for (int64_t i = 0; i < n; i++) row[i] = round_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
@@ -57,6 +94,12 @@ int add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_
     return 0;
 }
 
+#ifdef CPU_BF16_SIMD
+static inline __m512 negated(__m512 x) {  /* -x, the sign bit flipped (0 - x would give +0 for +0) */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+#endif
+
 /* One head of D: (its RMSNorm, when norm is not NULL, then) RoPE in Hugging Face's rotate_half convention, pairs
  * (i, i + D/2): dst[i] = x[i] cos - x[i + D/2] sin, dst[i + D/2] = x[i + D/2] cos + x[i] sin, each product and the
  * sum rounded to bf16. cs: the position's cos of the D/2 frequencies ‖ their sin. */
@@ -66,6 +109,19 @@ static inline void rope_head(const uint16_t *src, const uint16_t *cs, const uint
     int64_t half = D / 2;
     for (int64_t i = 0; i < D; i++) x[i] = bf16_to_f32(src[i]);
     if (norm) norm_in_place(x, norm, D, eps);
+#ifdef CPU_BF16_SIMD
+    for (int64_t i = 0; i < half; i += 16) {
+        int64_t m = half - i < 16 ? half - i : 16;
+        __mmask16 k = (__mmask16)((1u << m) - 1);
+        __m512 a = _mm512_maskz_loadu_ps(k, x + i), b = _mm512_maskz_loadu_ps(k, x + half + i);
+        __m512 c = load_bf16x16(cs + i, m), sn = load_bf16x16(cs + half + i, m);
+        store_bf16x16(dst + i, _mm512_add_ps(round_bf16_x16(_mm512_mul_ps(a, c)),
+                                             round_bf16_x16(_mm512_mul_ps(negated(b), sn))), m);
+        store_bf16x16(dst + half + i, _mm512_add_ps(round_bf16_x16(_mm512_mul_ps(b, c)),
+                                                    round_bf16_x16(_mm512_mul_ps(a, sn))), m);
+    }
+    return;
+#endif
     for (int64_t i = 0; i < half; i++) {
         float c = bf16_to_f32(cs[i]), s = bf16_to_f32(cs[half + i]);
         dst[i] = f32_to_bf16(round_bf16(x[i] * c) + round_bf16(-x[half + i] * s));
@@ -103,6 +159,16 @@ void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t i
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = x + r * 2 * inter, *up = gate + inter;
         uint16_t *o = out + r * inter;
+#ifdef CPU_BF16_SIMD
+        for (int64_t i = 0; i < inter; i += 16) {
+            int64_t m = inter - i < 16 ? inter - i : 16;
+            __m512 g = load_bf16x16(gate + i, m);
+            __m512 e = exp2_clamped_x16(_mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f)));
+            __m512 silu = round_bf16_x16(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+            store_bf16x16(o + i, _mm512_mul_ps(silu, load_bf16x16(up + i, m)), m);
+        }
+        continue;
+#endif
         for (int64_t i = 0; i < inter; i++) {
             float g = bf16_to_f32(gate[i]);
             o[i] = f32_to_bf16(round_bf16(g / (1.0f + exp_clamped(-g))) * bf16_to_f32(up[i]));
