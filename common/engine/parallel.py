@@ -11,7 +11,6 @@ CPU it is gloo, and as the ranks share a host a step's collectives go through sh
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import os
@@ -26,22 +25,22 @@ from common.engine import shm_collectives
 from common.engine.shm_collectives import ShmCollectives
 from common.errors import InvalidConfig
 
-# A collective waits this long for its peers; a rank that dies is noticed by its process watcher long before.
 log = logging.getLogger(__name__)
-EXIT_WAIT_S = 30.0  # how long a process's exit waits for its communicators' teardown to finish
 _leaving: list[threading.Thread] = []
 
 
-def _finish_leaving() -> None:
-    """At exit, before the interpreter finalises: wait for the teardowns `leave` left running. A process that ends
-    while ProcessGroupNCCL.shutdown runs in a thread aborts ("terminate called without an active exception",
-    exit -6; a TP=2 prefill worker's stop on 2x H100 with a 2 s wait at close)."""
-    deadline = time.monotonic() + EXIT_WAIT_S
+def teardowns_finished(timeout_s: float) -> bool:
+    """Whether the NCCL teardowns `leave` left running have finished, waiting `timeout_s` at most for them. A process
+    must not finalise while one runs: ProcessGroupNCCL.shutdown in a thread at interpreter exit aborts ("terminate
+    called without an active exception", exit -6: a TP=2 prefill worker on 2x H100, whose follower had gone)."""
+    deadline = time.monotonic() + timeout_s
     for thread in _leaving:
         thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            log.warning("%s: the NCCL communicator's teardown did not finish in %.0f s; exiting anyway",
-                        thread.name, EXIT_WAIT_S)
+    _leaving[:] = [thread for thread in _leaving if thread.is_alive()]
+    return not _leaving
+
+
+# A collective waits this long for its peers; a rank that dies is noticed by its process watcher long before.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 _SHM_KEY = "shm_collectives"
 
@@ -88,14 +87,12 @@ class TensorParallel:
         engine after another hung building the third (tests/gpu/test_tensor_parallel_gpu.py, twice on 2x H100;
         with this, every test there passes). ProcessGroupNCCL.shutdown did not return within 10 s on H100s
         (torch 2.11), yet starting it is what matters: it runs in a daemon thread, waited for `timeout_s` at
-        most, and is left to finish in the background; the process's exit waits for it (_finish_leaving)."""
+        most, and is left to finish in the background; a worker's exit asks teardowns_finished first."""
         shutdown = getattr(self.group, "shutdown", None)
         if self.size == 1 or shutdown is None or not isinstance(self.group, getattr(dist, "ProcessGroupNCCL", ())):
             return
         thread = threading.Thread(target=shutdown, name=f"tp-leave-{self.rank}", daemon=True)
         thread.start()
-        if not _leaving:
-            atexit.register(_finish_leaving)
         _leaving.append(thread)
         thread.join(timeout_s)
         if thread.is_alive():

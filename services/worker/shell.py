@@ -35,6 +35,7 @@ from services.worker.service import ROLE_NAMES, WorkerRoleAnswers, WorkerService
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # past --drain-timeout: for the ended requests to send their status
+TP_TEARDOWN_WAIT_S = 3.0  # for rank 0's NCCL teardown at exit: the followers leave theirs after 2 s
 _LAST_CALLS_GRACE_S = 1.0  # drained: for calls still open (a Release answering, a KV-event stream) to end
 _WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -101,13 +102,29 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
         parser.error(str(exc))
     try:
         asyncio.run(_serve(spec, args, config))
+        code = 0
     except PortTaken as exc:  # one line, no traceback
         print(f"disagg {name}: {exc}", file=sys.stderr, flush=True)
-        return 2
+        code = 2
     except Exception:
         log.exception("the %s worker failed", name)
-        return 1
-    return 0
+        code = 1
+    return _leave_tensor_parallel(code)
+
+
+def _leave_tensor_parallel(code: int) -> int:
+    """`code`, once any NCCL teardown has finished; one still running after a while (its peers have gone) means
+    leaving at once, as a follower rank does: finalising the interpreter beside it aborts the process."""
+    from common.engine.parallel import teardowns_finished
+
+    if teardowns_finished(TP_TEARDOWN_WAIT_S):
+        return code
+    log.info("an NCCL communicator is still tearing down after %.0f s; exiting without waiting for it",
+             TP_TEARDOWN_WAIT_S)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _add_process_args(parser: argparse.ArgumentParser) -> None:
