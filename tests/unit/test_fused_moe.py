@@ -1,10 +1,10 @@
 """The fused MoE Triton kernels (kernels/fused_moe.py) on CPU tensors in Triton's interpreter, against the torch
 reference: routing as models/moe.route routes for Qwen3-MoE (norm_topk_prob false / true) and Mixtral (which
-tests/unit/test_moe.py checks against transformers' routers), the expert-
-sorted layout, and the block's sums (looped_experts) over token counts of 1 and ones no multiple of BLOCK_M, with
-an expert that gets no token (and at one token, most get none), whole and split across two tensor-parallel ranks. float32: the interpreter has no
-bf16 (tests/gpu/test_fused_moe.py checks bf16 against the torch path on a GPU). One subprocess runs every case:
-the interpreter must be on before triton is imported."""
+tests/unit/test_moe.py checks against transformers' routers), the expert-sorted layout, and the block's sums
+(looped_experts) over token counts of 1 and ones no multiple of BLOCK_M, with an expert that gets no token (and at
+one token, most get none), whole and split across two tensor-parallel ranks. float32: the interpreter has no bf16
+(tests/gpu/test_fused_moe.py checks bf16 against the torch path on a GPU). One subprocess runs every case: the
+interpreter must be on before triton is imported."""
 from __future__ import annotations
 
 import importlib.util

@@ -11,7 +11,7 @@ vLLM's fused_moe shape, written for our weights (`gate_up` [E, 2I, H], `down` [E
    silu(gate) · up fused into its epilogue (it accumulates the gate and the up columns side by side), writing a
    row per pair; down, each row multiplied by its pair's routing weight (after the product, as transformers
    weighs the expert's output);
-4. a sum over each token's k rows (torch, one kernel).
+4. a sum over each token's k rows in float32 (a small kernel: torch's reduction took twice as long at one token).
 Both GEMMs round to the model dtype where the torch path's separate ops do (the product, silu, silu · up), so a
 bf16 result differs from it only by summation order.
 
@@ -219,6 +219,27 @@ def _expert_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layout: Al
         num_stages=tile.num_stages)
 
 
+SUM_BLOCK = 1024
+
+
+@triton.jit
+def _sum_topk_kernel(rows_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * H + h, mask=h < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+def sum_topk(rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """rows [T·k, H] (each token's k rows together) → [T, H], summed in float32."""
+    H = rows.shape[1]
+    out = torch.empty((rows.shape[0] // top_k, H), dtype=rows.dtype, device=rows.device)
+    _sum_topk_kernel[(out.shape[0], triton.cdiv(H, SUM_BLOCK))](rows, out, H, TOP_K=top_k, BLOCK=SUM_BLOCK)
+    return out
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor, tile: MoeTile | None = None) -> torch.Tensor:
     """x [T, H] through experts gate_up [E, 2I, H] / down [E, H, I] chosen by ids [T, k], weighted by weights
@@ -234,7 +255,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     _expert_gemm(x, gate_up, h, layout, None, k, True, tile.block_n, tile)
     rows = torch.empty((T * k, H), dtype=x.dtype, device=x.device)
     _expert_gemm(h, down, rows, layout, weights.reshape(-1).float(), 1, False, tile.down_block_n, tile)
-    return rows.view(T, k, H).sum(dim=1)
+    return sum_topk(rows, k)
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
