@@ -10,7 +10,7 @@ Three ways to run the experts, the same sums:
 - `looped_experts` (the CPU, the reference): sort the (token, expert) pairs by expert, one GEMM pair per expert that
   got tokens; it reads the counts on the host.
 - `grouped_experts` (CUDA, bf16): the pairs sorted by expert feed two grouped GEMMs (`torch._grouped_mm`) whose
-  group boundaries stay on the device, so a decode step is CUDA-graph capturable. Unmeasured on a GPU so far.
+  group boundaries stay on the device, so a decode step is CUDA-graph capturable.
 - `dense_experts`: every expert on every row, the unrouted weighted 0; only while a CUDA graph captures a step
   that grouped GEMM cannot run (float32), as it needs no host sync.
 On CUDA the whole block after the router's GEMM may instead run as Triton kernels (kernels/fused_moe.py: routing,
