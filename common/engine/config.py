@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # --engine's choices → "module:class" under common.engine that common.engine.start loads (one line per engine).
 ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
@@ -22,7 +24,17 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # 128-token prompts on 2 cores, 128 against 64: TTFT 204 against 229 ms at concurrency 1 (prefill and decode a core
 # each), and aggregated 139 against 115 output tok/s at concurrency 8.
 CPU_LONG_PREFILL_TOKENS = 128
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")  # --dtype's choices, each torch's dtype of that name
+
+
+def __getattr__(name: str):
+    """_DTYPES (name -> torch dtype), built on first use: torch is imported only where a dtype is needed, not by
+    every importer of the config (`disagg up` reads it and never loads a model: ~1 s of its start)."""
+    if name == "_DTYPES":
+        import torch
+
+        return {dtype: getattr(torch, dtype) for dtype in DTYPES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"),
+            (self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"),
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two in [1, 128], got {self.block_size}"),
             (self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
@@ -107,7 +119,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def prefill_chunk_limit(self) -> int:
@@ -151,6 +165,8 @@ def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int) -> int:
     (call it after loading them), less a reserve for one step: its MLP activations and its logits."""
     if config.gpu_memory_utilization is None:
         return config.num_kv_blocks
+    import torch
+
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
     text = getattr(hf_config, "text_config", None) or hf_config
     reserve = (config.max_num_batched_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from common.engine.config import ENGINES, EngineConfig
-from common.engine.interface import Engine
-from common.engine.models.loader import check_shardable
-from common.engine.parallel import check_devices
+
+if TYPE_CHECKING:
+    from common.engine.interface import Engine
 
 
 def check_startable(config: EngineConfig) -> None:
     """What would stop `start_engine` before it loads a weight, as InvalidConfig: a tensor-parallel size that does
     not divide the model's heads, or more ranks than GPUs (the engine's own checks; the config validated itself when
     it was built)."""
-    if config.engine == "torch":  # TensorRT-LLM checks its own sharding
+    if config.engine == "torch" and config.tensor_parallel_size > 1:  # TensorRT-LLM checks its own sharding
+        # imported here: one rank has nothing to check, and `disagg up` (which calls this) need not load torch
+        from common.engine.models.loader import check_shardable
+        from common.engine.parallel import check_devices
+
         check_shardable(config.model, config.tensor_parallel_size)
         check_devices(config.device, config.tensor_parallel_size)
 
