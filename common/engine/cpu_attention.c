@@ -165,6 +165,40 @@ static inline void score_chunk(const float *q, const float *kt, float *s, int64_
     }
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#define BF16_PAIRS 1
+/* score_chunk for bf16 q and keys, as pairs of bf16 in 32 bits: q [rows, d2] and a chunk kt [d2, TILE_K] (element
+ * i: dims 2i and 2i + 1), scored with vdpbf16ps, two dims a lane and instruction where float32 FMAs take one (the
+ * products are exact in float32, as when converted; the sums round at each pair, not each dim) */
+static inline void score_chunk_pairs(const uint32_t *q, const uint32_t *kt, float *s, int64_t rows, int64_t d2,
+                                     int64_t ld) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        const uint32_t *q0 = q + r * d2, *q1 = q0 + d2, *q2 = q1 + d2, *q3 = q2 + d2;
+        for (int64_t i = 0; i < d2; i++) {
+            __m512bh k = (__m512bh)_mm512_loadu_si512(kt + i * TILE_K);
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32((int)q0[i]), k);
+            s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32((int)q1[i]), k);
+            s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32((int)q2[i]), k);
+            s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32((int)q3[i]), k);
+        }
+        _mm512_storeu_ps(s + r * ld, s0);
+        _mm512_storeu_ps(s + (r + 1) * ld, s1);
+        _mm512_storeu_ps(s + (r + 2) * ld, s2);
+        _mm512_storeu_ps(s + (r + 3) * ld, s3);
+    }
+    for (; r < rows; r++) {
+        __m512 s0 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d2; i++)
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32((int)q[r * d2 + i]),
+                                  (__m512bh)_mm512_loadu_si512(kt + i * TILE_K));
+        _mm512_storeu_ps(s + r * ld, s0);
+    }
+}
+#endif
+
 /* x[0..n) *= scale; returns their maximum (TILE_K lanes, then a tree: the loop vectorises) */
 static inline float scale_and_max(float *x, int64_t n, float scale) {
     float lanes[TILE_K];
@@ -236,6 +270,12 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
     float *total = malloc(sizeof(float) * (size_t)tile_rows);
     float *kt = NULL, *vv = NULL;
     int status = -1;
+#ifdef BF16_PAIRS
+    int pairs = is_bf16 && cache_kind == BF16 && D % 2 == 0;  /* q and K scored as bf16 pairs (score_chunk_pairs) */
+#else
+    int pairs = 0;
+#endif
+    int64_t width = pairs ? D / 2 : D;  /* a K or q row as the scores read it: D/2 pairs of bf16, or D floats */
     if (!qt || !acc || !krow || !krow_chunk || !s || !top || !total)
         goto done;
     for (int64_t seq = 0; seq < S; seq++) {
@@ -254,25 +294,34 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
             goto done;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             for (int64_t j = 0; j < padded; j++) {
-                float *chunk = kt + j / TILE_K * TILE_K * D;
+                uint32_t *chunk = (uint32_t *)kt + j / TILE_K * TILE_K * width;  /* floats or bf16 pairs */
                 if (j < keys) {
                     int64_t pos = base + j, at = blocks[pos / block_size] * block_stride + (pos % block_size) * row
                                                  + kvh * D;
-                    load_row(k_cache, at, D, cache_kind, fp8, krow);
+                    if (pairs)
+                        memcpy(krow, (const uint16_t *)k_cache + at, sizeof(uint16_t) * (size_t)D);
+                    else
+                        load_row(k_cache, at, D, cache_kind, fp8, krow);
                     load_row(v_cache, at, D, cache_kind, fp8, vv + j * D);
                 } else {
                     memset(krow, 0, sizeof(float) * (size_t)D);
                     memset(vv + j * D, 0, sizeof(float) * (size_t)D);
                 }
-                for (int64_t i = 0; i < D; i++) chunk[i * TILE_K + j % TILE_K] = krow[i];
+                const uint32_t *bits = (const uint32_t *)krow;
+                for (int64_t i = 0; i < width; i++) chunk[i * TILE_K + j % TILE_K] = bits[i];
             }
             for (int64_t t0 = 0; t0 < n; t0 += TILE_Q) {
                 int64_t tq = n - t0 < TILE_Q ? n - t0 : TILE_Q, nr = tq * group;
                 int64_t first = ctx + t0, last = first + tq - 1;  /* the tile's positions */
                 int64_t lo = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
-                for (int64_t t = 0; t < tq; t++)  /* row t * group + g: token t0 + t, query head kvh * group + g */
-                    load_row(q, ((rows[seq] + t0 + t) * Hq + kvh * group) * D, group * D, is_bf16 ? BF16 : F32, fp8,
-                             qt + t * group * D);
+                for (int64_t t = 0; t < tq; t++) {  /* row t * group + g: token t0 + t, query head kvh * group + g */
+                    int64_t at = ((rows[seq] + t0 + t) * Hq + kvh * group) * D;
+                    if (pairs)
+                        memcpy((uint32_t *)qt + t * group * width, (const uint16_t *)q + at,
+                               sizeof(uint16_t) * (size_t)(group * D));
+                    else
+                        load_row(q, at, group * D, is_bf16 ? BF16 : F32, fp8, qt + t * group * D);
+                }
                 for (int64_t r = 0; r < nr; r++) top[r] = -INFINITY, total[r] = 0.0f;
                 memset(acc, 0, sizeof(float) * (size_t)(nr * D));
                 for (int64_t k0 = lo; k0 <= last; k0 += KEYS) {
@@ -280,14 +329,23 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
                     const float *vp = vv + (k0 - base) * D;  /* this pass's values */
                     for (int64_t c = 0; c < nk; c += TILE_K) {  /* scores of every row */
                         int64_t col = k0 - base + c, off = col % TILE_K;
+                        const uint32_t *chunk = (const uint32_t *)kt + (col - off) * width;
                         if (off) {  /* a window's pass that starts off the chunks (base clamped to 0): from two */
-                            const float *at = kt + (col - off) * D, *next = at + D * TILE_K;
-                            for (int64_t i = 0; i < D; i++)
+                            const uint32_t *next = chunk + width * TILE_K;
+                            uint32_t *joined = (uint32_t *)krow_chunk;
+                            for (int64_t i = 0; i < width; i++)
                                 for (int j = 0; j < TILE_K; j++)
-                                    krow_chunk[i * TILE_K + j] = j + off < TILE_K ? at[i * TILE_K + j + off]
-                                                                                  : next[i * TILE_K + j + off - TILE_K];
+                                    joined[i * TILE_K + j] = j + off < TILE_K ? chunk[i * TILE_K + j + off]
+                                                                              : next[i * TILE_K + j + off - TILE_K];
+                            chunk = joined;
                         }
-                        score_chunk(qt, off ? krow_chunk : kt + (col - off) * D, s + c, nr, D, KEYS);
+#ifdef BF16_PAIRS
+                        if (pairs) {
+                            score_chunk_pairs((const uint32_t *)qt, chunk, s + c, nr, width, KEYS);
+                            continue;
+                        }
+#endif
+                        score_chunk(qt, (const float *)chunk, s + c, nr, D, KEYS);
                     }
                     for (int64_t r = 0; r < nr; r++) {
                         /* the keys [from, p] this row sees, as columns [j0, j1] of this pass */
