@@ -46,23 +46,35 @@ class Run:
     outputs: list[list[int]]
     tok_s: float  # output tokens over the wall time
     step_tok_s: float  # the batch's tokens over its median decode step: steady where others' work comes in bursts
+    add_ms: float  # add_request for every prompt (a grammar's compile, or its cache hit)
+    steps_ms: list[float]  # every engine step, the prefill's first
+
+    def where(self) -> str:
+        """Where the wall time went: the adds, the first (prefill) step, the decode steps' median / p90 / max."""
+        decode = sorted(self.steps_ms[1:])
+        return (f"add {self.add_ms:.1f}, first step {self.steps_ms[0]:.1f}, {len(decode)} steps {sum(decode):.1f} ms "
+                f"(median {statistics.median(decode):.2f}, p90 {decode[int(0.9 * len(decode))]:.2f}, "
+                f"max {decode[-1]:.2f})")
 
 
 def timed(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> Run:
+    adding = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, sampling)
+    start = time.perf_counter()  # tok/s from here, as before: the adds are reported on their own
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    steps = []
-    start = time.perf_counter()
+    steps, every = [], []
     while engine.has_unfinished_requests():
         running, began = engine.num_running, time.perf_counter()
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
+        every.append((time.perf_counter() - began) * 1e3)
         if running == len(prompts) and not engine.num_waiting:  # a decode step of the whole batch
             steps.append(time.perf_counter() - began)
     elapsed = time.perf_counter() - start
     tokens = sum(map(len, outputs.values()))
-    return Run(list(outputs.values()), tokens / elapsed, len(prompts) / statistics.median(steps[1:]))
+    return Run(list(outputs.values()), tokens / elapsed, len(prompts) / statistics.median(steps[1:]),
+               (start - adding) * 1e3, every)
 
 
 def main() -> None:
@@ -103,6 +115,8 @@ def main() -> None:
             line.append(f"{name} {held.tok_s:.1f} ({held.step_tok_s:.1f}): {ratios[name]['tok_s'][-1]:.3f}x "
                         f"({ratios[name]['step_tok_s'][-1]:.3f}x)")
         print(", ".join(line), flush=True)
+        for name, run in runs.items():
+            print(f"  {name}: {run.where()}", flush=True)
     print(f"\n{args.requests} requests x {args.output_tokens} tokens on {args.device} ({args.dtype}), median of "
           f"{args.rounds} rounds, constrained / unconstrained output tok/s (by the median decode step):")
     for name in SCHEMAS:
