@@ -7,6 +7,7 @@ changes neither. Only rows with a grammar are masked; the others share the batch
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import xgrammar as xgr
@@ -15,6 +16,9 @@ from common.engine import kernels
 from common.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
+# Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them); "auto" is xgrammar's choice.
+# DISAGG_GRAMMAR_FILL_THREADS=N sets it (the structured_output bench compares).
+FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")) or "auto"
 
 
 class GrammarState:
@@ -51,7 +55,7 @@ class GrammarMasks:
     grammar rows, so the others stay as they are."""
 
     def __init__(self) -> None:
-        self._matcher = xgr.BatchGrammarMatcher()
+        self._matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
         self._host: torch.Tensor | None = None  # [rows, words] int32, xgrammar's bitmask
         self._host_rows: torch.Tensor | None = None  # [rows] int32: which batch rows the bitmask fills
         self._device: torch.Tensor | None = None
