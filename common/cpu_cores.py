@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 MODEL_CORES_ENV = "DISAGG_MODEL_CORES"
+HELPER_CORES_ENV = "DISAGG_HELPER_CORES"  # idle cores a prefill GEMM may borrow (common/engine/cpu_helper.py)
 
 
 def parse_cores(text: str) -> tuple[int, ...]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.engine import cpu_helper
+
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `pack_linears` applies: bfloat16 on a CPU whose oneDNN has bf16 GEMMs (avx512_bf16 or AMX)."""
@@ -28,10 +30,15 @@ class _PackedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # a step's [tokens, in] as it is: its two reshapes took ~4.5 us a call, 121 calls a step
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            if cpu_helper.applies(x):  # a prefill chunk: half its rows on an idle helper core
+                return cpu_helper.helper().split(self._rows, x)
+            return self._rows(x)
         rows = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:

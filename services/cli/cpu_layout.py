@@ -9,12 +9,14 @@ machine.
 Why: vLLM's CPU backend does the same (OpenMP threads bound to cores, one core kept for its API server and engine
 loop). An OpenMP barrier waits for its slowest thread, so a model thread that shares its core with the router or
 another worker waits a scheduler slice (milliseconds) where a layer's GEMM takes a fraction of one.
+A model on one core also gets the other cores in DISAGG_HELPER_CORES: half the rows of a prompt's GEMMs run there
+while one idles, on a thread of idle priority that anything else preempts (common/engine/cpu_helper.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.cpu_cores import MODEL_CORES_ENV, format_cores
+from common.cpu_cores import HELPER_CORES_ENV, MODEL_CORES_ENV, format_cores
 
 
 @dataclass(frozen=True)
@@ -24,19 +26,31 @@ class CpuLayout:
     user_threads: str | None = field(default=None)  # OMP_NUM_THREADS as the user set it: kept, not ours
 
     def env(self, name: str) -> dict[str, str]:
-        """The worker's environment: its model's cores, and a torch thread per core unless the user chose."""
+        """The worker's environment: its model's cores, and a torch thread per core unless the user chose; a model
+        on one core of its own also gets the others as helper cores (common/engine/cpu_helper.py: half of a prefill
+        chunk's GEMM rows where one is idle)."""
         cores = self.model_cores[name]
         env = {MODEL_CORES_ENV: format_cores(cores)}
         if self.user_threads is None:
             env["OMP_NUM_THREADS"] = str(len(cores))
+            helpers = self.helper_cores(name)
+            if len(cores) == 1 and helpers:
+                env[HELPER_CORES_ENV] = format_cores(helpers)
         return env
+
+    def helper_cores(self, name: str) -> tuple[int, ...]:
+        """Every core of the layout but the worker's model's."""
+        every = set(self.other_cores).union(*self.model_cores.values())
+        return tuple(sorted(every - set(self.model_cores[name])))
 
     def describe(self) -> str:
         """One line for the summary."""
         models = ", ".join(f"{name} on {_cores_text(cores)}" for name, cores in self.model_cores.items())
         threads = (f"OMP_NUM_THREADS={self.user_threads} (yours)" if self.user_threads is not None
                    else "a torch thread a core")
-        return f"CPU cores: models {models} ({threads}); router and other threads on {_cores_text(self.other_cores)}"
+        borrow = any(HELPER_CORES_ENV in self.env(name) for name in self.model_cores)
+        return (f"CPU cores: models {models} ({threads}); router and other threads on {_cores_text(self.other_cores)}"
+                + ("; a prompt's GEMMs borrow the other cores while idle" if borrow else ""))
 
 
 def cpu_layout(cores: tuple[int, ...], workers: list[str], user_threads: str | None = None) -> CpuLayout:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from common.cpu_cores import MODEL_CORES_ENV, parse_cores, pin_model_thread
+from common.cpu_cores import HELPER_CORES_ENV, MODEL_CORES_ENV, parse_cores, pin_model_thread
 from services.cli.cpu_layout import cpu_layout
 from services.cli.supervise import Child, stop_all
 from services.cli.up import CPU_SPLIT_WHY, parse_args, plan
@@ -15,15 +15,22 @@ from services.cli.up import CPU_SPLIT_WHY, parse_args, plan
 def test_one_worker_gets_a_core_and_leaves_the_other_to_the_router():
     layout = cpu_layout((0, 1), ["decode-0"])
     assert layout.model_cores == {"decode-0": (0,)} and layout.other_cores == (1,)
-    assert layout.env("decode-0") == {MODEL_CORES_ENV: "0", "OMP_NUM_THREADS": "1"}
+    assert layout.env("decode-0") == {MODEL_CORES_ENV: "0", "OMP_NUM_THREADS": "1", HELPER_CORES_ENV: "1"}
     assert layout.describe() == ("CPU cores: models decode-0 on core 0 (a torch thread a core); router and other "
-                                 "threads on core 1")
+                                 "threads on core 1; a prompt's GEMMs borrow the other cores while idle")
 
 
 def test_more_cores_split_among_the_models_the_remainder_to_decode():
     layout = cpu_layout(tuple(range(8)), ["prefill-0", "decode-0"])
     assert layout.model_cores == {"prefill-0": (0, 1, 2), "decode-0": (3, 4, 5, 6)} and layout.other_cores == (7,)
     assert layout.env("decode-0")["OMP_NUM_THREADS"] == "4"
+    assert HELPER_CORES_ENV not in layout.env("decode-0")  # its model's threads spread a GEMM over its own cores
+
+
+def test_a_model_on_one_core_gets_the_others_as_helper_cores():
+    """The 2-core default: prefill's prompts may borrow decode's core while it idles, and the reverse."""
+    layout = cpu_layout((0, 1), ["prefill-0", "decode-0"])
+    assert layout.env("prefill-0")[HELPER_CORES_ENV] == "1" and layout.env("decode-0")[HELPER_CORES_ENV] == "0"
 
 
 def test_as_many_workers_as_cores_get_one_each_and_the_rest_runs_anywhere():
@@ -97,4 +104,4 @@ def test_up_summary_says_why_it_chose_the_layout_and_where_the_models_run():
     text = summary(children, settled, "127.0.0.1", 0)
     assert f"\n{CPU_SPLIT_WHY}\n" in text
     assert ("CPU cores: models prefill-0 on core 0, decode-0 on core 1 (a torch thread a core); router and other "
-            "threads on cores 0,1\n") in text
+            "threads on cores 0,1; a prompt's GEMMs borrow the other cores while idle\n") in text
