@@ -1,6 +1,7 @@
 """Start the engine a config names, from config.ENGINES (the engines import the interface; this imports them)."""
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -28,3 +29,14 @@ def start_engine(config: EngineConfig) -> Engine:
     own thread, or TensorRT-LLM (InvalidConfig where it is not installed)."""
     module, name = ENGINES[config.engine].split(":")
     return getattr(import_module(f"common.engine.{module}"), name).from_config(config)
+
+
+def teardowns_finished(timeout_s: float) -> bool:
+    """Whether the engines' teardowns left running in the background (a tensor-parallel engine's NCCL
+    communicator, parallel.TensorParallel.leave) have finished, waiting `timeout_s` at most. A process must not
+    finalise while one runs (parallel.teardowns_finished says why)."""
+    if "common.engine.parallel" not in sys.modules:  # no tensor-parallel engine was built here
+        return True
+    from common.engine.parallel import teardowns_finished as finished
+
+    return finished(timeout_s)

@@ -21,6 +21,7 @@ from typing import Any, Protocol, Sequence
 import grpc
 
 from common.engine.default_model import model_label
+from common.engine.start import teardowns_finished
 from common.devices import bind_loop_executor
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
@@ -115,8 +116,6 @@ def run_worker(spec: RoleSpec, argv: list[str] | None) -> int:
 def _leave_tensor_parallel(code: int) -> int:
     """`code`, once any NCCL teardown has finished; one still running after a while (its peers have gone) means
     leaving at once, as a follower rank does: finalising the interpreter beside it aborts the process."""
-    from common.engine.parallel import teardowns_finished
-
     if teardowns_finished(TP_TEARDOWN_WAIT_S):
         return code
     log.info("an NCCL communicator is still tearing down after %.0f s; exiting without waiting for it",
