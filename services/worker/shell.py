@@ -20,9 +20,9 @@ from typing import Any, Protocol, Sequence
 
 import grpc
 
+from common.devices import bind_loop_executor
 from common.engine.default_model import model_label
 from common.engine.start import teardowns_finished
-from common.devices import bind_loop_executor
 from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_tls_args, tls_from_args
