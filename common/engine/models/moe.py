@@ -129,20 +129,23 @@ def _fused():
     return fused_moe
 
 
+def torch_moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """The sparse block after the router's GEMM in torch ops (fused_moe.fused_moe's signature): route, run_experts."""
+    weights, ids = route(logits, top_k, renormalize)
+    return run_experts(x, gate_up, down, ids, weights)
+
+
 def _fused_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, spec: MoeSpec) -> bool:
-    """CUDA with triton, and the Triton path measured no slower than route + run_experts (fused_moe.applies)."""
+    """CUDA with triton, and the Triton path measured no slower than torch_moe (fused_moe.applies)."""
     if not (x.is_cuda and HAS_TRITON):
         return False
     fused = _fused()
 
-    def triton_path(h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        return fused.fused_moe(h, logits, gate_up, down, spec.top_k, spec.renormalize)
+    def timed(block):  # as fused_moe.applies times a path: a function of (x, router logits)
+        return lambda h, logits: block(h, logits, gate_up, down, spec.top_k, spec.renormalize)
 
-    def torch_path(h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(logits, spec.top_k, spec.renormalize)
-        return run_experts(h, gate_up, down, ids, weights)
-
-    return fused.applies(x, gate_up, down, spec.top_k, (triton_path, torch_path))
+    return fused.applies(x, gate_up, down, spec.top_k, (timed(fused.fused_moe), timed(torch_moe)))
 
 
 class Experts(nn.Module):
@@ -165,9 +168,5 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] (after the post-attention norm) → this rank's partial sum, all-reduced."""
         logits, spec = self.gate(x), self.spec
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if _fused_applies(x, gate_up, down, spec):
-            out = _fused().fused_moe(x, logits, gate_up, down, spec.top_k, spec.renormalize)
-        else:
-            weights, ids = route(logits, spec.top_k, spec.renormalize)
-            out = run_experts(x, gate_up, down, ids, weights)
-        return self.tp.all_reduce(out)
+        block = _fused().fused_moe if _fused_applies(x, gate_up, down, spec) else torch_moe
+        return self.tp.all_reduce(block(x, logits, gate_up, down, spec.top_k, spec.renormalize))
