@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.engine.kernels.gemv import graph_time_us
 from common.engine.kernels.triton_ops import _round
 
 IMPLS = ("auto", "torch", "triton")
@@ -310,8 +311,6 @@ def applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: i
 def time_path(path: TimedPath, tokens: int, like: torch.Tensor, num_experts: int, calls: int = 8) -> float:
     """µs per call of path over `tokens` random rows, each call with its own random router logits (so calls pick
     different experts, whose weights are then not in the L2), inside one CUDA graph."""
-    from common.engine.kernels.gemv import graph_time_us
-
     gen = torch.Generator(like.device).manual_seed(0)
     x = torch.randn((tokens, like.shape[1]), generator=gen, device=like.device).to(like.dtype)
     logits = [torch.randn((tokens, num_experts), generator=gen, device=like.device).to(like.dtype)
