@@ -76,10 +76,10 @@ class GrammarMasks:
             self._uploaded.synchronize()
         host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
         self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
-        host_rows.numpy()[:] = rows
         if logits.device.type != "cuda":
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
             return
+        host_rows.numpy()[:] = rows
         bitmask, indices = self._device[:batch], self._device_rows[: len(rows)]
         bitmask.copy_(host, non_blocking=True)
         indices.copy_(host_rows, non_blocking=True)
