@@ -54,7 +54,8 @@ class HelperCore:
         self._halves: queue.SimpleQueue[_Half] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._quiet_until = 0.0
-        threading.Thread(target=self._serve, name="cpu-helper", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="cpu-helper", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         torch.set_num_threads(1)  # OpenMP's thread count is per thread: a new one would start one a core
@@ -72,12 +73,15 @@ class HelperCore:
                 half.taken = True
             try:
                 half.out = half.rows(half.x)
+            except Exception:  # the engine computes this half itself; `split` offers no more (none would be taken)
+                log.exception("the CPU helper thread failed: prefill GEMMs run whole from now on")
+                return
             finally:
                 half.done.set()
 
     def split(self, rows: Rows, x: torch.Tensor) -> torch.Tensor:
         """rows(x) with its second half of rows offered to the helper (see the module doc)."""
-        if time.monotonic() < self._quiet_until:
+        if time.monotonic() < self._quiet_until or not self._thread.is_alive():
             return rows(x)
         middle = x.shape[0] // 2
         half = _Half(rows, x[middle:])

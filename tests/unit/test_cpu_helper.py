@@ -54,6 +54,24 @@ def test_a_busy_helper_core_leaves_the_engine_its_half_and_a_pause(monkeypatch, 
     assert torch.equal(layer(x), whole)
 
 
+class _Failed(cpu_helper.HelperCore):
+    """A helper whose thread has ended (as it does after logging a GEMM that raised)."""
+
+    def _serve(self) -> None:
+        return
+
+
+def test_a_helper_thread_that_ended_is_offered_no_more_halves(monkeypatch, one_thread):
+    layer = _packed_linear()
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    whole = layer.forward._rows(x)
+    failed = _Failed((0,))
+    failed._thread.join()
+    monkeypatch.setattr(cpu_helper, "helper", lambda: failed)
+    assert torch.equal(layer(x), whole)
+    assert failed._halves.empty() and failed._quiet_until == 0.0  # computed whole: no half queued for no one
+
+
 def test_decode_rows_more_threads_or_no_helper_cores_stay_whole(monkeypatch, one_thread):
     monkeypatch.setattr(cpu_helper, "helper", lambda: _Stalled((0,)))
     assert cpu_helper.applies(torch.zeros(cpu_helper.MIN_ROWS, 8))
