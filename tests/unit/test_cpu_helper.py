@@ -39,8 +39,13 @@ def test_a_prefill_gemm_split_with_the_helper_equals_it_whole(monkeypatch, one_t
     helper = cpu_helper.HelperCore(usable_cores())
     monkeypatch.setattr(cpu_helper, "helper", lambda: helper)
     assert cpu_helper.applies(x)
+    sizes = []  # the rows of each GEMM computed, by the engine or the helper
+    split = helper.split
+    monkeypatch.setattr(helper, "split", lambda rows, x: split(lambda h: (sizes.append(h.shape[0]), rows(h))[1], x))
     for _ in range(3):  # the helper takes some halves, or the engine does: the same values either way
+        helper._quiet_until = 0.0  # a half the helper did not take pauses splits: split each call
         assert torch.equal(layer(x), whole)
+    assert len(sizes) >= 6 and set(sizes) == {65}  # split each time, never computed whole
 
 
 def test_a_busy_helper_core_leaves_the_engine_its_half_and_a_pause(monkeypatch, one_thread):
