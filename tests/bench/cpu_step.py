@@ -35,9 +35,7 @@ from common.engine.engine import LLMEngine
 from common.engine.models import llama
 from common.engine.quantization.kv_cache import KvCacheFormat
 from common.engine.request import SamplingParams
-from tests.bench.engine_steps import decoding, tokens
-
-PROMPT = 128
+from tests.bench.engine_steps import PROMPT, decoding, tokens
 
 
 @contextmanager
