@@ -50,7 +50,7 @@ class CpuLayout:
                    else "a torch thread a core")
         borrow = any(HELPER_CORES_ENV in self.env(name) for name in self.model_cores)
         return (f"CPU cores: models {models} ({threads}); router and other threads on {_cores_text(self.other_cores)}"
-                + ("; a prompt's bf16 GEMMs borrow the other cores while idle" if borrow else ""))
+                + ("; with --dtype bfloat16 a prompt's GEMMs borrow the other cores while idle" if borrow else ""))
 
 
 def cpu_layout(cores: tuple[int, ...], workers: list[str], user_threads: str | None = None) -> CpuLayout:

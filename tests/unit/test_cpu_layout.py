@@ -17,7 +17,7 @@ def test_one_worker_gets_a_core_and_leaves_the_other_to_the_router():
     assert layout.model_cores == {"decode-0": (0,)} and layout.other_cores == (1,)
     assert layout.env("decode-0") == {MODEL_CORES_ENV: "0", "OMP_NUM_THREADS": "1", HELPER_CORES_ENV: "1"}
     assert layout.describe() == ("CPU cores: models decode-0 on core 0 (a torch thread a core); router and other "
-                                 "threads on core 1; a prompt's bf16 GEMMs borrow the other cores while idle")
+                                 "threads on core 1; with --dtype bfloat16 a prompt's GEMMs borrow the other cores while idle")
 
 
 def test_more_cores_split_among_the_models_the_remainder_to_decode():
@@ -104,4 +104,4 @@ def test_up_summary_says_why_it_chose_the_layout_and_where_the_models_run():
     text = summary(children, settled, "127.0.0.1", 0)
     assert f"\n{CPU_SPLIT_WHY}\n" in text
     assert ("CPU cores: models prefill-0 on core 0, decode-0 on core 1 (a torch thread a core); router and other "
-            "threads on cores 0,1; a prompt's bf16 GEMMs borrow the other cores while idle\n") in text
+            "threads on cores 0,1; with --dtype bfloat16 a prompt's GEMMs borrow the other cores while idle\n") in text
