@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 import xgrammar as xgr
@@ -19,6 +20,10 @@ log = logging.getLogger(__name__)
 # Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them); "auto" is xgrammar's choice.
 # DISAGG_GRAMMAR_FILL_THREADS=N sets it (the structured_output bench compares).
 FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")) or "auto"
+# A batch's fill slower than this outlasts a decode forward it overlaps; the next greedy step then checks first (see
+# GrammarMasks.greedy). Such fills are xgrammar's inside a string under maxLength: 2-15 ms a row on a 128k vocabulary
+# against ~0.05 for an unbounded string (mlc-ai/xgrammar#852, open in 0.2.8).
+SLOW_FILL_S = float(os.environ.get("DISAGG_GRAMMAR_SLOW_FILL_MS", "2")) / 1e3
 
 
 class GrammarState:
@@ -38,6 +43,13 @@ class GrammarState:
                 raise InvalidRequest(f"token {token} (the first token the context phase sampled) does not fit "
                                      "the request's structured output")
         return state
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next; its state stays as it was."""
+        if not self.matcher.accept_token(token):
+            return False
+        self.matcher.rollback(1)
+        return True
 
     def ends_with(self, token: int) -> bool:
         """Advance over a sampled token: True when the grammar is done (it took its stop token), or could not take
@@ -61,6 +73,24 @@ class GrammarMasks:
         self._device: torch.Tensor | None = None
         self._device_rows: torch.Tensor | None = None
         self._uploaded: torch.cuda.Event | None = None  # the last upload: once it ran, the host buffers are free
+        self.check_first = False  # the last fill was slow (SLOW_FILL_S): greedy() checks the argmax before filling
+
+    def greedy(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
+        """Each row's greedy token [B], on the logits' device, the grammar rows' under their masks. Filling the masks
+        while the forward runs hides them, unless a fill outlasts the forward. After such a fill, the argmax of the
+        unmasked logits is read first and each grammar checks its row's token: a token its grammar allows is the
+        masked argmax too (the mask only lowers other logits to -inf; ties keep the first index either way), so only
+        the rows whose token was refused are filled and masked. That costs the GPU the wait for its tokens, not a
+        slow fill, wherever the model keeps to its grammar by itself, as inside a long string."""
+        if not self.check_first:
+            self.apply(logits, grammars)
+            return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        refused = [g if g is not None and not g.allows(t) else None for g, t in zip(grammars, tokens.tolist())]
+        if any(g is not None for g in refused):
+            self.apply(logits, refused)
+            tokens = logits.argmax(dim=-1)
+        return tokens
 
     def apply(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
         """Set to -inf, in place, each grammar row's logits of tokens its grammar does not allow next. logits [B, V].
@@ -75,7 +105,9 @@ class GrammarMasks:
         if self._uploaded is not None:  # (done already, in the engine's order of steps)
             self._uploaded.synchronize()
         host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
+        started = time.perf_counter()
         self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
+        self.check_first = time.perf_counter() - started > SLOW_FILL_S
         if logits.device.type != "cuda":
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
             return

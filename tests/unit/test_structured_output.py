@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
+from common.engine import grammar_mask
 from common.engine.grammar_mask import GrammarState
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.engine.structured import StructuredOutput
@@ -158,6 +159,42 @@ def test_grammar_rows_go_ahead_and_mask_after_the_tokens_before_are_booked(model
     compiler = _reference_compiler(model)
     assert got[True]["json"][0] == _hf_masked_greedy(
         model, compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False), PROMPTS[0], 24)
+
+
+def test_after_a_slow_fill_greedy_rows_check_their_argmax_and_fill_only_the_refused(model, monkeypatch):
+    """With every fill counted slow, each step launched ahead reads its unmasked argmax first, and masks only the
+    rows whose grammar refuses it: the tokens equal the synchronous engine's and HF's greedy under the mask, with
+    fewer rows filled than sampled (a string under maxLength: xgrammar's slow fills)."""
+    monkeypatch.setattr(grammar_mask, "SLOW_FILL_S", 0.0)
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 3}
+    sampling = _greedy(StructuredOutput.json_schema(schema), max_tokens=20)
+    got = {}
+    for async_scheduling in (False, True):
+        filled, checked = [], []  # rows each fill masked; (checking first?, grammar rows) of each step gone ahead
+        engine = _engine(model, async_scheduling=async_scheduling)
+        masks = engine.runner.sampler.masks
+        apply, greedy = masks.apply, masks.greedy
+
+        def counting_apply(logits, grammars, apply=apply):
+            filled.append(sum(g is not None for g in grammars))
+            apply(logits, grammars)
+
+        def counting_greedy(logits, grammars, greedy=greedy, masks=masks):
+            checked.append((masks.check_first, sum(g is not None for g in grammars)))
+            return greedy(logits, grammars)
+
+        masks.apply, masks.greedy = counting_apply, counting_greedy
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, sampling)
+        got[async_scheduling] = _run(engine)
+        assert engine.block_manager.num_free_blocks == 64
+    assert got[True] == got[False]
+    assert sum(first for first, _ in checked) >= len(checked) - 1  # all but the first step checked first
+    assert sum(filled) < sum(rows for _, rows in checked)  # some rows took their argmax without a fill
+    assert sum(filled) > 0  # and some were refused, filled and masked
+    compiled = _reference_compiler(model).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[True][f"r{i}"][0] == _hf_masked_greedy(model, compiled, prompt, 20)
 
 
 def test_sampling_and_logprobs_keep_to_the_grammar(model):
