@@ -102,7 +102,7 @@ class LLMEngine:
                          for i, t in zip(choices[1:], firsts)]
         if grammar is not None:  # each choice its own state, past its first token if it has one
             for member in (request, *request.forks):
-                member.grammar = GrammarState.after(grammar, member.output_token_ids)
+                member.grammar = GrammarState.after(grammar, member.output_token_ids, self.grammars.refused)
         if isinstance(kv_import, PlacedKv):  # already in our blocks: the request takes them over
             request.block_table = kv_import.adopt() or []
             if not request.block_table:

@@ -57,6 +57,9 @@ class Grammars:
         self.stop_token_ids = sorted(stop_token_ids)
         self.timeout_s = timeout_s
         self._compiler: xgr.GrammarCompiler | None = None
+        # Special tokens but the stop tokens: no grammar takes them, and xgrammar logs a warning for each one offered
+        # (GrammarState.allows asks about a model's argmax, which a random-weight model often puts on one).
+        self.refused: frozenset[int] = frozenset()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
@@ -95,6 +98,7 @@ class Grammars:
                                              "none")
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)
+                self.refused = frozenset(info.special_token_ids) - frozenset(info.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=_XGRAMMAR_THREADS,
                                                      cache_limit_bytes=CACHE_BYTES)
             return self._compiler

@@ -30,14 +30,16 @@ class GrammarState:
     """One request's xgrammar GrammarMatcher. Once the grammar is complete its mask allows only stop tokens (EOS),
     and accepting one ends it."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar, refused: frozenset[int] = frozenset()):
         self.matcher = xgr.GrammarMatcher(compiled)
+        self._refused = refused  # tokens no grammar takes, refused without asking xgrammar (Grammars.refused)
 
     @classmethod
-    def after(cls, compiled: xgr.CompiledGrammar, tokens: list[int]) -> GrammarState:
+    def after(cls, compiled: xgr.CompiledGrammar, tokens: list[int],
+              refused: frozenset[int] = frozenset()) -> GrammarState:
         """The state past `tokens` (a generation_only request's first token, sampled by the context phase under
         the same grammar); InvalidRequest when the grammar does not allow them."""
-        state = cls(compiled)
+        state = cls(compiled, refused)
         for token in tokens:
             if not state.matcher.accept_token(token):
                 raise InvalidRequest(f"token {token} (the first token the context phase sampled) does not fit "
@@ -46,7 +48,7 @@ class GrammarState:
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` next; its state stays as it was."""
-        if not self.matcher.accept_token(token):
+        if token in self._refused or not self.matcher.accept_token(token):
             return False
         self.matcher.rollback(1)
         return True
@@ -73,24 +75,26 @@ class GrammarMasks:
         self._device: torch.Tensor | None = None
         self._device_rows: torch.Tensor | None = None
         self._uploaded: torch.cuda.Event | None = None  # the last upload: once it ran, the host buffers are free
-        self.check_first = False  # the last fill was slow (SLOW_FILL_S): greedy() checks the argmax before filling
+        self.check_first = False  # the last fill was slow (SLOW_FILL_S): a GPU's greedy rows check their argmax first
 
     def greedy(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
-        """Each row's greedy token [B], on the logits' device, the grammar rows' under their masks. Filling the masks
-        while the forward runs hides them, unless a fill outlasts the forward. After such a fill, the argmax of the
-        unmasked logits is read first and each grammar checks its row's token: a token its grammar allows is the
-        masked argmax too (the mask only lowers other logits to -inf; ties keep the first index either way), so only
-        the rows whose token was refused are filled and masked. That costs the GPU the wait for its tokens, not a
-        slow fill, wherever the model keeps to its grammar by itself, as inside a long string."""
-        if not self.check_first:
-            self.apply(logits, grammars)
-            return logits.argmax(dim=-1)
-        tokens = logits.argmax(dim=-1)
-        refused = [g if g is not None and not g.allows(t) else None for g, t in zip(grammars, tokens.tolist())]
-        if any(g is not None for g in refused):
-            self.apply(logits, refused)
-            tokens = logits.argmax(dim=-1)
-        return tokens
+        """Each row's greedy token [B], on the logits' device, the grammar rows' under their masks (a step launched
+        ahead: see unfilled for when its masks are filled)."""
+        if self.check_first or logits.device.type == "cpu":
+            grammars = self.unfilled(logits, grammars, [g is not None for g in grammars])
+        self.apply(logits, grammars)
+        return logits.argmax(dim=-1)
+
+    def unfilled(self, logits: torch.Tensor, grammars: list[GrammarState | None],
+                 greedy: list[bool]) -> list[GrammarState | None]:
+        """The grammars whose masks `apply` must still fill: all but those of greedy rows whose argmax their grammar
+        allows. Such a token is the masked argmax too (the mask only lowers other logits to -inf; ties keep the first
+        index either way), so a row where the model keeps to its grammar by itself needs no fill. That is worth a
+        wait for the logits: on the CPU (where nothing overlaps the fill), and on a GPU after a slow fill
+        (check_first; a fill there overlaps the forward and is hidden unless it outlasts it)."""
+        argmax = logits.argmax(dim=-1).tolist()
+        return [None if g is not None and checked and g.allows(token) else g
+                for g, checked, token in zip(grammars, greedy, argmax)]
 
     def apply(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> None:
         """Set to -inf, in place, each grammar row's logits of tokens its grammar does not allow next. logits [B, V].
