@@ -90,3 +90,38 @@ def test_peer_block_copier_moves_exactly_the_blocks_asked_for(on, order):
     assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
     untouched = [i for i in range(50) if i not in dst_ids]
     assert not dst[:, :, untouched].any()
+
+
+def _split(full: torch.Tensor, parts: int) -> "KvShards":
+    """`full`'s heads over `parts` shards, shard r on GPU r (mod the GPUs there are), as a TP engine's ranks hold
+    them."""
+    from common.kv.shards import KvShards
+
+    h = full.shape[4] // parts
+    return KvShards([full[:, :, :, :, r * h:(r + 1) * h].contiguous().to(f"cuda:{r % torch.cuda.device_count()}")
+                     for r in range(parts)])
+
+
+@pytest.mark.parametrize(("src_parts", "dst_parts"), [(2, 1), (1, 2), (2, 2), (4, 2)])
+@pytest.mark.parametrize("order", ["consecutive", "shuffled"])
+def test_head_slice_copier_moves_every_heads_blocks_in_one_hop(src_parts, dst_parts, order):
+    """Between a TP exporter's shards and an importer of another TP size (1 = one plain cache on the last GPU), the
+    copy engines move exactly the blocks asked for, each head into the shard that holds it."""
+    from common.kv.transports.cuda_ipc.block_copy import BlockCopier
+
+    full = torch.randn((3, 2, 40, 4, 8, 16), device="cuda:0")
+    src = _split(full, src_parts) if src_parts > 1 else full.to(LAST)
+    dst_full = torch.zeros((3, 2, 50, 4, 8, 16), device=LAST)
+    dst = _split(dst_full, dst_parts) if dst_parts > 1 else dst_full
+    g = torch.Generator().manual_seed(2)
+    src_ids, dst_ids = ((list(range(5, 17)), list(range(30, 42))) if order == "consecutive"
+                        else (torch.randperm(40, generator=g)[:12].tolist(), torch.randperm(50, generator=g)[:12].tolist()))
+    copier = BlockCopier(src, dst)
+    assert copier.peer is not None and len(copier.peer.pieces) == max(src_parts, dst_parts)
+    stream = torch.cuda.Stream(device=copier.device)
+    assert copier(src_ids, dst_ids, stream) is None
+    stream.synchronize()
+    got = (torch.cat([s.cpu() for s in dst.shards], dim=4) if dst_parts > 1 else dst.cpu())
+    assert torch.equal(got[:, :, dst_ids], full[:, :, src_ids].cpu())
+    untouched = [i for i in range(50) if i not in dst_ids]
+    assert not got[:, :, untouched].any()

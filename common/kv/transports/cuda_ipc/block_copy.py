@@ -4,7 +4,8 @@ Both caches are [layers, 2, blocks, block_size, kv_heads, head_dim]. On one GPU 
 (each program moves one tile of one (layer, K/V, block) from the source block to its destination block;
 the source may be another process's cache mapped through CUDA IPC), with no staging buffer and no loop
 on the host. Between two GPUs of a host it is a peer copy into the destination (peer_copy.py: copy engines
-or the same kernel reading the other GPU's memory). On CPU caches it is the torch reference below.
+or the same kernel reading the other GPU's memory). Where either side is a tensor-parallel engine's shards, each
+shard's heads go straight to the other side's (head_copy.py: copy engines). On CPU caches it is the torch reference below.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Sequence
 import torch
 
 from common.kv.blocks import pinned_ids
+from common.kv.shards import KvShards
 
 
 def copy_blocks_reference(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
@@ -29,13 +31,19 @@ class BlockCopier:
     does not change between calls worked out once (the kernel compiled for them included): a pull then pays for
     its block ids and one launch."""
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor):
+    def __init__(self, src: torch.Tensor | KvShards, dst: torch.Tensor | KvShards):
+        self.kernel = self.peer = None
+        if isinstance(src, KvShards) or isinstance(dst, KvShards):  # a tensor-parallel side: each shard's heads
+            from common.kv.transports.cuda_ipc.head_copy import HeadSliceCopier
+
+            self.src, self.dst, self.peer = src, dst, HeadSliceCopier(src, dst)
+            self.device = self.peer.device
+            return
         if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
             raise ValueError(f"caches {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} hold "
                              "different blocks")
         self.src, self.dst = src, dst
         block_bytes = src[0, 0, 0].numel() * src.element_size()
-        self.kernel = self.peer = None
         self.device = src.device  # where the copy runs: its stream's GPU
         if src.is_cuda and dst.is_cuda and src.device != dst.device:
             from common.kv.transports.cuda_ipc.peer_copy import PeerBlockCopier

@@ -20,22 +20,29 @@ from common.kv import gather
 from common.kv.blocks import KvBlocks
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, fence_of
 from common.kv.layout import KvLayout, PlacedKv
-from common.kv.transports.cuda_ipc import peer_copy
+from common.kv.shards import KvShards
+from common.kv.transports.cuda_ipc import head_copy, peer_copy
 from common.kv.transports.cuda_ipc.block_copy import BlockCopier
 from common.pb.disagg.v1 import common_pb2
 
 
-def can_place(source: torch.Tensor, blocks: KvBlocks | None) -> bool:
-    """Whether a copy can go straight from `source` into the engine's blocks (the same GPU, or two GPUs of the host
-    with peer access; the same block layout; not a tensor-parallel cache on several GPUs, whose blocks the engine
-    scatters itself)."""
+def can_place(source: torch.Tensor | KvShards, blocks: KvBlocks | None) -> bool:
+    """Whether a copy can go straight from `source` into the engine's blocks: the same block layout, on one GPU or
+    GPUs of the host with peer access between them (either side may be a tensor-parallel engine's shards, each
+    rank's heads on its own GPU: head_copy.py)."""
     if blocks is None:
         return False
     cache = blocks.cache
-    if not (isinstance(source, torch.Tensor) and isinstance(cache, torch.Tensor)):
-        return False
-    return (peer_copy.can_reach(cache.device, source.device) and source.dtype == cache.dtype and source.shape[:2] == cache.shape[:2]
-            and source.shape[3:] == cache.shape[3:])
+    if isinstance(source, KvShards) or isinstance(cache, KvShards):
+        devices = [*_devices(source), *_devices(cache)]
+        return (head_copy.same_blocks(source, cache) and all(d.type == "cuda" for d in devices)
+                and all(peer_copy.can_reach(a, b) for a in devices for b in devices))
+    return (peer_copy.can_reach(cache.device, source.device) and source.dtype == cache.dtype
+            and source.shape[:2] == cache.shape[:2] and source.shape[3:] == cache.shape[3:])
+
+
+def _devices(cache: torch.Tensor | KvShards) -> list[torch.device]:
+    return cache.devices() if isinstance(cache, KvShards) else [cache.device]
 
 
 async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
@@ -55,8 +62,7 @@ async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb
     src_ids, dst_ids = list(ref.block_ids), reserved[: len(ref.block_ids)]
     event = None
     try:
-        source = copier.src
-        if source.is_cuda:
+        if copier.device.type == "cuda":
             stream = gather.side_stream(copier.device)
             reading = copier(src_ids, dst_ids, stream)  # read by the copy until it has finished
             event = gather.recorded_event(stream)
