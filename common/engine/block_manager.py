@@ -9,13 +9,21 @@ straight into them), so every change to it holds one lock. It never hands out a 
 flight may write (async scheduling computes a row that may have ended, in blocks freed meanwhile): a block is
 reservable once the steps launched before it was freed have finished (`steps_launched` / `steps_done`).
 With `epochs` (an exporter's common.kv.fence table), a block's epoch counts its allocations for new content.
+
+Free blocks are handed out in runs of consecutive ids where they can be: a session whose blocks make few runs on
+both sides is pulled by a few copies of the GPUs' copy engines (common.kv.transports.cuda_ipc.peer_copy) instead
+of a kernel that waits for SMs behind the model's steps. `_pick` takes the LRU head, the eviction victim as in
+plain LRU, then its free neighbours, and a request's growth starts at the block after its last. A neighbour that
+holds a cached prefix is taken only if it is among the oldest free blocks (EXTEND_WINDOW of the queue, or the
+`needed` that LRU itself would take): runs never cost the prefix cache a block that LRU would keep for long.
+tests/bench/block_runs.py: a 1P1D pull is 2.5 runs on average against 48 in plain LRU order; a multi-turn chat on a
+tight pool keeps 76.5% of its prompt tokens from the cache against LRU's 77.1%.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import islice
 
 from common.engine.interface import KvBlocks
 from common.engine.request import Request
@@ -32,6 +40,10 @@ class Block:
 
 
 class BlockManager:
+    # A cached free block may join a run only if fewer blocks than this share of the free queue (or than the
+    # blocks asked for, if more) went free before it: the larger, the fewer runs and the more LRU order bends.
+    EXTEND_WINDOW = 0.5
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -45,6 +57,8 @@ class BlockManager:
         self.steps_launched = 0  # the engine counts its steps: launched, and those whose KV writes are done
         self.steps_done = 0
         self._freed_at = [0] * num_blocks  # steps_launched when the block last went free
+        self._free_order = list(range(num_blocks))  # when it went free, counted in blocks: its LRU rank's bound
+        self._frees = num_blocks
         self.lock = threading.RLock()
 
     @property
@@ -89,9 +103,10 @@ class BlockManager:
         with self.lock:
             if needed > self.num_free_blocks:
                 return False
-            fresh = [self.free_queue.popitem(last=False)[0] for _ in range(max(needed, 0))]
-            self._take_fresh(fresh)
-            request.block_table.extend(fresh)
+            if needed > 0:
+                fresh = self._pick(needed, request.block_table[-1] if request.block_table else None)
+                self._take_fresh(fresh)
+                request.block_table.extend(fresh)
         return True
 
     def share(self, block_ids: list[int]) -> list[int]:
@@ -105,12 +120,52 @@ class BlockManager:
         """Free blocks for KV written from outside the engine (an import), none of which a step in flight may
         still write, taken as allocate_slots takes them; None if there are not that many."""
         with self.lock:
-            done, freed_at = self.steps_done, self._freed_at
-            chosen = list(islice((b for b in self.free_queue if freed_at[b] <= done), num_blocks))
-            if len(chosen) < num_blocks:
+            chosen = self._pick(num_blocks, done=self.steps_done)
+            if chosen is None:
                 return None
             self._take_fresh(chosen)
         return chosen
+
+    def _pick(self, needed: int, after: int | None = None, done: int | None = None) -> list[int] | None:
+        """`needed` free blocks in few runs of consecutive ids (see the module doc), not yet taken out of the free
+        queue; None if there are not that many. `after`: the request's last block, its run continued first;
+        `done`: only blocks that went free before the steps finished by then (reserve). O(blocks picked), plus
+        the queue's unreservable heads skipped, as a plain LRU scan."""
+        free, freed_at, order, blocks = self.free_queue, self._freed_at, self._free_order, self.blocks
+        if needed <= 0 or not free:
+            return [] if needed <= 0 else None
+        horizon = order[next(iter(free))] + max(needed, int(len(free) * self.EXTEND_WINDOW))
+        picked: list[int] = []
+        chosen: set[int] = set()
+
+        def joins(b: int) -> bool:  # may extend a run: free, not picked, reservable, cheap for the prefix cache
+            return (b in free and b not in chosen and (done is None or freed_at[b] <= done)
+                    and (blocks[b].hash is None or order[b] < horizon))
+
+        if after is not None:
+            b = after + 1
+            while len(picked) < needed and joins(b):
+                chosen.add(b)
+                picked.append(b)
+                b += 1
+        heads = iter(free)
+        while len(picked) < needed:
+            head = next((b for b in heads if b not in chosen and (done is None or freed_at[b] <= done)), None)
+            if head is None:
+                return None
+            chosen.add(head)
+            lo = hi = head
+            room = needed - len(picked) - 1
+            while room and joins(lo - 1):  # down first: a freed request's earlier blocks follow its tail in LRU
+                lo -= 1
+                chosen.add(lo)
+                room -= 1
+            while room and joins(hi + 1):
+                hi += 1
+                chosen.add(hi)
+                room -= 1
+            picked.extend(range(lo, hi + 1))
+        return picked
 
     def kv_blocks(self, cache) -> KvBlocks:
         """This pool and the paged `cache` its block ids index, as the KV data plane sees them."""
@@ -194,6 +249,8 @@ class BlockManager:
                 if block.ref_count == 0:
                     self.free_queue[block_id] = None
                     self._freed_at[block_id] = self.steps_launched
+                    self._free_order[block_id] = self._frees
+                    self._frees += 1
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

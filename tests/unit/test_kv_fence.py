@@ -198,7 +198,7 @@ def test_block_epochs_count_allocations_for_new_content():
         assert manager.allocate_slots(request, 3) and request.block_table == [0, 1]
         assert [epochs.total([b]) for b in range(4)] == [1, 1, 0, 0]
         manager.free(request)
-        assert manager.reserve(4) == [2, 3, 1, 0]  # least recently freed first
+        assert manager.reserve(4) == [0, 1, 2, 3]  # one run: the LRU head (2) and its free neighbours
         assert [epochs.total([b]) for b in range(4)] == [2, 2, 1, 1]
     finally:
         epochs.close()
