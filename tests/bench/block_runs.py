@@ -1,6 +1,6 @@
 """How many runs of consecutive block ids a cross-GPU KV pull copies, under a serving churn (no GPU, no model).
 
-    python -m tests.bench.block_runs [--steps 4000] [--seed 0]
+    python -m tests.bench.block_runs [--steps 4000] [--seed 0] [--decode-blocks N] [--no-prefix-caching]
 
 A prefill pool and a decode pool (common.engine.block_manager.BlockManager) driven the way 1P1D drives them:
 prompts of 20-120 blocks (half of them open with one of 8 shared system prompts) arrive at random, prefill
@@ -9,7 +9,8 @@ own and pulled; decode grows each request by a block every 16 tokens and frees i
 runs are those peer_copy's copy engines would make (common.kv.transports.cuda_ipc.peer_copy.runs of the source and
 destination ids: more than MAX_COPY_ENGINE_RUNS and the pull falls back to a kernel). Prints, for plain LRU order
 and for the runs BlockManager now makes: the mean and p90 runs per pull, the share of pulls the copy engines take,
-the runs of each side alone, and the prefill pool's prefix-cache hit rate (what runs may cost it).
+the runs of each side alone, decode's pool usage and the prefill pool's prefix-cache hit rate. Then a multi-turn
+chat on one pool (--chat-blocks): the prefix cache's hit rate, what runs may cost it.
 """
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ class Churn:
     budget: int = 2048  # prefill tokens a step (chunked prefill)
     output: tuple[int, int] = (32, 256)  # tokens decoded, uniform
     shared: float = 0.5  # share of prompts that open with a shared system prompt
+    prefix_caching: bool = True  # tests.bench.multi_gpu runs its workers without (no block is then cached)
 
 
 def simulate(manager: type[BlockManager], churn: Churn, steps: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     systems = [[rng.randrange(1, 30000) for _ in range(BLOCK * rng.randint(2, 8))] for _ in range(8)]
-    prefill, decode = manager(churn.prefill_blocks, BLOCK), manager(churn.decode_blocks, BLOCK)
+    prefill = manager(churn.prefill_blocks, BLOCK, churn.prefix_caching)
+    decode = manager(churn.decode_blocks, BLOCK, churn.prefix_caching)
     waiting: deque[Request] = deque()
     prefilling: list[Request] = []
     done: deque[Request] = deque()  # prompts computed, blocks held until decode pulls them
@@ -75,6 +78,7 @@ def simulate(manager: type[BlockManager], churn: Churn, steps: int, seed: int) -
             request = waiting[0]
             prefill.match_prefix(request)
             if not prefill.allocate_slots(request, min(request.num_tokens - request.num_computed_tokens, budget)):
+                prefill.prefix_hit_tokens -= request.num_computed_tokens  # counted again at the next try
                 prefill.free(request)
                 break
             waiting.popleft()
@@ -174,12 +178,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefill-blocks", type=int, default=Churn.prefill_blocks)
     parser.add_argument("--decode-blocks", type=int, default=Churn.decode_blocks)
+    parser.add_argument("--no-prefix-caching", action="store_true", help="the 1P1D pools' (as multi_gpu's workers)")
     parser.add_argument("--chat-blocks", type=int, nargs="*", default=[6000, 12000],
                         help="pool sizes of the multi-turn chat run (the prefix cache's cost)")
     args = parser.parse_args()
-    churn = Churn(prefill_blocks=args.prefill_blocks, decode_blocks=args.decode_blocks)
+    churn = Churn(prefill_blocks=args.prefill_blocks, decode_blocks=args.decode_blocks,
+                  prefix_caching=not args.no_prefix_caching)
     orders = (("lru", LruBlockManager), ("runs", BlockManager))
-    print(f"1P1D churn, {args.steps} steps, pools {churn.prefill_blocks} / {churn.decode_blocks} blocks")
+    print(f"1P1D churn, {args.steps} steps, pools {churn.prefill_blocks} / {churn.decode_blocks} blocks, prefix "
+          f"caching {'on' if churn.prefix_caching else 'off'}")
     print(f"{'order':>6} {'pulls':>6} {'runs mean':>9} {'p90':>4} {'copy engines':>12} {'src runs':>8} "
           f"{'dst runs':>8} {'decode used':>11} {'prefix hit':>10}")
     for name, manager in orders:
