@@ -24,6 +24,9 @@ FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")
 # GrammarMasks.greedy). Such fills are xgrammar's inside a string under maxLength: 2-15 ms a row on a 128k vocabulary
 # against ~0.05 for an unbounded string (mlc-ai/xgrammar#852, open in 0.2.8).
 SLOW_FILL_S = float(os.environ.get("DISAGG_GRAMMAR_SLOW_FILL_MS", "2")) / 1e3
+# Steps a slow fill keeps a GPU's greedy rows checking first, each a wait for the logits; then a fill overlaps the
+# forward again, and tells whether the rows still sit where fills are slow.
+CHECK_STEPS = 16
 
 
 class GrammarState:
@@ -75,7 +78,12 @@ class GrammarMasks:
         self._device: torch.Tensor | None = None
         self._device_rows: torch.Tensor | None = None
         self._uploaded: torch.cuda.Event | None = None  # the last upload: once it ran, the host buffers are free
-        self.check_first = False  # the last fill was slow (SLOW_FILL_S): a GPU's greedy rows check their argmax first
+        self._checks_left = 0  # after a slow fill (SLOW_FILL_S), CHECK_STEPS; one fewer each step that checks
+
+    @property
+    def check_first(self) -> bool:
+        """Whether a GPU's greedy rows check their argmax before any fill (a fill was slow a few steps ago)."""
+        return self._checks_left > 0
 
     def greedy(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
         """Each row's greedy token [B], on the logits' device, the grammar rows' under their masks (a step launched
@@ -93,6 +101,7 @@ class GrammarMasks:
         wait for the logits: on the CPU (where nothing overlaps the fill), and on a GPU after a slow fill
         (check_first; a fill there overlaps the forward and is hidden unless it outlasts it)."""
         argmax = logits.argmax(dim=-1).tolist()
+        self._checks_left = max(0, self._checks_left - 1)
         return [None if g is not None and checked and g.allows(token) else g
                 for g, checked, token in zip(grammars, greedy, argmax)]
 
@@ -111,7 +120,8 @@ class GrammarMasks:
         host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
         started = time.perf_counter()
         self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
-        self.check_first = time.perf_counter() - started > SLOW_FILL_S
+        if time.perf_counter() - started > SLOW_FILL_S:  # (a quick fill of refused rows leaves the count running)
+            self._checks_left = CHECK_STEPS
         if logits.device.type != "cuda":
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
             return
