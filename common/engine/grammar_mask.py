@@ -25,7 +25,9 @@ FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")
 # against ~0.05 for an unbounded string (mlc-ai/xgrammar#852, open in 0.2.8).
 SLOW_FILL_S = float(os.environ.get("DISAGG_GRAMMAR_SLOW_FILL_MS", "2")) / 1e3
 # Steps a slow fill keeps a GPU's greedy rows checking first, each a wait for the logits; then a fill overlaps the
-# forward again, and tells whether the rows still sit where fills are slow.
+# forward again, and tells whether the rows still sit where fills are slow. A check that still needed a slow fill (the
+# model's argmax refused: a random-weight model's, say) lost the overlap for nothing: the fills overlap the forward
+# for as many steps before checking again.
 CHECK_STEPS = 16
 
 
@@ -79,6 +81,8 @@ class GrammarMasks:
         self._device_rows: torch.Tensor | None = None
         self._uploaded: torch.cuda.Event | None = None  # the last upload: once it ran, the host buffers are free
         self._checks_left = 0  # after a slow fill (SLOW_FILL_S), CHECK_STEPS; one fewer each step that checks
+        self._fills_left = 0  # after a check that still needed a slow fill, CHECK_STEPS of fills without checks
+        self._checking = False  # the rows `apply` fills now are those a check refused
 
     @property
     def check_first(self) -> bool:
@@ -102,6 +106,7 @@ class GrammarMasks:
         (check_first; a fill there overlaps the forward and is hidden unless it outlasts it)."""
         argmax = logits.argmax(dim=-1).tolist()
         self._checks_left = max(0, self._checks_left - 1)
+        self._checking = True
         return [None if g is not None and checked and g.allows(token) else g
                 for g, checked, token in zip(grammars, greedy, argmax)]
 
@@ -111,6 +116,7 @@ class GrammarMasks:
         The masks are filled on the host before anything waits for the logits: on a GPU that work overlaps the
         forward still running there, and two copies (from pinned memory) and one kernel mask every row."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
+        checked, self._checking = self._checking, False
         if not rows:
             return
         batch, vocab = logits.shape
@@ -120,8 +126,13 @@ class GrammarMasks:
         host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
         started = time.perf_counter()
         self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
-        if time.perf_counter() - started > SLOW_FILL_S:  # (a quick fill of refused rows leaves the count running)
-            self._checks_left = CHECK_STEPS
+        slow = time.perf_counter() - started > SLOW_FILL_S  # (a quick fill of refused rows leaves the counts running)
+        if slow and checked:
+            self._checks_left, self._fills_left = 0, CHECK_STEPS
+        elif not checked:
+            self._fills_left = max(0, self._fills_left - 1)
+            if slow and not self._fills_left:
+                self._checks_left = CHECK_STEPS
         if logits.device.type != "cuda":
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
             return

@@ -161,16 +161,15 @@ def test_grammar_rows_go_ahead_and_mask_after_the_tokens_before_are_booked(model
         model, compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False), PROMPTS[0], 24)
 
 
-def test_after_a_slow_fill_greedy_rows_check_their_argmax_and_fill_only_the_refused(model, monkeypatch):
-    """With every fill counted slow, each step launched ahead reads its unmasked argmax first, and masks only the
-    rows whose grammar refuses it: the tokens equal the synchronous engine's and HF's greedy under the mask, with
-    fewer rows filled than sampled (a string under maxLength: xgrammar's slow fills)."""
-    monkeypatch.setattr(grammar_mask, "SLOW_FILL_S", 0.0)
+def test_greedy_rows_check_their_argmax_and_fill_only_the_refused(model):
+    """Greedy grammar rows read their unmasked argmax first (always on the CPU, where no forward overlaps a fill), and
+    only the rows whose grammar refuses it are filled and masked: the tokens equal the synchronous engine's and HF's
+    greedy under the mask, with fewer rows filled than sampled (a string under maxLength: xgrammar's slow fills)."""
     schema = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 3}
     sampling = _greedy(StructuredOutput.json_schema(schema), max_tokens=20)
     got = {}
     for async_scheduling in (False, True):
-        filled, checked = [], []  # rows each fill masked; (checking first?, grammar rows) of each step gone ahead
+        filled, sampled = [], []  # grammar rows each fill masked; grammar rows of each step gone ahead
         engine = _engine(model, async_scheduling=async_scheduling)
         masks = engine.runner.sampler.masks
         apply, greedy = masks.apply, masks.greedy
@@ -179,8 +178,8 @@ def test_after_a_slow_fill_greedy_rows_check_their_argmax_and_fill_only_the_refu
             filled.append(sum(g is not None for g in grammars))
             apply(logits, grammars)
 
-        def counting_greedy(logits, grammars, greedy=greedy, masks=masks):
-            checked.append((masks.check_first, sum(g is not None for g in grammars)))
+        def counting_greedy(logits, grammars, greedy=greedy):
+            sampled.append(sum(g is not None for g in grammars))
             return greedy(logits, grammars)
 
         masks.apply, masks.greedy = counting_apply, counting_greedy
@@ -189,12 +188,33 @@ def test_after_a_slow_fill_greedy_rows_check_their_argmax_and_fill_only_the_refu
         got[async_scheduling] = _run(engine)
         assert engine.block_manager.num_free_blocks == 64
     assert got[True] == got[False]
-    assert sum(first for first, _ in checked) >= len(checked) - 1  # all but the first step checked first
-    assert sum(filled) < sum(rows for _, rows in checked)  # some rows took their argmax without a fill
-    assert sum(filled) > 0  # and some were refused, filled and masked
+    assert sampled and 0 < sum(filled) < sum(sampled)  # some rows took their argmax without a fill, some were masked
     compiled = _reference_compiler(model).compile_json_schema(json.dumps(schema), any_whitespace=False)
     for i, prompt in enumerate(PROMPTS):
         assert got[True][f"r{i}"][0] == _hf_masked_greedy(model, compiled, prompt, 20)
+
+
+def test_a_slow_fill_makes_gpu_rows_check_first_until_a_check_needs_a_slow_fill_too(model, monkeypatch):
+    """The GPU's choice, driven on CPU logits with every fill counted slow: a slow fill that overlapped the forward
+    turns checks on; a check whose refused rows still needed a slow fill turns them off for CHECK_STEPS fills."""
+    monkeypatch.setattr(grammar_mask, "SLOW_FILL_S", 0.0)
+    masks = grammar_mask.GrammarMasks()
+    compiled = _reference_compiler(model).compile_regex(REGEX)
+    grammars = [GrammarState(compiled), None]
+    logits = torch.zeros(2, 512)
+    logits[0, 300] = 1.0  # a token the regex refuses first (it wants a digit)
+    assert not masks.check_first
+    masks.apply(logits.clone(), grammars)  # a slow fill overlapping the forward
+    assert masks.check_first
+    refused = masks.unfilled(logits, grammars, [True, True])
+    assert refused[0] is grammars[0]  # the argmax needs the mask
+    masks.apply(logits.clone(), refused)  # ... and its fill was slow too: checking bought nothing
+    assert not masks.check_first
+    for _ in range(grammar_mask.CHECK_STEPS - 1):
+        masks.apply(logits.clone(), grammars)
+        assert not masks.check_first
+    masks.apply(logits.clone(), grammars)
+    assert masks.check_first
 
 
 def test_sampling_and_logprobs_keep_to_the_grammar(model):
