@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 import xgrammar as xgr
@@ -20,15 +19,6 @@ log = logging.getLogger(__name__)
 # Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them); "auto" is xgrammar's choice.
 # DISAGG_GRAMMAR_FILL_THREADS=N sets it (the structured_output bench compares).
 FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")) or "auto"
-# A batch's fill slower than this outlasts a decode forward it overlaps; the next greedy step then checks first (see
-# GrammarMasks.greedy). Such fills are xgrammar's inside a string under maxLength: 2-15 ms a row on a 128k vocabulary
-# against ~0.05 for an unbounded string (mlc-ai/xgrammar#852, open in 0.2.8).
-SLOW_FILL_S = float(os.environ.get("DISAGG_GRAMMAR_SLOW_FILL_MS", "2")) / 1e3
-# Steps a slow fill keeps a GPU's greedy rows checking first, each a wait for the logits; then a fill overlaps the
-# forward again, and tells whether the rows still sit where fills are slow. A check that still needed a slow fill (the
-# model's argmax refused: a random-weight model's, say) lost the overlap for nothing: the fills overlap the forward
-# for as many steps before checking again.
-CHECK_STEPS = 16
 
 
 class GrammarState:
@@ -80,19 +70,11 @@ class GrammarMasks:
         self._device: torch.Tensor | None = None
         self._device_rows: torch.Tensor | None = None
         self._uploaded: torch.cuda.Event | None = None  # the last upload: once it ran, the host buffers are free
-        self._checks_left = 0  # after a slow fill (SLOW_FILL_S), CHECK_STEPS; one fewer each step that checks
-        self._fills_left = 0  # after a check that still needed a slow fill, CHECK_STEPS of fills without checks
-        self._checking = False  # the rows `apply` fills now are those a check refused
-
-    @property
-    def check_first(self) -> bool:
-        """Whether a GPU's greedy rows check their argmax before any fill (a fill was slow a few steps ago)."""
-        return self._checks_left > 0
 
     def greedy(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> torch.Tensor:
         """Each row's greedy token [B], on the logits' device, the grammar rows' under their masks (a step launched
-        ahead: see unfilled for when its masks are filled)."""
-        if self.check_first or logits.device.type == "cpu":
+        ahead; on the CPU only the rows whose argmax their grammar refuses are filled: see unfilled)."""
+        if logits.device.type == "cpu":
             grammars = self.unfilled(logits, grammars, [g is not None for g in grammars])
         self.apply(logits, grammars)
         return logits.argmax(dim=-1)
@@ -101,12 +83,11 @@ class GrammarMasks:
                  greedy: list[bool]) -> list[GrammarState | None]:
         """The grammars whose masks `apply` must still fill: all but those of greedy rows whose argmax their grammar
         allows. Such a token is the masked argmax too (the mask only lowers other logits to -inf; ties keep the first
-        index either way), so a row where the model keeps to its grammar by itself needs no fill. That is worth a
-        wait for the logits: on the CPU (where nothing overlaps the fill), and on a GPU after a slow fill
-        (check_first; a fill there overlaps the forward and is hidden unless it outlasts it)."""
+        index either way), so a row where the model keeps to its grammar by itself needs no fill: on the CPU, where
+        nothing overlaps a fill, that saves its time. (Not on a GPU, where the fill overlaps the forward and the check
+        would wait for the logits: measured with random weights, whose argmax the grammar mostly refuses, the check
+        cost more than the slow fills it skipped, 0.63-0.65x against 0.72-0.74x with `maxLength`.)"""
         argmax = logits.argmax(dim=-1).tolist()
-        self._checks_left = max(0, self._checks_left - 1)
-        self._checking = True
         return [None if g is not None and checked and g.allows(token) else g
                 for g, checked, token in zip(grammars, greedy, argmax)]
 
@@ -116,7 +97,6 @@ class GrammarMasks:
         The masks are filled on the host before anything waits for the logits: on a GPU that work overlaps the
         forward still running there, and two copies (from pinned memory) and one kernel mask every row."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
-        checked, self._checking = self._checking, False
         if not rows:
             return
         batch, vocab = logits.shape
@@ -124,15 +104,7 @@ class GrammarMasks:
         if self._uploaded is not None:  # (done already, in the engine's order of steps)
             self._uploaded.synchronize()
         host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
-        started = time.perf_counter()
         self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
-        slow = time.perf_counter() - started > SLOW_FILL_S  # (a quick fill of refused rows leaves the counts running)
-        if slow and checked:
-            self._checks_left, self._fills_left = 0, CHECK_STEPS
-        elif not checked:
-            self._fills_left = max(0, self._fills_left - 1)
-            if slow and not self._fills_left:
-                self._checks_left = CHECK_STEPS
         if logits.device.type != "cuda":
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
             return

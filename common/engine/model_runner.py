@@ -374,8 +374,7 @@ class ModelRunner:
     def sample_masked(self, launch: StepLaunch, grammars: list[GrammarState | None]) -> None:
         """Sample a step launched ahead that awaits its grammar masks, once every grammar in `grammars` (one a
         sampled row; None: unmasked, such as a row that ended since) took the tokens before. On a GPU the masks are
-        filled while its forward runs (or, after a slow fill, only where the argmax is refused: GrammarMasks.greedy),
-        and its tokens stay on the device as a plain greedy step's do."""
+        filled while its forward runs, and its tokens stay on the device as a plain greedy step's do."""
         logits, launch.logits = launch.logits, None
         self._device_tokens(launch, self.sampler.masks.greedy(logits, grammars))  # the sampler's greedy rule
 

@@ -50,14 +50,14 @@ class Sampler:
     def _grammar_masked(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row with a grammar keeps only the tokens its grammar allows next (-inf elsewhere); the others as
         they are. In place, unless logprobs are asked for: they stay those of the raw logits, as without a grammar.
-        A greedy row whose argmax its grammar allows keeps its logits too, where that is checked (GrammarMasks.unfilled):
-        its token is the same."""
+        A greedy row whose argmax its grammar allows keeps its logits too, on the CPU (GrammarMasks.unfilled): its
+        token is the same."""
         grammars = [r.grammar for r in requests]
         if all(g is None for g in grammars):
             return logits
         if any(r.sampling.logprobs for r in requests):
             logits = logits.clone()
-        if logits.device.type == "cpu" or self.masks.check_first:
+        if logits.device.type == "cpu":
             greedy = [r.sampling.greedy and not r.sampling.adjusts_logits for r in requests]
             if any(g is not None and ok for g, ok in zip(grammars, greedy)):
                 grammars = self.masks.unfilled(logits, grammars, greedy)

@@ -15,7 +15,6 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
-from common.engine import grammar_mask
 from common.engine.grammar_mask import GrammarState
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.engine.structured import StructuredOutput
@@ -192,29 +191,6 @@ def test_greedy_rows_check_their_argmax_and_fill_only_the_refused(model):
     compiled = _reference_compiler(model).compile_json_schema(json.dumps(schema), any_whitespace=False)
     for i, prompt in enumerate(PROMPTS):
         assert got[True][f"r{i}"][0] == _hf_masked_greedy(model, compiled, prompt, 20)
-
-
-def test_a_slow_fill_makes_gpu_rows_check_first_until_a_check_needs_a_slow_fill_too(model, monkeypatch):
-    """The GPU's choice, driven on CPU logits with every fill counted slow: a slow fill that overlapped the forward
-    turns checks on; a check whose refused rows still needed a slow fill turns them off for CHECK_STEPS fills."""
-    monkeypatch.setattr(grammar_mask, "SLOW_FILL_S", 0.0)
-    masks = grammar_mask.GrammarMasks()
-    compiled = _reference_compiler(model).compile_regex(REGEX)
-    grammars = [GrammarState(compiled), None]
-    logits = torch.zeros(2, 512)
-    logits[0, 300] = 1.0  # a token the regex refuses first (it wants a digit)
-    assert not masks.check_first
-    masks.apply(logits.clone(), grammars)  # a slow fill overlapping the forward
-    assert masks.check_first
-    refused = masks.unfilled(logits, grammars, [True, True])
-    assert refused[0] is grammars[0]  # the argmax needs the mask
-    masks.apply(logits.clone(), refused)  # ... and its fill was slow too: checking bought nothing
-    assert not masks.check_first
-    for _ in range(grammar_mask.CHECK_STEPS - 1):
-        masks.apply(logits.clone(), grammars)
-        assert not masks.check_first
-    masks.apply(logits.clone(), grammars)
-    assert masks.check_first
 
 
 def test_sampling_and_logprobs_keep_to_the_grammar(model):
