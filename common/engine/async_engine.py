@@ -187,12 +187,20 @@ class AsyncLLMEngine:
                 log.exception("engine step failed; failing %d requests", len(self._streams))
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                    if out.finished:
-                        self._ended(out.request_id, stream)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs reach each event loop in one call: one wake-up of its thread a step, not one a request
+        (each call_soon_threadsafe writes to the loop's socket, and the woken loop takes the GIL from this thread)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+                if out.finished:
+                    self._ended(out.request_id, stream)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -218,3 +226,8 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
             stream.put(exc)
         self._streams.clear()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream_queue, out in batch:
+        stream_queue.put_nowait(out)
