@@ -20,7 +20,9 @@ import torch
 from common.cpu_cores import HELPER_CORES_ENV, parse_cores
 from common.engine.cpu_build import library
 
-WAIT_US = 50  # longest the engine waits for a chunk the helper holds (a chunk takes ~5 us) before computing it itself
+MAX_ROWS = 8  # cpu_gemv.c's MAX_M: a decode step's sequences (a prompt chunk's GEMMs go to oneDNN and cpu_helper)
+WAIT_US = 50
+_held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # inputs the helper may still read  # longest the engine waits for a chunk the helper holds (a chunk takes ~5 us) before computing it itself
 
 
 @cache
@@ -32,21 +34,26 @@ def _lib() -> ctypes.CDLL | None:
     if built is None or not built.gemv_available():
         return None
     built.gemv_bf16.restype = ctypes.c_int64
-    built.gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    built.gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     if built.gemv_start(ctypes.c_int(cores[0])) != 0:
         return None
     return built
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether a GEMM of `x` goes here: one bf16 row on one torch thread, a helper core named, the kernel built."""
-    return (x.shape[0] == 1 and x.dtype == torch.bfloat16 and torch.get_num_threads() == 1 and _lib() is not None
+    """Whether a GEMM of `x` goes here: a decode step's few bf16 rows on one torch thread, a helper core named, the
+    kernel built."""
+    return (x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16 and torch.get_num_threads() == 1 and _lib() is not None
             and x.is_contiguous())
 
 
 def gemv(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """x [1, in] @ weight.T [in, out] (+ bias): [1, out] bf16. `weight` contiguous bf16 [out, in]."""
-    out = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
-    _lib().gemv_bf16(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                     weight.shape[1], weight.shape[0], 1, WAIT_US)
+    """x [m, in] @ weight.T [in, out] (+ bias): [m, out] bf16. `weight` contiguous bf16 [out, in]."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    result = _lib().gemv_bf16(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), x.shape[0], weight.shape[1], weight.shape[0], 1, WAIT_US)
+    if result & 1:  # the helper, preempted in a chunk taken back from it, may still read them
+        _held.append((weight, bias, x))
+    else:
+        _held.clear()
     return out

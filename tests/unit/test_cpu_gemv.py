@@ -1,4 +1,4 @@
-"""cpu_gemv: a batch-1 bf16 GEMV whose rows the engine thread shares with a helper thread on another core. The
+"""cpu_gemv: a decode step's bf16 GEMV (up to 8 input rows) whose output rows the engine thread shares with a helper thread on another core. The
 values are the float32 sums of bf16 products, rounded once; shared, revoked or not, every row is the same bits,
 whoever computed it. Skipped where the CPU has no bf16 dot products (the kernel is not built for it)."""
 from __future__ import annotations
@@ -26,17 +26,20 @@ def lib():
 
 
 def _call(lib, w, x, bias, share: int, wait_us: int) -> tuple[torch.Tensor, int]:
-    y = torch.empty((1, w.shape[0]), dtype=torch.bfloat16)
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
     helped = lib.gemv_bf16(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                           w.shape[1], w.shape[0], ctypes.c_int(share), ctypes.c_int(wait_us))
-    return y, helped
+                           x.shape[0], w.shape[1], w.shape[0], ctypes.c_int(share), ctypes.c_int(wait_us))
+    if helped & 1:  # the helper may still read them (a chunk taken back): keep them as cpu_gemv.gemv does
+        cpu_gemv._held.append((w, bias, x))
+    return y, helped >> 1
 
 
-@pytest.mark.parametrize(("out", "inp"), [(576, 576), (3072, 576), (61, 70), (4099, 1536)])
-def test_rows_are_the_bf16_rounded_float32_sums_whoever_computes_them(lib, out, inp):
+@pytest.mark.parametrize(("m", "out", "inp"), [(1, 576, 576), (1, 3072, 576), (1, 61, 70), (1, 4099, 1536),
+                                              (3, 576, 576), (8, 1000, 200)])
+def test_rows_are_the_bf16_rounded_float32_sums_whoever_computes_them(lib, m, out, inp):
     g = torch.Generator().manual_seed(out)
     w = torch.randn((out, inp), generator=g).to(torch.bfloat16)
-    x = torch.randn((1, inp), generator=g).to(torch.bfloat16)
+    x = torch.randn((m, inp), generator=g).to(torch.bfloat16)
     bias = torch.randn(out, generator=g).to(torch.bfloat16)
     alone, helped = _call(lib, w, x, bias, share=0, wait_us=0)
     assert helped == 0
@@ -60,7 +63,8 @@ def test_rows_are_the_bf16_rounded_float32_sums_whoever_computes_them(lib, out, 
 def test_applies_to_one_bf16_row_on_one_thread_only(lib, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu_gemv.applies(torch.zeros((1, 8), dtype=torch.bfloat16))
-    assert not cpu_gemv.applies(torch.zeros((2, 8), dtype=torch.bfloat16))
+    assert cpu_gemv.applies(torch.zeros((8, 8), dtype=torch.bfloat16))
+    assert not cpu_gemv.applies(torch.zeros((9, 8), dtype=torch.bfloat16))
     assert not cpu_gemv.applies(torch.zeros((1, 8)))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not cpu_gemv.applies(torch.zeros((1, 8), dtype=torch.bfloat16))
