@@ -20,7 +20,10 @@ import torch
 from common.cpu_cores import HELPER_CORES_ENV, parse_cores
 from common.engine.cpu_build import library
 
-MAX_ROWS = 8  # cpu_gemv.c's MAX_M: a decode step's sequences (a prompt chunk's GEMMs go to oneDNN and cpu_helper)
+# Input rows shared so (the kernel takes up to 8, cpu_gemv.c's MAX_M). One: at concurrency 8 (8 rows) it measured no
+# better than oneDNN alone (ITL 39.4-39.6 against 37.8-39.6 ms) and TTFT worse (575-601 against 433-447 ms): the
+# prefill worker's core is busy then, and the prefill's own borrowed-core GEMMs (cpu_helper) meet this helper there.
+MAX_ROWS = 1
 WAIT_US = 50
 _held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # inputs the helper may still read  # longest the engine waits for a chunk the helper holds (a chunk takes ~5 us) before computing it itself
 

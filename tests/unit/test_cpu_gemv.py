@@ -60,11 +60,10 @@ def test_rows_are_the_bf16_rounded_float32_sums_whoever_computes_them(lib, m, ou
         assert torch.equal(revoked, alone)
 
 
-def test_applies_to_one_bf16_row_on_one_thread_only(lib, monkeypatch):
+def test_applies_to_a_decode_steps_bf16_rows_on_one_thread_only(lib, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu_gemv.applies(torch.zeros((1, 8), dtype=torch.bfloat16))
-    assert cpu_gemv.applies(torch.zeros((8, 8), dtype=torch.bfloat16))
-    assert not cpu_gemv.applies(torch.zeros((9, 8), dtype=torch.bfloat16))
+    assert not cpu_gemv.applies(torch.zeros((cpu_gemv.MAX_ROWS + 1, 8), dtype=torch.bfloat16))
     assert not cpu_gemv.applies(torch.zeros((1, 8)))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert not cpu_gemv.applies(torch.zeros((1, 8), dtype=torch.bfloat16))
