@@ -46,15 +46,10 @@ def test_rows_are_the_bf16_rounded_float32_sums_whoever_computes_them(lib, m, ou
     want = (x.float() @ w.float().T + bias.float()).to(torch.bfloat16)
     # the same sums in another order: within a bf16 step of the rounded float32 answer
     assert torch.allclose(alone.float(), want.float(), rtol=2 ** -7, atol=1e-3 * inp ** 0.5)
-    total = 0
-    for _ in range(2000):  # the helper sleeps between GEMVs; within a few calls it takes chunks
-        shared, helped = _call(lib, w, x, bias, share=1, wait_us=cpu_gemv.WAIT_US)
+    # Shared: whichever chunks the helper got (none where its core is busy: it runs at idle priority), the same bits.
+    for _ in range(200):
+        shared, _ = _call(lib, w, x, bias, share=1, wait_us=cpu_gemv.WAIT_US)
         assert torch.equal(shared, alone)
-        total += helped
-        if total and out >= 64:
-            break
-    if out >= 64:  # at least two chunks of 32 rows: one is the helper's to take
-        assert total > 0
     for _ in range(50):  # never waiting for the helper: every chunk it holds is revoked and computed here
         revoked, _ = _call(lib, w, x, bias, share=1, wait_us=0)
         assert torch.equal(revoked, alone)
