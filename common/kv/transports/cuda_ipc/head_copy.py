@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from common.kv.shards import HEAD_DIM, KvShards
-from common.kv.transports.cuda_ipc.peer_copy import _check, _cudart, enable_peer_access, runs
+from common.kv.transports.cuda_ipc.peer_copy import check, cudart, enable_peer_access, runs
 
 
 class _Pos(ctypes.Structure):
@@ -101,7 +101,7 @@ class HeadSliceCopier:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
         spans = runs(src_ids, dst_ids)
-        lib, bs, hb = _cudart(), self.block_size, self.head_bytes
+        lib, bs, hb = cudart(), self.block_size, self.head_bytes
         with torch.cuda.device(stream.device):
             for p in self.pieces:
                 src_pitch, dst_pitch = p.src.shape[HEAD_DIM] * hb, p.dst.shape[HEAD_DIM] * hb
@@ -114,5 +114,5 @@ class HeadSliceCopier:
                         dstPtr=_PitchedPtr(p.dst.data_ptr(), dst_pitch, dst_pitch, p.dst.shape[2] * bs),
                         dstDevice=p.dst.device.index,
                         extent=_Extent(p.heads * hb, n * bs, self.planes))
-                    _check(lib.cudaMemcpy3DPeerAsync(ctypes.byref(parms), ctypes.c_void_p(stream.cuda_stream)),
+                    check(lib.cudaMemcpy3DPeerAsync(ctypes.byref(parms), ctypes.c_void_p(stream.cuda_stream)),
                            "cudaMemcpy3DPeerAsync")

@@ -44,7 +44,7 @@ _enabled_lock = threading.Lock()
 
 
 @lru_cache(maxsize=1)
-def _cudart() -> ctypes.CDLL:
+def cudart() -> ctypes.CDLL:
     """The CUDA runtime torch loaded (the same library, so the same contexts and streams)."""
     torch.cuda.init()
     with open("/proc/self/maps") as maps:
@@ -57,9 +57,9 @@ def _cudart() -> ctypes.CDLL:
     return ctypes.CDLL(name)
 
 
-def _check(code: int, what: str) -> None:
+def check(code: int, what: str) -> None:
     if code:
-        lib = _cudart()
+        lib = cudart()
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetLastError()  # clear it, or the next launch in this thread reports it again
         raise RuntimeError(f"{what} failed: {lib.cudaGetErrorString(code).decode()} ({code})")
@@ -76,11 +76,11 @@ def enable_peer_access(device: torch.device, peer: torch.device) -> bool:
         if not torch.cuda.can_device_access_peer(a, b):
             return False
         with torch.cuda.device(a):
-            code = _cudart().cudaDeviceEnablePeerAccess(ctypes.c_int(b), ctypes.c_uint(0))
+            code = cudart().cudaDeviceEnablePeerAccess(ctypes.c_int(b), ctypes.c_uint(0))
         if code == _PEER_ACCESS_ALREADY_ENABLED:
-            _cudart().cudaGetLastError()
+            cudart().cudaGetLastError()
         elif code:
-            _check(code, f"cudaDeviceEnablePeerAccess(cuda:{a} -> cuda:{b})")
+            check(code, f"cudaDeviceEnablePeerAccess(cuda:{a} -> cuda:{b})")
         _enabled.add((a, b))
         return True
 
@@ -151,12 +151,12 @@ class PeerBlockCopier:
             ids = pinned_ids(src_ids, dst_ids)
             self.kernel(ids, len(src_ids), stream)
             return ids
-        lib, bb = _cudart(), self.block_bytes
+        lib, bb = cudart(), self.block_bytes
         spitch, dpitch = self.src.shape[2] * bb, self.dst.shape[2] * bb
         src_base, dst_base = self.src.data_ptr(), self.dst.data_ptr()
         with torch.cuda.device(stream.device):
             for s, d, n in spans:
-                _check(lib.cudaMemcpy2DAsync(
+                check(lib.cudaMemcpy2DAsync(
                     ctypes.c_void_p(dst_base + d * bb), ctypes.c_size_t(dpitch), ctypes.c_void_p(src_base + s * bb),
                     ctypes.c_size_t(spitch), ctypes.c_size_t(n * bb), ctypes.c_size_t(self.planes),
                     ctypes.c_int(_CUDA_MEMCPY_DEFAULT), ctypes.c_void_p(stream.cuda_stream)), "cudaMemcpy2DAsync")
