@@ -19,7 +19,15 @@ Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, the reques
 are within the SLO's limits, and whether the point meets the SLO (TTFT p90 and ITL p99 within the limits); its SLO
 goodput is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its disagg_kv_pull_seconds) and where the router prefilled. Everything
 lands in OUT/multi_gpu.json as it is measured, then OUT/multi_gpu.md (the table, with each layout's highest rate
-that meets the SLO) and OUT/multi_gpu.png (SLO goodput against rate, per layout).
+that meets the SLO) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
+breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
+step) and `disagg bench`'s JSON, per request, in OUT/points/.
+
+--step-times: every decode worker times its engine steps (tests/bench/decode_period_site on its PYTHONPATH), and each
+point gets `decode_steps`: the step period (start to start, what a token's ITL is made of) p50 / p90 / p99, and of
+the long periods (over 2.5 × the median) how many followed a step with no step launched ahead (async scheduling's
+pipeline broken: a request joined or the batch changed), how many changed the running batch, and their mean wall,
+engine-thread CPU and gap after the step. So an ITL p99 says whether it is GPU work, host work or waiting.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +51,7 @@ from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
 from tests.integration.observed import scrape  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
+STEP_SITE = Path(__file__).resolve().parent / "decode_period_site"
 _LAYOUT = re.compile(r"^(?:(?P<agg>\d+)xagg|(?:tp(?P<tp>\d+)-)?(?P<p>\d+)P(?P<d>\d+)D)(?P<queue>\+q)?$")
 
 
@@ -90,7 +100,7 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
         if chunk is not None:
             flags += ("--long-prefill-token-threshold", str(chunk))
         specs.append((role, flags))
-    workers = start_services(specs, timeout_s=600)
+    workers = start_services(specs, timeout_s=600, env=step_times_env(layout, chunk, args))
     prefill = [w.address for w, (role, _) in zip(workers, specs) if role == "prefill"]
     decode = [w.address for w, (role, _) in zip(workers, specs) if role == "decode"]
     flags = ["--model", str(model), "--decode-workers", ",".join(decode), "--http-port", "0",
@@ -109,7 +119,63 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
     return workers, router
 
 
-def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: argparse.Namespace) -> dict:
+def step_times_env(layout: Layout, chunk: int | None, args: argparse.Namespace) -> dict[str, str] | None:
+    if not args.step_times:
+        return None
+    folder = step_dir(layout, chunk, args)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("steps-*.json"):
+        old.unlink()
+    path = os.pathsep.join(filter(None, (str(STEP_SITE), os.environ.get("PYTHONPATH"))))
+    return {"PYTHONPATH": path, "DISAGG_STEP_TIMES_DIR": str(folder)}
+
+
+def step_dir(layout: Layout, chunk: int | None, args: argparse.Namespace) -> Path:
+    return args.out / "steps" / (layout.name if chunk is None else f"{layout.name}-chunk{chunk}")
+
+
+def step_summary(records: list[list[float]], start: float, end: float) -> dict | None:
+    """The decode steps one point ran (records of every decode worker, each worker's own sequence): see --step-times.
+    A record is (start, end, engine-thread CPU s, core wait s, running after, launched-ahead step waiting)."""
+    periods, long = [], []
+    for worker in records:
+        steps = [r for r in worker if start <= r[0] <= end]
+        for a, b in zip(steps, steps[1:]):
+            periods.append((b[0] - a[0], a, b))
+    if len(periods) < 10:
+        return None
+    median = statistics.median(p for p, _, _ in periods)
+    long = [(p, a, b) for p, a, b in periods if p > 2.5 * median]
+    ms = sorted(p * 1000 for p, _, _ in periods)
+    summary = {"steps": len(periods), "period_p50_ms": round(ms[len(ms) // 2], 2),
+               "period_p90_ms": round(ms[int(len(ms) * 0.9)], 2), "period_p99_ms": round(ms[int(len(ms) * 0.99)], 2),
+               "not_ahead_share": round(sum(1 for _, a, _ in periods if not a[5]) / len(periods), 3),
+               "long": len(long)}
+    if long:
+        summary.update({
+            "long_mean_ms": round(statistics.mean(p for p, _, _ in long) * 1000, 2),
+            "long_not_ahead": sum(1 for _, a, _ in long if not a[5]),
+            "long_batch_changed": sum(1 for _, a, b in long if a[4] != b[4]),
+            "long_wall_ms": round(statistics.mean(a[1] - a[0] for _, a, _ in long) * 1000, 2),
+            "long_cpu_ms": round(statistics.mean(a[2] for _, a, _ in long) * 1000, 2),
+            "long_gap_ms": round(statistics.mean(b[0] - a[1] for _, a, b in long) * 1000, 2)})
+    return summary
+
+
+def step_records(layout: Layout, chunk: int | None, args: argparse.Namespace) -> list[list[list[float]]]:
+    return [json.loads(f.read_text()) for f in sorted(step_dir(layout, chunk, args).glob("steps-*.json"))]
+
+
+def ttft_parts(s: dict) -> dict[str, list[float]] | None:
+    """The router's TTFT breakdown: [mean, p90] ms by part (and `other_ms`, the client's TTFT less the first three)."""
+    if not s.get("ttft_breakdown"):
+        return None
+    return {part.removesuffix("_ms"): [round(d["mean"], 1), round(d["p90"], 1)]
+            for part, d in s["ttft_breakdown"].items() if d and d.get("count")}
+
+
+def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: argparse.Namespace,
+                keep: str | None = None) -> dict:
     result = args.out / "point.json"
     command = [sys.executable, "-m", "services", "bench", "--router", router.address, "--num-prompts",
                str(num_prompts), "--input-len", args.input_len, "--output-len", f"fixed:{args.output_len}",
@@ -118,7 +184,11 @@ def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: arg
                "--no-progress", "--json", str(result)]
     subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=300)
     summary = json.loads(result.read_text())["summary"]
-    result.unlink()
+    if keep:
+        (args.out / "points").mkdir(exist_ok=True)
+        result.replace(args.out / "points" / f"{keep}.json")
+    else:
+        result.unlink()
     return summary
 
 
@@ -146,6 +216,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
     workers, router = start_layout(layout, model, args, chunk)
     print(f"# {label}: up in {time.monotonic() - started:.0f}s", flush=True)
     decoders = [w for w in workers if w.role == "decode"]
+    first, windows = len(results), []
     try:
         bench_point(router, args.rates[0], 16, args)  # warm-up: every kernel shape compiled, not timed
         for rate in args.rates:
@@ -153,7 +224,9 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(router)
-            s = bench_point(router, rate, args.num_prompts, args)
+            started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
+            s = bench_point(router, rate, args.num_prompts, args, keep=f"{label.replace(' ', '-')}-{rate:g}")
+            windows.append((started_at, time.perf_counter()))
             routed_after = decisions(router)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
@@ -162,7 +235,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "ttft_mean_ms": round(s["ttft"]["mean"], 1), "ttft_p90_ms": round(s["ttft"]["p90"], 1),
                      "tpot_mean_ms": round(s["tpot"]["mean"], 2), "itl_p99_ms": round(s["itl"]["p99"], 2),
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
-                     "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)}}
+                     "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
+                     "ttft_parts_ms": ttft_parts(s)}
             point["meets_slo"] = meets(point, args)
             if s["errors"]:
                 point["errors"] = s["errors"][:5]
@@ -180,6 +254,12 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
         router.stop()
         for w in workers:
             w.stop()
+        if args.step_times:  # the workers wrote their last steps at exit
+            records = step_records(layout, chunk, args)
+            for point, (t0, t1) in zip(results[first:], windows):
+                point["decode_steps"] = step_summary(records, t0, t1)
+                print(f"# {label} {point['rate']:g} req/s decode steps: {json.dumps(point['decode_steps'])}", flush=True)
+            write(results, args)
 
 
 def best_rates(results: list[dict]) -> dict[str, float]:
@@ -259,6 +339,8 @@ def main() -> int:
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
+    parser.add_argument("--step-times", action="store_true",
+                        help="time every decode engine step and summarise each point's step periods (see above)")
     args = parser.parse_args()
     import torch
 

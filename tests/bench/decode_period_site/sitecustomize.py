@@ -1,6 +1,8 @@
 """Loaded by tests/bench/decode_period.py through PYTHONPATH in every process `disagg up` starts: in the decode worker
 alone it wraps LLMEngine.step to record each step's wall clock, the engine thread's CPU time and its wait for a core
-(/proc schedstat), and writes them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.json every 256 steps and at exit."""
+(/proc schedstat), the running batch after it, and whether a step launched ahead (async scheduling) was waiting for it,
+and writes them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.json every 256 steps and at exit. Also loaded by
+tests/bench/multi_gpu.py --step-times."""
 import atexit
 import importlib.abc
 import importlib.util
@@ -22,7 +24,7 @@ def _run_delay_ns(tid: int) -> int:
 
 
 def _wrap(module) -> None:
-    records: list[tuple[float, float, float, float, int]] = []
+    records: list[tuple[float, float, float, float, int, int]] = []
     path = os.path.join(_OUT, f"steps-{os.getpid()}.json")
 
     def dump() -> None:
@@ -34,11 +36,12 @@ def _wrap(module) -> None:
     def timed_step(self):
         tid = threading.get_native_id()
         wall, cpu, delay = time.perf_counter(), time.thread_time(), _run_delay_ns(tid)
+        ahead = int(getattr(self, "_ahead", None) is not None)
         try:
             return step(self)
         finally:
             records.append((wall, time.perf_counter(), time.thread_time() - cpu, (_run_delay_ns(tid) - delay) / 1e9,
-                            len(self.scheduler.running)))
+                            len(self.scheduler.running), ahead))
             if len(records) % 256 == 0:
                 dump()
 
@@ -65,3 +68,5 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 with open("/proc/self/cmdline", "rb") as _f:
     if _OUT and b"services.decode" in _f.read():
         sys.meta_path.insert(0, _AfterImport())
+        if os.environ.get("DISAGG_STEP_SWITCH_INTERVAL_S"):  # an A/B of the GIL's switch interval (default 5 ms)
+            sys.setswitchinterval(float(os.environ["DISAGG_STEP_SWITCH_INTERVAL_S"]))
