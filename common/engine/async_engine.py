@@ -3,7 +3,7 @@
 Every touch of the engine happens on its thread (commands go through a queue), so the gRPC
 event loop never blocks on a model step. A KV session's lookup, lease and release alone run on the caller's
 thread, under the session table's and the block manager's locks (held for microseconds), so that a pull or a
-Release never waits for a step.
+Release never waits for a step; so does a load report, which only reads counts.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable, concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._adding = 0  # requests on their way to the engine thread (their add command not run yet)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -77,7 +78,11 @@ class AsyncLLMEngine:
             stream.members = stream.running = 1 + len(added.forks)
             self._streams[request_id] = stream
 
-        await self.call(add)
+        self._adding += 1
+        try:
+            await self.call(add)
+        finally:
+            self._adding -= 1
         finished = False
         running = stream.members
         try:
@@ -122,7 +127,11 @@ class AsyncLLMEngine:
                                                      e.kv_cache.device))
 
     async def load(self) -> EngineLoad:
-        return await self.call(lambda e: e.load_snapshot())
+        """Read here, not between steps: a router asks every worker before placing a request, and a prefill
+        worker's step can take tens of ms. The counts are a step old at most; a request still on its way to the
+        engine thread counts as waiting."""
+        load = self.engine.load_snapshot()
+        return dataclasses.replace(load, waiting=load.waiting + self._adding)
 
     async def abort_all(self) -> int:
         running = await self.call(lambda e: list(e.requests))

@@ -37,6 +37,8 @@ class LeastLoaded:
         return cls()
 
     async def pick(self, workers: list[WorkerClient], prompt: list[int] | None = None) -> WorkerClient:
+        if len(workers) == 1:  # nothing to choose between: no GetLoad round trip on the request's path
+            return workers[0]
         loads = await asyncio.gather(*(fetch_load(w) for w in workers))
         scored = [(load_score(load, w.inflight), w.endpoint, w) for w, load in zip(workers, loads)
                   if load is not None]
