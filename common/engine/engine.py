@@ -263,12 +263,14 @@ class LLMEngine:
         that step is the one the scheduler would make: every running request sampled (no prefill chunk left),
         nobody waits to be admitted, and each row's next position gets a block without preempting anyone.
         Rows that `launched` ends by length are left out; a row that ends on a stop token is computed and
-        dropped. Its blocks may be freed meanwhile: later steps reuse them only after it on the same stream,
+        dropped. Waiting requests that can join it as decode rows (_joins_ahead) are admitted into it; any other
+        waiting request stops the pipeline for a schedule(). Its blocks may be freed meanwhile: later steps reuse them only after it on the same stream,
         and the block it writes (past the last computed token) holds no prefix-cache hash."""
-        running = self.scheduler.running
+        running, waiting = self.scheduler.running, self.scheduler.waiting
         live = [i for i, r in enumerate(launched.sampled) if self._live(r)]  # (one launched ahead may hold ended rows)
-        if (launched.tokens is None or self.scheduler.waiting or len(running) != len(live)
-                or any(r is not launched.sampled[i] for r, i in zip(running, live))):
+        if (launched.tokens is None or len(running) != len(live)
+                or any(r is not launched.sampled[i] for r, i in zip(running, live))
+                or not all(map(self._joins_ahead, waiting))):
             return None
         rows = [i for i in live if (r := launched.sampled[i]).request_type is not RequestType.CONTEXT_ONLY
                 # a context_only request's blocks become a session after this step
@@ -279,8 +281,25 @@ class LLMEngine:
             request = launched.sampled[i]  # room for one more token than `launched` leaves computed
             if not self.block_manager.allocate_slots(request, request.num_tokens + 1 - request.num_computed_tokens):
                 return None
+        joined = self._admit_joiners(len(rows)) if waiting else []
         self.block_manager.steps_launched += 1
-        return self.runner.launch_ahead(launched, rows)
+        return self.runner.launch_ahead(launched, rows, joined)
+
+    @staticmethod
+    def _joins_ahead(request: Request) -> bool:
+        """A request that can join a step launched ahead as one more decode row: a handed-off prompt whose KV is
+        already in our blocks (a cuda_ipc pull) and its first token, nothing to prefill, copy, fork or mask. A
+        decode worker's new requests are these, so they join the next step launched instead of stopping the
+        pipeline (which costs them, and every running row, a step and the host's scheduling)."""
+        return (request.request_type is RequestType.GENERATION_ONLY and isinstance(request.kv_import, PlacedKv)
+                and request.num_tokens == request.num_prompt_tokens + 1 and request.num_preemptions == 0
+                and not request.forks and request.grammar is None and request.mm is None)
+
+    def _admit_joiners(self, budget_used: int) -> list[Request]:
+        batch = self.scheduler.admit_waiting(self.scheduler.max_num_batched_tokens - budget_used, self._joins_ahead)
+        for request in batch.kv_imports:
+            request.kv_import = None  # (a PlacedKv: its blocks, which the request adopted, hold the KV)
+        return batch.requests
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None,
                       read_at: float) -> RequestOutput:

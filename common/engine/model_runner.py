@@ -89,8 +89,8 @@ class StepInputs:
     sample_rows: list[int]
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     graphed: bool = False  # rank 0 replays a decode graph: every rank replays the same one
-    # Launched ahead: input_ids is None, and the tokens are these rows of the previous step's greedy ones, which
-    # every rank holds on its device.
+    # Launched ahead: the tokens are these rows of the previous step's greedy ones, which every rank holds on its
+    # device, then input_ids (the tokens of rows that joined that step).
     ahead_rows: list[int] | None = None
 
 
@@ -310,32 +310,39 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
 
     @torch.inference_mode()
-    def launch_ahead(self, prev: StepLaunch, rows: list[int]) -> StepLaunch:
+    def launch_ahead(self, prev: StepLaunch, rows: list[int], joined: list[Request] = ()) -> StepLaunch:
         """The decode step after `prev`, launched before prev's tokens are read: each of prev.sampled[rows] feeds
         the token prev sampled for it (still on the device) at its next position. Their block tables must
         already hold that position; prev must have device tokens (every row greedy on the device). Grammar rows
-        leave it awaiting its masks (sample_masked)."""
-        requests = [prev.sampled[i] for i in rows]
-        ctx = [r.num_tokens for r in requests]  # prev writes up to num_tokens - 1; this step writes num_tokens
+        leave it awaiting its masks (sample_masked). `joined`: decode rows that were not in prev (a handed-off
+        prompt's first token, known on the host), after the others."""
+        requests = [prev.sampled[i] for i in rows] + list(joined)
+        # prev writes up to num_tokens - 1, this step writes num_tokens; a joined row writes its last token's KV
+        ctx = [r.num_tokens for r in requests[: len(rows)]] + [r.num_computed_tokens for r in joined]
         layout = BatchLayout(query_lens=[1] * len(requests), context_lens=ctx,
                              block_tables=[r.block_table for r in requests])
-        ids = self._rows_of(prev.tokens, rows)
+        joined_ids = [r.output_token_ids[-1] for r in joined]
+        ids = self._ahead_ids(prev.tokens, rows, joined_ids)
         scheduled = [(r, 1) for r in requests]
-        # The followers feed their own copy of prev's greedy tokens (every rank holds the same logits).
-        step = StepInputs(None, ctx, layout, list(range(len(rows))), ahead_rows=rows)
+        # The followers feed their own copy of prev's greedy tokens (every rank holds the same logits), then the
+        # joined rows' tokens (input_ids).
+        step = StepInputs(joined_ids, ctx, layout, list(range(len(requests))), ahead_rows=rows)
         if self._graphed(layout, requests):
             self._send(dataclasses.replace(step, graphed=True))
             return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout), grammars_current=False)
         return self._sample(scheduled, requests, self.run_step(step, ids), None, grammars_current=False)
 
-    def _rows_of(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        return tokens if len(rows) == len(tokens) else tokens.index_select(0, self._upload(rows))
+    def _ahead_ids(self, tokens: torch.Tensor, rows: list[int], joined_ids: list[int]) -> torch.Tensor:
+        """A step launched ahead's input tokens: prev's greedy tokens of `rows` (on the device), then the joined
+        rows' tokens."""
+        ids = tokens if len(rows) == len(tokens) else tokens.index_select(0, self._upload(rows))
+        return torch.cat([ids, self._upload(joined_ids)]) if joined_ids else ids
 
     @torch.inference_mode()
     def follow(self, step: StepInputs) -> None:
         """A follower rank's share of a step rank 0 launched: the same forward (a graph replay where rank 0's was),
         keeping the greedy tokens a step launched ahead feeds next."""
-        ids = None if step.ahead_rows is None else self._rows_of(self._greedy, step.ahead_rows)
+        ids = None if step.ahead_rows is None else self._ahead_ids(self._greedy, step.ahead_rows, step.input_ids)
         if step.graphed:
             _, self._greedy = self.graphs.run(step.input_ids if ids is None else ids, step.positions, step.layout)
             return

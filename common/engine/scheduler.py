@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from common.engine.block_manager import BlockManager
 from common.engine.request import Request, RequestStatus
@@ -79,6 +80,13 @@ class Scheduler:
             self._admit_waiting(batch, self.max_num_batched_tokens - batch.num_tokens)
         return batch
 
+    def admit_waiting(self, budget: int, only: Callable[[Request], bool]) -> ScheduledBatch:
+        """Admit waiting requests from the head of the queue while `only` takes them (the queue's order kept),
+        within `budget` tokens, outside a schedule(): the engine joins decodes to a step launched ahead."""
+        batch = ScheduledBatch()
+        self._admit_waiting(batch, budget, only)
+        return batch
+
     def _allocate_or_preempt(self, request: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of `request`, preempting from the end of `running` until they fit."""
         while not self.block_manager.allocate_slots(request, n):
@@ -92,9 +100,11 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> int:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None = None) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if only is not None and not only(request):
+                break
             if request.kv_import is not None:
                 if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
                     break

@@ -47,7 +47,7 @@ def _engine(path: str, tp: int, **overrides) -> LLMEngine:
 
 def _counting_ahead(engine: LLMEngine) -> list:
     ahead, launch_ahead = [], engine.runner.launch_ahead
-    engine.runner.launch_ahead = lambda prev, rows: ahead.append(rows) or launch_ahead(prev, rows)
+    engine.runner.launch_ahead = lambda prev, rows, joined=(): ahead.append(rows) or launch_ahead(prev, rows, joined)
     return ahead
 
 

@@ -9,6 +9,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import RequestType, SamplingParams
+from common.kv.layout import PlacedKv
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY_FAMILIES
 
@@ -33,9 +34,9 @@ def make_engine(request):
         engine.ahead_launches = 0
         launch_ahead = engine.runner.launch_ahead
 
-        def counted(prev, rows):
+        def counted(prev, rows, joined=()):
             engine.ahead_launches += 1
-            return launch_ahead(prev, rows)
+            return launch_ahead(prev, rows, joined)
 
         engine.runner.launch_ahead = counted
         return engine
@@ -125,6 +126,42 @@ def test_requests_arriving_mid_pipeline_match_hf(make_engine, tiny_llama):
     assert tokens["first"] == hf_greedy(tiny_llama, first, 12)[0]
     for i, prompt in enumerate(late):
         assert tokens[f"late{i}"] == hf_greedy(tiny_llama, prompt, 12)[0]
+    assert _all_blocks_free(engine)
+
+
+def _placed(exporter: LLMEngine, importer: LLMEngine, prompt: list[int]) -> tuple[PlacedKv, int]:
+    """The prompt's KV in the importer's own blocks, as a cuda_ipc pull leaves it, and its first token."""
+    exporter.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=12), RequestType.CONTEXT_ONLY)
+    _run_all(exporter)
+    session = next(s for s in exporter.sessions.sessions.values() if s.request_id == "p")
+    reserved = importer.block_manager.reserve(-(-(len(prompt) + 1) // importer.config.block_size))
+    importer.runner.import_blocks(reserved[: len(session.block_ids)], exporter.export_session(session.session_id))
+    exporter.release_session(session.session_id)
+    return PlacedKv(importer.kv_layout, len(prompt), reserved, importer.block_manager.free), session.first_token
+
+
+def test_a_handed_off_request_joins_the_step_launched_ahead(make_engine, tiny_llama):
+    """A decode worker's new request (generation_only, its KV already in our blocks) joins the next step launched
+    ahead as one more row, so the pipeline does not stop for it; its tokens and the running one's equal HF's."""
+    running, handed_off = _prompts([6, 15], seed=6)
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    exporter, engine = make_engine(tiny_llama, False), make_engine(tiny_llama, True)
+    placed, first = _placed(exporter, engine, handed_off)
+    engine.add_request("running", running, sampling)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(4):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine._ahead is not None
+    engine.add_request("joined", handed_off, sampling, RequestType.GENERATION_ONLY, placed, first)
+    launches = engine.ahead_launches
+    for out in engine.step():  # reads the step launched before; launches the next with the new row in it
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.ahead_launches == launches + 1 and not engine.scheduler.waiting
+    assert [r.request_id for r in engine._ahead.sampled] == ["running", "joined"]
+    _run_all(engine, tokens)
+    assert tokens["running"] == hf_greedy(tiny_llama, running, 12)[0]
+    assert [first] + tokens["joined"] == hf_greedy(tiny_llama, handed_off, 12)[0]
     assert _all_blocks_free(engine)
 
 
