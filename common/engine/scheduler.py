@@ -105,6 +105,7 @@ class Scheduler:
             request = self.waiting[0]
             if only is not None and not only(request):
                 break
+            fresh = request.kv_import is None and not request.block_table  # holds no blocks yet
             if request.kv_import is not None:
                 if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
                     break
@@ -115,15 +116,18 @@ class Scheduler:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = request.num_computed_tokens
             n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
+            if fresh and n == budget < min(request.num_tokens - request.num_computed_tokens,
+                                           self.long_prefill_token_threshold) and any(k > 1 for k in batch.num_new_tokens):
+                # Only the step's leftover budget would start it, beside another prompt's chunk: that slows the
+                # step (and the other prompt's first token) for a sliver of this prompt, which then needs a second
+                # step anyway. It starts next step, in one piece where it fits (FCFS either way).
+                self.block_manager.free(request)  # give back the prefix hits; matched again next step
+                break
             if not self.block_manager.allocate_slots(request, n):
                 if request.kv_import is None:
                     self.block_manager.free(request)  # give back the prefix hits; retry next step
                 else:
-                    batch.kv_imports.pop()
-                    if isinstance(request.kv_import, PlacedKv):
-                        request.num_computed_tokens = 0  # its blocks hold the imported KV: kept for the next try
-                    else:
-                        self.block_manager.free(request)
+                    self._unadmit_import(request, batch)
                 break
             self.waiting.popleft()
             if request.first_scheduled_time is None:
@@ -134,6 +138,13 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return budget
+
+    def _unadmit_import(self, request: Request, batch: ScheduledBatch) -> None:
+        batch.kv_imports.pop()
+        if isinstance(request.kv_import, PlacedKv):
+            request.num_computed_tokens = 0  # its blocks hold the imported KV: kept for the next try
+        else:
+            self.block_manager.free(request)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -90,3 +90,24 @@ def test_the_threshold_defaults_to_a_cpu_chunk_and_no_limit_on_cuda():
     assert EngineConfig(model="m").prefill_chunk_limit == CPU_LONG_PREFILL_TOKENS
     assert EngineConfig(model="m", device="cuda", max_num_batched_tokens=4096).prefill_chunk_limit == 4096
     assert EngineConfig(model="m", device="cuda", long_prefill_token_threshold=512).prefill_chunk_limit == 512
+
+
+def test_a_prompt_the_leftover_budget_would_split_waits_to_start_whole():
+    """A prefill worker's queue (the CUDA default: chunks as large as the budget): the second prompt does not start
+    with the sliver of budget the first leaves, which would slow the first's step and still leave it a second
+    step; it runs whole in the next one. One the threshold splits anyway (CPU) still shares the step."""
+    scheduler = _scheduler(threshold=None)
+    first, second = Request("first", list(range(1300))), Request("second", list(range(1500)))
+    scheduler.add(first)
+    scheduler.add(second)
+    assert _scheduled(_step(scheduler)) == {"first": 1300}
+    assert second.status is RequestStatus.WAITING and second.num_computed_tokens == 0 and not second.block_table
+    assert _scheduled(_step(scheduler)) == {"first": 1, "second": 1500}
+    longer = Request("longer", list(range(3000)))  # longer than a step: it is split whatever happens
+    scheduler.add(longer)
+    assert _scheduled(_step(scheduler)) == {"first": 1, "second": 1, "longer": 2046}
+
+    shared = _scheduler(threshold=512)
+    for request in (Request("a", list(range(1300))), Request("b", list(range(1500)))):
+        shared.add(request)
+    assert _scheduled(_step(shared)) == {"a": 512, "b": 512}
