@@ -205,6 +205,7 @@ class LLMEngine:
         ahead too: the step launched ahead samples here, at the start of the next, once the tokens before are
         booked (each grammar took its token), and its masks are filled while its forward still runs."""
         self.expire_sessions()
+        self.runner.bind()
         launched, self._ahead = self._ahead, None
         if launched is not None and launched.awaits_masks:
             self.runner.sample_masked(launched, [r.grammar if self._live(r) else None for r in launched.sampled])

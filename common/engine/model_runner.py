@@ -195,6 +195,13 @@ class ModelRunner:
         self._greedy: torch.Tensor | None = None  # a follower's: its last step's greedy tokens (the next ahead's input)
         self._stepping_thread: int | None = None  # the thread pinned to the model's cores (the engine loop's)
 
+    def bind(self) -> None:
+        """Make this runner's GPU the calling thread's current device. A graph replays, and a copy or kernel
+        launches, on the current device's stream: an engine stepped from a thread another engine's GPU is current
+        on (two engines in one process) would otherwise run unordered with its own uploads, and read them early."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     def _make_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.ranks is None:
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
