@@ -178,3 +178,32 @@ def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(tiny_model_dirs)
     finally:
         engine.close()
     assert got == [hf_greedy(path, p, 10)[0] for p in prompts]
+
+
+def test_a_handed_off_request_joins_a_step_launched_ahead_on_every_rank(tiny_model_dirs):
+    """At TP=2 a request that joins a step launched ahead (its KV placed in our blocks, its first token known on the
+    host) reaches the followers as that step's input_ids, after their own greedy tokens: the output stays exact."""
+    from tests.unit.test_async_scheduling import _placed
+
+    path = tiny_model_dirs["llama-gqa"]
+    running, handed_off = _prompts([7, 15], seed=12)
+    exporter, engine = _engine(path, 1), _engine(path, 2, async_scheduling=True)
+    try:
+        placed, first = _placed(exporter, engine, handed_off)
+        engine.add_request("running", running, GREEDY)
+        tokens: dict[str, list[int]] = {}
+        for _ in range(3):
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine._ahead is not None
+        engine.add_request("joined", handed_off, GREEDY, RequestType.GENERATION_ONLY, placed, first)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert not engine.scheduler.waiting  # it joined at once: no step went without it
+        assert engine.block_manager.num_free_blocks == 64
+    finally:
+        engine.close()
+        exporter.close()
+    assert tokens["running"] == hf_greedy(path, running, 10)[0]
+    assert [first] + tokens["joined"] == hf_greedy(path, handed_off, 10)[0]
