@@ -265,8 +265,9 @@ class LLMEngine:
         nobody waits to be admitted, and each row's next position gets a block without preempting anyone.
         Rows that `launched` ends by length are left out; a row that ends on a stop token is computed and
         dropped. Waiting requests that can join it as decode rows (_joins_ahead) are admitted into it; any other
-        waiting request stops the pipeline for a schedule(). Its blocks may be freed meanwhile: later steps reuse them only after it on the same stream,
-        and the block it writes (past the last computed token) holds no prefix-cache hash."""
+        waiting request stops the pipeline for a schedule(). Its blocks may be freed meanwhile: later steps reuse
+        them only after it on the same stream, and the block it writes (past the last computed token) holds no
+        prefix-cache hash."""
         running, waiting = self.scheduler.running, self.scheduler.waiting
         live = [i for i, r in enumerate(launched.sampled) if self._live(r)]  # (one launched ahead may hold ended rows)
         if (launched.tokens is None or len(running) != len(live)

@@ -116,8 +116,8 @@ class Scheduler:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = request.num_computed_tokens
             n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
-            if fresh and n == budget < min(request.num_tokens - request.num_computed_tokens,
-                                           self.long_prefill_token_threshold) and any(k > 1 for k in batch.num_new_tokens):
+            whole = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold)
+            if fresh and n == budget < whole and any(k > 1 for k in batch.num_new_tokens):
                 # Only the step's leftover budget would start it, beside another prompt's chunk: that slows the
                 # step (and the other prompt's first token) for a sliver of this prompt, which then needs a second
                 # step anyway. It starts next step, in one piece where it fits (FCFS either way).
@@ -127,7 +127,11 @@ class Scheduler:
                 if request.kv_import is None:
                     self.block_manager.free(request)  # give back the prefix hits; retry next step
                 else:
-                    self._unadmit_import(request, batch)
+                    batch.kv_imports.pop()
+                    if isinstance(request.kv_import, PlacedKv):
+                        request.num_computed_tokens = 0  # its blocks hold the imported KV: kept for the next try
+                    else:
+                        self.block_manager.free(request)
                 break
             self.waiting.popleft()
             if request.first_scheduled_time is None:
@@ -138,13 +142,6 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return budget
-
-    def _unadmit_import(self, request: Request, batch: ScheduledBatch) -> None:
-        batch.kv_imports.pop()
-        if isinstance(request.kv_import, PlacedKv):
-            request.num_computed_tokens = 0  # its blocks hold the imported KV: kept for the next try
-        else:
-            self.block_manager.free(request)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -258,7 +258,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             records = step_records(layout, chunk, args)
             for point, (t0, t1) in zip(results[first:], windows):
                 point["decode_steps"] = step_summary(records, t0, t1)
-                print(f"# {label} {point['rate']:g} req/s decode steps: {json.dumps(point['decode_steps'])}", flush=True)
+                steps = json.dumps(point["decode_steps"])
+                print(f"# {label} {point['rate']:g} req/s decode steps: {steps}", flush=True)
             write(results, args)
 
 

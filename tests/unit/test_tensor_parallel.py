@@ -172,7 +172,8 @@ def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(tiny_model_dirs)
     engine = _engine(path, 2, async_scheduling=True)
     try:
         ahead, launch_ahead = [], engine.runner.launch_ahead
-        engine.runner.launch_ahead = lambda prev, rows, joined=(): ahead.append(rows) or launch_ahead(prev, rows, joined)
+        engine.runner.launch_ahead = lambda prev, rows, joined=(): (ahead.append(rows)
+                                                                    or launch_ahead(prev, rows, joined))
         got = engine.generate(prompts, GREEDY)
         assert ahead and engine.block_manager.num_free_blocks == 64
     finally:
