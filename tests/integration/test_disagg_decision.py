@@ -9,7 +9,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.hf_reference import hf_greedy
-from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
+from tests.integration.conftest import WORKER_ENV
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.observed import scrape, wait_for
 from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
@@ -23,22 +23,17 @@ EXPORTED = "disagg_kv_sessions_exported_total"
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama):
-    """One prefill, one decode; the router treats any prefill in flight as a saturated queue."""
-    workers = start_services([("prefill", ("--model", tiny_llama, *TINY_ENGINE_ARGS)),
-                              ("decode", ("--model", tiny_llama, *TINY_ENGINE_ARGS))], env=WORKER_ENV)
+def cluster(tiny_llama, worker_pair):
+    """The shared prefill and decode (conftest.worker_pair: tiny_llama, TINY_ENGINE_ARGS) under a router of this
+    module's that treats any prefill in flight as a saturated queue. The tests read counters as differences."""
+    router = start_services([("router", ("--model", tiny_llama, "--prefill-workers", worker_pair.prefill.address,
+                                         "--decode-workers", worker_pair.decode.address,
+                                         "--max-local-prefill-tokens", str(MAX_LOCAL),
+                                         "--max-prefill-queue-tokens", "1"))], env=WORKER_ENV)[0]
     try:
-        router = start_services([("router", ("--model", tiny_llama, "--prefill-workers", workers[0].address,
-                                             "--decode-workers", workers[1].address,
-                                             "--max-local-prefill-tokens", str(MAX_LOCAL),
-                                             "--max-prefill-queue-tokens", "1"))], env=WORKER_ENV)[0]
-    except BaseException:
-        stop_cleanly(workers)
-        raise
-    try:
-        yield {"prefill": workers[0], "decode": workers[1], "router": router}
+        yield {"prefill": worker_pair.prefill, "decode": worker_pair.decode, "router": router}
     finally:
-        stop_cleanly([router, *workers])
+        stop_cleanly([router])  # the workers are stopped, and checked, with the rest of kv_workers
 
 
 def _prompt(seed: int, length: int) -> list[int]:
