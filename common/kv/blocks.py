@@ -32,15 +32,21 @@ class KvBlocks:
 MAX_RUNS = 16  # more runs of consecutive blocks than this: one indexed gather instead of a copy per run
 
 
+def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) of the maximal runs where both ids go up by one together."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
+            start_s, start_d, n = out[-1]
+            out[-1] = (start_s, start_d, n + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(position in the gathered tensor, first block id, length) of each run of consecutive block ids."""
-    runs: list[tuple[int, int, int]] = []
-    for position, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((position, block, 1))
-    return runs
+    return runs(range(len(block_ids)), block_ids)
 
 
 def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
@@ -50,12 +56,12 @@ def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> 
     gathered on each shard's GPU and land, every head, on its first one's."""
     if isinstance(source, KvShards):
         return source.gather(block_ids, gather_blocks)
-    runs = block_runs(block_ids)
-    if len(runs) > MAX_RUNS:
+    spans = block_runs(block_ids)
+    if len(spans) > MAX_RUNS:
         index = torch.tensor(list(block_ids), dtype=torch.long).to(source.device, non_blocking=True)
         return source.index_select(2, index)
     out = torch.empty((*source.shape[:2], len(block_ids), *source.shape[3:]), dtype=source.dtype, device=source.device)
-    for position, first, length in runs:
+    for position, first, length in spans:
         out[:, :, position : position + length].copy_(source[:, :, first : first + length], non_blocking=True)
     return out
 

@@ -6,7 +6,7 @@ A prefill pool and a decode pool (common.engine.block_manager.BlockManager) driv
 prompts of 20-120 blocks (half of them open with one of 8 shared system prompts) arrive at random, prefill
 allocates them in chunks of its token budget and holds each finished prompt's blocks until decode has reserved its
 own and pulled; decode grows each request by a block every 16 tokens and frees it at a random end. Each pull's
-runs are those peer_copy's copy engines would make (common.kv.transports.cuda_ipc.peer_copy.runs of the source and
+runs are those peer_copy's copy engines would make (common.kv.blocks.runs of the source and
 destination ids: more than MAX_COPY_ENGINE_RUNS and the pull falls back to a kernel). Prints, for plain LRU order
 and for the runs BlockManager now makes: the mean and p90 runs per pull, the share of pulls the copy engines take,
 the runs of each side alone, decode's pool usage and the prefill pool's prefix-cache hit rate. Then a multi-turn
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.request import Request  # noqa: E402
-from common.kv.transports.cuda_ipc.peer_copy import MAX_COPY_ENGINE_RUNS, runs  # noqa: E402
+from common.kv.blocks import runs  # noqa: E402
+from common.kv.transports.cuda_ipc.peer_copy import MAX_COPY_ENGINE_RUNS  # noqa: E402
 
 BLOCK = 16
 

@@ -5,7 +5,7 @@ from itertools import islice
 
 from common.engine.block_manager import BlockManager
 from common.engine.request import Request
-from common.kv.transports.cuda_ipc.peer_copy import runs
+from common.kv.blocks import runs
 
 BS = 4
 

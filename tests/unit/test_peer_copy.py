@@ -1,5 +1,5 @@
-"""The runs of consecutive blocks a peer copy makes one 2-D copy each (common.kv.transports.cuda_ipc.peer_copy.runs)."""
-from common.kv.transports.cuda_ipc.peer_copy import runs
+"""The runs of consecutive blocks a peer copy makes one 2-D copy each (common.kv.blocks.runs)."""
+from common.kv.blocks import runs
 
 
 def test_runs_join_blocks_that_go_up_together_on_both_sides():

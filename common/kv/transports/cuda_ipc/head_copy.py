@@ -17,7 +17,8 @@ from typing import Sequence
 import torch
 
 from common.kv.shards import HEAD_DIM, KvShards
-from common.kv.transports.cuda_ipc.peer_copy import check, cudart, enable_peer_access, runs
+from common.kv.blocks import runs
+from common.kv.transports.cuda_ipc.peer_copy import check, cudart, enable_peer_access
 
 
 class _Pos(ctypes.Structure):

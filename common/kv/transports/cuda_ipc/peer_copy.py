@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from common.kv.blocks import pinned_ids
+from common.kv.blocks import pinned_ids, runs
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the pointers (unified addressing)
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
@@ -93,18 +93,6 @@ def can_reach(device: torch.device, peer: torch.device) -> bool:
         return False
     return torch.cuda.can_device_access_peer(device.index, peer.index) and \
         torch.cuda.can_device_access_peer(peer.index, device.index)
-
-def runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) of the maximal runs where both ids go up by one together."""
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
-            start_s, start_d, n = out[-1]
-            out[-1] = (start_s, start_d, n + 1)
-        else:
-            out.append((s, d, 1))
-    return out
-
 
 class PeerBlockCopier:
     """dst[:, :, dst_ids] = src[:, :, src_ids] between caches on two GPUs, by `on` (see the module doc)."""
