@@ -165,6 +165,26 @@ def test_a_handed_off_request_joins_the_step_launched_ahead(make_engine, tiny_ll
     assert _all_blocks_free(engine)
 
 
+def test_a_joined_request_aborted_in_the_step_it_joined_frees_its_blocks(make_engine, tiny_llama):
+    running, handed_off = _prompts([5, 11], seed=9)
+    sampling = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    exporter, engine = make_engine(tiny_llama, False), make_engine(tiny_llama, True)
+    placed, first = _placed(exporter, engine, handed_off)
+    engine.add_request("running", running, sampling)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.add_request("joined", handed_off, sampling, RequestType.GENERATION_ONLY, placed, first)
+    for out in engine.step():
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert "joined" in [r.request_id for r in engine._ahead.sampled]
+    assert engine.abort_request("joined")  # while the step it joined still runs
+    _run_all(engine, tokens)
+    assert tokens["running"] == hf_greedy(tiny_llama, running, 10)[0]
+    assert _all_blocks_free(engine)
+
+
 def test_sampled_and_logprob_rows_run_synchronously(make_engine, tiny_llama):
     """Only plain greedy rows keep their tokens on the device; a batch with a sampled or a logprob row samples at
     once, never goes ahead, and draws what the synchronous engine draws."""
