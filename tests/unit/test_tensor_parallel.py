@@ -79,31 +79,23 @@ def test_a_session_exported_at_one_tp_size_decodes_at_another(mha_engines, prefi
     assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == 64
 
 
-def test_an_abort_mid_generation_frees_every_block_and_the_ranks_keep_serving(tiny_model_dirs):
-    path = tiny_model_dirs["llama-gqa"]
-    engine = _engine(path, 2)
-    try:
-        prompts = _prompts([9, 14], seed=7)
-        engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        engine.add_request("b", prompts[1], SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True))
-        for _ in range(4):
-            engine.step()
-        assert engine.abort_request("a") and engine.abort_request("b")
-        assert engine.block_manager.num_free_blocks == 64
-        assert engine.generate(prompts[:1], GREEDY) == [hf_greedy(path, prompts[0], 10)[0]]
-    finally:
-        engine.close()
+def test_an_abort_mid_generation_frees_every_block_and_the_ranks_keep_serving(mha_model, mha_engines):
+    """On the module's shared TP=2 engine (starting one costs a follower process): the tests after it use it too."""
+    engine = mha_engines[2]
+    prompts = _prompts([9, 14], seed=7)
+    engine.add_request("a", prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("b", prompts[1], SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort_request("a") and engine.abort_request("b")
+    assert engine.block_manager.num_free_blocks == 64
+    assert engine.generate(prompts[:1], GREEDY) == [hf_greedy(mha_model, prompts[0], 10)[0]]
 
 
-def test_seeded_sampling_is_the_same_at_tp1_and_tp2(tiny_model_dirs):
-    path = tiny_model_dirs["qwen2-bias"]
+def test_seeded_sampling_is_the_same_at_tp1_and_tp2(mha_engines):
     sampling = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
-    engine = _engine(path, 2)
-    try:
-        got = engine.generate(_prompts([12]), sampling)
-    finally:
-        engine.close()
-    assert got == _engine(path, 1).generate(_prompts([12]), sampling)
+    got = mha_engines[2].generate(_prompts([12]), sampling)
+    assert got == mha_engines[1].generate(_prompts([12]), sampling)
 
 
 def test_a_size_that_does_not_divide_the_kv_heads_is_refused_before_any_rank_starts(tiny_model_dirs):
