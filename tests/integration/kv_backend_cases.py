@@ -92,12 +92,13 @@ def check_handoff(prefill_client: WorkerClient, decode_client: WorkerClient, ref
 
 
 def check_cancels_free_everything(prefill_client: WorkerClient, decode_client: WorkerClient,
-                                  prompt: list[int]) -> None:
+                                  prompt: list[int], offer: str | None = None) -> None:
     """Cancel right after the start (before or during the pull) and after the first delta (during
-    decode): both workers' pools are full again within 10 s, well inside the session TTL."""
+    decode): both workers' pools are full again within 10 s, well inside the session TTL. `offer`: as
+    check_handoff's, the backends the session names (the pull goes through them)."""
     for wait_for_delta in (False, True):
         prefilled = prefill(prefill_client, prompt, 400)
-        stream = DecodeStream(decode_client, decode_start(prefilled, prompt, 400), timeout_s=60)
+        stream = DecodeStream(decode_client, decode_start(prefilled, prompt, 400, offer), timeout_s=60)
         try:
             if wait_for_delta:
                 assert next(iter(stream.responses)).HasField("delta")

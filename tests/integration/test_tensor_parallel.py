@@ -32,12 +32,11 @@ TP2 = ("--tensor-parallel-size", "2")
 @pytest.fixture(scope="module")
 def cluster(kv_workers, tiny_llama) -> Iterator[dict]:
     """The shared TP=1 workers (conftest.kv_workers: "prefill", and a decode per backend named by it), and this
-    module's TP=2 prefill ("prefill_tp2") with a TP=2 decode per backend ("shm_tp2", "grpc_tp2")."""
+    module's TP=2 prefill ("prefill_tp2") and TP=2 decode accepting every backend ("decode_tp2"): each test names the
+    backend its session offers, so one TP=2 decode (two processes) serves them all."""
     args = ("--model", tiny_llama, *TINY_ENGINE_ARGS, *TP2)
-    specs = [("prefill", args), *[("decode", (*args, "--kv-transfer-backends", b)) for b in BACKENDS_HERE]]
-    with connected_workers(specs, env=WORKER_ENV) as (_, clients):
-        yield {**kv_workers, "prefill_tp2": clients[0],
-               **{f"{backend}_tp2": client for backend, client in zip(BACKENDS_HERE, clients[1:])}}
+    with connected_workers([("prefill", args), ("decode", args)], env=WORKER_ENV) as (_, clients):
+        yield {**kv_workers, "prefill_tp2": clients[0], "decode_tp2": clients[1]}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +48,8 @@ def reference(tiny_llama) -> LLMEngine:
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
 def test_a_session_prefilled_at_one_tp_size_decodes_at_another(cluster, reference, backend, prefill_tp, decode_tp):
     prefill = cluster["prefill_tp2" if prefill_tp == 2 else "prefill"]
-    decode = cluster[f"{backend}_tp2" if decode_tp == 2 else backend]
-    check_handoff(prefill, decode, reference, PROMPT, backend)
+    decode = cluster["decode_tp2" if decode_tp == 2 else backend]
+    check_handoff(prefill, decode, reference, PROMPT, backend, offer=backend if decode_tp == 2 else None)
 
 
 def test_get_info_reports_each_workers_tensor_parallel_size_and_the_whole_models_kv_heads(cluster):
@@ -62,7 +61,7 @@ def test_get_info_reports_each_workers_tensor_parallel_size_and_the_whole_models
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 def test_cancels_free_every_block_of_every_rank_on_both_workers(cluster, backend):
-    check_cancels_free_everything(cluster["prefill_tp2"], cluster[f"{backend}_tp2"], PROMPT)
+    check_cancels_free_everything(cluster["prefill_tp2"], cluster["decode_tp2"], PROMPT, offer=backend)
 
 
 @pytest.fixture(scope="module")
