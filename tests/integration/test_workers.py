@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Iterator
 
 import grpc
@@ -22,6 +23,8 @@ from common.kv.backends import BACKENDS
 from common.kv.store import pull_kv
 from common.kv.transfer import release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.integration.conftest import WORKER_ENV
+from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
 from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, is_idle, split
 
 PROMPT = list(range(3, 22))  # 19 tokens: four full blocks of 4 and a partial one
@@ -50,6 +53,36 @@ def every_block_returns(prefill, decode) -> Iterator[None]:
     yield
     for client in (prefill, decode):
         assert_pool_full(client)
+
+
+# The tests that need a worker with flags of their own, or that stop theirs, each get one (on top of
+# tiny_worker_args). They start together: a worker's start is mostly one core's imports, so one after the other,
+# test by test, they left the other core idle.
+OWN_WORKERS = {
+    "fail_policy": ("decode", ("--kv-load-failure-policy", "fail")),
+    "ttl": ("prefill", ("--session-ttl", "1")),
+    "bf16": ("decode", ("--dtype", "bfloat16")),
+    "one_token_steps": ("prefill", ("--max-num-batched-tokens", "1", "--num-kv-blocks", "128")),
+    "sigterm": ("decode", ()),
+}
+
+
+@dataclass
+class OwnWorkers:
+    processes: list[ServiceProcess]  # conftest attaches their logs to a failed test's report
+
+    def __getitem__(self, name: str) -> ServiceProcess:
+        return self.processes[list(OWN_WORKERS).index(name)]
+
+
+@pytest.fixture(scope="module")
+def own_workers(tiny_worker_args) -> Iterator[OwnWorkers]:
+    processes = start_services([(role, (*tiny_worker_args, *flags)) for role, flags in OWN_WORKERS.values()],
+                               env=WORKER_ENV)
+    try:
+        yield OwnWorkers(processes)
+    finally:
+        stop_in_waves(processes)
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +248,8 @@ def test_failed_pull_is_recomputed_by_default_and_matches(prefill, decode, refer
     assert finished.reason == common_pb2.FINISH_REASON_LENGTH
 
 
-def test_failed_pull_with_the_fail_policy_is_unavailable(service_factory, tiny_worker_args):
-    strict = WorkerClient.connect(service_factory.start("decode", *tiny_worker_args,
-                                                        "--kv-load-failure-policy", "fail"))
+def test_failed_pull_with_the_fail_policy_is_unavailable(own_workers):
+    strict = WorkerClient.connect(own_workers["fail_policy"])
     endpoint = _dead_endpoint()
     with pytest.raises(grpc.RpcError) as error:
         list(strict.decoder.Decode(iter([fake_session(strict, endpoint)]), timeout=30))
@@ -240,8 +272,8 @@ def test_client_disconnect_during_decode_frees_every_block(prefill, decode):
     assert_pool_full(decode)
 
 
-def test_unpulled_session_expires_after_its_ttl(service_factory, tiny_worker_args):
-    process = service_factory.start("prefill", *tiny_worker_args, "--session-ttl", "1")
+def test_unpulled_session_expires_after_its_ttl(own_workers):
+    process = own_workers["ttl"]
     client = WorkerClient.connect(process)
     prefilled = run_prefill(client, **GREEDY)
     load = client.load()
@@ -256,8 +288,8 @@ def test_unpulled_session_expires_after_its_ttl(service_factory, tiny_worker_arg
     assert process.stop() == 0
 
 
-def test_decode_with_another_dtype_is_refused_naming_both_sides(prefill, service_factory, tiny_worker_args):
-    process = service_factory.start("decode", *tiny_worker_args, "--dtype", "bfloat16")
+def test_decode_with_another_dtype_is_refused_naming_both_sides(prefill, own_workers):
+    process = own_workers["bf16"]
     bf16 = WorkerClient.connect(process)
     with pytest.raises(grpc.RpcError) as error:
         list(bf16.decoder.Decode(iter([decode_start(run_prefill(prefill, **GREEDY), **GREEDY)]), timeout=30))
@@ -345,11 +377,10 @@ def test_worker_info_describes_matching_layouts(prefill, decode, worker_pair):
     assert first.sequence == 1 and first.WhichOneof("event") == "cleared" and first.worker_id == infos[1].worker_id
 
 
-def test_caller_leaving_mid_prefill_aborts_it_and_leaves_no_session(service_factory, tiny_worker_args):
+def test_caller_leaving_mid_prefill_aborts_it_and_leaves_no_session(own_workers):
     # One token per step: a 500-token prompt takes 500 steps, ~190 ms of the tiny model on an idle 2-core machine
     # (250 took 94 ms there, under the 100 ms deadline this test had), four times the caller's 50 ms.
-    process = service_factory.start("prefill", *tiny_worker_args, "--max-num-batched-tokens", "1",
-                                    "--num-kv-blocks", "128")
+    process = own_workers["one_token_steps"]
     client = WorkerClient.connect(process)
     with pytest.raises(grpc.RpcError) as error:
         client.prefiller.Prefill(worker_pb2.PrefillRequest(token_ids=list(range(3, 503))), timeout=0.05)
@@ -358,9 +389,9 @@ def test_caller_leaving_mid_prefill_aborts_it_and_leaves_no_session(service_fact
     client.channel.close()
 
 
-def test_sigterm_lets_the_stream_in_flight_finish_then_exits_cleanly(service_factory, tiny_worker_args):
+def test_sigterm_lets_the_stream_in_flight_finish_then_exits_cleanly(own_workers):
     """A drain (tests/integration/test_drain.py has the rest): the request in flight runs to its end."""
-    process = service_factory.start("decode", *tiny_worker_args)
+    process = own_workers["sigterm"]
     client = WorkerClient.connect(process)
     stream = DecodeStream(client, decode_start(None, temperature=0, max_tokens=200))
     try:
