@@ -17,18 +17,27 @@ ARGS = ("--block-size", "4", "--num-kv-blocks", "128")
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture
-def cluster(tiny_llama):
-    workers = start_services([("prefill", ("--model", tiny_llama, *ARGS)), ("decode", ("--model", tiny_llama, *ARGS)),
-                              ("decode", ("--model", tiny_llama, *ARGS))], env=ENV)
-    processes = list(workers)
+@pytest.fixture(scope="module")
+def workers(tiny_llama):
+    """Both tests' workers, started together (a worker's start is mostly one core's imports): a prefill and two
+    decodes for the migration test, and a decode of its own for the test without migration. Each test kills one."""
+    processes = start_services([("prefill", ("--model", tiny_llama, *ARGS))] +
+                               [("decode", ("--model", tiny_llama, *ARGS))] * 3, env=ENV)
     try:
-        processes += start_services([("router", (
-            "--model", tiny_llama, "--prefill-workers", workers[0].address, "--migration-limit", "1",
-            "--decode-workers", f"{workers[1].address},{workers[2].address}"))], env=ENV)
         yield processes
     finally:
         stop_in_waves(processes)
+
+
+@pytest.fixture
+def cluster(tiny_llama, workers):
+    router = start_services([("router", (
+        "--model", tiny_llama, "--prefill-workers", workers[0].address, "--migration-limit", "1",
+        "--decode-workers", f"{workers[1].address},{workers[2].address}"))], env=ENV)[0]
+    try:
+        yield [*workers[:3], router]
+    finally:
+        stop_in_waves([router])
 
 
 def _running(process) -> int:
@@ -56,12 +65,10 @@ def test_a_request_migrates_when_its_decode_worker_dies(cluster, tiny_llama):
     assert "migrating to " + survivor.address in router.log()
 
 
-def test_without_migration_the_client_learns_how_many_tokens_it_got(tiny_llama):
-    workers = start_services([("decode", ("--model", tiny_llama, *ARGS))], env=ENV)
-    processes = list(workers)
+def test_without_migration_the_client_learns_how_many_tokens_it_got(tiny_llama, workers):
+    decode = workers[3]
+    processes = start_services([("router", ("--model", tiny_llama, "--decode-workers", decode.address))], env=ENV)
     try:
-        processes += start_services([("router", ("--model", tiny_llama, "--decode-workers", workers[0].address))],
-                                    env=ENV)
         request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=PROMPT),
                                                  sampling=common_pb2.SamplingParams(temperature=0, max_tokens=200),
                                                  stop=common_pb2.StopConditions(ignore_eos=True))
@@ -72,7 +79,7 @@ def test_without_migration_the_client_learns_how_many_tokens_it_got(tiny_llama):
                 for i, response in enumerate(call):
                     delivered += len(response.delta.token_ids)
                     if i == 1:
-                        workers[0].popen.send_signal(signal.SIGKILL)
+                        decode.popen.send_signal(signal.SIGKILL)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"after {delivered} tokens were delivered" in info.value.details()
     finally:
