@@ -78,6 +78,20 @@ def _router(model: str, prefill: list, decode: list, *flags: str) -> ServiceProc
     return start_service("router", *args)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def decode_bf16(text_model) -> Iterator[ServiceProcess]:
+    """A bfloat16 decode for the fingerprint test, spawned as the module starts so that it loads while the tests
+    before that one run (a worker's start is about 5 s of one core's imports); that test waits until it serves."""
+    process = ServiceProcess.spawn("decode", "--model", text_model, "--dtype", "bfloat16", "--num-kv-blocks", "64")
+    try:
+        yield process
+    finally:
+        if process.address is None:  # still loading (that test was not run): stopped, not judged
+            process.stop()
+        else:
+            stop_cleanly([process])
+
+
 @pytest.fixture(scope="module")
 def router(text_model, workers):
     """Every prompt goes prefill → decode."""
@@ -346,21 +360,18 @@ def test_requests_beyond_the_inflight_limit_are_resource_exhausted(aggregated_ro
     assert_no_leaks(workers)
 
 
-def test_fingerprint_mismatch_reaches_the_client_naming_both_sides(text_model, workers):
-    decode_bf16 = start_service("decode", "--model", text_model, "--dtype", "bfloat16", "--num-kv-blocks", "64")
+def test_fingerprint_mismatch_reaches_the_client_naming_both_sides(text_model, workers, decode_bf16):
+    decode_bf16.wait_ready()
+    router = _router(text_model, workers[:1], [decode_bf16])
     try:
-        router = _router(text_model, workers[:1], [decode_bf16])
-        try:
-            with pytest.raises(grpc.RpcError) as info:
-                list(_stub(router).Generate(generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy())))
-            assert "fingerprint" in router.log() and "not interchangeable" in router.log()
-        finally:
-            stop_cleanly([router])
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "exporter='float32' importer='bfloat16'" in info.value.details()
-        assert_no_leaks([workers[0], decode_bf16])
+        with pytest.raises(grpc.RpcError) as info:
+            list(_stub(router).Generate(generation_pb2.GenerateRequest(prompt=PROMPTS[0], **_greedy())))
+        assert "fingerprint" in router.log() and "not interchangeable" in router.log()
     finally:
-        stop_cleanly([decode_bf16])
+        stop_cleanly([router])
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "exporter='float32' importer='bfloat16'" in info.value.details()
+    assert_no_leaks([workers[0], decode_bf16])
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(text_model, workers):
