@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -316,11 +317,23 @@ for layout in (BatchLayout([1, 1], [13, 6], [[6, 1, 4, 0], [2, 7]]), BatchLayout
 """
 
 
+@pytest.fixture(scope="module")
+def triton_interpreted() -> dict[str, subprocess.CompletedProcess]:
+    """Both Triton-interpreter scripts of this module, run at once (each is seconds of one core)."""
+    scripts = {"attention": _TRITON_FP8, "linear": _TRITON_FP8_LINEAR}
+
+    def run(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(len(scripts)) as pool:
+        return dict(zip(scripts, pool.map(run, scripts.values())))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_the_triton_kernels_store_and_read_an_fp8_cache_as_the_torch_path_does():
+def test_the_triton_kernels_store_and_read_an_fp8_cache_as_the_torch_path_does(triton_interpreted):
     """Decode and prefill (chunked, over cached context): the same K / V bytes stored, the same attention."""
-    result = subprocess.run([sys.executable, "-c", _TRITON_FP8], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    result = triton_interpreted["attention"]
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
     assert len(lines) == 2 and all(float(error) < 1e-5 and same == "True" for error, same in lines), result.stdout
@@ -358,11 +371,10 @@ print(max(errors), torch.equal(s, want_s), torch.equal(q.float(), (rows / want_s
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_the_batch1_gemv_runs_fp8_rows_with_their_scales_and_tokens_quantise_in_one_kernel():
+def test_the_batch1_gemv_runs_fp8_rows_with_their_scales_and_tokens_quantise_in_one_kernel(triton_interpreted):
     """Each GEMV prologue (none, add + RMSNorm, SiLU·up) over FP8 rows = the dequantised weight's product; the fused
     quantisation gives torch's scales and FP8 values."""
-    result = subprocess.run([sys.executable, "-c", _TRITON_FP8_LINEAR], env={**os.environ, "TRITON_INTERPRET": "1"},
-                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    result = triton_interpreted["linear"]
     assert result.returncode == 0, result.stderr[-3000:]
     error, same_scales, same_values = result.stdout.split()
     assert float(error) < 1e-5 and same_scales == "True" and same_values == "True", result.stdout
