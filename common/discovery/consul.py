@@ -12,7 +12,9 @@ The agent's address, ACL token and TLS come from Consul's standard variables (CO
 CONSUL_HTTP_TOKEN, CONSUL_HTTP_SSL, CONSUL_HTTP_SSL_VERIFY, read by py-consul; CONSUL_CACERT,
 CONSUL_CLIENT_CERT, CONSUL_CLIENT_KEY, read here) or from flags.
 py-consul's client is synchronous; its calls run in a thread, so blocking queries never block
-the event loop.
+the event loop. A blocking query runs in a daemon thread of its own, not in asyncio's executor: a router that
+stops while one still waits (up to `wait`) exits at once, where an executor thread would hold its exit that long.
+(py-consul's aiohttp client would be cancellable, but it builds its connector with arguments aiohttp deprecates.)
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import argparse
 import asyncio
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Callable, Mapping, TypeVar
 
 import consul
 
@@ -29,6 +32,7 @@ from common.discovery.base import Discovery, Role
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SERVICE_PREFIX = "disagg-"
 _RETRY_S = (0.2, 5.0)  # first and largest back-off after a failed query
 
@@ -147,8 +151,8 @@ class ConsulDiscovery(Discovery):
         index, last, delay = None, None, _RETRY_S[0]
         while True:
             try:
-                index, nodes = await asyncio.to_thread(self._client.health.service, service_name(role.value),
-                                                       passing=True, index=index, wait=self._settings.wait)
+                index, nodes = await in_daemon_thread(lambda: self._client.health.service(
+                    service_name(role.value), passing=True, index=index, wait=self._settings.wait))
             except Exception as exc:  # agent restarting or unreachable: keep the last view, retry
                 log.warning("Consul query for %s failed (%s); retrying in %.1fs", service_name(role.value), exc, delay)
                 index = None
@@ -160,3 +164,26 @@ class ConsulDiscovery(Discovery):
             if current != last:
                 last = current
                 yield current
+
+
+async def in_daemon_thread(call: Callable[[], T]) -> T:
+    """`call()` in a daemon thread; cancelling the await leaves the thread to finish alone (its result dropped)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(outcome: BaseException | None, result: object) -> None:
+        if not future.done():
+            future.set_exception(outcome) if outcome is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome, result = None, call()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            outcome, result = exc, None
+        try:
+            loop.call_soon_threadsafe(settle, outcome, result)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="consul-blocking-query", daemon=True).start()
+    return await future

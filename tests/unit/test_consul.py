@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import threading
 import time
 from typing import AsyncIterator
 
@@ -84,6 +85,28 @@ def test_watch_follows_checks_through_blocking_queries(consul_double):
             await views.aclose()
 
     asyncio.run(main())
+
+
+def test_a_router_stops_while_its_blocking_query_still_waits(consul_double):
+    """The watch's blocking query runs in a daemon thread: closing the watch (a router stopping) does not wait for
+    the query's `wait` to run out, as a thread of asyncio's executor would at the loop's shutdown."""
+    settings = ConsulSettings(address=consul_double.address, wait="60s")
+
+    async def main() -> None:
+        views = ConsulDiscovery(settings).watch(Role.DECODE)
+        assert await _next(views) == []
+        waiting = asyncio.create_task(anext(views))  # the blocking query that follows: nothing will change
+        for _ in range(100):
+            if any("wait=60s" in q for _, _, q in consul_double.requests):
+                break
+            await asyncio.sleep(0.02)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await views.aclose()
+
+    asyncio.run(main())  # returns with the query still open
+    assert any(t.name == "consul-blocking-query" and t.is_alive() and t.daemon for t in threading.enumerate())
 
 
 def test_a_crashed_service_leaves_the_catalog_after_deregister_critical_service_after(consul_double):
