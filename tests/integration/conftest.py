@@ -12,7 +12,7 @@ import pytest
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
 from tests.integration.kv_backend_cases import backend_cluster, cpu_backends
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import ServiceProcess, start_services
+from tests.integration.processes import ServiceProcess
 
 # Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
 TINY_ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "64")
@@ -27,25 +27,6 @@ class WorkerPair:
     @property
     def processes(self) -> list[ServiceProcess]:
         return [self.prefill, self.decode]
-
-
-class ServiceFactory:
-    """Starts extra processes for one test (in parallel with `start_many`) and stops them all afterwards."""
-
-    def __init__(self) -> None:
-        self.processes: list[ServiceProcess] = []
-
-    def start(self, role: str, *args: str) -> ServiceProcess:
-        return self.start_many([(role, args)])[0]
-
-    def start_many(self, specs: list[tuple[str, tuple[str, ...]]]) -> list[ServiceProcess]:
-        started = start_services(specs, env=WORKER_ENV)
-        self.processes.extend(started)
-        return started
-
-    def stop_all(self) -> None:
-        for process in self.processes:
-            process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +50,6 @@ def kv_workers(tiny_llama) -> Iterator[dict]:
     extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
     with backend_cluster(args, list(cpu_backends()), extra, env=WORKER_ENV) as cluster:
         yield {**cluster, "prefill_no_nixl": cluster["extra0"]}
-
-
-@pytest.fixture
-def service_factory() -> Iterator[ServiceFactory]:
-    factory = ServiceFactory()
-    try:
-        yield factory
-    finally:
-        factory.stop_all()
 
 
 @pytest.fixture(scope="module")
