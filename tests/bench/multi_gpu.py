@@ -137,7 +137,7 @@ def step_dir(layout: Layout, chunk: int | None, args: argparse.Namespace) -> Pat
 def step_summary(records: list[list[float]], start: float, end: float) -> dict | None:
     """The decode steps one point ran (records of every decode worker, each worker's own sequence): see --step-times.
     A record is (start, end, engine-thread CPU s, core wait s, running after, launched-ahead step waiting)."""
-    periods, long = [], []
+    periods = []
     for worker in records:
         steps = [r for r in worker if start <= r[0] <= end]
         for a, b in zip(steps, steps[1:]):
