@@ -156,31 +156,38 @@ def test_smollm2_at_tp3_answers_as_at_tp1_and_hf():
         LLMEngine(EngineConfig(model=model, tensor_parallel_size=2))
 
 
-def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(tiny_model_dirs):
+@pytest.fixture(scope="module")
+def async_tp2(tiny_model_dirs) -> LLMEngine:
+    """A TP=2 llama-gqa engine with async scheduling, shared by the tests of steps launched ahead (each leaves it
+    idle, every block free)."""
+    engine = _engine(tiny_model_dirs["llama-gqa"], 2, async_scheduling=True)
+    yield engine
+    engine.close()
+
+
+def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(async_tp2, tiny_model_dirs):
     """Async scheduling at TP=2: a step launched ahead names only the rows (its tokens are still on rank 0's
     device); each follower feeds the greedy tokens of its own copy of the logits, so the output stays exact."""
-    path = tiny_model_dirs["llama-gqa"]
+    path, engine = tiny_model_dirs["llama-gqa"], async_tp2
     prompts = _prompts([6, 13, 21], seed=11)
-    engine = _engine(path, 2, async_scheduling=True)
+    ahead, launch_ahead = [], engine.runner.launch_ahead
+    engine.runner.launch_ahead = lambda prev, rows, joined=(): ahead.append(rows) or launch_ahead(prev, rows, joined)
     try:
-        ahead, launch_ahead = [], engine.runner.launch_ahead
-        engine.runner.launch_ahead = lambda prev, rows, joined=(): (ahead.append(rows)
-                                                                    or launch_ahead(prev, rows, joined))
         got = engine.generate(prompts, GREEDY)
-        assert ahead and engine.block_manager.num_free_blocks == 64
     finally:
-        engine.close()
+        engine.runner.launch_ahead = launch_ahead
+    assert ahead and engine.block_manager.num_free_blocks == 64
     assert got == [hf_greedy(path, p, 10)[0] for p in prompts]
 
 
-def test_a_handed_off_request_joins_a_step_launched_ahead_on_every_rank(tiny_model_dirs):
+def test_a_handed_off_request_joins_a_step_launched_ahead_on_every_rank(async_tp2, tiny_model_dirs):
     """At TP=2 a request that joins a step launched ahead (its KV placed in our blocks, its first token known on the
     host) reaches the followers as that step's input_ids, after their own greedy tokens: the output stays exact."""
     from tests.unit.test_async_scheduling import _placed
 
     path = tiny_model_dirs["llama-gqa"]
     running, handed_off = _prompts([7, 15], seed=12)
-    exporter, engine = _engine(path, 1), _engine(path, 2, async_scheduling=True)
+    exporter, engine = _engine(path, 1), async_tp2
     try:
         placed, first = _placed(exporter, engine, handed_off)
         engine.add_request("running", running, GREEDY)
@@ -196,7 +203,6 @@ def test_a_handed_off_request_joins_a_step_launched_ahead_on_every_rank(tiny_mod
             assert not engine.scheduler.waiting  # it joined at once: no step went without it
         assert engine.block_manager.num_free_blocks == 64
     finally:
-        engine.close()
         exporter.close()
     assert tokens["running"] == hf_greedy(path, running, 10)[0]
     assert [first] + tokens["joined"] == hf_greedy(path, handed_off, 10)[0]
