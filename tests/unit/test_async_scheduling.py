@@ -140,23 +140,34 @@ def _placed(exporter: LLMEngine, importer: LLMEngine, prompt: list[int]) -> tupl
     return PlacedKv(importer.kv_layout, len(prompt), reserved, importer.block_manager.free), session.first_token
 
 
+def _step(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:
+    for out in engine.step():
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+
+def handed_off_mid_pipeline(exporter: LLMEngine, engine: LLMEngine, running: list[int], handed_off: list[int],
+                            sampling: SamplingParams, steps: int) -> tuple[dict[str, list[int]], int]:
+    """"running" decodes, with a step launched ahead, when "joined" arrives as a decode worker gets it (generation_only,
+    its KV placed in the engine's blocks, its first token prefill's). The tokens so far, and that first token."""
+    placed, first = _placed(exporter, engine, handed_off)
+    engine.add_request("running", running, sampling)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(steps):
+        _step(engine, tokens)
+    assert engine._ahead is not None
+    engine.add_request("joined", handed_off, sampling, RequestType.GENERATION_ONLY, placed, first)
+    return tokens, first
+
+
 def test_a_handed_off_request_joins_the_step_launched_ahead(make_engine, tiny_llama):
     """A decode worker's new request (generation_only, its KV already in our blocks) joins the next step launched
     ahead as one more row, so the pipeline does not stop for it; its tokens and the running one's equal HF's."""
     running, handed_off = _prompts([6, 15], seed=6)
     sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    exporter, engine = make_engine(tiny_llama, False), make_engine(tiny_llama, True)
-    placed, first = _placed(exporter, engine, handed_off)
-    engine.add_request("running", running, sampling)
-    tokens: dict[str, list[int]] = {}
-    for _ in range(4):
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert engine._ahead is not None
-    engine.add_request("joined", handed_off, sampling, RequestType.GENERATION_ONLY, placed, first)
+    engine = make_engine(tiny_llama, True)
+    tokens, first = handed_off_mid_pipeline(make_engine(tiny_llama, False), engine, running, handed_off, sampling, 4)
     launches = engine.ahead_launches
-    for out in engine.step():  # reads the step launched before; launches the next with the new row in it
-        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    _step(engine, tokens)  # reads the step launched before; launches the next with the new row in it
     assert engine.ahead_launches == launches + 1 and not engine.scheduler.waiting
     assert [r.request_id for r in engine._ahead.sampled] == ["running", "joined"]
     _run_all(engine, tokens)
@@ -168,16 +179,9 @@ def test_a_handed_off_request_joins_the_step_launched_ahead(make_engine, tiny_ll
 def test_a_joined_request_aborted_in_the_step_it_joined_frees_its_blocks(make_engine, tiny_llama):
     running, handed_off = _prompts([5, 11], seed=9)
     sampling = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    exporter, engine = make_engine(tiny_llama, False), make_engine(tiny_llama, True)
-    placed, first = _placed(exporter, engine, handed_off)
-    engine.add_request("running", running, sampling)
-    tokens: dict[str, list[int]] = {}
-    for _ in range(3):
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    engine.add_request("joined", handed_off, sampling, RequestType.GENERATION_ONLY, placed, first)
-    for out in engine.step():
-        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine = make_engine(tiny_llama, True)
+    tokens, _ = handed_off_mid_pipeline(make_engine(tiny_llama, False), engine, running, handed_off, sampling, 3)
+    _step(engine, tokens)
     assert "joined" in [r.request_id for r in engine._ahead.sampled]
     assert engine.abort_request("joined")  # while the step it joined still runs
     _run_all(engine, tokens)

@@ -10,7 +10,7 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.models.sharding import Colwise, Rowwise, VocabRows, shard_state
 from common.engine.parallel import TensorParallel
-from common.engine.request import RequestType, SamplingParams
+from common.engine.request import SamplingParams
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from tests.hf_reference import hf_greedy
@@ -183,23 +183,15 @@ def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(async_tp2, tiny_
 def test_a_handed_off_request_joins_a_step_launched_ahead_on_every_rank(async_tp2, tiny_model_dirs):
     """At TP=2 a request that joins a step launched ahead (its KV placed in our blocks, its first token known on the
     host) reaches the followers as that step's input_ids, after their own greedy tokens: the output stays exact."""
-    from tests.unit.test_async_scheduling import _placed
+    from tests.unit.test_async_scheduling import _step, handed_off_mid_pipeline
 
     path = tiny_model_dirs["llama-gqa"]
     running, handed_off = _prompts([7, 15], seed=12)
     exporter, engine = _engine(path, 1), async_tp2
     try:
-        placed, first = _placed(exporter, engine, handed_off)
-        engine.add_request("running", running, GREEDY)
-        tokens: dict[str, list[int]] = {}
-        for _ in range(3):
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        assert engine._ahead is not None
-        engine.add_request("joined", handed_off, GREEDY, RequestType.GENERATION_ONLY, placed, first)
+        tokens, first = handed_off_mid_pipeline(exporter, engine, running, handed_off, GREEDY, 3)
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            _step(engine, tokens)
             assert not engine.scheduler.waiting  # it joined at once: no step went without it
         assert engine.block_manager.num_free_blocks == 64
     finally:
