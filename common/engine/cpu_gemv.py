@@ -24,8 +24,8 @@ from common.engine.cpu_build import library
 # better than oneDNN alone (ITL 39.4-39.6 against 37.8-39.6 ms) and TTFT worse (575-601 against 433-447 ms): the
 # prefill worker's core is busy then, and the prefill's own borrowed-core GEMMs (cpu_helper) meet this helper there.
 MAX_ROWS = 1
-WAIT_US = 50
-_held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # inputs the helper may still read  # longest the engine waits for a chunk the helper holds (a chunk takes ~5 us) before computing it itself
+WAIT_US = 50  # longest the engine waits for a chunk the helper holds (a chunk takes ~5 us) before computing it itself
+_held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # inputs the helper may still read
 
 
 @cache
