@@ -172,8 +172,12 @@ async def in_daemon_thread(call: Callable[[], T]) -> T:
     future: asyncio.Future = loop.create_future()
 
     def settle(outcome: BaseException | None, result: object) -> None:
-        if not future.done():
-            future.set_exception(outcome) if outcome is not None else future.set_result(result)
+        if future.done():
+            return
+        if outcome is not None:
+            future.set_exception(outcome)
+        else:
+            future.set_result(result)
 
     def run() -> None:
         try:

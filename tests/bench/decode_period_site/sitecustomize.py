@@ -68,5 +68,3 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 with open("/proc/self/cmdline", "rb") as _f:
     if _OUT and b"services.decode" in _f.read():
         sys.meta_path.insert(0, _AfterImport())
-        if os.environ.get("DISAGG_STEP_SWITCH_INTERVAL_S"):  # an A/B of the GIL's switch interval (default 5 ms)
-            sys.setswitchinterval(float(os.environ["DISAGG_STEP_SWITCH_INTERVAL_S"]))
