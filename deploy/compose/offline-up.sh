@@ -9,14 +9,17 @@
 #              host's CA bundle (pip in the build trusts what this host trusts)
 #   image      disagg:$DISAGG_IMAGE_TAG from deploy/compose/Dockerfile on that base (--network host); wheel
 #              directories in PIP_FIND_LINKS (e.g. a local torch wheel) are served to the build over loopback, on
-#              fixed ports from WHEELS_PORT (38181): the same build arguments each time, so the build cache holds
+#              fixed ports from WHEELS_PORT (38181): the same build arguments each time, so the build cache holds.
+#              A rebuild removes the image its tag replaced (about 2 GB each, which piled up untagged before)
 #   stand-ins  disagg-stand-ins:$DISAGG_IMAGE_TAG (Dockerfile.stand-ins): what runs in place of hashicorp/consul,
 #              jaegertracing/all-in-one and prom/prometheus, which cannot be pulled without a registry
 #   up         docker compose -f docker-compose.yml -f stand-ins.yml up -d --no-build --wait
 #   down       the same files, down; dockerd, the images and the build cache stay (it says how to remove them)
 # Where a registry is reachable none of this is needed: `docker compose up --build -d --wait` uses the real images.
 # Variables: DISAGG_IMAGE_TAG (latest), BASE_IMAGE, DEBIAN_SUITE (bookworm), DOCKER (the docker CLI),
-# DOCKERD_LOG, PIP_FIND_LINKS, WHEELS_PORT, and compose's own (.env: ports, profiles, COMPOSE_PROJECT_NAME, ...).
+# DOCKERD_LOG, PIP_FIND_LINKS, WHEELS_PORT, BUILD_CACHE_KEEP (e.g. 12GB: after a build, the engine's build cache is
+# pruned, oldest first, down to that size; unset, it is left alone, since the cache is the whole engine's), and
+# compose's own (.env: ports, profiles, COMPOSE_PROJECT_NAME, ...).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -94,6 +97,25 @@ wait_listening() {  # PID PORT: the server answers, or the script stops naming t
   die "the wheel server on 127.0.0.1:$2 did not answer"
 }
 
+image_id() { "$DOCKER" image inspect --format '{{.Id}}' "$1" 2>/dev/null || true; }
+
+# TAG_IMAGE BUILD-ARGS...: build, then remove the image the tag pointed at before (unless a container still uses it)
+# and, where BUILD_CACHE_KEEP asks, trim the build cache: each code edit adds ~2 GB of layers, and a machine that
+# rebuilds often (a test suite) filled its disk with them.
+build_replacing() {
+  local image=$1 before after
+  shift
+  before=$(image_id "$image")
+  "$DOCKER" build --network host "$@" -t "$image" "$ROOT"
+  after=$(image_id "$image")
+  if [ -n "$before" ] && [ "$before" != "$after" ]; then
+    "$DOCKER" image rm "$before" >/dev/null 2>&1 && say "removed the image $image replaced (${before:7:12})" || true
+  fi
+  if [ -n "${BUILD_CACHE_KEEP:-}" ]; then
+    "$DOCKER" builder prune -f --keep-storage "$BUILD_CACHE_KEEP" >/dev/null
+  fi
+}
+
 step_image() {
   local args=(--build-arg "PYTHON_IMAGE=$BASE_IMAGE") FIND_LINKS
   serve_wheels
@@ -104,13 +126,13 @@ step_image() {
     fi
   fi
   say "building disagg:$TAG"
-  "$DOCKER" build --network host -f "$HERE/Dockerfile" --target runtime "${args[@]}" -t "disagg:$TAG" "$ROOT"
+  build_replacing "disagg:$TAG" -f "$HERE/Dockerfile" --target runtime "${args[@]}"
 }
 
 step_stand_ins() {
   say "building disagg-stand-ins:$TAG (consul, jaeger and prometheus stand-ins)"
-  "$DOCKER" build --network host -f "$HERE/Dockerfile.stand-ins" --build-arg "PYTHON_IMAGE=$BASE_IMAGE" \
-    --build-arg "DISAGG_IMAGE=disagg:$TAG" -t "disagg-stand-ins:$TAG" "$ROOT"
+  build_replacing "disagg-stand-ins:$TAG" -f "$HERE/Dockerfile.stand-ins" --build-arg "PYTHON_IMAGE=$BASE_IMAGE" \
+    --build-arg "DISAGG_IMAGE=disagg:$TAG"
 }
 
 compose() { "$DOCKER" compose --project-directory "$HERE" -f "$HERE/docker-compose.yml" -f "$HERE/stand-ins.yml" "$@"; }

@@ -40,6 +40,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),
 
 SCRIPT = COMPOSE_DIR / "offline-up.sh"
 IMAGE_TAG = "test-compose"  # disagg:test-compose, so a user's disagg:latest is left alone
+# Every run with new code builds ~2 GB of layers; without a cap a machine that runs the suite often fills its disk
+# (a CI run on such a machine failed for it). 12 GB holds the torch and dependency layers of both images.
+BUILD_CACHE_KEEP = os.environ.get("BUILD_CACHE_KEEP", "12GB")
 PROMPTS = ["What is the capital of France?", "Count to five.", "Name a colour.", "Say hi."]
 SERVICES = {"disagg-router", "disagg-prefill", "disagg-decode"}
 PROJECT_PREFIX = "disagg-test-"  # then the pid of the test's process
@@ -48,7 +51,8 @@ PROJECT_PREFIX = "disagg-test-"  # then the pid of the test's process
 def _run(*command: str, timeout: float = 600, env: dict[str, str] | None = None,
          check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "DISAGG_IMAGE_TAG": IMAGE_TAG, **(env or {})})
+                            env={**os.environ, "DISAGG_IMAGE_TAG": IMAGE_TAG, "BUILD_CACHE_KEEP": BUILD_CACHE_KEEP,
+                                 **(env or {})})
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command[:4])}... exited {result.returncode}:\n{result.stdout[-3000:]}\n"
                     f"{result.stderr[-3000:]}")
