@@ -54,14 +54,18 @@ def _one(spans: list[ReceivedSpan], service: str, name: str, kind: int | None = 
 
 
 def _complete(receiver: OtlpReceiver, trace_id: str):
-    """The trace once it has its spans from all three processes and every parent but the root's has arrived."""
+    """The trace once it has its spans from all three processes, every parent but the root's has arrived, and every
+    client span's server span too (each process exports in its own batches: decode's Pull can be in before the
+    prefill worker's side of it)."""
     def check() -> list[ReceivedSpan] | None:
         spans = receiver.trace(trace_id)
         services = {s.service for s in spans}
         ids = {s.span_id for s in spans}
         roots = [s for s in spans if s.parent_span_id not in ids]
+        served = {s.parent_span_id for s in spans if s.kind == SERVER}
         done = ({"edge-router", "disagg-prefill", "disagg-decode"} <= services and len(roots) == 1
-                and sum(s.name == "decode" for s in spans) == 2 and any(s.name == "kv_pull" for s in spans))
+                and sum(s.name == "decode" for s in spans) == 2 and any(s.name == "kv_pull" for s in spans)
+                and all(s.span_id in served for s in spans if s.kind == CLIENT))
         return spans if done else None
     return check
 
