@@ -125,7 +125,7 @@ class KvPath(ABC):
 
 class DataPlane(KvPath):
     """Our KV data plane: a KvSessionHost's pinned blocks served by TensorStore over the transports negotiated per
-    session (the exporter's KvCacheExporter; the importer's KvPuller, made at the first import)."""
+    session (the exporter's KvCacheExporter; the importer's KvPuller, made in the background once the path opens)."""
 
     moves = transport.DATA_PLANE_MOVES
 
@@ -135,7 +135,7 @@ class DataPlane(KvPath):
         self.accepted = accepted  # --kv-transfer-backends
         self.exporter = exporter  # a prefill worker's: its cache and shares
         self.metrics = metrics
-        self._puller: KvPuller | None = None
+        self._making_puller: asyncio.Future[KvPuller] | None = None
 
     def carries(self, transfer_backend: int) -> bool:
         return transport.driving_engine_transport(transfer_backend) is None
@@ -194,15 +194,22 @@ class DataPlane(KvPath):
                 raise NotFound(what) from None
             raise Unavailable(f"could not pull {what}") from None
 
+    def start_puller(self) -> None:
+        """Start making the importer's negotiation (it needs the engine's KV device and blocks), off the event loop:
+        which transports can run here is a check that takes time (NIXL's makes an agent, about 0.45 s), and on the
+        loop, at the first pull, it held that handoff and stalled every other stream of the worker."""
+        if self._making_puller is None:
+            self._making_puller = asyncio.ensure_future(self._make_puller())
+
     async def puller(self) -> KvPuller:
-        """The importer's negotiation, made at the first import (it needs the engine's KV device and blocks)."""
-        if self._puller is None:
-            device = (await self.engine.facts()).kv_device
-            blocks = await self.engine.kv_blocks()  # cuda_ipc copies straight into its blocks
-            if self._puller is None:
-                self._puller = KvPuller(self.channels, device, self.accepted, self._count_fallback, blocks,
-                                        self._record_probe, releases=self.releases)
-        return self._puller
+        self.start_puller()
+        return await asyncio.shield(self._making_puller)
+
+    async def _make_puller(self) -> KvPuller:
+        device = (await self.engine.facts()).kv_device
+        blocks = await self.engine.kv_blocks()  # cuda_ipc copies straight into its blocks
+        return await asyncio.to_thread(KvPuller, self.channels, device, self.accepted, self._count_fallback, blocks,
+                                       self._record_probe, releases=self.releases)
 
     def _record_probe(self, peer: str, backend: str, gbps: float) -> None:
         if self.metrics is not None:
@@ -213,8 +220,10 @@ class DataPlane(KvPath):
             self.metrics.get("disagg_kv_pull_fallbacks_total", backend=backend).inc()
 
     async def close(self) -> None:
-        if self._puller is not None:
-            await self._puller.close()
+        if self._making_puller is not None:
+            (puller,) = await asyncio.gather(self._making_puller, return_exceptions=True)
+            if isinstance(puller, KvPuller):
+                await puller.close()
         if self.exporter is not None:
             self.exporter.close()
         await super().close()
@@ -292,4 +301,7 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
         cache = (await engine.kv_blocks()).cache
         for backend in accepted:
             await asyncio.to_thread(transport.class_of(backend).prepare_import, cache)
-    return DataPlane(name, accepted, exporter, engine=engine, layout=layout, metrics=metrics)
+    plane = DataPlane(name, accepted, exporter, engine=engine, layout=layout, metrics=metrics)
+    if exporter is None:
+        plane.start_puller()  # in the background from now: made at the first pull, it held that handoff 0.5 s
+    return plane

@@ -40,7 +40,10 @@ class RequestPreparer:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "RequestPreparer":
-        return cls(load_tokenizer(str(model_dir)), load_model_facts(model_dir))
+        tokenizer = load_tokenizer(str(model_dir))
+        if tokenizer is not None:
+            tokenizer.max_token_chars  # a scan of the vocabulary (30 ms at 49k ids) the first request would pay
+        return cls(tokenizer, load_model_facts(model_dir))
 
     def prepare(self, request: GenerationRequest, model: ServedModel) -> PreparedRequest:
         """Raises NotFound (unknown model) or InvalidRequest (what was wrong and which limit applies)."""

@@ -5,6 +5,7 @@ another way is FAILED_PRECONDITION naming both sides, whichever way round."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +28,7 @@ class _Facts:
         self.name = name
 
     async def facts(self) -> SimpleNamespace:
-        return SimpleNamespace(name=self.name, kv_layout=None)
+        return SimpleNamespace(name=self.name, kv_layout=None, kv_device=torch.device("cpu"))
 
 
 class _OwnTransferEngine(_Facts):
@@ -177,3 +178,30 @@ def test_an_engine_transport_needs_its_own_transfer_backend_number():
         transport.register(Nameless)
     with pytest.raises(InvalidConfig, match="built-in"):
         transport.unregister("trtllm")
+
+
+def test_an_importer_negotiates_its_transports_in_the_background_off_the_event_loop(monkeypatch):
+    """Which transports can run here is a slow check (NIXL's makes an agent: 0.45 s). Made at the first pull, on the
+    event loop, it held that handoff and every other stream of the decode worker for as long."""
+    checked_on = []
+    real_create = transport.create
+
+    def create(name: str):
+        made = real_create(name)
+        reason = made.unavailable_reason
+        made.unavailable_reason = lambda device: checked_on.append(threading.current_thread()) or reason(device)
+        return made
+
+    monkeypatch.setattr(transport, "create", create)
+
+    async def open_and_pull_twice() -> None:
+        path = await open_path(_SessionHostEngine(), False, ("shm", "grpc"), "w2")
+        try:
+            assert path._making_puller is not None  # started as the path opened, before any pull
+            puller = await path.puller()
+            assert tuple(puller.transports) == ("shm", "grpc") and await path.puller() is puller  # made once
+            assert checked_on and threading.current_thread() not in checked_on
+        finally:
+            await path.close()
+
+    asyncio.run(open_and_pull_twice())
