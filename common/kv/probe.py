@@ -54,6 +54,9 @@ class Negotiator(Importer, Protocol):
     def fall_back(self, endpoint: str, name: str, reason: str) -> None:
         """Mark a transport broken for that exporter, saying why."""
 
+    async def usable(self, name: str) -> bool:
+        """Whether the transport can run in this process (some are checked only when first needed)."""
+
 
 class SelfCheck:
     """Probes each exporter endpoint once, in the background of the first pull from it."""
@@ -81,8 +84,13 @@ class SelfCheck:
     async def _probe_all(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
         probe, results, untried = probe_ref(ref), {}, []
         for backend in self.puller.candidates(ref):
-            if self.puller.transports[backend].starts_on_first_use and any(results.values()):
+            candidate = self.puller.transports.get(backend)
+            if candidate is None:  # found unusable here since the list was made
+                continue
+            if candidate.starts_on_first_use and any(results.values()):
                 untried.append(backend)  # a better backend works: pulls will not start this one
+                continue
+            if not await self.puller.usable(backend):
                 continue
             try:
                 results[backend] = await self._gbps(channel, probe, backend)

@@ -39,6 +39,7 @@ class KvPuller:
         self.blocks = blocks  # the engine's cache and pool: cuda_ipc copies straight into its blocks
         self.releases = releases or Releases(channels)  # the worker's (its KvPath's), where it has one
         self.self_check = SelfCheck(self, on_probe) if self_check else None
+        self._unchecked: set[str] = set()  # usable unless their check, made at their first use, says otherwise
         self.transports = self._usable(accepted or transport.names())
         self.accepted = tuple(self.transports)
         self.on_fallback = on_fallback  # (transport, reason) → e.g. a metric
@@ -48,6 +49,11 @@ class KvPuller:
         usable = {}
         for name in accepted:
             candidate = transport.create(name)
+            if candidate.starts_on_first_use:
+                # Its check alone is costly (NIXL's makes an agent: 0.5 s of a core), and most workers never use it.
+                self._unchecked.add(name)
+                usable[name] = candidate
+                continue
             reason = candidate.unavailable_reason(self.device)
             if reason is None:
                 usable[name] = candidate
@@ -55,6 +61,18 @@ class KvPuller:
                 log.info("KV transfer backend %s not used by this worker: %s", name, reason)
         usable.setdefault(transport.FALLBACK, transport.create(transport.FALLBACK))
         return usable
+
+    async def usable(self, name: str) -> bool:
+        """Whether the transport can run here, checked (off the event loop) the first time it is about to be used;
+        one that cannot is dropped for good, saying why."""
+        if name in self._unchecked:
+            reason = await asyncio.to_thread(self.transports[name].unavailable_reason, self.device)
+            if name in self._unchecked:  # a pull and the self-check can both get here first
+                self._unchecked.discard(name)
+                if reason is not None:
+                    log.info("KV transfer backend %s not used by this worker: %s", name, reason)
+                    self.transports.pop(name)
+        return name in self.transports
 
     def candidates(self, ref: common_pb2.KvSessionRef) -> list[str]:
         """The transports to try for this ref, in the exporter's order of preference; grpc last."""
@@ -76,6 +94,8 @@ class KvPuller:
         if self.self_check is not None:
             self.self_check.start(channel, ref)  # once per exporter, in the background
         for name in self.candidates(ref):
+            if not await self.usable(name):
+                continue
             try:
                 pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
                 return pulled._replace(transfer_backend=transport.number_of(name))

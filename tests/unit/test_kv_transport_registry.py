@@ -1,11 +1,14 @@
 """The KV transport registry: built-ins by name, loaded only when used; a transport from outside the core
 (tests/integration/fake_kv_transport.py) registered, offered by the exporter with its generic share, and
 negotiated by the importer; a module named in DISAGG_KV_TRANSPORT_MODULES registered before the first lookup."""
+import asyncio
 import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,3 +76,43 @@ def test_transport_modules_are_imported_from_the_environment_and_built_ins_only_
     names, nixl_loaded = json.loads(result.stdout)
     assert names == ["cuda_ipc", "shm", "nixl", "fake", "grpc"]
     assert not nixl_loaded
+
+
+class _StartsOnFirstUse(transport.KvTransport):
+    """Like nixl: its check alone is costly, and it cannot run here."""
+    name = "agent-like"
+    starts_on_first_use = True
+    checked_on: list = []
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        self.checked_on.append(threading.current_thread())
+        return "no agent library here"
+
+    async def pull(self, puller, channel, ref, timeout_s):
+        raise AssertionError("never pulled through: it cannot run here")
+
+    async def probe(self, puller, channel, probe):
+        raise AssertionError("never probed: it cannot run here")
+
+
+def test_a_transport_that_starts_on_first_use_is_checked_only_then_and_off_the_event_loop(caplog):
+    """NIXL's check makes an agent (0.5 s of a core): every decode worker made it as its puller was made, though on
+    one host its pulls take shm and never use it. It is checked at its first use now, in a thread."""
+    transport.register(_StartsOnFirstUse)
+    _StartsOnFirstUse.checked_on = []
+    try:
+        puller = KvPuller(ChannelCache(), torch.device("cpu"), ("agent-like", "grpc"), self_check=False)
+        assert _StartsOnFirstUse.checked_on == [] and tuple(puller.transports) == ("agent-like", "grpc")
+
+        async def use_twice() -> tuple[bool, bool, threading.Thread]:
+            return await puller.usable("agent-like"), await puller.usable("agent-like"), threading.current_thread()
+
+        with caplog.at_level(logging.INFO, logger="common.kv.pull"):
+            first, second, loop_thread = asyncio.run(use_twice())
+        assert (first, second) == (False, False)
+        assert len(_StartsOnFirstUse.checked_on) == 1 and _StartsOnFirstUse.checked_on[0] is not loop_thread
+        assert tuple(puller.transports) == ("grpc",)
+        assert "KV transfer backend agent-like not used by this worker: no agent library here" in caplog.text
+        assert asyncio.run(puller.usable("grpc"))
+    finally:
+        transport.unregister(_StartsOnFirstUse.name)
