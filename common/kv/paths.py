@@ -196,8 +196,8 @@ class DataPlane(KvPath):
 
     def start_puller(self) -> None:
         """Start making the importer's negotiation (it needs the engine's KV device and blocks), off the event loop:
-        which transports can run here is a check that takes time (NIXL's makes an agent, about 0.45 s), and on the
-        loop, at the first pull, it held that handoff and stalled every other stream of the worker."""
+        it checks which transports can run here. Made at the first pull, on the loop, it held that handoff (0.5 s,
+        when it also made a NIXL agent: KvPuller.usable now checks nixl at its first use) and every other stream."""
         if self._making_puller is None:
             self._making_puller = asyncio.ensure_future(self._make_puller())
 
@@ -303,5 +303,5 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
             await asyncio.to_thread(transport.class_of(backend).prepare_import, cache)
     plane = DataPlane(name, accepted, exporter, engine=engine, layout=layout, metrics=metrics)
     if exporter is None:
-        plane.start_puller()  # in the background from now: made at the first pull, it held that handoff 0.5 s
+        plane.start_puller()  # in the background from now, not at the first pull
     return plane
