@@ -41,7 +41,6 @@ class KvPuller:
         self.self_check = SelfCheck(self, on_probe) if self_check else None
         self._unchecked: set[str] = set()  # usable unless their check, made at their first use, says otherwise
         self.transports = self._usable(accepted or transport.names())
-        self.accepted = tuple(self.transports)
         self.on_fallback = on_fallback  # (transport, reason) → e.g. a metric
         self._broken: dict[tuple[str, str], float] = {}  # (endpoint, transport) → when it failed
 
