@@ -96,10 +96,12 @@ def test_a_router_stops_while_its_blocking_query_still_waits(consul_double):
         views = ConsulDiscovery(settings).watch(Role.DECODE)
         assert await _next(views) == []
         waiting = asyncio.create_task(anext(views))  # the blocking query that follows: nothing will change
-        for _ in range(100):
+        for _ in range(250):
             if any("wait=60s" in q for _, _, q in consul_double.requests):
                 break
             await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the blocking query never reached the Consul double")
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
