@@ -57,16 +57,16 @@ def main() -> None:
         try:
             workers += start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
                                                    "--decode-workers", workers[1].address))], env=env)
-            seconds = []
+            second_token_ms = []
             print("request  token arrivals after the send (ms)            KV handoff  first decode step  backend")
             for i in range(args.requests):
                 arrivals, parts, backend = _one(workers[2].address, i, args.max_tokens)
-                seconds.append(arrivals[1] if len(arrivals) > 1 else float("nan"))
+                second_token_ms.append(arrivals[1] if len(arrivals) > 1 else float("nan"))
                 print(f"{i:7d}  {' '.join(f'{a:6.1f}' for a in arrivals):44s}  {parts.kv_handoff_ms:8.1f}  "
                       f"{parts.first_decode_step_ms:17.1f}  {backend}")
-            later = statistics.median(seconds[1:]) if len(seconds) > 1 else float("nan")
-            print(f"second token: first request {seconds[0]:.1f} ms, later requests' median {later:.1f} ms "
-                  f"({seconds[0] / later:.1f}x)")
+            later = statistics.median(second_token_ms[1:]) if len(second_token_ms) > 1 else float("nan")
+            print(f"second token: first request {second_token_ms[0]:.1f} ms, later requests' median {later:.1f} ms "
+                  f"({second_token_ms[0] / later:.1f}x)")
         finally:
             stop_in_waves(workers)
 
