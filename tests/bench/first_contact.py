@@ -39,7 +39,8 @@ def _one(address: str, index: int, max_tokens: int) -> tuple[list[float], common
             arrivals.append((time.perf_counter() - start) * 1000)
             last = response
     usage = last.finished.usage
-    return arrivals, usage.ttft_breakdown, common_pb2.TransferBackend.Name(usage.kv_transfer_backend).removeprefix("TRANSFER_BACKEND_").lower()
+    backend = common_pb2.TransferBackend.Name(usage.kv_transfer_backend).removeprefix("TRANSFER_BACKEND_").lower()
+    return arrivals, usage.ttft_breakdown, backend
 
 
 def main() -> None:
