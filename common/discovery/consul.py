@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -168,26 +169,15 @@ class ConsulDiscovery(Discovery):
 
 async def in_daemon_thread(call: Callable[[], T]) -> T:
     """`call()` in a daemon thread; cancelling the await leaves the thread to finish alone (its result dropped)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(outcome: BaseException | None, result: object) -> None:
-        if future.done():
-            return
-        if outcome is not None:
-            future.set_exception(outcome)
-        else:
-            future.set_result(result)
+    future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it started: no query
         try:
-            outcome, result = None, call()
+            future.set_result(call())
         except BaseException as exc:  # handed to the awaiting coroutine
-            outcome, result = exc, None
-        try:
-            loop.call_soon_threadsafe(settle, outcome, result)
-        except RuntimeError:  # the loop has closed: nobody waits any more
-            pass
+            future.set_exception(exc)
 
     threading.Thread(target=run, name="consul-blocking-query", daemon=True).start()
-    return await future
+    return await asyncio.wrap_future(future)  # which drops the outcome if the loop has closed meanwhile
