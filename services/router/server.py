@@ -20,6 +20,7 @@ from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
 from services.kit.grpc_auth import api_key_interceptors
+from services.kit.heap import settle_heap
 from services.kit.serving import Server, start_server, wait_for_signal
 from services.kit.wire import ParseRequests
 
@@ -45,6 +46,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     except BaseException:  # a port taken: stop the gRPC server too, or its threads keep the process alive
         await server.server.stop(0)
         raise
+    settle_heap(obs.metrics if obs is not None else None)  # (the tokenizer is loaded; no request is served yet)
     await pool.start()
     advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
         socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)

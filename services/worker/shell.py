@@ -28,6 +28,7 @@ from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
+from services.kit.heap import settle_heap
 from services.kit.observability import Observability, add_observability_args
 from services.kit.ports import PortTaken
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
@@ -163,6 +164,7 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
     state.endpoint = f"{host}:{server.port}"
     try:
         if await _load(spec, state, config, stop):
+            settle_heap(state.metrics)  # before the first request: one collection over the start-up heap, then none
             await server.set_serving(True)
             print(f"disagg-{state.role_name} serving on {state.endpoint}", flush=True)
             log.info("serving %s as worker %s", state.model_name, state.worker_id)

@@ -21,7 +21,9 @@ goodput is its completed requests / s where it does, 0 where it does not, with d
 lands in OUT/multi_gpu.json as it is measured, then OUT/multi_gpu.md (the table, with each layout's highest rate
 that meets the SLO) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
-step) and `disagg bench`'s JSON, per request, in OUT/points/.
+step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
+whether the p99 falls on them), `gc_pauses` (each role's oldest-generation collections and their ms) and `disagg
+bench`'s JSON, per request, in OUT/points/.
 
 --step-times: every decode worker times its engine steps (tests/bench/decode_period_site on its PYTHONPATH), and each
 point gets `decode_steps`: the step period (start to start, what a token's ITL is made of) p50 / p90 / p99, and of
@@ -204,6 +206,36 @@ def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float
     return round(seconds / count * 1000, 3) if count else None
 
 
+def gc_pauses(processes: list[ServiceProcess]) -> dict[str, list[float]]:
+    """role → [oldest-generation collections, their seconds] so far, over the role's processes."""
+    totals: dict[str, list[float]] = {}
+    for process in processes:
+        samples = scrape(process)
+        total = totals.setdefault(process.role, [0.0, 0.0])
+        total[0] += samples.get('disagg_gc_pause_seconds_count{generation="2"}', 0.0)
+        total[1] += samples.get('disagg_gc_pause_seconds_sum{generation="2"}', 0.0)
+    return totals
+
+
+def gc_pause_delta(after: dict[str, list[float]], before: dict[str, list[float]]) -> dict[str, list[float]]:
+    """role → [oldest-generation collections, their total ms] during one point."""
+    return {role: [int(a[0] - before[role][0]), round((a[1] - before[role][1]) * 1000, 1)]
+            for role, a in after.items()}
+
+
+def itl_split(point_file: Path) -> dict[str, float] | None:
+    """A request's first gap (its second token: in a split, the handoff) apart from the rest: the p99 falls on the
+    first gaps (1 in output-1 of them) when the rest has few gaps as long."""
+    requests = json.loads(point_file.read_text())["requests"]
+    first = sorted(r["itl_ms"][0] for r in requests if r.get("itl_ms"))
+    rest = sorted(x for r in requests for x in (r.get("itl_ms") or [])[1:])
+    if not first or len(rest) < 100:
+        return None
+    return {"first_p50_ms": round(first[len(first) // 2], 2), "rest_p99_ms": round(rest[int(len(rest) * 0.99)], 2),
+            "rest_p998_ms": round(rest[int(len(rest) * 0.998)], 2),
+            "rest_over_8ms_share": round(sum(x > 8 for x in rest) / len(rest), 4)}
+
+
 def meets(point: dict, args: argparse.Namespace) -> bool:
     return (point["failed"] == 0 and point["ttft_p90_ms"] <= args.slo_ttft_p90_ms
             and point["itl_p99_ms"] <= args.slo_itl_p99_ms)
@@ -223,9 +255,10 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             if time.monotonic() > deadline:
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
-            before, routed = [pull_totals(d) for d in decoders], decisions(router)
+            before, routed, paused = [pull_totals(d) for d in decoders], decisions(router), gc_pauses([*workers, router])
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
-            s = bench_point(router, rate, args.num_prompts, args, keep=f"{label.replace(' ', '-')}-{rate:g}")
+            keep = f"{label.replace(' ', '-')}-{rate:g}"
+            s = bench_point(router, rate, args.num_prompts, args, keep=keep)
             windows.append((started_at, time.perf_counter()))
             routed_after = decisions(router)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
@@ -236,7 +269,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "tpot_mean_ms": round(s["tpot"]["mean"], 2), "itl_p99_ms": round(s["itl"]["p99"], 2),
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
-                     "ttft_parts_ms": ttft_parts(s)}
+                     "ttft_parts_ms": ttft_parts(s), "itl_split": itl_split(args.out / "points" / f"{keep}.json"),
+                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, router]), paused)}
             point["meets_slo"] = meets(point, args)
             if s["errors"]:
                 point["errors"] = s["errors"][:5]

@@ -122,3 +122,5 @@ def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
     # the workers' engine gauges, refreshed from GetLoad: idle again after the requests
     wait_for(lambda: _scalar(prometheus, 'disagg_kv_cache_usage_ratio{role="decode"}') == 0, 20, "an idle KV cache")
     assert _scalar(prometheus, 'disagg_kv_cache_free_blocks{role="decode"}') > 0
+    # every process times its garbage collections (its start-up heap frozen out of them): router, prefill and decode
+    assert _scalar(prometheus, 'count(disagg_gc_pause_seconds_count{generation="2"})') == 3
