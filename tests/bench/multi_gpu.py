@@ -2,7 +2,7 @@
 
     python -m tests.bench.multi_gpu --tokenizer-from DIR [--layouts 2xagg,1P1D] [--rates 8,16,24,32,40,48]
         [--num-prompts 200] [--input-len uniform:512:2048] [--output-len 128] [--slo-ttft-p90-ms 250]
-        [--slo-itl-p99-ms 15] [--agg-chunks 512,2048] [--budget-s 540] [--out DIR]
+        [--slo-itl-p99-ms 15] [--agg-chunks 512,2048 [--only-agg-chunks]] [--budget-s 540] [--out DIR]
 
 Saves a random bf16 model of --shape (with DIR's tokenizer files; --load-format dummy: its config.json alone, the
 workers make the weights on their GPUs, e.g. `--shape llama-3.1-8b --load-format dummy`), then for each layout
@@ -14,7 +14,8 @@ the layout saturates (it completes under 75 % of the offered rate (a short run's
 - `xPyD`: x prefill and y decode workers, one a GPU, prefill first (`1P1D`, `1P3D`, `2P2D`, `3P1D`),
 - `tp2-xPyD`: the prefill workers at TP 2 (`tp2-1P2D`: prefill on GPUs 0-1, decode on 2 and 3),
 - a `+q` suffix (`1P1D+q`): the router's --max-prefill-queue-tokens --queue-tokens and --max-local-prefill-tokens
-  --local-tokens, so a decode worker with room prefills short prompts itself while the prefill GPU is behind.
+  --local-tokens, so a decode worker with room prefills short prompts itself while the prefill GPU is behind
+  (in chunks of --local-chunk tokens beside its decode rows),
 Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, the requests / s whose own TTFT and TPOT
 are within the SLO's limits, and whether the point meets the SLO (TTFT p90 and ITL p99 within the limits); its SLO
 goodput is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its disagg_kv_pull_seconds) and where the router prefilled. Everything
@@ -101,6 +102,8 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
         flags = (*engine_args(model, args), "--device", f"cuda:{gpu}", "--tensor-parallel-size", str(tp))
         if chunk is not None:
             flags += ("--long-prefill-token-threshold", str(chunk))
+        elif layout.queue_limited and role == "decode" and args.local_chunk:
+            flags += ("--long-prefill-token-threshold", str(args.local_chunk))
         specs.append((role, flags))
     workers = start_services(specs, timeout_s=600, env=step_times_env(layout, chunk, args))
     prefill = [w.address for w, (role, _) in zip(workers, specs) if role == "prefill"]
@@ -369,8 +372,13 @@ def main() -> int:
     parser.add_argument("--slo-itl-p99-ms", type=float, default=15.0)
     parser.add_argument("--agg-chunks", type=lambda t: [int(x) for x in t.split(",")], default=[],
                         help="chunked-prefill sizes to try for the aggregated layouts (besides the default)")
+    parser.add_argument("--only-agg-chunks", action="store_true",
+                        help="the aggregated layouts at the --agg-chunks sizes alone, not at the default too")
     parser.add_argument("--queue-tokens", type=int, default=16384, help="+q layouts' --max-prefill-queue-tokens")
     parser.add_argument("--local-tokens", type=int, default=1024, help="+q layouts' --max-local-prefill-tokens")
+    parser.add_argument("--local-chunk", type=int, default=0,
+                        help="+q layouts: the decode workers' chunked-prefill size, so a prompt they prefill "
+                             "themselves runs in chunks this size beside their decode rows (0: their default)")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
@@ -391,7 +399,7 @@ def main() -> int:
     model = model_dir(args.shape, args.tokenizer_from, args.models, args.load_format)
     results: list[dict] = []
     for layout in args.layouts:
-        chunks = [None, *args.agg_chunks] if layout.prefill == 0 else [None]
+        chunks = [*([] if args.only_agg_chunks else [None]), *args.agg_chunks] if layout.prefill == 0 else [None]
         for chunk in chunks:
             if time.monotonic() > deadline:
                 break
