@@ -5,8 +5,11 @@ launches on the current device: an engine on cuda:N must make cuda:N current in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import torch
 
@@ -42,3 +45,23 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
         if index not in _capture_streams:
             _capture_streams[index] = torch.cuda.Stream(device=index)
         return _capture_streams[index]
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, device: torch.device,
+                  pool: tuple[int, int] | None = None) -> Iterator[None]:
+    """Capture into `graph` on `device`'s capture stream. Only this thread's CUDA calls may break the capture
+    ("thread_local"): in torch's default mode ("global") any other thread's call that is unsafe during a capture
+    invalidates it, and other threads do call CUDA meanwhile: the NCCL teardown a closed TP engine leaves running in
+    the background (the third TP engine built in one process failed its capture, "operation failed due to a
+    previous error during capture", tests/gpu/test_tensor_parallel_gpu.py on 4 x H200), a KV puller checking cuda_ipc
+    as a worker starts. The cyclic GC is off meanwhile, so that no collection on this thread frees CUDA objects
+    (events, streams, communicators) mid-capture."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device), capture_error_mode="thread_local"):
+            yield
+    finally:
+        if collecting:
+            gc.enable()

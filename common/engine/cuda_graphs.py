@@ -13,7 +13,7 @@ import bisect
 
 import torch
 
-from common.devices import capture_stream
+from common.devices import graph_capture
 from common.engine.attention import BatchLayout
 from common.engine.attention_triton import TritonAttentionMetadata, TritonPagedAttention
 
@@ -48,7 +48,7 @@ class DecodeGraphs:
             self._forward(bs)  # compile kernels and settle allocations outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream(self.device)):
+            with graph_capture(graph, self.device, pool):
                 self.logits[bs] = self._forward(bs)
                 self.argmax[bs] = self.logits[bs].argmax(dim=-1)
             pool = graph.pool()

@@ -10,7 +10,8 @@ starts its workers, each on the GPUs it is given (`--device cuda:N`; a TP worker
 them, and runs `disagg bench` at each Poisson --rates point (the same seed and prompts for every layout) until
 the layout saturates (it completes under 75 % of the offered rate (a short run's rate counts its tail), fails a request, or its TTFT p90 passes 4× the SLO's). Layouts:
 - `Kxagg`: K aggregated workers, one a GPU (the router with no prefill worker); with --agg-chunks, one run per
-  chunked-prefill size (--long-prefill-token-threshold), so the peer is the best aggregated setup, not the default,
+  chunked-prefill size (a step's token budget: --max-num-batched-tokens and --long-prefill-token-threshold), so
+  the peer is the best aggregated setup, not the default,
 - `xPyD`: x prefill and y decode workers, one a GPU, prefill first (`1P1D`, `1P3D`, `2P2D`, `3P1D`),
 - `tp2-xPyD`: the prefill workers at TP 2 (`tp2-1P2D`: prefill on GPUs 0-1, decode on 2 and 3),
 - a `+q` suffix (`1P1D+q`): the router's --max-prefill-queue-tokens --queue-tokens and --max-local-prefill-tokens
@@ -100,10 +101,10 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
     specs = []
     for role, gpu, tp in layout.devices():
         flags = (*engine_args(model, args), "--device", f"cuda:{gpu}", "--tensor-parallel-size", str(tp))
-        if chunk is not None:
-            flags += ("--long-prefill-token-threshold", str(chunk))
-        elif layout.queue_limited and role == "decode" and args.local_chunk:
-            flags += ("--long-prefill-token-threshold", str(args.local_chunk))
+        step_tokens = chunk if chunk is not None else (
+            args.local_chunk if layout.queue_limited and role == "decode" else 0)
+        if step_tokens:  # the step's whole budget: a threshold alone bounds one prompt's chunk, not the step's
+            flags += ("--max-num-batched-tokens", str(step_tokens), "--long-prefill-token-threshold", str(step_tokens))
         specs.append((role, flags))
     workers = start_services(specs, timeout_s=600, env=step_times_env(layout, chunk, args))
     prefill = [w.address for w, (role, _) in zip(workers, specs) if role == "prefill"]

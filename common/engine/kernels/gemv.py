@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.devices import capture_stream
+from common.devices import graph_capture
 from common.engine.kernels.triton_ops import _round
 
 PROLOGUES = {None: 0, "add_norm": 1, "silu_mul": 2}
@@ -207,7 +207,7 @@ def graph_time_us(fn: Callable[[int], object], calls: int, replays: int = 10) ->
     fn(0)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=capture_stream(torch.device("cuda", torch.cuda.current_device()))):
+    with graph_capture(graph, torch.device("cuda", torch.cuda.current_device())):
         for i in range(calls_in_graph):
             fn(i % calls)
     graph.replay()
