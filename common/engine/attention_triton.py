@@ -6,6 +6,9 @@ Three kernels over the same cache layout as `TorchPagedAttention` (per layer `[2
   streaming the sequence's blocks with an online softmax (flash-decoding without the split);
 - `_prefill`: one program per (tile of BLOCK_M query tokens of one sequence, query head), causal over the
   cached context plus the new tokens, so chunked prefill and prefix-cache hits need no special case.
+In a mixed step (prefill chunks beside decode rows) the decode rows take `_decode`, split over their context like a
+decode-only step: through `_prefill` each would be one program per query head walking its whole context alone,
+with a BLOCK_M-row tile for its one query.
 The cache may be FP8 (--kv-cache-dtype fp8, scale 1.0): stores convert to it, and the attention kernels convert each
 loaded K / V tile to q's dtype.
 
@@ -195,6 +198,8 @@ class TritonAttentionMetadata:
     ctx_lens: torch.Tensor | None = None
     tile_seq: torch.Tensor | None = None  # prefill: [tiles] sequence of each BLOCK_M query tile
     tile_start: torch.Tensor | None = None  # its first query index within the sequence
+    decode_rows: torch.Tensor | None = None  # mixed: [R] int64, the rows of the sequences with one new token
+    decode_part: "TritonAttentionMetadata | None" = None  # mixed: their tables and lengths, for `_decode`
 
 
 @dataclass(frozen=True)
@@ -255,7 +260,13 @@ class TritonPagedAttention:
             return meta
         q_lens = a["q_lens"]
         q_locs = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        tiles = [(s, m) for s, q in enumerate(q_lens) for m in range(0, int(q), PREFILL_BLOCK_M)]
+        single = q_lens == 1
+        if single.any():  # a mixed step: its decode rows go to the decode kernel
+            rows = np.flatnonzero(single)
+            meta.decode_rows = self._upload(q_locs[rows].astype(np.int64))
+            meta.decode_part = TritonAttentionMetadata(meta.slot_mapping, self._upload(a["tables"][rows]), True,
+                                                       seq_lens=self._upload(a["seq_lens"][rows]))
+        tiles = [(s, m) for s, q in enumerate(q_lens) if q > 1 for m in range(0, int(q), PREFILL_BLOCK_M)]
         meta.q_locs, meta.q_lens, meta.ctx_lens = self._upload(q_locs), self._upload(q_lens), self._upload(a["ctx"])
         meta.tile_seq = self._upload(np.asarray([s for s, _ in tiles], dtype=np.int32))
         meta.tile_start = self._upload(np.asarray([m for _, m in tiles], dtype=np.int32))
@@ -285,10 +296,18 @@ class TritonPagedAttention:
                    k_cache.stride(2))
         if meta.decode_only:
             self._decode(q, k_cache, v_cache, out, meta, scale, window, strides, group, common)
-        else:
+            return out
+        if meta.tile_seq.shape[0]:
             _prefill[(meta.tile_seq.shape[0], num_heads)](
                 q, k_cache, v_cache, out, meta.block_tables, meta.q_locs, meta.q_lens, meta.ctx_lens, meta.tile_seq,
                 meta.tile_start, scale, window or 0, *strides, GROUP=group, BLOCK_M=PREFILL_BLOCK_M, **common)
+        if meta.decode_rows is not None:
+            q_rows = q.index_select(0, meta.decode_rows)
+            rows_out = torch.empty_like(q_rows)
+            part = meta.decode_part
+            rows_strides = (q_rows.stride(0), q_rows.stride(1), part.block_tables.stride(0), *strides[3:])
+            self._decode(q_rows, k_cache, v_cache, rows_out, part, scale, window, rows_strides, group, common)
+            out.index_copy_(0, meta.decode_rows, rows_out)
         return out
 
     def _decode(self, q, k_cache, v_cache, out, meta, scale, window, strides, group, common) -> None:
