@@ -259,7 +259,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             if time.monotonic() > deadline:
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
-            before, routed, paused = [pull_totals(d) for d in decoders], decisions(router), gc_pauses([*workers, router])
+            before, routed = [pull_totals(d) for d in decoders], decisions(router)
+            paused = gc_pauses([*workers, router])
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             keep = f"{label.replace(' ', '-')}-{rate:g}"
             s = bench_point(router, rate, args.num_prompts, args, keep=keep)
@@ -378,8 +379,9 @@ def main() -> int:
     parser.add_argument("--queue-tokens", type=int, default=16384, help="+q layouts' --max-prefill-queue-tokens")
     parser.add_argument("--local-tokens", type=int, default=1024, help="+q layouts' --max-local-prefill-tokens")
     parser.add_argument("--local-chunk", type=int, default=0,
-                        help="+q layouts: the decode workers' chunked-prefill size, so a prompt they prefill "
-                             "themselves runs in chunks this size beside their decode rows (0: their default)")
+                        help="+q layouts: the decode workers' step budget (--max-num-batched-tokens), so a prompt "
+                             "they prefill themselves runs in chunks of at most this size beside their decode rows "
+                             "(0: their default)")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
