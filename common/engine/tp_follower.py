@@ -23,6 +23,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.parallel import TensorParallel, rank_device
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import read_message
+from common.heap import freeze_imports, settle_heap
 
 _PARENT_POLL_S = 0.5
 
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> int:
     config = EngineConfig(**settings)
     store = dist.TCPStore("127.0.0.1", port, size, False)
     device = rank_device(config.device, rank)
+    freeze_imports()
     tp = TensorParallel.join(store, rank, size, device)
     stdin = sys.stdin.buffer
     if device.type == "cuda":
@@ -56,6 +58,7 @@ def main(argv: list[str]) -> int:
             return 0
         runner = ModelRunner(config, tp=tp, kv_cache=cache.open())
         tp.all_reduce(torch.zeros(1))  # mapped and loaded: rank 0 may drop the file
+    settle_heap()  # a collection here would hold up every rank's step, in the collectives
     waited = busy = 0.0
     steps = 0
     while True:

@@ -4,7 +4,7 @@ import gc
 import pytest
 
 from common.telemetry.metrics import Metrics
-from services.kit.heap import _PauseTimer, settle_heap, watch_pauses
+from common.heap import _PauseTimer, freeze_imports, settle_heap, watch_pauses
 
 
 @pytest.fixture
@@ -43,3 +43,17 @@ def test_every_collection_is_timed_by_generation_with_one_timer_a_process(restor
     assert _pause_count(first, 2) == first_before
     assert metrics.registry.get_sample_value("disagg_gc_pause_seconds_sum", {
         "model": "m", "role": "decode", "generation": "2"}) > 0
+
+
+def test_after_the_imports_are_frozen_settling_walks_only_what_came_since(restore_gc):
+    freeze_imports()
+    frozen = gc.get_freeze_count()
+    since = [[i] for i in range(2_000)]  # what loading makes after the imports
+    cycle = [None]
+    cycle[0] = cycle  # and garbage among it, which the settling collection frees
+    del cycle
+    collected = []
+    gc.callbacks.append(lambda phase, info: collected.append(info["collected"]) if phase == "stop" else None)
+    settle_heap()
+    assert collected and collected[-1] >= 1
+    assert frozen + len(since) <= gc.get_freeze_count() < frozen + len(since) + 1_000

@@ -8,7 +8,10 @@ loop between messages, so every running request gets one inter-token gap of that
 
 `settle_heap` runs one collection while nothing is served yet, then freezes what is left (`gc.freeze`, as vLLM does
 after its start-up): later collections skip the frozen objects and walk only what serving itself keeps alive.
-`disagg_gc_pause_seconds` shows what pauses remain, by generation.
+`freeze_imports`, called first, freezes what the imports built without collecting (they leave next to no garbage: 69
+unreachable objects of 248,000 after the services' imports), so that settle_heap's collection walks only what
+loading made, not 130 ms of imports again at every process start. `disagg_gc_pause_seconds` shows what pauses
+remain, by generation.
 """
 from __future__ import annotations
 
@@ -19,6 +22,11 @@ import time
 from common.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+def freeze_imports() -> None:
+    """Freeze every object so far, uncollected: call it once the process has imported what it serves with."""
+    gc.freeze()
 
 
 def settle_heap(metrics: Metrics | None = None) -> int:
