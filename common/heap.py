@@ -8,13 +8,11 @@ loop between messages, so every running request gets one inter-token gap of that
 
 `settle_heap` runs one collection while nothing is served yet, then freezes what is left (`gc.freeze`, as vLLM does
 after its start-up): later collections skip the frozen objects and walk only what serving itself keeps alive.
-`freeze_imports`, called first, freezes what the imports built without collecting (they leave next to no garbage: 69
-unreachable objects of 248,000 after the services' imports), so that settle_heap's collection walks only what
-loading made, not 130 ms of imports again at every process start. `disagg_gc_pause_seconds` shows what pauses
-remain, by generation.
+`disagg_gc_pause_seconds` shows what pauses remain, by generation.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -24,11 +22,6 @@ from common.telemetry.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
-def freeze_imports() -> None:
-    """Freeze every object so far, uncollected: call it once the process has imported what it serves with."""
-    gc.freeze()
-
-
 def settle_heap(metrics: Metrics | None = None) -> int:
     """Collect once, freeze the survivors and (with `metrics`) time every later collection; the frozen count.
     Call it once start-up has built what the process keeps (the model, the tokenizer, the servers), before the
@@ -36,6 +29,9 @@ def settle_heap(metrics: Metrics | None = None) -> int:
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
+    # At exit the frozen objects go back to the collector: frozen, the interpreter's last collections skip them, and
+    # triton's bindings (nanobind) then report every one of their objects still alive as a leak on stderr.
+    atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     log.info("froze %d start-up objects out of the garbage collector's way (%.0f ms)", frozen,
              (time.perf_counter() - started) * 1000)

@@ -23,7 +23,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.parallel import TensorParallel, rank_device
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import read_message
-from common.heap import freeze_imports, settle_heap
+from common.heap import settle_heap
 
 _PARENT_POLL_S = 0.5
 
@@ -47,7 +47,6 @@ def main(argv: list[str]) -> int:
     config = EngineConfig(**settings)
     store = dist.TCPStore("127.0.0.1", port, size, False)
     device = rank_device(config.device, rank)
-    freeze_imports()
     tp = TensorParallel.join(store, rank, size, device)
     stdin = sys.stdin.buffer
     if device.type == "cuda":

@@ -20,7 +20,7 @@ from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
 from services.router.workers import WorkerPool
 from services.kit.grpc_auth import api_key_interceptors
-from common.heap import freeze_imports, settle_heap
+from common.heap import settle_heap
 from services.kit.serving import Server, start_server, wait_for_signal
 from services.kit.wire import ParseRequests
 
@@ -33,7 +33,6 @@ _END_GRACE_S = 5.0  # past --drain-timeout: for the ended requests to send their
 
 async def serve(config: RouterConfig, discovery: Discovery, obs: Observability | None = None) -> None:
     """Load the tokenizer, follow the workers, serve until SIGINT/SIGTERM, then drain."""
-    freeze_imports()  # so that settle_heap's collection, once the tokenizer is in, walks only what loading made
     preparer = await asyncio.to_thread(RequestPreparer.from_model_dir, config.model)
     pool = worker_pool(config, discovery)
     orchestrator = Orchestrator(pool, preparer, config, obs.metrics if obs is not None else None)

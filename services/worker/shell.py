@@ -28,7 +28,7 @@ from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from common.tls import add_tls_args, tls_from_args
 from common.tls import configure as configure_tls
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
-from common.heap import freeze_imports, settle_heap
+from common.heap import settle_heap
 from services.kit.observability import Observability, add_observability_args
 from services.kit.ports import PortTaken
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
@@ -146,7 +146,6 @@ def _advertised_host(args: argparse.Namespace) -> str:
 
 
 async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
-    freeze_imports()  # so that settle_heap's collection, once the model is in, walks only what loading made
     stop = asyncio.Event()
     bind_loop_executor(asyncio.get_running_loop(), getattr(config, "device", None))  # --device cuda:N everywhere
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,10 +1,14 @@
 """settle_heap: the start-up heap leaves the collector's oldest generation, and every collection is timed."""
 import gc
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from common.heap import _PauseTimer, settle_heap, watch_pauses
 from common.telemetry.metrics import Metrics
-from common.heap import _PauseTimer, freeze_imports, settle_heap, watch_pauses
 
 
 @pytest.fixture
@@ -45,15 +49,12 @@ def test_every_collection_is_timed_by_generation_with_one_timer_a_process(restor
         "model": "m", "role": "decode", "generation": "2"}) > 0
 
 
-def test_after_the_imports_are_frozen_settling_walks_only_what_came_since(restore_gc):
-    freeze_imports()
-    frozen = gc.get_freeze_count()
-    since = [[i] for i in range(2_000)]  # what loading makes after the imports
-    cycle = [None]
-    cycle[0] = cycle  # and garbage among it, which the settling collection frees
-    del cycle
-    collected = []
-    gc.callbacks.append(lambda phase, info: collected.append(info["collected"]) if phase == "stop" else None)
-    settle_heap()
-    assert collected and collected[-1] >= 1
-    assert frozen + len(since) <= gc.get_freeze_count() < frozen + len(since) + 1_000
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_a_process_that_settled_its_heap_exits_without_leak_reports():
+    """Frozen objects are skipped by the interpreter's last collections: triton's bindings (nanobind) would report
+    every object of theirs still alive at exit as a leak, on every worker's stderr, unless they are unfrozen first."""
+    script = "import triton, triton.language\nfrom common.heap import settle_heap\nsettle_heap()\n"
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]

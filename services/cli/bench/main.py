@@ -30,7 +30,7 @@ from services.cli.bench.runner import LoadShape, list_models, list_models_http, 
 from services.cli.bench.stats import SloLimits, summarize
 from services.cli.bench.workload import LengthDist, make_requests
 from services.kit.auth import add_client_api_key_arg, client_key, grpc_metadata, http_headers
-from common.heap import freeze_imports, settle_heap
+from common.heap import settle_heap
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 
@@ -102,7 +102,6 @@ def _progress(total: int, enabled: bool):
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    freeze_imports()  # settle_heap's collection, before the timed run, then walks only what the run set up
     # --api openai alone asks the HTTP server: any OpenAI-compatible one can be driven (tests/bench/vllm_cpu.py)
     key = client_key(args)
     try:
