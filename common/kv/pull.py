@@ -39,7 +39,9 @@ class KvPuller:
         self.blocks = blocks  # the engine's cache and pool: cuda_ipc copies straight into its blocks
         self.releases = releases or Releases(channels)  # the worker's (its KvPath's), where it has one
         self.self_check = SelfCheck(self, on_probe) if self_check else None
-        self._unchecked: set[str] = set()  # usable unless their check, made at their first use, says otherwise
+        # Transports checked when first about to be used: name → that check (None until it starts), one for every
+        # pull and self-check that waits on it.
+        self._first_use_checks: dict[str, asyncio.Future[str | None] | None] = {}
         self.transports = self._usable(accepted or transport.names())
         self.on_fallback = on_fallback  # (transport, reason) → e.g. a metric
         self._broken: dict[tuple[str, str], float] = {}  # (endpoint, transport) → when it failed
@@ -50,7 +52,7 @@ class KvPuller:
             candidate = transport.create(name)
             if candidate.starts_on_first_use:
                 # Its check alone is costly (NIXL's makes an agent: 0.5 s of a core), and most workers never use it.
-                self._unchecked.add(name)
+                self._first_use_checks[name] = None
                 usable[name] = candidate
                 continue
             reason = candidate.unavailable_reason(self.device)
@@ -64,13 +66,14 @@ class KvPuller:
     async def usable(self, name: str) -> bool:
         """Whether the transport can run here, checked (off the event loop) the first time it is about to be used;
         one that cannot is dropped for good, saying why."""
-        if name in self._unchecked:
-            reason = await asyncio.to_thread(self.transports[name].unavailable_reason, self.device)
-            if name in self._unchecked:  # a pull and the self-check can both get here first
-                self._unchecked.discard(name)
-                if reason is not None:
-                    log.info("KV transfer backend %s not used by this worker: %s", name, reason)
-                    self.transports.pop(name)
+        if name in self._first_use_checks:
+            check = self._first_use_checks[name]
+            if check is None:
+                check = self._first_use_checks[name] = asyncio.ensure_future(
+                    asyncio.to_thread(self.transports[name].unavailable_reason, self.device))
+            reason = await asyncio.shield(check)
+            if reason is not None and self.transports.pop(name, None) is not None:
+                log.info("KV transfer backend %s not used by this worker: %s", name, reason)
         return name in self.transports
 
     def candidates(self, ref: common_pb2.KvSessionRef) -> list[str]:

@@ -104,12 +104,15 @@ def test_a_transport_that_starts_on_first_use_is_checked_only_then_and_off_the_e
         puller = KvPuller(ChannelCache(), torch.device("cpu"), ("agent-like", "grpc"), self_check=False)
         assert _StartsOnFirstUse.checked_on == [] and tuple(puller.transports) == ("agent-like", "grpc")
 
-        async def use_twice() -> tuple[bool, bool, threading.Thread]:
-            return await puller.usable("agent-like"), await puller.usable("agent-like"), threading.current_thread()
+        async def use_thrice() -> tuple[bool, bool, bool, threading.Thread]:
+            # a pull and the self-check at once, then a later pull: one check for all three
+            first, second = await asyncio.gather(puller.usable("agent-like"), puller.usable("agent-like"))
+            return first, second, await puller.usable("agent-like"), threading.current_thread()
 
         with caplog.at_level(logging.INFO, logger="common.kv.pull"):
-            first, second, loop_thread = asyncio.run(use_twice())
-        assert (first, second) == (False, False)
+            first, second, third, loop_thread = asyncio.run(use_thrice())
+        assert (first, second, third) == (False, False, False)
+        assert caplog.text.count("KV transfer backend agent-like not used") == 1
         assert len(_StartsOnFirstUse.checked_on) == 1 and _StartsOnFirstUse.checked_on[0] is not loop_thread
         assert tuple(puller.transports) == ("grpc",)
         assert "KV transfer backend agent-like not used by this worker: no agent library here" in caplog.text
