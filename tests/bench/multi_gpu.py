@@ -182,6 +182,7 @@ def ttft_parts(s: dict) -> dict[str, list[float]] | None:
 
 def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: argparse.Namespace,
                 keep: str | None = None) -> dict:
+    """`disagg bench`'s summary of the point, with its `itl_split`; with `keep`, its JSON stays in OUT/points."""
     result = args.out / "point.json"
     command = [sys.executable, "-m", "services", "bench", "--router", router.address, "--num-prompts",
                str(num_prompts), "--input-len", args.input_len, "--output-len", f"fixed:{args.output_len}",
@@ -189,7 +190,8 @@ def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: arg
                "--goodput-ttft-ms", str(args.slo_ttft_p90_ms), "--goodput-tpot-ms", str(args.slo_itl_p99_ms),
                "--no-progress", "--json", str(result)]
     subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=300)
-    summary = json.loads(result.read_text())["summary"]
+    point = json.loads(result.read_text())
+    summary = {**point["summary"], "itl_split": itl_split(point["requests"])}
     if keep:
         (args.out / "points").mkdir(exist_ok=True)
         result.replace(args.out / "points" / f"{keep}.json")
@@ -227,10 +229,9 @@ def gc_pause_delta(after: dict[str, list[float]], before: dict[str, list[float]]
             for role, a in after.items()}
 
 
-def itl_split(point_file: Path) -> dict[str, float] | None:
+def itl_split(requests: list[dict]) -> dict[str, float] | None:
     """A request's first gap (its second token: in a split, the handoff) apart from the rest: the p99 falls on the
     first gaps (1 in output-1 of them) when the rest has few gaps as long."""
-    requests = json.loads(point_file.read_text())["requests"]
     first = sorted(r["itl_ms"][0] for r in requests if r.get("itl_ms"))
     rest = sorted(x for r in requests for x in (r.get("itl_ms") or [])[1:])
     if not first or len(rest) < 100:
@@ -262,8 +263,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             before, routed = [pull_totals(d) for d in decoders], decisions(router)
             paused = gc_pauses([*workers, router])
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
-            keep = f"{label.replace(' ', '-')}-{rate:g}"
-            s = bench_point(router, rate, args.num_prompts, args, keep=keep)
+            s = bench_point(router, rate, args.num_prompts, args, keep=f"{label.replace(' ', '-')}-{rate:g}")
             windows.append((started_at, time.perf_counter()))
             routed_after = decisions(router)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
@@ -274,7 +274,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "tpot_mean_ms": round(s["tpot"]["mean"], 2), "itl_p99_ms": round(s["itl"]["p99"], 2),
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
-                     "ttft_parts_ms": ttft_parts(s), "itl_split": itl_split(args.out / "points" / f"{keep}.json"),
+                     "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
                      "gc_pauses": gc_pause_delta(gc_pauses([*workers, router]), paused)}
             point["meets_slo"] = meets(point, args)
             if s["errors"]:
