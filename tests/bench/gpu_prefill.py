@@ -1,0 +1,132 @@
+"""One prompt's prefill on a GPU: our engine against Hugging Face transformers (SDPA) and the bf16 matmul peak.
+
+    python -m tests.bench.gpu_prefill --model llama-3.2-3b --load-format dummy --lengths 512,1280,2048 \
+        --profile-dir OUT
+
+A prefill worker's time to first token is its queue plus this compute, so this is what one prefill GPU can serve.
+For each prompt length: the median of `--reps` engine steps that prefill one fresh prompt and sample its first token
+(max_tokens=1, as a context-only request), next to
+- HF `model(input_ids, logits_to_keep=1)` in bf16 with SDPA attention, the same weights' shape (its own random init),
+- the physical limit: the prefill's FLOPs (2 × weights' multiply-adds per token, the causal attention's two
+  matmuls, one token's LM head) at the bf16 matmul rate measured here (an 8192³ cuBLAS matmul, best of 10).
+`--profile-dir` writes the kernels of one engine prefill at the middle length, by GPU time (torch.profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.engine.request import SamplingParams
+from tests.bench.gpu_engine_vs_hf import emit, engine_for, make_model, shape_arg, shape_config
+
+
+def matmul_peak_flops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    best = float("inf")
+    for _ in range(12):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def prefill_flops(config, tokens: int) -> float:
+    """Multiply-adds × 2 of a causal prefill of `tokens` fresh tokens that samples the last one."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_token = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    attention = layers * 2 * config.num_attention_heads * head_dim * tokens * (tokens + 1) / 2  # QK^T and PV, causal
+    return 2 * (per_token * tokens + attention + h * config.vocab_size)
+
+
+def engine_prefill_s(engine, length: int, reps: int, tag: str) -> float:
+    times = []
+    for i in range(reps + 1):
+        engine.add_request(f"{tag}-{length}-{i}", [1000 + (i * 7 + j) % 100000 for j in range(length)],
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()  # the sampled token is read back: synchronised
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])  # the first: this length's kernel shapes compile
+
+
+def hf_prefill_s(model, length: int, reps: int) -> float:
+    ids = torch.arange(1000, 1000 + length, device="cuda").unsqueeze(0)
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(ids, logits_to_keep=1).logits.argmax(-1).item()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def kernel_table(engine, length: int, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request("profiled", list(range(2000, 2000 + length)),
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=80)
+    with open(path, "w") as f:
+        f.write(table)
+    print(f"kernels of one {length}-token prefill:\n" + "\n".join(table.splitlines()[:24]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=shape_arg, default="llama-3.2-3b")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="dummy")
+    parser.add_argument("--lengths", default="512,1024,1280,2048")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile-dir")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    peak = emit("bf16_matmul_peak", flops_per_s=matmul_peak_flops(), device=torch.cuda.get_device_name())["flops_per_s"]
+    config = shape_config(args.model)
+    rows = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        make_model(args.model, model_dir, args.load_format)
+        engine = engine_for(model_dir, max_num_seqs=8, num_blocks=max(lengths) // 16 * 2 + 64,
+                            load_format=args.load_format)
+        for length in lengths:
+            rows.append({"tokens": length, "ours_s": engine_prefill_s(engine, length, args.reps, "p")})
+        if args.profile_dir:
+            kernel_table(engine, lengths[len(lengths) // 2], f"{args.profile_dir}/prefill_kernels.txt")
+        del engine
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = model.cuda().eval()
+        for row in rows:
+            row["hf_s"] = hf_prefill_s(model, row["tokens"], args.reps)
+        del model
+    print("\n| prompt tokens | ours (ms) | HF SDPA (ms) | FLOP limit (ms) | ours / limit | ours TFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        flops = prefill_flops(config, row["tokens"])
+        limit = flops / peak
+        emit("prefill", model=args.model, **row, flops=flops, limit_s=limit)
+        hf = f"{row['hf_s'] * 1e3:.2f}" if "hf_s" in row else "-"
+        print(f"| {row['tokens']} | {row['ours_s'] * 1e3:.2f} | {hf} | {limit * 1e3:.2f} | "
+              f"{row['ours_s'] / limit:.2f} | {flops / row['ours_s'] / 1e12:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
