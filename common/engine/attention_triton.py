@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.engine.host_upload import upload
 from common.engine.attention import BatchLayout
 
 PREFILL_BLOCK_M = 64
@@ -228,9 +229,6 @@ class TritonPagedAttention:
         self.device = device
         self.tuning = tuning
 
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
-
     def host_arrays(self, layout: BatchLayout) -> dict[str, np.ndarray]:
         """The metadata as numpy arrays (the CUDA-graph runner copies these into its static buffers).
         Vectorised over the batch: a per-request loop of small numpy ops cost ~1 ms a step at batch 64."""
@@ -252,24 +250,25 @@ class TritonPagedAttention:
                 "q_lens": q_lens.astype(np.int32), "ctx": ctx.astype(np.int32)}
 
     def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        """The step's metadata on the device, its arrays in one copy (common.engine.host_upload)."""
         a = self.host_arrays(layout)
-        decode_only = bool((a["q_lens"] == 1).all())
-        meta = TritonAttentionMetadata(self._upload(a["slots"]), self._upload(a["tables"]), decode_only)
-        if decode_only:
-            meta.seq_lens = self._upload(a["seq_lens"])
-            return meta
         q_lens = a["q_lens"]
+        if bool((q_lens == 1).all()):
+            slots, tables, seq_lens = upload([a["slots"], a["tables"], a["seq_lens"]], self.device)
+            return TritonAttentionMetadata(slots, tables, True, seq_lens=seq_lens)
         q_locs = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        single = q_lens == 1
-        if single.any():  # a mixed step: its decode rows go to the decode kernel
-            rows = np.flatnonzero(single)
-            meta.decode_rows = self._upload(q_locs[rows].astype(np.int64))
-            meta.decode_part = TritonAttentionMetadata(meta.slot_mapping, self._upload(a["tables"][rows]), True,
-                                                       seq_lens=self._upload(a["seq_lens"][rows]))
         tiles = [(s, m) for s, q in enumerate(q_lens) if q > 1 for m in range(0, int(q), PREFILL_BLOCK_M)]
-        meta.q_locs, meta.q_lens, meta.ctx_lens = self._upload(q_locs), self._upload(q_lens), self._upload(a["ctx"])
-        meta.tile_seq = self._upload(np.asarray([s for s, _ in tiles], dtype=np.int32))
-        meta.tile_start = self._upload(np.asarray([m for _, m in tiles], dtype=np.int32))
+        arrays = [a["slots"], a["tables"], q_locs, q_lens, a["ctx"], np.asarray([s for s, _ in tiles], dtype=np.int32),
+                  np.asarray([m for _, m in tiles], dtype=np.int32)]
+        rows = np.flatnonzero(q_lens == 1)
+        if len(rows):  # a mixed step: its decode rows go to the decode kernel
+            arrays += [q_locs[rows].astype(np.int64), a["tables"][rows], a["seq_lens"][rows]]
+        slots, tables, *rest = upload(arrays, self.device)
+        meta = TritonAttentionMetadata(slots, tables, False)
+        meta.q_locs, meta.q_lens, meta.ctx_lens, meta.tile_seq, meta.tile_start = rest[:5]
+        if len(rows):
+            meta.decode_rows = rest[5]
+            meta.decode_part = TritonAttentionMetadata(slots, rest[6], True, seq_lens=rest[7])
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -25,6 +25,7 @@ from common.kv.words import as_words
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
 from common.engine.grammar_mask import GrammarState
+from common.engine.host_upload import upload
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler
 from common.engine.scheduler import ScheduledBatch
@@ -303,18 +304,18 @@ class ModelRunner:
             self._stepping_thread = threading.get_ident()
             pin_model_thread()
         self._send(step)
-        if ids is None:
-            ids = self._upload(step.input_ids)
+        uploaded = upload([step.positions, step.sample_rows] + ([step.input_ids] if ids is None else []), self.device)
+        positions, sample_rows = uploaded[:2]
+        ids = uploaded[2] if ids is None else ids
         embeds = None
         if step.image_rows is not None:
             embeds = self.model.embed(ids)
             rows, values = step.image_rows
             embeds[rows.to(self.device)] = values.to(device=self.device, dtype=embeds.dtype)
-        hidden = self.model(ids, self._upload(step.positions),
-                            self.rank_cache, self.attention.prepare(step.layout), self.attention, embeds)
+        hidden = self.model(ids, positions, self.rank_cache, self.attention.prepare(step.layout), self.attention, embeds)
         if not step.sample_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+        return self.model.compute_logits(hidden[sample_rows])
 
     @torch.inference_mode()
     def launch_ahead(self, prev: StepLaunch, rows: list[int], joined: list[Request] = ()) -> StepLaunch:
@@ -362,10 +363,7 @@ class ModelRunner:
 
     def _upload(self, values: list[int]) -> torch.Tensor:
         """A small int64 tensor on the device without a host sync (pinned staging, non-blocking copy)."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return upload([values], self.device)[0]
 
     def _sample(self, scheduled: list[tuple[Request, int]], sampled: list[Request], logits: torch.Tensor,
                 argmax: torch.Tensor | None, grammars_current: bool = True) -> StepLaunch:
