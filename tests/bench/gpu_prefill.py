@@ -10,6 +10,12 @@ For each prompt length: the median of `--reps` engine steps that prefill one fre
 - the physical limit: the prefill's FLOPs (2 × weights' multiply-adds per token, the causal attention's two
   matmuls, one token's LM head) at the bf16 matmul rate measured here (an 8192³ cuBLAS matmul, best of 10).
 `--profile-dir` writes the kernels of one engine prefill at the middle length, by GPU time (torch.profiler).
+
+`--mixed-batch B` (an aggregated worker's step): B requests decode at `--mixed-context` tokens while prompts of 2048
+tokens prefill beside them in chunks, the step's budget `--mixed-budget` tokens (--max-num-batched-tokens). Prints the
+median decode-only step and the median step that carries a chunk, each as wall time (engine.step and a device sync)
+and the mean GPU time of its kernels (torch.profiler, over the last 32 steps): the difference is time the GPU waited
+for the host.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.engine.config import EngineConfig
+from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from tests.bench.gpu_engine_vs_hf import emit, engine_for, make_model, shape_arg, shape_config
 
@@ -88,6 +96,50 @@ def kernel_table(engine, length: int, path: str) -> None:
     print(f"kernels of one {length}-token prefill:\n" + "\n".join(table.splitlines()[:24]), flush=True)
 
 
+def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budget: int, steps: int) -> dict:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
+                                    num_kv_blocks=(batch + 1) * (context + steps + 2048) // 16 + 64,
+                                    max_num_seqs=batch + 1, max_num_batched_tokens=budget, max_model_len=4096,
+                                    enable_prefix_caching=False, load_format=load_format))
+    for i in range(batch):
+        engine.add_request(f"dec{i}", [1000 + (i * 31 + j) % 100000 for j in range(context)],
+                           SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True))
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    times: dict[str, list[tuple[float, float]]] = {"decode": [], "mixed": []}
+    prompts, profiled = 0, steps + 32  # the last 32 steps run under the profiler, for their kernels' own time
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    for n in range(steps + 64):
+        prefilling = engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                     for r in engine.scheduler.running)
+        if not prefilling and n >= 32:  # every decode row in: keep one 2048-token prompt prefilling in chunks
+            prompts += 1
+            engine.add_request(f"chunked{prompts}", [2000 + (prompts * 17 + j) % 100000 for j in range(2048)],
+                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            prefilling = True
+        kind = "mixed" if prefilling else "decode"
+        if n == profiled:
+            prof.__enter__()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with record_function(f"{kind}_step"):
+            engine.step()
+            torch.cuda.synchronize()
+        if 32 <= n < profiled:
+            times[kind].append(time.perf_counter() - t)
+    prof.__exit__(None, None, None)
+    kernels = {e.key: e.device_time_total / e.count / 1e6 for e in prof.key_averages() if e.key.endswith("_step")}
+    del engine
+    torch.cuda.empty_cache()
+    out = {"batch": batch, "context": context, "budget": budget}
+    for kind, walls in times.items():
+        out[f"{kind}_steps"] = len(walls)
+        if walls:
+            out[f"{kind}_wall_s"] = statistics.median(walls)
+        out[f"{kind}_kernels_s"] = kernels.get(f"{kind}_step")  # mean GPU time of its kernels (profiled steps)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=shape_arg, default="llama-3.2-3b")
@@ -96,6 +148,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile-dir")
+    parser.add_argument("--mixed-batch", type=int, default=0, help="0: no mixed-step figure")
+    parser.add_argument("--mixed-context", type=int, default=1024)
+    parser.add_argument("--mixed-budget", type=int, default=512)
+    parser.add_argument("--mixed-steps", type=int, default=200)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     peak = emit("bf16_matmul_peak", flops_per_s=matmul_peak_flops(), device=torch.cuda.get_device_name())["flops_per_s"]
@@ -111,6 +167,15 @@ def main() -> None:
             kernel_table(engine, lengths[len(lengths) // 2], f"{args.profile_dir}/prefill_kernels.txt")
         del engine
         torch.cuda.empty_cache()
+        if args.mixed_batch:
+            m = emit("mixed_step", model=args.model, **mixed_steps(model_dir, args.load_format, args.mixed_batch,
+                                                                   args.mixed_context, args.mixed_budget,
+                                                                   args.mixed_steps))
+            for kind in ("decode", "mixed"):
+                if f"{kind}_wall_s" in m:
+                    print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "
+                          f"{m[kind + '_wall_s'] * 1e3:.2f} ms, kernels {(m[kind + '_kernels_s'] or 0) * 1e3:.2f} ms "
+                          f"({m[kind + '_steps']} steps)", flush=True)
     if not args.skip_hf:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         model = model.cuda().eval()
