@@ -14,8 +14,7 @@ For each prompt length: the median of `--reps` engine steps that prefill one fre
 `--mixed-batch B` (an aggregated worker's step): B requests decode at `--mixed-context` tokens while prompts of 2048
 tokens prefill beside them in chunks, the step's budget `--mixed-budget` tokens (--max-num-batched-tokens). Prints the
 median decode-only step and the median step that carries a chunk, each as wall time (engine.step and a device sync)
-and the mean GPU time of its kernels (torch.profiler, over the last 32 steps): the difference is time the GPU waited
-for the host.
+and the GPU time of its kernels (torch.profiler, 16 more steps): the difference is time the GPU waited for the host.
 """
 from __future__ import annotations
 
@@ -97,46 +96,45 @@ def kernel_table(engine, length: int, path: str) -> None:
 
 
 def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budget: int, steps: int) -> dict:
+    """Decode-only steps of `batch` requests, then steps that also carry a chunk of a 2048-token prompt (one always
+    prefilling): each kind's median wall, and its kernels' GPU time a step over 16 more steps under torch.profiler."""
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
-                                    num_kv_blocks=(batch + 1) * (context + steps + 2048) // 16 + 64,
+                                    num_kv_blocks=(batch + 1) * (context + 2 * steps + 2048) // 16 + 64,
                                     max_num_seqs=batch + 1, max_num_batched_tokens=budget, max_model_len=4096,
                                     enable_prefix_caching=False, load_format=load_format))
     for i in range(batch):
         engine.add_request(f"dec{i}", [1000 + (i * 31 + j) % 100000 for j in range(context)],
-                           SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True))
-    from torch.profiler import ProfilerActivity, profile, record_function
+                           SamplingParams(temperature=0, max_tokens=2 * steps + 128, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    prompts = 0
 
-    times: dict[str, list[tuple[float, float]]] = {"decode": [], "mixed": []}
-    prompts, profiled = 0, steps + 32  # the last 32 steps run under the profiler, for their kernels' own time
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    for n in range(steps + 64):
-        prefilling = engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                     for r in engine.scheduler.running)
-        if not prefilling and n >= 32:  # every decode row in: keep one 2048-token prompt prefilling in chunks
+    def step(mixed: bool) -> float:
+        nonlocal prompts
+        if mixed and not (engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                          for r in engine.scheduler.running)):
             prompts += 1
             engine.add_request(f"chunked{prompts}", [2000 + (prompts * 17 + j) % 100000 for j in range(2048)],
                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            prefilling = True
-        kind = "mixed" if prefilling else "decode"
-        if n == profiled:
-            prof.__enter__()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with record_function(f"{kind}_step"):
-            engine.step()
-            torch.cuda.synchronize()
-        if 32 <= n < profiled:
-            times[kind].append(time.perf_counter() - t)
-    prof.__exit__(None, None, None)
-    kernels = {e.key: e.device_time_total / e.count / 1e6 for e in prof.key_averages() if e.key.endswith("_step")}
+        engine.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {"batch": batch, "context": context, "budget": budget}
+    for kind, mixed in (("decode", False), ("mixed", True)):
+        for _ in range(8):
+            step(mixed)
+        out[f"{kind}_wall_s"] = statistics.median(step(mixed) for _ in range(steps))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(16):
+                step(mixed)
+        out[f"{kind}_kernels_s"] = sum(e.self_device_time_total for e in prof.key_averages()) / 16 / 1e6
     del engine
     torch.cuda.empty_cache()
-    out = {"batch": batch, "context": context, "budget": budget}
-    for kind, walls in times.items():
-        out[f"{kind}_steps"] = len(walls)
-        if walls:
-            out[f"{kind}_wall_s"] = statistics.median(walls)
-        out[f"{kind}_kernels_s"] = kernels.get(f"{kind}_step")  # mean GPU time of its kernels (profiled steps)
     return out
 
 
@@ -172,10 +170,9 @@ def main() -> None:
                                                                    args.mixed_context, args.mixed_budget,
                                                                    args.mixed_steps))
             for kind in ("decode", "mixed"):
-                if f"{kind}_wall_s" in m:
-                    print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "
-                          f"{m[kind + '_wall_s'] * 1e3:.2f} ms, kernels {(m[kind + '_kernels_s'] or 0) * 1e3:.2f} ms "
-                          f"({m[kind + '_steps']} steps)", flush=True)
+                print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "
+                      f"{m[kind + '_wall_s'] * 1e3:.2f} ms, kernels {m[kind + '_kernels_s'] * 1e3:.2f} ms "
+                      f"(median of {args.mixed_steps} steps; kernels over 16 more)", flush=True)
     if not args.skip_hf:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         model = model.cuda().eval()
