@@ -282,12 +282,13 @@ class TritonPagedAttention:
         return self.attend(q, kv_cache, meta, scale, window)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
-               window: int | None) -> torch.Tensor:
-        """Attention of q [T, Hq, D] over the cache, where this step's K and V already are."""
+               window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, where this step's K and V already are; into `out` when given
+        (a piecewise graph's static buffer, common.engine.prefill_graphs)."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         group = num_heads // num_kv_heads
         common = dict(D=head_dim, D_PAD=_pow2(head_dim, 16), BS=self.block_size, BLOCK=BLOCK_N,
                       IEEE=q.dtype == torch.float32)

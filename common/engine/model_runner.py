@@ -7,6 +7,7 @@ and its heads of the cache, meeting the others in the model's collectives. Only 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from common.kv.blocks import gather_blocks
 from common.kv.layout import KvExport, KvLayout
 from common.kv.shards import KvShards
 from common.pb.disagg.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
 
 
 def _device_greedy(request: Request, masks_here: bool) -> bool:
@@ -193,6 +196,7 @@ class ModelRunner:
                 cpu_ops.warm()  # the same for the bf16 norm / RoPE kernels
         self.sampler = Sampler(seed)
         self.graphs = self._make_graphs(config)
+        self.prefill_graphs = self._make_prefill_graphs(config)
         self._greedy: torch.Tensor | None = None  # a follower's: its last step's greedy tokens (the next ahead's input)
         self._stepping_thread: int | None = None  # the thread pinned to the model's cores (the engine loop's)
 
@@ -246,6 +250,22 @@ class ModelRunner:
         max_len = resolve_max_model_len(config, self.hf_config.max_position_embeddings)
         return DecodeGraphs(self.model, self.attention, self.rank_cache, config.max_num_seqs,
                             -(-max_len // self.block_size), self.device)
+
+    def _make_prefill_graphs(self, config: EngineConfig):
+        """Piecewise CUDA graphs for the other steps (common.engine.prefill_graphs), with the decode graphs, on one
+        rank. A model whose pieces do not capture runs those steps eagerly, said once here."""
+        if self.graphs is None or self.tp.size > 1:
+            return None
+        from common.engine.prefill_graphs import PrefillGraphs
+
+        try:
+            return PrefillGraphs(self.model, self.attention, self.rank_cache, config.max_num_batched_tokens,
+                                 self.device)
+        except Exception as exc:  # a capture the model refuses: eager prompt steps, never a failed start
+            log.warning("prompt and mixed steps run eagerly (no piecewise CUDA graphs): %s: %s",
+                        type(exc).__name__, exc)
+            torch.cuda.synchronize(self.device)
+            return None
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepLaunch:
@@ -312,7 +332,11 @@ class ModelRunner:
             embeds = self.model.embed(ids)
             rows, values = step.image_rows
             embeds[rows.to(self.device)] = values.to(device=self.device, dtype=embeds.dtype)
-        hidden = self.model(ids, positions, self.rank_cache, self.attention.prepare(step.layout), self.attention, embeds)
+        meta = self.attention.prepare(step.layout)
+        if self.prefill_graphs is not None and embeds is None and self.prefill_graphs.fits(len(step.positions)):
+            hidden = self.prefill_graphs.run(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, self.rank_cache, meta, self.attention, embeds)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[sample_rows])

@@ -82,8 +82,24 @@ def test_gpu_engine_greedy_matches_hf(tiny_model_dirs, family, eager):
     path = tiny_model_dirs[family]
     engine = _engine(path, enforce_eager=eager, max_num_batched_tokens=16)  # small budget: chunked prefills too
     assert (engine.runner.graphs is None) == eager
+    _generates_the_hf_tokens(engine, path, (5, 11, 17, 40))
+    if not eager:  # the prompt chunks and mixed steps went through the piecewise graphs (bucket 16)
+        assert engine.runner.prefill_graphs.steps > 0
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_prompt_and_mixed_steps_in_piecewise_graphs_match_hf(tiny_model_dirs, family):
+    """Steps of 1-100 tokens padded to their bucket (16 ... 100): whole prompts, chunks beside decode rows."""
+    path = tiny_model_dirs[family]
+    engine = _engine(path, max_num_batched_tokens=100)
+    assert engine.runner.prefill_graphs.buckets[-1] == 100
+    _generates_the_hf_tokens(engine, path, (5, 11, 17, 40, 90, 150))
+    assert engine.runner.prefill_graphs.steps > 0
+
+
+def _generates_the_hf_tokens(engine: LLMEngine, path: str, lengths: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 11, 17, 40)]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, got in zip(prompts, outputs):
         assert got == hf_greedy(path, prompt, 12)[0]

@@ -1,0 +1,145 @@
+"""CUDA graphs for the steps decode graphs do not take (prompt chunks, mixed steps): everything but attention,
+in pieces, per token-count bucket.
+
+Eagerly, a step is ~10 launches a layer from Python. On the 4 x H200 machine's host that made a 512-token prefill
+of the Llama-3.2-3B shape 12-22 ms for ~5 ms of kernels, and a mixed step (32 decode rows and a 480-token chunk)
+20 ms for 6.9 ms of kernels (`python -m tests.bench.gpu_prefill --mixed-batch 32`): the GPU waited on the host.
+Attention's launch shape depends on the step (each chunk's tiles, the decode rows), so it stays eager; what lies
+between two attentions depends only on the token count. For each bucket the model's own forward is captured once,
+cut at every attention call:
+- piece 0: embed → layer 0's norm → QKV → RoPE and the K/V store (into the cache at the static slots);
+- piece i: layer i-1's output projection → its MLP → layer i's norm → QKV → RoPE and store;
+- the last: the last layer's output projection and MLP, the final norm.
+A step copies its ids, positions and slots into the static inputs (padded rows: slot -1, nothing stored), replays
+piece 0, then per layer runs attention eagerly over that piece's q into its static output and replays the next
+piece. Rows past the step's tokens compute garbage no real row reads (every op but attention is row-wise).
+Only one rank (no tensor parallelism: the followers would have to replay in step) and only models whose every
+piece captures: a model whose capture fails (say, a host sync in an MoE kernel) runs eagerly, with a warning.
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.devices import capture_stream
+from common.engine.attention_triton import TritonAttentionMetadata, TritonPagedAttention
+
+log = logging.getLogger(__name__)
+
+# Token counts: fine where the host dominates (small steps), 256 apart above 512 (at most ~1/3 more work padded).
+TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048)
+MAX_TOKENS = TOKEN_BUCKETS[-1]
+
+
+@dataclass
+class _AttentionCall:
+    """One layer's attention between two pieces: its static q (the piece before writes it) and output (the piece
+    after reads it)."""
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    window: int | None
+
+
+class _Cuts:
+    """The attention backend the model sees while a bucket is captured: each `attend` ends the piece being captured
+    and starts the next; while warming up (no capture) it only hands back an output of q's shape."""
+    fused_rope_store = True
+
+    def __init__(self, pool, device: torch.device):
+        self.pool, self.device = pool, device
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[_AttentionCall] = []
+        self.capturing = False
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.pieces.append(graph)
+
+    def end(self) -> None:
+        self.pieces[-1].capture_end()
+
+    def attend(self, q, kv_cache, meta, scale, window):
+        out = torch.empty_like(q)
+        if self.capturing:
+            self.end()
+            self.calls.append(_AttentionCall(q, kv_cache, out, scale, window))
+            self.begin()
+        return out
+
+
+class PrefillGraphs:
+    def __init__(self, model, attention: TritonPagedAttention, kv_cache: torch.Tensor, max_tokens: int,
+                 device: torch.device):
+        self.model, self.attention, self.kv_cache, self.device = model, attention, kv_cache, device
+        self.buckets = [b for b in TOKEN_BUCKETS if b < max_tokens] + [min(max_tokens, MAX_TOKENS)]
+        n = self.buckets[-1]
+        self.inputs = torch.zeros((3, n), dtype=torch.long, device=device)  # ids, positions, slots
+        self._no_tables = torch.zeros((0, 0), dtype=torch.int32, device=device)
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.calls: dict[int, list[_AttentionCall]] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.steps = 0  # steps run through the graphs (tests check that they were)
+        self._capture()
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def _forward(self, b: int, cuts: _Cuts) -> torch.Tensor:
+        meta = TritonAttentionMetadata(self.inputs[2, :b], self._no_tables, False)  # pieces read only the slots
+        return self.model(self.inputs[0, :b], self.inputs[1, :b], self.kv_cache, meta, cuts)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        self.inputs[2].fill_(-1)  # no K/V stored while capturing
+        pool = None
+        collecting = gc.isenabled()
+        gc.disable()  # no collection frees CUDA objects mid-capture (as common.devices.graph_capture)
+        try:
+            for b in reversed(self.buckets):  # largest first: smaller buckets reuse its memory pool
+                self._forward(b, _Cuts(None, self.device))  # compile kernels, settle allocations, uncaptured
+                torch.cuda.synchronize(self.device)
+                cuts = _Cuts(pool, self.device)
+                with torch.cuda.stream(capture_stream(self.device)):
+                    cuts.capturing = True
+                    cuts.begin()
+                    try:
+                        self.hidden[b] = self._forward(b, cuts)
+                    finally:
+                        cuts.end()
+                        cuts.capturing = False
+                torch.cuda.synchronize(self.device)
+                pool = cuts.pool
+                self.pieces[b], self.calls[b] = cuts.pieces, cuts.calls
+        finally:
+            if collecting:
+                gc.enable()
+
+    def fits(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+        """The final hidden states [T, hidden] of a step of T tokens (the graphs' own buffer, valid until the next
+        run); `ids`, `positions` and `meta` (attention's, from `prepare`) are the step's, on the device."""
+        t = ids.shape[0]
+        b = self.buckets[bisect.bisect_left(self.buckets, t)]
+        self.inputs[2, t:b].fill_(-1)
+        self.inputs[0, :t].copy_(ids)
+        self.inputs[1, :t].copy_(positions)
+        self.inputs[2, :t].copy_(meta.slot_mapping)
+        pieces, calls = self.pieces[b], self.calls[b]
+        self.steps += 1
+        pieces[0].replay()
+        for call, piece in zip(calls, pieces[1:]):
+            self.attention.attend(call.q[:t], call.kv_cache, meta, call.scale, call.window, out=call.out[:t])
+            piece.replay()
+        return self.hidden[b][:t]
