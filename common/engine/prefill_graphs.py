@@ -51,21 +51,24 @@ class _Cuts:
     and starts the next; while warming up (no capture) it only hands back an output of q's shape."""
     fused_rope_store = True
 
-    def __init__(self, pool, device: torch.device):
-        self.pool, self.device = pool, device
+    def __init__(self, pool: tuple[int, int] | None):
+        self.pool = pool  # every piece of every bucket in one memory pool
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_AttentionCall] = []
         self.capturing = False
+        self._open: torch.cuda.CUDAGraph | None = None
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        if self.pool is None:
-            self.pool = graph.pool()
-        self.pieces.append(graph)
+        self._open = graph
 
     def end(self) -> None:
-        self.pieces[-1].capture_end()
+        """End the piece being captured, if one is (also after a failed capture: the stream stops capturing)."""
+        graph, self._open = self._open, None
+        if graph is not None:
+            graph.capture_end()
+            self.pieces.append(graph)
 
     def attend(self, q, kv_cache, meta, scale, window):
         out = torch.empty_like(q)
@@ -101,14 +104,14 @@ class PrefillGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         self.inputs[2].fill_(-1)  # no K/V stored while capturing
-        pool = None
+        pool = torch.cuda.graph_pool_handle()
         collecting = gc.isenabled()
         gc.disable()  # no collection frees CUDA objects mid-capture (as common.devices.graph_capture)
         try:
             for b in reversed(self.buckets):  # largest first: smaller buckets reuse its memory pool
-                self._forward(b, _Cuts(None, self.device))  # compile kernels, settle allocations, uncaptured
+                self._forward(b, _Cuts(None))  # compile kernels, settle allocations, uncaptured
                 torch.cuda.synchronize(self.device)
-                cuts = _Cuts(pool, self.device)
+                cuts = _Cuts(pool)
                 with torch.cuda.stream(capture_stream(self.device)):
                     cuts.capturing = True
                     cuts.begin()
@@ -118,7 +121,6 @@ class PrefillGraphs:
                         cuts.end()
                         cuts.capturing = False
                 torch.cuda.synchronize(self.device)
-                pool = cuts.pool
                 self.pieces[b], self.calls[b] = cuts.pieces, cuts.calls
         finally:
             if collecting:
