@@ -2,8 +2,9 @@
 in pieces, per token-count bucket.
 
 Eagerly, a step is ~10 launches a layer from Python. On the 4 x H200 machine's host that made a 512-token prefill
-of the Llama-3.2-3B shape 12-22 ms for ~5 ms of kernels, and a mixed step (32 decode rows and a 480-token chunk)
-20 ms for 6.9 ms of kernels (`python -m tests.bench.gpu_prefill --mixed-batch 32`): the GPU waited on the host.
+of the Llama-3.2-3B shape 12-23 ms (3.8 ms of FLOPs at the measured matmul rate), and a mixed step (32 decode rows
+and a 480-token chunk) 20-22 ms for 6.9 ms of kernels: the GPU waited on the host. With these graphs: 7.0 ms and
+10.4 ms (`python -m tests.bench.gpu_prefill --mixed-batch 32`; README, "Prompt and mixed steps").
 Attention's launch shape depends on the step (each chunk's tiles, the decode rows), so it stays eager; what lies
 between two attentions depends only on the token count. For each bucket the model's own forward is captured once,
 cut at every attention call:
