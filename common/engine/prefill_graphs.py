@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +28,7 @@ import torch
 from common.devices import capture_stream
 from common.engine.attention_triton import TritonAttentionMetadata, TritonPagedAttention
 
-log = logging.getLogger(__name__)
-
-# Token counts: fine where the host dominates (small steps), 256 apart above 512 (at most ~1/3 more work padded).
+# Token counts: fine where the host dominates (small steps), 256 apart above 512 (at most 255 rows padded).
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048)
 MAX_TOKENS = TOKEN_BUCKETS[-1]
 
@@ -84,7 +81,8 @@ class PrefillGraphs:
     def __init__(self, model, attention: TritonPagedAttention, kv_cache: torch.Tensor, max_tokens: int,
                  device: torch.device):
         self.model, self.attention, self.kv_cache, self.device = model, attention, kv_cache, device
-        self.buckets = [b for b in TOKEN_BUCKETS if b < max_tokens] + [min(max_tokens, MAX_TOKENS)]
+        cap = min(max_tokens, MAX_TOKENS)  # a longer step (a budget over 2048) runs eagerly: the GPU is the bound
+        self.buckets = [b for b in TOKEN_BUCKETS if b < cap] + [cap]
         n = self.buckets[-1]
         self.inputs = torch.zeros((3, n), dtype=torch.long, device=device)  # ids, positions, slots
         self._no_tables = torch.zeros((0, 0), dtype=torch.int32, device=device)

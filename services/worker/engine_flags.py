@@ -53,7 +53,8 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--max-model-len", type=int, default=None)
     add("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     add("--no-prefix-caching", action=GivenSwitch)
-    add("--enforce-eager", action=GivenSwitch, help="GPU: run every step eagerly, without CUDA graphs (decode steps and the pieces of prompt and mixed steps)")
+    add("--enforce-eager", action=GivenSwitch,
+        help="GPU: run every step eagerly, without CUDA graphs (decode steps, and prompt and mixed steps in pieces)")
     add("--no-async-scheduling", action=GivenSwitch,
         help="GPU: read each decode step's tokens before launching the next (default: launch ahead)")
     add("--tensor-parallel-size", type=int,
