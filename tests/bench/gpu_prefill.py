@@ -105,14 +105,17 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
     for i in range(batch):
         engine.add_request(f"dec{i}", [1000 + (i * 31 + j) % 100000 for j in range(context)],
                            SamplingParams(temperature=0, max_tokens=2 * steps + 128, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    def prefilling() -> bool:
+        return bool(engine.scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                     for r in engine.scheduler.running)
+
+    while prefilling():
         engine.step()
     prompts = 0
 
     def step(mixed: bool) -> float:
         nonlocal prompts
-        if mixed and not (engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                          for r in engine.scheduler.running)):
+        if mixed and not prefilling():
             prompts += 1
             engine.add_request(f"chunked{prompts}", [2000 + (prompts * 17 + j) % 100000 for j in range(2048)],
                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
