@@ -12,7 +12,8 @@ import pytest
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
 from tests.integration.kv_backend_cases import backend_cluster, cpu_backends
 from tests.integration.otlp_receiver import OtlpReceiver
-from tests.integration.processes import ServiceProcess
+from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
+from tests.integration.test_router import make_text_model
 
 # Small enough that a leak shows at once in GetLoad; one thread per process on small CI machines.
 TINY_ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "64")
@@ -58,6 +59,39 @@ def receiver() -> Iterator[OtlpReceiver]:
     receiver = OtlpReceiver().start()
     try:
         yield receiver
+    finally:
+        receiver.stop()
+
+
+@dataclass
+class TracedWorkers:
+    """A prefill and a decode exporting their spans to `receiver`; `env` makes a router of a test's export there too."""
+    receiver: OtlpReceiver
+    model: str
+    env: dict[str, str]
+    prefill: ServiceProcess
+    decode: ServiceProcess
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return [self.prefill, self.decode]
+
+
+@pytest.fixture(scope="session")
+def traced_workers(tmp_path_factory) -> Iterator[TracedWorkers]:
+    """A tiny-text prefill and decode (one thread each) exporting spans to an OTLP receiver of their own, for the
+    modules that trace requests through a router of their own over them (test_tracing, test_ttft_breakdown): each
+    reads only the traces of its own requests, and starting the pair once saves one pair's start and stop."""
+    receiver = OtlpReceiver().start()
+    try:
+        model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
+        env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
+        processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
+        try:
+            yield TracedWorkers(receiver, model, env, *processes)
+        finally:
+            codes = stop_in_waves(processes)
+            assert codes == [0, 0], [p.log() for p in processes]
     finally:
         receiver.stop()
 
