@@ -14,28 +14,31 @@ import pytest
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.integration.processes import ServiceProcess, free_port, start_service, start_services, stop_in_waves
-from tests.integration.test_router import make_text_model
+from tests.integration.conftest import TracedWorkers
+from tests.integration.processes import ServiceProcess, free_port, start_service
 
 MAX_TOKENS = 5
 SERVER, CLIENT = 2, 3  # opentelemetry.proto.trace.v1.Span.SpanKind
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory, receiver) -> Iterator[ServiceProcess]:
-    """prefill + decode + router exporting to the receiver; the router under its own OTEL_SERVICE_NAME."""
-    model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-    env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
-    processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
+def receiver(traced_workers: TracedWorkers) -> OtlpReceiver:
+    """The receiver of the shared traced workers (conftest.traced_workers), not a module one of its own."""
+    return traced_workers.receiver
+
+
+@pytest.fixture(scope="module")
+def traced(traced_workers: TracedWorkers) -> Iterator[ServiceProcess]:
+    """A router over the shared traced prefill and decode (conftest.traced_workers), exporting to their receiver
+    under its own OTEL_SERVICE_NAME."""
+    workers = traced_workers
+    router = start_service("router", "--model", workers.model, "--prefill-workers", workers.prefill.address,
+                           "--decode-workers", workers.decode.address, "--http-port", str(free_port()),
+                           env={**workers.env, "OTEL_SERVICE_NAME": "edge-router"})
     try:
-        prefill, decode = processes
-        processes.append(start_service("router", "--model", model, "--prefill-workers", prefill.address,
-                                       "--decode-workers", decode.address, "--http-port", str(free_port()),
-                                       env={**env, "OTEL_SERVICE_NAME": "edge-router"}))
-        yield processes[-1]
+        yield router
     finally:
-        codes = stop_in_waves(processes)
-        assert codes == [0, 0, 0], [p.log() for p in processes]
+        assert router.stop() == 0, router.log()
 
 
 def _generate(router: ServiceProcess, metadata: tuple = ()) -> None:
@@ -113,7 +116,9 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(traced, recei
 def test_a_request_without_traceparent_starts_its_own_trace(traced, receiver):
     known = {s.trace_id for s in receiver.spans}
     _generate(traced)
-    new = wait_for(lambda: {s.trace_id for s in receiver.spans if s.name == "kv_pull"} - known, 20, "a new trace")
+    # The receiver is shared (conftest.traced_workers): a new trace of this module's router, the one it serves.
+    new = wait_for(lambda: {s.trace_id for s in receiver.spans if s.service == "edge-router"} - known, 20,
+                   "a new trace")
     assert len(new) == 1
     spans = wait_for(_complete(receiver, new.pop()), 20, "the new trace's spans")
     assert _one(spans, "edge-router", "/disagg.v1.Generation/Generate", SERVER).parent_span_id == ""
