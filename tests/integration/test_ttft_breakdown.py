@@ -9,7 +9,6 @@ import secrets
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -17,9 +16,10 @@ import grpc
 import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.conftest import TracedWorkers
 from tests.integration.observed import scrape, wait_for
-from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, start_services
-from tests.integration.test_router import make_text_model
+from tests.integration.otlp_receiver import OtlpReceiver
+from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, start_service
 
 PARTS = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_handoff_ms", "first_decode_step_ms")
 FIRST_TOKEN_PARTS = PARTS[:3]
@@ -47,21 +47,23 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, receiver) -> Iterator[Stack]:
-    """prefill + decode + a router (HTTP on) that runs prompts shorter than MIN_REMOTE tokens aggregated."""
-    model = str(make_text_model(tmp_path_factory.mktemp("models") / "tiny-text"))
-    env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
-    processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
+def receiver(traced_workers: TracedWorkers) -> OtlpReceiver:
+    """The receiver of the shared traced workers (conftest.traced_workers), not a module one of its own."""
+    return traced_workers.receiver
+
+
+@pytest.fixture(scope="module")
+def stack(traced_workers: TracedWorkers) -> Iterator[Stack]:
+    """The shared traced prefill + decode (conftest.traced_workers) and a router of this module's over them (HTTP on)
+    that runs prompts shorter than MIN_REMOTE tokens aggregated."""
+    workers = traced_workers
+    router = start_service("router", "--model", workers.model, "--prefill-workers", workers.prefill.address,
+                           "--decode-workers", workers.decode.address, "--min-remote-prefill-tokens", str(MIN_REMOTE),
+                           "--http-port", str(free_port()), env=workers.env)
     try:
-        prefill, decode = processes
-        processes += start_services([("router", (
-            "--model", model, "--prefill-workers", prefill.address, "--decode-workers", decode.address,
-            "--min-remote-prefill-tokens", str(MIN_REMOTE), "--http-port", str(free_port())))], env=env)
-        yield Stack(model, processes)
+        yield Stack(workers.model, [*workers.processes, router])
     finally:
-        with ThreadPoolExecutor() as pool:
-            codes = list(pool.map(ServiceProcess.stop, processes))
-        assert codes == [0] * len(codes), [p.log() for p in processes]
+        assert router.stop() == 0, router.log()
 
 
 def _generate(router: ServiceProcess, prompt: str, metadata: tuple = ()) -> tuple[list[float], common_pb2.Usage]:
