@@ -30,7 +30,8 @@ def settle_heap(metrics: Metrics | None = None) -> int:
     gc.collect()
     gc.freeze()
     # At exit the frozen objects go back to the collector: frozen, the interpreter's last collections skip them, and
-    # triton's bindings (nanobind) then report every one of their objects still alive as a leak on stderr.
+    # triton's bindings (nanobind) then report every one of their objects still alive as a leak on stderr. (The
+    # services skip finalising altogether, services.kit.process_exit; this is for the bench client and callers.)
     atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     log.info("froze %d start-up objects out of the garbage collector's way (%.0f ms)", frozen,

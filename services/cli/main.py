@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from services.kit.process_exit import exit_process
+
 # subcommand -> (module with main(argv) -> int, one-line help)
 SUBCOMMANDS = {
     "run": ("services.cli.run_local", "generate from a prompt with the engine in this process"),
@@ -16,13 +18,18 @@ SUBCOMMANDS = {
     "generate": ("services.cli.client", "stream an answer from a running router"),
     "bench": ("services.cli.bench.main", "load-test a running router: TTFT, ITL, throughput, goodput"),
 }
+SERVICES = {"prefill", "encode", "decode", "router"}  # shut down in order, then leave at once (services.kit.process_exit)
 
 
 def main(argv: list[str] | None = None) -> int:
+    top_level = argv is None  # the `disagg` command itself, not a caller in this process
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
         print("usage: disagg SUBCOMMAND [args]\n\nsubcommands:\n" + "\n".join(lines), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module, _ = SUBCOMMANDS[argv[0]]
-    return importlib.import_module(module).main(argv[1:])
+    code = importlib.import_module(module).main(argv[1:])
+    if top_level and argv[0] in SERVICES:
+        exit_process(code)
+    return code

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,6 +18,7 @@ from common.media import MediaConfig
 from common.model_facts import load_model_facts
 from common.pb.disagg.v1 import worker_pb2
 from services.encode.server import SERVICE_NAMES, EmbeddingSource, EncodeState, add_servicers
+from services.kit.process_exit import exit_process
 from services.worker.shell import run_worker
 
 _EXPIRE_EVERY_S = 0.25
@@ -148,4 +148,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

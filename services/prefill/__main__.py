@@ -1,11 +1,10 @@
 """`python -m services.prefill` / `disagg prefill`: the prefill worker process."""
 from __future__ import annotations
 
-import sys
-
 from common.pb.disagg.v1 import worker_pb2
 from services.prefill.server import SERVICE_NAMES, add_servicers
 from services.worker.service import EngineRole
+from services.kit.process_exit import exit_process
 from services.worker.shell import run_worker
 
 SPEC = EngineRole(worker_pb2.WORKER_ROLE_PREFILL, "The prefill worker.", SERVICE_NAMES, add_servicers)
@@ -16,4 +15,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -12,6 +12,7 @@ from common.engine.default_model import model_label
 from common.errors import InvalidConfig
 from services.router.config import add_router_args, config_from_args, discovery_from_args
 from services.kit.observability import Observability, add_observability_args
+from services.kit.process_exit import exit_process
 from services.router.server import serve
 
 
@@ -39,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())
