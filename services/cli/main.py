@@ -18,7 +18,8 @@ SUBCOMMANDS = {
     "generate": ("services.cli.client", "stream an answer from a running router"),
     "bench": ("services.cli.bench.main", "load-test a running router: TTFT, ITL, throughput, goodput"),
 }
-SERVICES = {"prefill", "encode", "decode", "router"}  # shut down in order, then leave at once (services.kit.process_exit)
+# Subcommands that shut down in order and then leave at once (services.kit.process_exit).
+SERVICES = {"prefill", "encode", "decode", "router"}
 
 
 def main(argv: list[str] | None = None) -> int:

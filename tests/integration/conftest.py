@@ -64,17 +64,11 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @dataclass
-class TracedWorkers:
+class TracedWorkers(WorkerPair):
     """A prefill and a decode exporting their spans to `receiver`; `env` makes a router of a test's export there too."""
-    receiver: OtlpReceiver
-    model: str
-    env: dict[str, str]
-    prefill: ServiceProcess
-    decode: ServiceProcess
-
-    @property
-    def processes(self) -> list[ServiceProcess]:
-        return [self.prefill, self.decode]
+    receiver: OtlpReceiver | None = None
+    model: str = ""
+    env: dict[str, str] | None = None
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +82,7 @@ def traced_workers(tmp_path_factory) -> Iterator[TracedWorkers]:
         env = {"OMP_NUM_THREADS": "1", **receiver.export_env}
         processes = start_services([("prefill", ("--model", model)), ("decode", ("--model", model))], env=env)
         try:
-            yield TracedWorkers(receiver, model, env, *processes)
+            yield TracedWorkers(*processes, receiver=receiver, model=model, env=env)
         finally:
             codes = stop_in_waves(processes)
             assert codes == [0, 0], [p.log() for p in processes]
