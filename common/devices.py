@@ -31,6 +31,7 @@ def bind_loop_executor(loop: asyncio.AbstractEventLoop, device: str | torch.devi
                                                      initargs=(device,)))
 
 
+CAPTURE_ERROR_MODE = "thread_local"  # every capture's (graph_capture says why); prefill_graphs captures by hand
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _capture_lock = threading.Lock()
 
@@ -57,11 +58,18 @@ def graph_capture(graph: torch.cuda.CUDAGraph, device: torch.device,
     previous error during capture", tests/gpu/test_tensor_parallel_gpu.py on 4 x H200), a KV puller checking cuda_ipc
     as a worker starts. The cyclic GC is off meanwhile, so that no collection on this thread frees CUDA objects
     (events, streams, communicators) mid-capture."""
+    with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
+                                              capture_error_mode=CAPTURE_ERROR_MODE):
+        yield
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic GC off for the block (a capture: no collection may free CUDA objects mid-capture), then as it was."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device), capture_error_mode="thread_local"):
-            yield
+        yield
     finally:
         if collecting:
             gc.enable()

@@ -20,12 +20,11 @@ piece captures: a model whose capture fails (say, a host sync in an MoE kernel) 
 from __future__ import annotations
 
 import bisect
-import gc
 from dataclasses import dataclass
 
 import torch
 
-from common.devices import capture_stream
+from common.devices import CAPTURE_ERROR_MODE, capture_stream, collector_paused
 from common.engine.attention_triton import TritonAttentionMetadata, TritonPagedAttention
 
 # Token counts: fine where the host dominates (small steps), 256 apart above 512 (at most 255 rows padded).
@@ -53,12 +52,11 @@ class _Cuts:
         self.pool = pool  # every piece of every bucket in one memory pool
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_AttentionCall] = []
-        self.capturing = False
-        self._open: torch.cuda.CUDAGraph | None = None
+        self._open: torch.cuda.CUDAGraph | None = None  # the piece being captured; None while warming up
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        graph.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
         self._open = graph
 
     def end(self) -> None:
@@ -70,7 +68,7 @@ class _Cuts:
 
     def attend(self, q, kv_cache, meta, scale, window):
         out = torch.empty_like(q)
-        if self.capturing:
+        if self._open is not None:
             self.end()
             self.calls.append(_AttentionCall(q, kv_cache, out, scale, window))
             self.begin()
@@ -104,26 +102,19 @@ class PrefillGraphs:
     def _capture(self) -> None:
         self.inputs[2].fill_(-1)  # no K/V stored while capturing
         pool = torch.cuda.graph_pool_handle()
-        collecting = gc.isenabled()
-        gc.disable()  # no collection frees CUDA objects mid-capture (as common.devices.graph_capture)
-        try:
+        with collector_paused():
             for b in reversed(self.buckets):  # largest first: smaller buckets reuse its memory pool
                 self._forward(b, _Cuts(None))  # compile kernels, settle allocations, uncaptured
                 torch.cuda.synchronize(self.device)
                 cuts = _Cuts(pool)
                 with torch.cuda.stream(capture_stream(self.device)):
-                    cuts.capturing = True
                     cuts.begin()
                     try:
                         self.hidden[b] = self._forward(b, cuts)
                     finally:
                         cuts.end()
-                        cuts.capturing = False
                 torch.cuda.synchronize(self.device)
                 self.pieces[b], self.calls[b] = cuts.pieces, cuts.calls
-        finally:
-            if collecting:
-                gc.enable()
 
     def fits(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_tokens
