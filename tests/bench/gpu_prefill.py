@@ -24,11 +24,13 @@ import tempfile
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
+from tests.bench.engine_steps import decoding
 from tests.bench.gpu_engine_vs_hf import emit, engine_for, make_model, shape_arg, shape_config
 
 
@@ -81,8 +83,6 @@ def hf_prefill_s(model, length: int, reps: int) -> float:
 
 
 def kernel_table(engine, length: int, path: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     engine.add_request("profiled", list(range(2000, 2000 + length)),
                        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -105,17 +105,13 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
     for i in range(batch):
         engine.add_request(f"dec{i}", [1000 + (i * 31 + j) % 100000 for j in range(context)],
                            SamplingParams(temperature=0, max_tokens=2 * steps + 128, ignore_eos=True))
-    def prefilling() -> bool:
-        return bool(engine.scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                     for r in engine.scheduler.running)
-
-    while prefilling():
+    while not decoding(engine):
         engine.step()
     prompts = 0
 
     def step(mixed: bool) -> float:
         nonlocal prompts
-        if mixed and not prefilling():
+        if mixed and decoding(engine):  # no prompt left prefilling: start the next
             prompts += 1
             engine.add_request(f"chunked{prompts}", [2000 + (prompts * 17 + j) % 100000 for j in range(2048)],
                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -124,8 +120,6 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
         engine.step()
         torch.cuda.synchronize()
         return time.perf_counter() - t
-
-    from torch.profiler import ProfilerActivity, profile
 
     out = {"batch": batch, "context": context, "budget": budget}
     for kind, mixed in (("decode", False), ("mixed", True)):
