@@ -40,7 +40,7 @@ class KvPuller:
         self.releases = releases or Releases(channels)  # the worker's (its KvPath's), where it has one
         self.self_check = SelfCheck(self, on_probe) if self_check else None
         # Transports checked when first about to be used: name → that check (None until it starts), one for every
-        # pull and self-check that waits on it.
+        # pull and self-check that waits on it; dropped once answered.
         self._first_use_checks: dict[str, asyncio.Future[str | None] | None] = {}
         self.transports = self._usable(accepted or transport.names())
         self.on_fallback = on_fallback  # (transport, reason) → e.g. a metric
@@ -72,6 +72,7 @@ class KvPuller:
                 check = self._first_use_checks[name] = asyncio.ensure_future(
                     asyncio.to_thread(self.transports[name].unavailable_reason, self.device))
             reason = await asyncio.shield(check)
+            self._first_use_checks.pop(name, None)  # answered: later pulls ask `transports` alone
             if reason is not None and self.transports.pop(name, None) is not None:
                 log.info("KV transfer backend %s not used by this worker: %s", name, reason)
         return name in self.transports
