@@ -87,7 +87,7 @@ class PrefillGraphs:
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[_AttentionCall]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.steps = 0  # steps run through the graphs (tests check that they were)
+        self.steps = self.mixed_steps = 0  # steps run through the graphs, and those with decode rows (tests check)
         self._capture()
 
     @property
@@ -130,6 +130,7 @@ class PrefillGraphs:
         self.inputs[2, :t].copy_(meta.slot_mapping)
         pieces, calls = self.pieces[b], self.calls[b]
         self.steps += 1
+        self.mixed_steps += meta.decode_rows is not None
         pieces[0].replay()
         for call, piece in zip(calls, pieces[1:]):
             self.attention.attend(call.q[:t], call.kv_cache, meta, call.scale, call.window, out=call.out[:t])

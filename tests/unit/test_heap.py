@@ -49,7 +49,6 @@ def test_every_collection_is_timed_by_generation_with_one_timer_a_process(restor
         "model": "m", "role": "decode", "generation": "2"}) > 0
 
 
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_a_process_that_settled_its_heap_exits_without_leak_reports():
     """Frozen objects are skipped by the interpreter's last collections: triton's bindings (nanobind) would report
