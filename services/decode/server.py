@@ -145,9 +145,11 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
 
             watcher = asyncio.create_task(_watch(request_iterator, work, outbox, cancel_choice))
             try:
-                while (item := await outbox.get()) is not None:
+                held = _NOTHING
+                while (item := await outbox.get() if held is _NOTHING else held) is not None:
                     if isinstance(item, BaseException):
                         await abort_with(context, item)
+                    item, held = _merge_waiting(item, outbox)
                     yield item
             finally:  # also when the client disappears: the work's cleanup frees everything
                 watcher.cancel()
@@ -247,6 +249,27 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             self.state.metrics.get("disagg_kv_pull_bytes_total", backend=pulled.backend).inc(pulled.num_bytes)
             self.state.metrics.get("disagg_kv_pull_seconds", backend=pulled.backend).observe(pulled.seconds)
         return pulled.export
+
+
+_NOTHING = object()
+
+
+def _merge_waiting(message: worker_pb2.DecodeServerMessage,
+                   outbox: asyncio.Queue) -> tuple[worker_pb2.DecodeServerMessage, object]:
+    """`message` with the deltas of its choice that the engine made while the last write was under way (a router
+    reading slower than this worker generates), as one message: a worker that keeps up sends each step's tokens
+    alone, one that falls behind sends fewer messages instead of falling further behind. Returns it and the next
+    item taken from the outbox that could not join it (_NOTHING: none)."""
+    if not message.HasField("delta"):
+        return message, _NOTHING
+    while not outbox.empty():
+        following = outbox.get_nowait()
+        if not (isinstance(following, worker_pb2.DecodeServerMessage) and following.HasField("delta")
+                and following.delta.index == message.delta.index and not following.delta.prompt_logprobs):
+            return message, following
+        message.delta.token_ids.extend(following.delta.token_ids)
+        message.delta.logprobs.extend(following.delta.logprobs)
+    return message, _NOTHING
 
 
 async def _read_start(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage]) -> worker_pb2.DecodeStart:

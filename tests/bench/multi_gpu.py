@@ -24,7 +24,8 @@ lands in OUT/multi_gpu.json as it is measured, then OUT/multi_gpu.md (the table,
 that meets the SLO) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
 step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
-whether the p99 falls on them), `gc_pauses` (each role's oldest-generation collections and their ms) and `disagg
+whether the p99 falls on them), `cores_busy` (the cores each role's processes and the bench client kept busy: a
+router near 1.0 is saturated, its one event loop the limit), `gc_pauses` (each role's oldest-generation collections and their ms) and `disagg
 bench`'s JSON, per request, in OUT/points/.
 
 --step-times: every decode worker times its engine steps (tests/bench/decode_period_site on its PYTHONPATH), and each
@@ -39,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -212,6 +214,28 @@ def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float
     return round(seconds / count * 1000, 3) if count else None
 
 
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU seconds so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def role_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
+    """role → CPU seconds so far, over the role's processes (the bench client's: `bench`)."""
+    totals = {"bench": resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+              + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime}
+    for process in processes:
+        totals[process.role] = totals.get(process.role, 0.0) + cpu_seconds(process.popen.pid)
+    return totals
+
+
+def cores_busy(after: dict[str, float], before: dict[str, float], seconds: float) -> dict[str, float]:
+    """role → cores its processes kept busy during one point (a router near 1.0 is the point's bottleneck: one
+    event loop)."""
+    return {role: round((a - before.get(role, 0.0)) / seconds, 2) for role, a in after.items()}
+
+
 def gc_pauses(processes: list[ServiceProcess]) -> dict[str, list[float]]:
     """role → [oldest-generation collections, their seconds] so far, over the role's processes."""
     totals: dict[str, list[float]] = {}
@@ -262,9 +286,11 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(router)
             paused = gc_pauses([*workers, router])
+            cpu_before = role_cpu([*workers, router])
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(router, rate, args.num_prompts, args, keep=f"{label.replace(' ', '-')}-{rate:g}")
             windows.append((started_at, time.perf_counter()))
+            busy = cores_busy(role_cpu([*workers, router]), cpu_before, windows[-1][1] - started_at)
             routed_after = decisions(router)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
@@ -275,7 +301,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
-                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, router]), paused)}
+                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, router]), paused), "cores_busy": busy}
             point["meets_slo"] = meets(point, args)
             if s["errors"]:
                 point["errors"] = s["errors"][:5]

@@ -83,6 +83,7 @@ def test_peer_block_copier_moves_exactly_the_blocks_asked_for(on, order):
     src_ids, dst_ids = ((list(range(5, 17)), list(range(30, 42))) if order == "consecutive"
                         else (torch.randperm(40, generator=g)[:12].tolist(), torch.randperm(50, generator=g)[:12].tolist()))
     copier = PeerBlockCopier(src, dst, on=on)
+    _settle()
     stream = torch.cuda.Stream(device=copier.device)
     kept = copier(src_ids, dst_ids, stream)
     stream.synchronize()
@@ -90,6 +91,14 @@ def test_peer_block_copier_moves_exactly_the_blocks_asked_for(on, order):
     assert torch.equal(dst[:, :, dst_ids].cpu(), src[:, :, src_ids].cpu())
     untouched = [i for i in range(50) if i not in dst_ids]
     assert not dst[:, :, untouched].any()
+
+
+def _settle() -> None:
+    """Every GPU's queued work done: the caches' fill (randn, zeros, the shards' copies) ran on the default streams,
+    which a new stream does not wait for (PyTorch's streams are non-blocking), so a copy enqueued at once could read
+    or be overwritten by it. An engine's cache was written long before any pull reads it."""
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
 
 
 def _split(full: torch.Tensor, parts: int) -> "KvShards":
@@ -118,6 +127,7 @@ def test_head_slice_copier_moves_every_heads_blocks_in_one_hop(src_parts, dst_pa
                         else (torch.randperm(40, generator=g)[:12].tolist(), torch.randperm(50, generator=g)[:12].tolist()))
     copier = BlockCopier(src, dst)
     assert copier.peer is not None and len(copier.peer.pieces) == max(src_parts, dst_parts)
+    _settle()
     stream = torch.cuda.Stream(device=copier.device)
     assert copier(src_ids, dst_ids, stream) is None
     stream.synchronize()

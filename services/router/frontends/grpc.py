@@ -10,6 +10,7 @@ import grpc
 from common.errors import DisaggError
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
 from services.router.frontends import FrontDoor
+from services.router.frontends.coalesce import coalesced
 from services.router.frontends.grpc_convert import request_from_proto, response_of
 from services.router.frontends.grpc_stream import Multiplexer
 from services.router.generation import Core
@@ -31,8 +32,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await abort_with(context, exc)
         try:
             events = self._core.stream(core_request, context.time_remaining())
-            async with contextlib.aclosing(events) as events:
-                async for event in events:
+            # A write that falls behind sends the deltas that piled up meanwhile as one (coalesce.py).
+            async with contextlib.aclosing(events) as events, contextlib.aclosing(coalesced(events)) as merged:
+                async for event in merged:
                     await context.write(response_of(request_id, event))
         except Exception as exc:  # cancellation (the client went away) passes through: the stream counted it
             await abort_with(context, exc)
