@@ -109,7 +109,7 @@ class Orchestrator:
                 decode = await self._pick(Role.DECODE)
                 if decode is None:
                     raise Unavailable("no decode worker is available")
-                with decode.busy():
+                with decode.busy(), contextlib.ExitStack() as local_prefill:
                     # Nothing may be awaited between the placement and the prefill call: see PrefillPlacement.
                     prefill = await self._placement.place(req.prompt, decode,
                                                           lambda: self._pick(Role.PREFILL, req.prompt))
@@ -124,6 +124,9 @@ class Orchestrator:
                         if flight.sent.finished:
                             return
                         start = self._after_prefill(flight, ready, req)
+                    else:  # the decode worker prefills it: counted there until its first token (DecodeLoad.has_room)
+                        local_prefill.enter_context(decode.prefilling(len(req.prompt)))
+                    prefilling = ready is None
                     route = DecodeRoute(decode, start)
                     while True:
                         flight.sent.dispatched()
@@ -131,6 +134,9 @@ class Orchestrator:
                             async with contextlib.aclosing(self._decode.events(flight, route)) as events:
                                 async for event in events:
                                     for client_event in flight.apply(event):
+                                        if prefilling:
+                                            prefilling = False
+                                            local_prefill.close()
                                         yield client_event
                             return
                         except DecodeInterrupted as interrupted:

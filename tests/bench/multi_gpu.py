@@ -402,9 +402,11 @@ def main() -> int:
                         help="chunked-prefill sizes to try for the aggregated layouts (besides the default)")
     parser.add_argument("--only-agg-chunks", action="store_true",
                         help="the aggregated layouts at the --agg-chunks sizes alone, not at the default too")
-    parser.add_argument("--queue-tokens", type=int, default=16384, help="+q layouts' --max-prefill-queue-tokens")
-    parser.add_argument("--local-tokens", type=int, default=1024, help="+q layouts' --max-local-prefill-tokens")
-    parser.add_argument("--local-chunk", type=int, default=0,
+    parser.add_argument("--queue-tokens", type=int, default=12288, help="+q layouts' --max-prefill-queue-tokens")
+    parser.add_argument("--local-tokens", type=int, default=0,
+                        help="+q layouts' --max-local-prefill-tokens (0: a prompt goes to the decode worker only while "
+                             "the prefill queue is full)")
+    parser.add_argument("--local-chunk", type=int, default=512,
                         help="+q layouts: the decode workers' step budget (--max-num-batched-tokens), so a prompt "
                              "they prefill themselves runs in chunks of at most this size beside their decode rows "
                              "(0: their default)")

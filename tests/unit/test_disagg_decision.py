@@ -201,3 +201,15 @@ def test_every_reason_is_a_known_label_value():
 def test_router_config_names_a_negative_flag(flag):
     with pytest.raises(InvalidConfig, match="--" + flag.replace("_", "-")):
         RouterConfig(model="m", **{flag: -1})
+
+
+def test_an_overflowing_prompt_stays_remote_while_the_decode_worker_prefills_another_of_ours():
+    """One local prefill at a time: a second overflow waits in the prefill queue rather than chunking beside the
+    first on the decode GPU (both their TTFTs and every decode row's ITL would pay)."""
+    config = DisaggConfig(max_prefill_queue_tokens=1000)
+    demand = Demand(prompt_tokens=800, uncached_on_decode=800, uncached_on_prefill=800)
+    saturated = PrefillQueue(router_tokens=1500, router_requests=2)
+    prefilling = DecodeLoad(running_requests=1, waiting_requests=0, max_num_seqs=8, prefilling_tokens=900)
+    assert not prefilling.has_room
+    assert decide(config, demand, saturated, prefilling) == (True, "decode_busy")
+    assert decide(config, demand, saturated, IDLE_DECODE) == (False, "prefill_queue_full")
