@@ -187,7 +187,8 @@ class DataPlane(KvPath):
 
     async def import_kv(self, ref: common_pb2.KvSessionRef, timeout_s: float | None) -> PulledKv:
         try:
-            return await (await self.puller()).pull_and_release(ref, timeout_s=timeout_s)
+            async with self.releases.owing(ref):  # also while the puller is still being made
+                return await (await self.puller()).pull_and_release(ref, timeout_s=timeout_s)
         except grpc.aio.AioRpcError as exc:
             what = f"KV session {ref.session_id} at {ref.endpoint}: {exc.code().name}: {exc.details()}"
             if exc.code() is grpc.StatusCode.NOT_FOUND:

@@ -96,14 +96,15 @@ class KvPuller:
         channel = self.channels.get(ref.endpoint)
         if self.self_check is not None:
             self.self_check.start(channel, ref)  # once per exporter, in the background
-        for name in self.candidates(ref):
-            if not await self.usable(name):
-                continue
-            try:
-                pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
-                return pulled._replace(transfer_backend=transport.number_of(name))
-            except BackendUnavailable as exc:
-                self.fall_back(ref.endpoint, name, str(exc))
+        async with self.releases.owing(ref):  # a transport releases what it pulls; this, a pull ended before that
+            for name in self.candidates(ref):
+                if not await self.usable(name):
+                    continue
+                try:
+                    pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
+                    return pulled._replace(transfer_backend=transport.number_of(name))
+                except BackendUnavailable as exc:
+                    self.fall_back(ref.endpoint, name, str(exc))
         raise AssertionError("grpc is always a candidate and never unavailable")
 
     def fall_back(self, endpoint: str, name: str, reason: str) -> None:

@@ -121,15 +121,34 @@ async def release_quietly(target: grpc.aio.Channel | str, handle: str) -> bool:
 
 class Releases:
     """Every Release an importer sends its exporters, from one place: a pulled session's, off the critical path or
-    confirming an unfenced read; a failed pull's; a session it will not import (refused, or moved by its engine).
-    Those sent off the critical path are awaited at `close`."""
+    confirming an unfenced read; a failed pull's, or one's that ended before its transport had the session (`owing`);
+    a session it will not import (refused, or moved by its engine). Those sent off the critical path are awaited at
+    `close`."""
 
     def __init__(self, channels: "ChannelCache"):
         self.channels = channels
         self._pending: set[asyncio.Task] = set()
+        self._owed: set[str] = set()  # sessions whose Release is owed by an `owing` block still running
+
+    @contextlib.asynccontextmanager
+    async def owing(self, ref: common_pb2.KvSessionRef) -> AsyncIterator[None]:
+        """A block that owns the session: leaving it however it ends (raised, cancelled, returned) with no Release of
+        the session sent meanwhile sends one, so that no step of a pull (a transport's first-use check, opening the
+        exporter's cache) leaves the session pinned until its TTL."""
+        self._owed.add(ref.session_id)
+        try:
+            yield
+        except BaseException:
+            if ref.session_id in self._owed:
+                await self.now(ref)
+            raise
+        finally:
+            if ref.session_id in self._owed:
+                self.later(ref)
 
     def later(self, ref: common_pb2.KvSessionRef) -> asyncio.Task:
         """A Release nobody waits for (it only frees the exporter's blocks), logged if it fails."""
+        self._owed.discard(ref.session_id)
         task = asyncio.ensure_future(release_quietly(self.channels.get(ref.endpoint), ref.session_id))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -141,6 +160,7 @@ class Releases:
 
     async def confirm(self, ref: common_pb2.KvSessionRef, what: str) -> None:
         """The Release that proves an unfenced read: released = true, the session held its blocks until now."""
+        self._owed.discard(ref.session_id)
         try:
             release = await asyncio.shield(release_session(self.channels.get(ref.endpoint), ref.session_id))
         except grpc.aio.AioRpcError as exc:

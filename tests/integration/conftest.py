@@ -44,13 +44,19 @@ def worker_pair(kv_workers) -> WorkerPair:
 
 @pytest.fixture(scope="session")
 def kv_workers(tiny_llama) -> Iterator[dict]:
-    """kv_backend_cases.backend_cluster of float32 tiny-llama workers for every CPU backend here, and a prefill that
-    offers shm,grpc only ("prefill_no_nixl"): the KV backend, tensor-parallel, worker and shm tests share it (the
-    last two through worker_pair), and each of their tests leaves every pool full."""
+    """kv_backend_cases.backend_cluster of float32 tiny-llama workers for every CPU backend here, a prefill that
+    offers shm,grpc only ("prefill_no_nixl") and, where NIXL runs, a prefill and a nixl decode that only the test of
+    a cancel during a worker's first NIXL use uses ("nixl_first_use_prefill", "nixl_first_use_decode"): the KV
+    backend, tensor-parallel, worker and shm tests share it (the last two through worker_pair), and each of their
+    tests leaves every pool full."""
     args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
     extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
+    if "nixl" in cpu_backends():
+        extra += [("prefill", args), ("decode", (*args, "--kv-transfer-backends", "nixl"))]
     with backend_cluster(args, list(cpu_backends()), extra, env=WORKER_ENV) as cluster:
-        yield {**cluster, "prefill_no_nixl": cluster["extra0"]}
+        first_use = {"nixl_first_use_prefill": cluster["extra1"], "nixl_first_use_decode": cluster["extra2"]} \
+            if "nixl" in cpu_backends() else {}
+        yield {**cluster, "prefill_no_nixl": cluster["extra0"], **first_use}
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,17 @@ def test_cancels_free_every_block_on_both_workers(cluster, backend):
     check_cancels_free_everything(cluster["prefill"], cluster[backend], PROMPT)
 
 
+@pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
+def test_a_cancel_during_a_workers_first_nixl_use_frees_every_block(cluster):
+    """A worker's first NIXL pull starts what then runs until it stops: the decode's agent (its first-use check,
+    KvPuller.usable), then the prefill's agent and share (OpenKvCache). A cancel landing there, before the transport
+    has the session, still releases it (and the prefill still stops on SIGTERM, not held by a pinned session): first
+    on a decode that never pulled through NIXL, then from a prefill that never shared through it."""
+    decode = cluster["nixl_first_use_decode"]
+    check_cancels_free_everything(cluster["prefill"], decode, PROMPT)
+    check_cancels_free_everything(cluster["nixl_first_use_prefill"], decode, PROMPT)
+
+
 def test_the_decode_worker_takes_the_best_backend_offered(cluster, reference):
     check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, BACKENDS_HERE[0])
 
