@@ -135,9 +135,9 @@ def test_logprobs_come_with_the_first_token_and_every_delta(prefill, decode):
     assert prefilled.first_token_logprob < 0 and len(prefilled.first_token_top_logprobs) == 2
     assert prefilled.session.first_token_logprob == prefilled.first_token_logprob
     messages = list(decode.decoder.Decode(iter([decode_start(prefilled, output=output, **GREEDY)]), timeout=30))
-    for message in messages[:-1]:
-        (logprob,) = message.delta.logprobs
-        assert logprob.token_id == message.delta.token_ids[0] and len(logprob.top_logprobs) == 2
+    for message in messages[:-1]:  # a delta may hold several tokens (a stream that fell behind merges them)
+        assert [lp.token_id for lp in message.delta.logprobs] == list(message.delta.token_ids)
+        assert all(len(lp.top_logprobs) == 2 for lp in message.delta.logprobs)
 
 
 def test_first_token_that_ends_the_request_leaves_no_session(prefill):
@@ -156,8 +156,8 @@ def test_cancel_during_decode_frees_every_block(prefill, decode):
             tokens, finished = split(list(stream.responses))
         finally:
             stream.close()
-        assert all(m.HasField("delta") for m in deltas)
-        assert finished.usage.completion_tokens == 3 + len(tokens)
+        assert all(m.HasField("delta") for m in deltas)  # of a token or more each (merged when the stream lags)
+        assert finished.usage.completion_tokens == sum(len(m.delta.token_ids) for m in deltas) + len(tokens)
         assert is_idle(prefill.load()) and is_idle(decode.load())  # by the time `finished` arrives
         if finished.reason == common_pb2.FINISH_REASON_CANCELLED:
             break
