@@ -119,12 +119,12 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
             flags += ["--max-prefill-queue-tokens", str(args.queue_tokens),
                       "--max-local-prefill-tokens", str(args.local_tokens)]
     try:
-        router = start_services([("router", tuple(flags))])[0]
+        routers = start_services([("router", tuple(flags))] * args.routers)
     except BaseException:
         for w in workers:
             w.stop()
         raise
-    return workers, router
+    return workers, routers
 
 
 def step_times_env(layout: Layout, chunk: int | None, args: argparse.Namespace) -> dict[str, str] | None:
@@ -182,11 +182,11 @@ def ttft_parts(s: dict) -> dict[str, list[float]] | None:
             for part, d in s["ttft_breakdown"].items() if d and d.get("count")}
 
 
-def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: argparse.Namespace,
+def bench_point(routers: list[ServiceProcess], rate: float, num_prompts: int, args: argparse.Namespace,
                 keep: str | None = None) -> dict:
     """`disagg bench`'s summary of the point, with its `itl_split`; with `keep`, its JSON stays in OUT/points."""
     result = args.out / "point.json"
-    command = [sys.executable, "-m", "services", "bench", "--router", router.address, "--num-prompts",
+    command = [sys.executable, "-m", "services", "bench", "--router", ",".join(r.address for r in routers), "--num-prompts",
                str(num_prompts), "--input-len", args.input_len, "--output-len", f"fixed:{args.output_len}",
                "--request-rate", str(rate), "--warmup", "4", "--token-range", "1000", "120000", "--seed", "7",
                "--goodput-ttft-ms", str(args.slo_ttft_p90_ms), "--goodput-tpot-ms", str(args.slo_itl_p99_ms),
@@ -202,9 +202,15 @@ def bench_point(router: ServiceProcess, rate: float, num_prompts: int, args: arg
     return summary
 
 
-def decisions(router: ServiceProcess) -> dict[str, float]:
-    return {key.split("{", 1)[1].rstrip("}"): value for key, value in scrape(router).items()
-            if key.startswith("disagg_routing_prefill_decisions_total{")}
+def decisions(routers: list[ServiceProcess]) -> dict[str, float]:
+    """Where the routers placed prompts so far (reason and side → count), over every router."""
+    totals: dict[str, float] = {}
+    for router in routers:
+        for key, value in scrape(router).items():
+            if key.startswith("disagg_routing_prefill_decisions_total{"):
+                label = key.split("{", 1)[1].rstrip("}")
+                totals[label] = totals.get(label, 0.0) + value
+    return totals
 
 
 def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float]]) -> float | None:
@@ -273,25 +279,26 @@ def meets(point: dict, args: argparse.Namespace) -> bool:
 def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespace, results: list[dict],
           deadline: float) -> None:
     label = layout.name if chunk is None else f"{layout.name} chunk {chunk}"
+    label += f" x{args.routers} routers" if args.routers > 1 else ""
     started = time.monotonic()
-    workers, router = start_layout(layout, model, args, chunk)
+    workers, routers = start_layout(layout, model, args, chunk)
     print(f"# {label}: up in {time.monotonic() - started:.0f}s", flush=True)
     decoders = [w for w in workers if w.role == "decode"]
     first, windows = len(results), []
     try:
-        bench_point(router, args.rates[0], 16, args)  # warm-up: every kernel shape compiled, not timed
+        bench_point(routers, args.rates[0], 16, args)  # warm-up: every kernel shape compiled, not timed
         for rate in args.rates:
             if time.monotonic() > deadline:
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
-            before, routed = [pull_totals(d) for d in decoders], decisions(router)
-            paused = gc_pauses([*workers, router])
-            cpu_before = role_cpu([*workers, router])
+            before, routed = [pull_totals(d) for d in decoders], decisions(routers)
+            paused = gc_pauses([*workers, *routers])
+            cpu_before = role_cpu([*workers, *routers])
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
-            s = bench_point(router, rate, args.num_prompts, args, keep=f"{label.replace(' ', '-')}-{rate:g}")
+            s = bench_point(routers, rate, args.num_prompts, args, keep=f"{label.replace(' ', '-')}-{rate:g}")
             windows.append((started_at, time.perf_counter()))
-            busy = cores_busy(role_cpu([*workers, router]), cpu_before, windows[-1][1] - started_at)
-            routed_after = decisions(router)
+            busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, windows[-1][1] - started_at)
+            routed_after = decisions(routers)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
                      "achieved_req_s": round(s["request_throughput"], 2),
@@ -301,7 +308,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
-                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, router]), paused), "cores_busy": busy}
+                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy}
             point["meets_slo"] = meets(point, args)
             if s["errors"]:
                 point["errors"] = s["errors"][:5]
@@ -316,7 +323,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             if saturated:
                 break
     finally:
-        router.stop()
+        for router in routers:
+            router.stop()
         for w in workers:
             w.stop()
         if args.step_times:  # the workers wrote their last steps at exit
@@ -410,6 +418,9 @@ def main() -> int:
                         help="+q layouts: the decode workers' step budget (--max-num-batched-tokens), so a prompt "
                              "they prefill themselves runs in chunks of at most this size beside their decode rows "
                              "(0: their default)")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router replicas over the same workers; the bench client sends request i to router i mod N "
+                             "(one router's event loop streams about 7 000 tokens/s: see cores_busy)")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")

@@ -40,15 +40,17 @@ def https_context(url: str) -> ssl.SSLContext | bool:
 
 
 class GrpcClient:
-    """disagg.v1 Generation.Generate: one server-streaming RPC per request on one channel."""
+    """disagg.v1 Generation.Generate: one server-streaming RPC per request on one channel per router; with several
+    routers (`router` comma-separated: replicas over the same workers), request i goes to router i mod N."""
 
     def __init__(self, router: str, channel_options=(), api_key: str | None = None):
-        self._channel = channels.aio_channel(router, channel_options)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._channels = [channels.aio_channel(address, channel_options) for address in router.split(",")]
+        self._stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in self._channels]
         self._metadata = grpc_metadata(api_key)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def one(self, request: BenchRequest, options: SendOptions, record: RequestRecord) -> None:
         message = generation_pb2.GenerateRequest(
@@ -60,7 +62,8 @@ class GrpcClient:
         else:
             message.token_ids.ids.extend(request.prompt_token_ids)
         try:
-            async for response in self._stub.Generate(message, timeout=options.timeout_s, metadata=self._metadata):
+            stub = self._stubs[request.index % len(self._stubs)]
+            async for response in stub.Generate(message, timeout=options.timeout_s, metadata=self._metadata):
                 if response.HasField("delta"):
                     if response.delta.token_ids:
                         record.token_times.append(time.perf_counter())
@@ -180,5 +183,7 @@ def make_client(api: str, router: str, http_url: str, max_concurrency: int | Non
     if api == "openai":
         return OpenAIClient(http_url, max_concurrency, api_key)
     if api == "kserve":
+        if "," in router:
+            raise ValueError("several --router addresses are for --api grpc")
         return KServeClient(router, channel_options, api_key)
     raise ValueError(f"unknown API {api!r}; one of {list(API_NAMES)}")

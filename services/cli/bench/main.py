@@ -37,7 +37,9 @@ from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--router", default=os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}"))
+    p.add_argument("--router", default=os.environ.get("DISAGG_ROUTER", f"127.0.0.1:{DEFAULT_PORT}"),
+                   help="the router's gRPC address; several, comma-separated (router replicas over the same "
+                        "workers: `disagg up --routers N`), take the requests in turn (--api grpc)")
     p.add_argument("--http", default=os.environ.get("DISAGG_HTTP", f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"),
                    help="the router's OpenAI-compatible HTTP base URL (for --api openai)")
     p.add_argument("--api", type=_apis, default=("grpc",),
@@ -106,7 +108,7 @@ async def _bench(args: argparse.Namespace) -> int:
     key = client_key(args)
     try:
         listed = await (list_models_http(args.http, headers=http_headers(key)) if args.api == ("openai",)
-                        else list_models(args.router, grpc_metadata(key)))
+                        else list_models(args.router.split(",")[0], grpc_metadata(key)))
     except grpc.aio.AioRpcError as exc:  # a wrong key, a router that is not there: one line, no traceback
         print(f"disagg bench: {args.router}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
