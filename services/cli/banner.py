@@ -16,9 +16,12 @@ def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keye
     """`keyed`: the router requires an API key (the commands send $DISAGG_API_KEY; the key itself is never shown)."""
     router = children[0].address
     placed = {w.name: w for w in plan.workers}
+    replicas = "".join(f"  {c.name:<10} {c.address}" + (f", HTTP on port {http_port + i}" if http_port else "")
+                       + "  (a replica of the router over the same workers: spread clients over them)\n"
+                       for i, c in enumerate(children[1:plan.routers], start=1))
     workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)"
                         + (f"  on {placed[c.name].gpus_text()}" if placed[c.name].devices else "")
-                        for c in children[1:])
+                        for c in children[plan.routers:])
     metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
     ca = plan.tls.ca if plan.tls.serves_tls else None
     http = f"{'https' if ca else 'http'}://{host}:{http_port}" if http_port else None
@@ -34,7 +37,7 @@ def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keye
 disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inference.GRPCInferenceService)
 {f"  OpenAI-compatible HTTP on {http}/v1" if http else "  OpenAI-compatible HTTP off (--http-port 0)"}
   model {plan.model_name}: {plan.model_dir}  (the --tokenizer of aiperf, guidellm, vLLM's bench)
-{workers}
+{replicas}{workers}
 {sharing(plan.workers, plan.gpu_memory_utilization)}\
 {placement_notes(plan)}\
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}

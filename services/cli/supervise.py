@@ -214,7 +214,7 @@ def _check_health(child: Child, deadline: float) -> None:
 def stop_all(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None:
     """The router first, then the workers: a request the router is still draining reaches a decode worker that
     is not draining yet. Each wave gets `grace_s` (its drain timeout and a margin) before SIGKILL."""
-    routers = [c for c in children if c.name == "router"]
+    routers = [c for c in children if c.name == "router" or c.name.startswith("router-")]
     for wave in (routers, [c for c in children if c not in routers]):
         _stop_together(wave, grace_s)
 

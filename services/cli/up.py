@@ -76,11 +76,22 @@ class Plan:
     cpu: CpuLayout | None = None  # --device cpu: each worker's model cores (None: pinning off)
     why: str = ""  # why this layout, where up chose it (the summary says it)
     tls: TlsConfig = TlsConfig()  # every process's (the flags, else DISAGG_TLS_*)
+    routers: int = 1  # replicas over the same workers (--routers)
+
+    @property
+    def router_names(self) -> list[str]:
+        """router, router-1, ...: the first keeps the plain name (and --router-port)."""
+        return ["router", *(f"router-{i}" for i in range(1, self.routers))]
 
     @property
     def names(self) -> list[str]:
-        """Every child, in the order metrics ports are handed out: router, prefill-0.., decode-0.."""
-        return ["router", *(w.name for w in self.workers)]
+        """Every child, in the order metrics ports are handed out: the routers, then prefill-0.., decode-0.."""
+        return [*self.router_names, *(w.name for w in self.workers)]
+
+
+def router_ports(args: argparse.Namespace, index: int) -> tuple[int, int]:
+    """Router `index`'s gRPC and HTTP ports: the next ones after router 0's (0 stays 0: a free port, HTTP off)."""
+    return (args.router_port + index if args.router_port else 0, args.http_port + index if args.http_port else 0)
 
 
 def on_cuda(device: str) -> bool:
@@ -159,8 +170,10 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
             "--metrics-port", str(metrics_port)]
 
 
-def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int) -> list[str]:
-    flags = ["--host", args.host, "--port", str(args.router_port), "--http-port", str(args.http_port),
+def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int,
+                index: int = 0) -> list[str]:
+    port, http_port = router_ports(args, index)
+    flags = ["--host", args.host, "--port", str(port), "--http-port", str(http_port),
              "--model", args.model or "default", "--decode-workers", addresses["decode"], "--policy", args.policy,
              "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
              "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens),
@@ -184,7 +197,7 @@ def router_health_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], .
 
 
 def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
-    """Workers first (their addresses go to the router's flags), then the router; all SERVING on return."""
+    """Workers first (their addresses go to the routers' flags), then the routers; all SERVING on return."""
     ports = metrics_ports(plan.names, args.metrics_port_base)
     cpu = plan.cpu
     tls_env = plan.tls.environment()
@@ -196,11 +209,12 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        router = router_argv(args, plan, addresses, ports["router"])
-        children.insert(0, Child.start("router", "services.router", router, env={**tls_env, **router_env(args)},
-                                       cores=cpu.other_cores if cpu else None,
-                                       health_metadata=router_health_metadata(args)))
-        wait_ready(children[:1], args.start_timeout)
+        routers = [Child.start(name, "services.router", router_argv(args, plan, addresses, ports[name], i),
+                               env={**tls_env, **router_env(args)}, cores=cpu.other_cores if cpu else None,
+                               health_metadata=router_health_metadata(args))
+                   for i, name in enumerate(plan.router_names)]
+        children[:0] = routers
+        wait_ready(routers, args.start_timeout)
     except BaseException:
         stop_all(children)
         raise
@@ -208,7 +222,10 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops everything the way Ctrl-C does
+    # The first one stops everything (SIGTERM as Ctrl-C); one more arriving at once (`timeout` forwarding the SIGTERM
+    # it got to its child, a second Ctrl-C) must not raise again in the middle of `stopping...`.
+    _ignore_more_interrupts()
+    raise KeyboardInterrupt
 
 
 def _stop_on_interrupts() -> None:
@@ -245,6 +262,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--share-gpus", action="store_true",
                         help="CUDA: more GPU ranks than GPUs go round-robin, several workers on a GPU, each with the "
                              "--gpu-memory-utilization divided by the workers on its GPU")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router replicas over the same workers, on --router-port, +1, ... (and --http-port, "
+                             "+1, ...): one router's event loop streams about 7 000 tokens/s (tests/bench/multi_gpu.py "
+                             "on 4 H200s), so a host that generates more needs more; clients spread over them "
+                             "(disagg bench --router a,b)")
     parser.add_argument("--policy", default="round_robin", choices=policies.names())
     parser.add_argument("--tool-call-parser", default=None, choices=tool_parsers.names(),
                         help="the router's reader of tool calls in chat answers (default: the model's template's)")
@@ -307,13 +329,25 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
     chose = args.prefill is not None or args.decode is not None
     why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
     return Plan(model_label(args.model), "", workers, tp_sizes(args), local, args.gpu_memory_utilization,
-                cpu_plan(args, list(workers), cores), why)
+                cpu_plan(args, list(workers), cores), why, routers=args.routers)
+
+
+def router_ports_busy(args: argparse.Namespace) -> str | None:
+    """Every router's gRPC and HTTP port free (router i: --router-port + i and --http-port + i), else one line."""
+    for i in range(args.routers):
+        port, http_port = router_ports(args, i)
+        busy = (check_port_free(args.host, port, "--router-port") or check_port_free(args.host, http_port, "--http-port"))
+        if busy:
+            return busy + (f" (router-{i} takes --router-port + {i} and --http-port + {i})" if i else "")
+    return None
 
 
 def preflight(args: argparse.Namespace) -> Plan:
     """What would stop the cluster, found before any process loads a model: InvalidConfig (one line) if anything."""
+    if args.routers < 1:
+        raise InvalidConfig(f"--routers must be at least 1, got {args.routers}")
     settled = plan(args)
-    busy = (check_port_free(args.host, args.router_port) or check_port_free(args.host, args.http_port, "--http-port")
+    busy = (router_ports_busy(args)
             or check_metrics_ports(settled.names, args.metrics_port_base, args.host, args.router_port, args.http_port))
     if busy:
         raise InvalidConfig(busy)

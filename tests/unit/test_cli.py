@@ -371,3 +371,42 @@ def test_up_summary_names_the_model_directory_each_workers_gpus_and_the_memory_s
     assert "  decode-1   127.0.0.1:5003  (gRPC: Worker, Prefiller/Decoder, TensorStore)  on cuda:0\n" in text
     assert ("GPUs shared by several workers (2 on cuda:0): --gpu-memory-utilization 0.9 is divided by the workers on "
             "each GPU: prefill-0 0.45, decode-0 0.9, decode-1 0.45\n") in text
+
+
+def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
+    import dataclasses
+
+    from services.cli.banner import summary
+    from services.cli.supervise import Child
+    from common.errors import InvalidConfig
+    from services.cli.up import preflight, router_argv
+
+    args = parse_args(["--model", "/m", "--routers", "3", "--router-port", "7100", "--http-port", "7200",
+                       "--prefill", "1", "--decode", "1"])
+    settled = dataclasses.replace(plan(args), model_dir="/m")
+    assert settled.names == ["router", "router-1", "router-2", "prefill-0", "decode-0"]
+    ports = [router_argv(args, settled, {"prefill": "h:1", "decode": "h:2"}, 0, i) for i in range(3)]
+    assert [(a[a.index("--port") + 1], a[a.index("--http-port") + 1]) for a in ports] == [
+        ("7100", "7200"), ("7101", "7201"), ("7102", "7202")]
+    assert all(a[a.index("--decode-workers") + 1] == "h:2" for a in ports)  # every replica routes to every worker
+    children = [Child(name, "m", [], address=f"127.0.0.1:{7100 + i}") for i, name in enumerate(settled.names)]
+    text = summary(children, settled, "127.0.0.1", 7200)
+    assert "disagg is up: router on 127.0.0.1:7100" in text
+    assert "  router-2   127.0.0.1:7102, HTTP on port 7202  (a replica of the router over the same workers" in text
+    assert "  decode-0   127.0.0.1:7104  (gRPC: Worker" in text
+    with pytest.raises(InvalidConfig, match="--routers must be at least 1, got 0"):
+        preflight(parse_args(["--model", "/m", "--routers", "0"]))
+
+
+def test_up_refuses_a_replicas_taken_port_naming_it():
+    import socket
+
+    from services.cli.up import router_ports_busy
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = parse_args(["--routers", "2", "--router-port", str(port - 1), "--http-port", "0"])
+        busy = router_ports_busy(args)
+        assert busy.startswith(f"127.0.0.1:{port} is already in use") and "(router-1 takes --router-port + 1" in busy
