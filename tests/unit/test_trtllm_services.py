@@ -219,7 +219,8 @@ def test_a_cancelled_trtllm_decode_aborts_the_engine_request_and_still_releases_
             return first, await sessions_of(p)
 
     first, left = asyncio.run(run())
-    assert list(first.delta.token_ids) == [50] and left == 0
+    got = list(first.delta.token_ids)  # the first step's token, with the next ones if they were waiting (merged)
+    assert got and got == [50, 51, 52][:len(got)] and left == 0
 
 
 def test_malformed_trtllm_attributes_are_invalid_argument_and_release_the_session():
