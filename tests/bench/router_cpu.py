@@ -30,7 +30,8 @@ from tests.bench.multi_gpu import cpu_seconds  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
 OUTPUT_TOKENS = 128
-_IDLE = ("_worker (concurrent", "Thread.run (threading", "select (selectors", "EpollSelector.select")
+# Leaves of threads that wait (the tokenizer's pool, gRPC's poller, Prometheus' HTTP server): not the loop's work.
+_IDLE = ("_worker (concurrent", "Thread.run (threading", ".select (selectors")
 
 
 def tiny_model(directory: Path) -> Path:
@@ -68,7 +69,7 @@ def hottest(raw: Path, top: int = 12) -> list[str]:
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         leaf = stack.split(";")[-1]
-        if any(leaf.startswith(idle) for idle in _IDLE):
+        if any(idle in leaf for idle in _IDLE):
             continue
         busy += int(count)
         leaves[leaf] += int(count)
@@ -80,7 +81,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=30.0)
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--routers", type=int, default=1)
-    parser.add_argument("--profile-s", type=float, default=0.0, help="py-spy the first router this long")
+    parser.add_argument("--profile-s", type=int, default=0, help="py-spy the first router this long")
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "disagg-bench-models")
     args = parser.parse_args()
     model = tiny_model(args.models / "router-cpu-tiny")
@@ -100,15 +101,15 @@ def main() -> int:
             if args.profile_s and shutil.which("py-spy"):
                 spy = subprocess.Popen(["py-spy", "record", "-r", "200", "-d", str(args.profile_s), "-f", "raw",
                                         "-o", str(raw), "-p", str(routers[0].popen.pid)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             bench(routers, args.rate, args.num_prompts, result)
             after = {role: sum(cpu_seconds(p.popen.pid) for p in ps) for role, ps in processes.items()}
             client = (os.times().children_user + os.times().children_system
                       - children.children_user - children.children_system)
             summary = json.loads(result.read_text())["summary"]
             if spy is not None:
-                spy.wait(timeout=args.profile_s + 30)
-                frames = hottest(raw) if raw.exists() else []
+                _, errors = spy.communicate(timeout=args.profile_s + 30)
+                frames = hottest(raw) if raw.exists() else [f"py-spy wrote nothing: {errors.strip()[-300:]}"]
             else:
                 frames = []
     finally:
