@@ -190,7 +190,7 @@ def bench_point(routers: list[ServiceProcess], rate: float, num_prompts: int, ar
                str(num_prompts), "--input-len", args.input_len, "--output-len", f"fixed:{args.output_len}",
                "--request-rate", str(rate), "--warmup", "4", "--token-range", "1000", "120000", "--seed", "7",
                "--goodput-ttft-ms", str(args.slo_ttft_p90_ms), "--goodput-tpot-ms", str(args.slo_itl_p99_ms),
-               "--no-progress", "--json", str(result)]
+               "--no-progress", "--json", str(result), "--clients", str(args.bench_clients)]
     subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=300)
     point = json.loads(result.read_text())
     summary = {**point["summary"], "itl_split": itl_split(point["requests"])}
@@ -434,6 +434,8 @@ def main() -> int:
     parser.add_argument("--routers", type=int, default=1,
                         help="router replicas over the same workers; the bench client sends request i to router i mod N "
                              "(one router's event loop streams about 7 000 tokens/s: see cores_busy)")
+    parser.add_argument("--bench-clients", type=int, default=1,
+                        help="disagg bench's client processes (--clients): one times about 10 000 tokens/s at most")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")

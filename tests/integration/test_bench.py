@@ -49,6 +49,23 @@ def test_bench_with_poisson_arrivals_and_normal_lengths(front_doors: Cluster, tm
     assert result["config"]["request_rate"] == 20
 
 
+def test_bench_spread_over_client_processes_sends_the_same_workload_on_the_same_schedule(front_doors: Cluster,
+                                                                                        tmp_path):
+    flags = ("--num-prompts", "8", "--input-len", "normal:32:8", "--output-len", "fixed:6", "--request-rate", "10",
+             "--warmup", "0")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = _bench(front_doors.router, tmp_path / "one", *flags)
+    two = _bench(front_doors.router, tmp_path / "two", *flags, "--clients", "2")
+    assert two["summary"]["completed"] == 8 and two["summary"]["failed"] == 0
+    for field in ("prompt_tokens", "max_tokens", "output_tokens"):
+        assert [r[field] for r in two["requests"]] == [r[field] for r in one["requests"]], field
+    # Both follow one Poisson schedule (the seed's): each request is sent at the same offset, within a loop's lag.
+    assert all(abs(a["sent_s"] - b["sent_s"]) < 0.15 for a, b in zip(one["requests"], two["requests"]))
+    assert max(r["sent_s"] for r in one["requests"]) > 0.3  # the seed's schedule spreads the sends
+    assert_no_leaks(front_doors.workers)
+
+
 def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(front_doors: Cluster,
                                                                                front_door_model, tmp_path):
     done = subprocess.run([sys.executable, "-m", "services", "bench", "--router", front_doors.router, "--http",

@@ -71,7 +71,9 @@ def format_comparison(summaries: dict[str, Summary]) -> str:
 
 
 def write_json(path: Path, config: dict, summary: Summary, records: list[RequestRecord]) -> None:
+    first = min((r.start for r in records if r.start), default=0.0)  # `sent_s`: each send after the first
     per_request = [{"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "output_tokens": r.output_tokens,
+                    "sent_s": round(r.start - first, 4) if r.start else None,
                     "ttft_ms": r.ttft * 1000 if r.ok else None, "e2e_ms": r.e2e * 1000 if r.ok else None,
                     "itl_ms": [g * 1000 for g in r.itls], "ttft_breakdown_ms": r.ttft_breakdown, "error": r.error}
                    for r in records]

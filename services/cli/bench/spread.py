@@ -1,0 +1,115 @@
+"""`disagg bench --clients N`: one workload's arrivals sent by N client processes, so the client is not the limit.
+
+One Python client times every token on one event loop: about 90–110 µs a token here (tests/bench/router_cpu.py's
+"bench client"), so near 10 000 tokens/s it becomes the slowest part of the measurement (4 × H200 with two routers
+streamed 10 150). Each process sends the requests i with i mod N == k at the same offsets from a common start as one
+client would (the same Poisson schedule), times them with the system-wide monotonic clock, and hands its records
+back; the summary is over all of them. --max-concurrency is split over the processes.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import queue
+import time
+from dataclasses import dataclass
+
+from common import tls
+from services.cli.bench.clients import SendOptions, make_client
+from services.cli.bench.stats import RequestRecord
+from services.cli.bench.workload import BenchRequest, arrival_gaps
+
+_START_MARGIN_S = 0.2  # after every process is ready: the first arrival's offset from "now"
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    """What a client process needs to make its client (clients.make_client) as the parent would."""
+
+    api: str
+    router: str
+    http: str
+    max_concurrency: int | None
+    api_key: str | None
+    tls: tls.TlsConfig
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Each request's send time after the start: the running sum of one client's gaps (runner.run_load)."""
+    return list(itertools.accumulate(arrival_gaps(n, rate, seed)))
+
+
+def run_spread(spec: ClientSpec, requests: list[BenchRequest], rate: float, seed: int, options: SendOptions,
+               clients: int) -> tuple[list[RequestRecord], float]:
+    """Every request through `clients` processes (see the module doc); the records in request order and the wall time
+    from the first send to the last end."""
+    offsets = arrival_offsets(len(requests), rate, seed)
+    context = multiprocessing.get_context("spawn")  # never fork a process whose gRPC is running
+    ready = context.Barrier(clients + 1)
+    results = context.Queue()
+    share = -(-spec.max_concurrency // clients) if spec.max_concurrency else None
+    spec = ClientSpec(spec.api, spec.router, spec.http, share, spec.api_key, spec.tls)
+    processes = [context.Process(target=_client_main, daemon=True, args=(
+        spec, requests[k::clients], offsets[k::clients], options, ready, results)) for k in range(clients)]
+    for process in processes:
+        process.start()
+    try:
+        ready.wait(timeout=120)  # every client has its channel
+        records = _collect(results, processes)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    records.sort(key=lambda r: r.index)
+    sent = [r for r in records if r.start]
+    duration = max(r.end for r in sent) - min(r.start for r in sent) if sent else 0.0
+    return records, duration
+
+
+def _collect(results, processes: list) -> list[RequestRecord]:
+    """Every process's records; a process that died without handing them back is an error, not a wait."""
+    shares: list[list[RequestRecord]] = []
+    while len(shares) < len(processes):
+        try:
+            shares.append(results.get(timeout=1))
+        except queue.Empty:
+            dead = [p for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a bench client process ended with code {dead[0].exitcode}") from None
+    return [record for share in shares for record in share]
+
+
+def _client_main(spec: ClientSpec, requests: list[BenchRequest], offsets: list[float], options: SendOptions,
+                 ready, results) -> None:
+    tls.configure(spec.tls)
+    results.put(asyncio.run(_send_share(spec, requests, offsets, options, ready)))
+
+
+async def _send_share(spec: ClientSpec, requests: list[BenchRequest], offsets: list[float], options: SendOptions,
+                      ready) -> list[RequestRecord]:
+    client = make_client(spec.api, spec.router, spec.http, spec.max_concurrency, api_key=spec.api_key)
+    limit = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
+    records = [RequestRecord(r.index, len(r.prompt_token_ids), r.max_tokens) for r in requests]
+
+    async def send(request: BenchRequest, record: RequestRecord) -> None:
+        async with limit if limit is not None else contextlib.nullcontext():
+            record.start = time.perf_counter()
+            await client.one(request, options, record)
+            record.end = time.perf_counter()
+
+    try:
+        await asyncio.to_thread(ready.wait, 120)
+        start = time.perf_counter() + _START_MARGIN_S  # CLOCK_MONOTONIC: the same in every process
+        tasks = []
+        for request, record, offset in zip(requests, records, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(request, record)))
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return records
