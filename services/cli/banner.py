@@ -24,6 +24,9 @@ def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keye
                         for c in children[plan.routers:])
     metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
     ca = plan.tls.ca if plan.tls.serves_tls else None
+    addresses = ",".join(c.address for c in children[:plan.routers])
+    spread = (f"  disagg bench --router {addresses}{f' --tls-ca {ca}' if ca else ''}   # a load test over every "
+              "router\n") if plan.routers > 1 else ""
     http = f"{'https' if ca else 'http'}://{host}:{http_port}" if http_port else None
     curl_flags = (f" --cacert {ca}" if ca else "") + (' -H "Authorization: Bearer $DISAGG_API_KEY"' if keyed else "")
     grpcurl_flags = (f"-cacert {ca}" if ca else "-plaintext") + (
@@ -43,7 +46,7 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
 {key_line}  disagg generate "Tell me about the sea" --router {router}{f" --tls-ca {ca}" if ca else ""}
-  grpcurl {grpcurl_flags} {router} list
+{spread}  grpcurl {grpcurl_flags} {router} list
   grpcurl {grpcurl_flags} -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate
 {http_lines}

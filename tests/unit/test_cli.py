@@ -394,6 +394,7 @@ def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
     assert "disagg is up: router on 127.0.0.1:7100" in text
     assert "  router-2   127.0.0.1:7102, HTTP on port 7202  (a replica of the router over the same workers" in text
     assert "  decode-0   127.0.0.1:7104  (gRPC: Worker" in text
+    assert "  disagg bench --router 127.0.0.1:7100,127.0.0.1:7101,127.0.0.1:7102   # a load test over every" in text
     with pytest.raises(InvalidConfig, match="--routers must be at least 1, got 0"):
         preflight(parse_args(["--model", "/m", "--routers", "0"]))
 
