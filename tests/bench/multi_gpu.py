@@ -236,8 +236,8 @@ def cpu_seconds(pid: int) -> float:
 
 def role_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
     """role → CPU seconds so far, over the role's processes (the bench client's: `bench`)."""
-    totals = {"bench": resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
-              + resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    totals = {"bench": children.ru_utime + children.ru_stime}
     for process in processes:
         totals[process.role] = totals.get(process.role, 0.0) + cpu_seconds(process.popen.pid)
     return totals

@@ -11,7 +11,7 @@ from common import channels
 from common.pb.disagg.v1 import generation_pb2, generation_pb2_grpc
 from services.cli.bench.clients import SendOptions, https_context
 from services.cli.bench.stats import RequestRecord
-from services.cli.bench.workload import BenchRequest, arrival_gaps
+from services.cli.bench.workload import BenchRequest, arrival_offsets
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,18 @@ class LoadShape:
 async def run_load(client, requests: list[BenchRequest], shape: LoadShape, options: SendOptions,
                    progress=None) -> tuple[list[RequestRecord], float]:
     """Every request of `requests` through `client` (services.cli.bench.clients), shaped by `shape`; returns the
-    records and the wall time from first send to last end."""
-    limit = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
+    records and the wall time from the start to the last end."""
+    offsets = arrival_offsets(len(requests), shape.request_rate, shape.seed)
+    return await send_scheduled(client, requests, offsets, shape.max_concurrency, options, time.perf_counter(),
+                                progress)
+
+
+async def send_scheduled(client, requests: list[BenchRequest], offsets: list[float], max_concurrency: int | None,
+                         options: SendOptions, start: float, progress=None) -> tuple[list[RequestRecord], float]:
+    """Request i sent at `start` + offsets[i] (time.perf_counter: CLOCK_MONOTONIC, the same in every process of the
+    machine), at most `max_concurrency` in flight; returns the records and the wall time from `start` to the last
+    end. run_load's schedule, and each --clients process's share of it (spread.py)."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(r.index, len(r.prompt_token_ids), r.max_tokens) for r in requests]
 
     async def one(request: BenchRequest, record: RequestRecord) -> None:
@@ -42,11 +52,11 @@ async def run_load(client, requests: list[BenchRequest], shape: LoadShape, optio
         if progress is not None:
             progress.update(1)
 
-    start = time.perf_counter()
     tasks = []
-    for request, record, gap in zip(requests, records, arrival_gaps(len(requests), shape.request_rate, shape.seed)):
-        if gap:
-            await asyncio.sleep(gap)
+    for request, record, offset in zip(requests, records, offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(request, record)))
     await asyncio.gather(*tasks)
     return records, time.perf_counter() - start

@@ -9,22 +9,21 @@ back; the summary is over all of them. --max-concurrency is split over the proce
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
+import dataclasses
 import multiprocessing
 import queue
 import time
-from dataclasses import dataclass
 
 from common import tls
 from services.cli.bench.clients import SendOptions, make_client
 from services.cli.bench.stats import RequestRecord
-from services.cli.bench.workload import BenchRequest, arrival_gaps
+from services.cli.bench.runner import send_scheduled
+from services.cli.bench.workload import BenchRequest, arrival_offsets
 
 _START_MARGIN_S = 0.2  # after every process is ready: the first arrival's offset from "now"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ClientSpec:
     """What a client process needs to make its client (clients.make_client) as the parent would."""
 
@@ -36,11 +35,6 @@ class ClientSpec:
     tls: tls.TlsConfig
 
 
-def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
-    """Each request's send time after the start: the running sum of one client's gaps (runner.run_load)."""
-    return list(itertools.accumulate(arrival_gaps(n, rate, seed)))
-
-
 def run_spread(spec: ClientSpec, requests: list[BenchRequest], rate: float, seed: int, options: SendOptions,
                clients: int) -> tuple[list[RequestRecord], float]:
     """Every request through `clients` processes (see the module doc); the records in request order and the wall time
@@ -49,8 +43,8 @@ def run_spread(spec: ClientSpec, requests: list[BenchRequest], rate: float, seed
     context = multiprocessing.get_context("spawn")  # never fork a process whose gRPC is running
     ready = context.Barrier(clients + 1)
     results = context.Queue()
-    share = -(-spec.max_concurrency // clients) if spec.max_concurrency else None
-    spec = ClientSpec(spec.api, spec.router, spec.http, share, spec.api_key, spec.tls)
+    spec = dataclasses.replace(spec, max_concurrency=-(-spec.max_concurrency // clients) if spec.max_concurrency
+                               else None)
     processes = [context.Process(target=_client_main, daemon=True, args=(
         spec, requests[k::clients], offsets[k::clients], options, ready, results)) for k in range(clients)]
     for process in processes:
@@ -91,25 +85,10 @@ def _client_main(spec: ClientSpec, requests: list[BenchRequest], offsets: list[f
 async def _send_share(spec: ClientSpec, requests: list[BenchRequest], offsets: list[float], options: SendOptions,
                       ready) -> list[RequestRecord]:
     client = make_client(spec.api, spec.router, spec.http, spec.max_concurrency, api_key=spec.api_key)
-    limit = asyncio.Semaphore(spec.max_concurrency) if spec.max_concurrency else None
-    records = [RequestRecord(r.index, len(r.prompt_token_ids), r.max_tokens) for r in requests]
-
-    async def send(request: BenchRequest, record: RequestRecord) -> None:
-        async with limit if limit is not None else contextlib.nullcontext():
-            record.start = time.perf_counter()
-            await client.one(request, options, record)
-            record.end = time.perf_counter()
-
     try:
         await asyncio.to_thread(ready.wait, 120)
         start = time.perf_counter() + _START_MARGIN_S  # CLOCK_MONOTONIC: the same in every process
-        tasks = []
-        for request, record, offset in zip(requests, records, offsets):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(request, record)))
-        await asyncio.gather(*tasks)
+        records, _ = await send_scheduled(client, requests, offsets, spec.max_concurrency, options, start)
     finally:
         await client.close()
     return records

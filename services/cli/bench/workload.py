@@ -2,6 +2,7 @@
 and when to send them (all at once, or a Poisson process at a given rate)."""
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Iterator
@@ -90,3 +91,8 @@ def arrival_gaps(n: int, request_rate: float, seed: int) -> Iterator[float]:
     rng = random.Random(seed + 1)
     for _ in range(n):
         yield 0.0 if request_rate == float("inf") else rng.expovariate(request_rate)
+
+
+def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
+    """Each request's send time after the start: the running sum of the gaps."""
+    return list(itertools.accumulate(arrival_gaps(n, request_rate, seed)))
