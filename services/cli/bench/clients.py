@@ -183,7 +183,5 @@ def make_client(api: str, router: str, http_url: str, max_concurrency: int | Non
     if api == "openai":
         return OpenAIClient(http_url, max_concurrency, api_key)
     if api == "kserve":
-        if "," in router:
-            raise ValueError("several --router addresses are for --api grpc")
         return KServeClient(router, channel_options, api_key)
     raise ValueError(f"unknown API {api!r}; one of {list(API_NAMES)}")

@@ -94,6 +94,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
               (args.warmup >= 0, "--warmup must be >= 0"),
               (args.rounds >= 1, "--rounds must be >= 1"),
               (args.clients >= 1, "--clients must be >= 1"),
+              ("," not in args.router or "kserve" not in args.api,
+               "several --router addresses (router replicas) are for --api grpc; KServe's client takes one"),
               (0 <= args.token_range[0] < args.token_range[1], "--token-range needs 0 <= LOW < HIGH")]
     for ok, message in checks:
         if not ok:
