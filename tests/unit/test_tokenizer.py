@@ -144,3 +144,15 @@ def test_stop_strings_never_leak(tokenizer, seed):
         assert text.startswith(emitted)
         assert text[len(emitted) :].startswith(detok.matched_stop)
     assert not any(s in emitted for s in stops)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_gives_transformers_text(tokenizer, skip_special_tokens):
+    """Tokenizer.decode goes to the fast tokenizer's Rust core directly: the text transformers' decode gives without
+    clean-up, special tokens kept or skipped."""
+    rng = random.Random(7)
+    pool = tokenizer.encode(UNICODE_TEXT + " ok") + [0, 1, 2]
+    for _ in range(20):
+        ids = [rng.choice(pool) if rng.random() < 0.6 else rng.randrange(tokenizer.vocab_size) for _ in range(40)]
+        assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == tokenizer.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
