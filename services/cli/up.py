@@ -336,7 +336,8 @@ def router_ports_busy(args: argparse.Namespace) -> str | None:
     """Every router's gRPC and HTTP port free (router i: --router-port + i and --http-port + i), else one line."""
     for i in range(args.routers):
         port, http_port = router_ports(args, i)
-        busy = (check_port_free(args.host, port, "--router-port") or check_port_free(args.host, http_port, "--http-port"))
+        busy = check_port_free(args.host, port, "--router-port") or check_port_free(args.host, http_port,
+                                                                                     "--http-port")
         if busy:
             return busy + (f" (router-{i} takes --router-port + {i} and --http-port + {i})" if i else "")
     return None

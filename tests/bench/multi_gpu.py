@@ -25,7 +25,8 @@ that meets the SLO) and OUT/multi_gpu.png (SLO goodput against rate, per layout)
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
 step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
 whether the p99 falls on them), `cores_busy` (the cores each role's processes and the bench client kept busy: a
-router near 1.0 is saturated, its one event loop the limit), `gc_pauses` (each role's oldest-generation collections and their ms) and `disagg
+router near 1.0 is saturated, its one event loop the limit), `gc_pauses` (each role's oldest-generation collections
+and their ms) and `disagg
 bench`'s JSON, per request, in OUT/points/.
 
 --step-times: every decode worker times its engine steps (tests/bench/decode_period_site on its PYTHONPATH), and each
@@ -186,8 +187,9 @@ def bench_point(routers: list[ServiceProcess], rate: float, num_prompts: int, ar
                 keep: str | None = None) -> dict:
     """`disagg bench`'s summary of the point, with its `itl_split`; with `keep`, its JSON stays in OUT/points."""
     result = args.out / "point.json"
-    command = [sys.executable, "-m", "services", "bench", "--router", ",".join(r.address for r in routers), "--num-prompts",
-               str(num_prompts), "--input-len", args.input_len, "--output-len", f"fixed:{args.output_len}",
+    command = [sys.executable, "-m", "services", "bench", "--router", ",".join(r.address for r in routers),
+               "--num-prompts", str(num_prompts), "--input-len", args.input_len,
+               "--output-len", f"fixed:{args.output_len}",
                "--request-rate", str(rate), "--warmup", "4", "--token-range", "1000", "120000", "--seed", "7",
                "--goodput-ttft-ms", str(args.slo_ttft_p90_ms), "--goodput-tpot-ms", str(args.slo_itl_p99_ms),
                "--no-progress", "--json", str(result), "--clients", str(args.bench_clients)]
@@ -432,8 +434,8 @@ def main() -> int:
                              "they prefill themselves runs in chunks of at most this size beside their decode rows "
                              "(0: their default)")
     parser.add_argument("--routers", type=int, default=1,
-                        help="router replicas over the same workers; the bench client sends request i to router i mod N "
-                             "(one router's event loop streams about 7 000 tokens/s: see cores_busy)")
+                        help="router replicas over the same workers; the bench client sends request i to router i "
+                             "mod N (one router's event loop streams about 7 000 tokens/s: see cores_busy)")
     parser.add_argument("--bench-clients", type=int, default=1,
                         help="disagg bench's client processes (--clients): one times about 10 000 tokens/s at most")
     parser.add_argument("--kv-blocks", type=int, default=8192)

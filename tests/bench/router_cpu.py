@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.bench.gpu_kv_plane import TOKENIZER_FILES  # noqa: E402
-from tests.bench.multi_gpu import cpu_seconds  # noqa: E402
+from tests.bench.multi_gpu import role_cpu  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
 OUTPUT_TOKENS = 128
@@ -76,6 +75,26 @@ def hottest(raw: Path, top: int = 12) -> list[str]:
     return [f"{n / busy:6.1%}  {leaf}" for leaf, n in leaves.most_common(top)] if busy else []
 
 
+def timed_run(routers: list[ServiceProcess], worker: ServiceProcess, args: argparse.Namespace,
+              scratch: Path) -> tuple[dict, dict[str, float], list[str]]:
+    """One bench run: its summary, the CPU seconds each role used during it (the bench client's: `bench`), and, with
+    --profile-s, the first router's hottest frames."""
+    result, raw = scratch / "bench.json", scratch / "router.spy"
+    spy = None
+    if args.profile_s and shutil.which("py-spy"):
+        spy = subprocess.Popen(["py-spy", "record", "-r", "200", "-d", str(args.profile_s), "-f", "raw", "-o", str(raw),
+                                "-p", str(routers[0].popen.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    before = role_cpu([*routers, worker])
+    bench(routers, args.rate, args.num_prompts, result)
+    used = {role: seconds - before[role] for role, seconds in role_cpu([*routers, worker]).items()}
+    frames: list[str] = []
+    if spy is not None:
+        _, errors = spy.communicate(timeout=args.profile_s + 30)
+        frames = hottest(raw) if raw.exists() else [f"py-spy wrote nothing: {errors.strip()[-300:]}"]
+    return json.loads(result.read_text())["summary"], used, frames
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=30.0)
@@ -92,38 +111,22 @@ def main() -> int:
         routers = start_services([("router", ("--model", str(model), "--decode-workers", worker.address))]
                                  * args.routers)
         bench(routers, args.rate, 20, None)  # warm-up
-        processes = {"router": routers, "decode": [worker]}
-        before = {role: sum(cpu_seconds(p.popen.pid) for p in ps) for role, ps in processes.items()}
-        children = os.times()
-        spy = None
         with tempfile.TemporaryDirectory() as scratch:
-            result, raw = Path(scratch) / "bench.json", Path(scratch) / "router.spy"
-            if args.profile_s and shutil.which("py-spy"):
-                spy = subprocess.Popen(["py-spy", "record", "-r", "200", "-d", str(args.profile_s), "-f", "raw",
-                                        "-o", str(raw), "-p", str(routers[0].popen.pid)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            bench(routers, args.rate, args.num_prompts, result)
-            after = {role: sum(cpu_seconds(p.popen.pid) for p in ps) for role, ps in processes.items()}
-            client = (os.times().children_user + os.times().children_system
-                      - children.children_user - children.children_system)
-            summary = json.loads(result.read_text())["summary"]
-            if spy is not None:
-                _, errors = spy.communicate(timeout=args.profile_s + 30)
-                frames = hottest(raw) if raw.exists() else [f"py-spy wrote nothing: {errors.strip()[-300:]}"]
-            else:
-                frames = []
+            summary, used, frames = timed_run(routers, worker, args, Path(scratch))
     finally:
         for process in [*routers, worker]:
             process.stop()
     tokens = summary["completed"] * OUTPUT_TOKENS
     print(f"{summary['request_throughput']:.1f} req/s, {summary['output_throughput']:.0f} output tok/s at "
-          f"{args.rate:g} req/s offered; TTFT p90 {summary['ttft']['p90']:.0f} ms, ITL p99 {summary['itl']['p99']:.1f} ms")
-    for role, seconds in (*((r, after[r] - before[r]) for r in after), ("bench client", client)):
+          f"{args.rate:g} req/s offered; TTFT p90 {summary['ttft']['p90']:.0f} ms, "
+          f"ITL p99 {summary['itl']['p99']:.1f} ms")
+    for role, seconds in used.items():
         per_token = seconds / tokens * 1e6
         # A router's loop is one thread: N routers stream at most N cores' worth.
         limit = f": at most {args.routers * 1e6 / per_token:,.0f} tok/s on {args.routers} core(s)" \
             if role == "router" else ""
-        print(f"{role:>12}: {seconds:6.2f} CPU s, {per_token:5.0f} µs a token{limit}")
+        print(f"{'bench client' if role == 'bench' else role:>12}: {seconds:6.2f} CPU s, {per_token:5.0f} µs a token"
+              f"{limit}")
     if frames:
         print("router's hottest frames (share of busy samples):\n  " + "\n  ".join(frames))
     return 0
