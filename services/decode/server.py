@@ -33,6 +33,7 @@ from common.kv.transfer import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import request_type_from_proto, sampling_from_proto
 from services.decode.progress import Progress
+from services.decode.shared_stream import SharedStream
 from common.telemetry import tracing
 from services.kit.serving import abort_with
 from services.worker.service import WorkerState
@@ -128,22 +129,13 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         except InvalidRequest as exc:
             await abort_with(context, exc)
         with self.state.admission.counted():  # the drain waits for the whole stream
-            try:
-                engine = self.state.admit()
-                plan = _plan(start, self.state.kv_layout, self.state.kv_path)
-                plan.time_left_s = context.time_remaining()
-            except Exception as exc:
-                await self._refuse(context, start, exc)
             outbox: asyncio.Queue = asyncio.Queue()
-            progress = Progress(plan.request_id, len(plan.prompt), plan.choices)
-            work = asyncio.create_task(self._work(engine, plan, outbox, progress))
-            work.add_done_callback(lambda _: outbox.put_nowait(None))  # the stream ends however the work ends
-
-            def cancel_choice(index: int) -> None:  # one choice's stop string matched: the others go on
-                progress.cancelled.add(index)
-                self.state.spawn(engine.abort(f"{plan.engine_id}#{index}"))
-
-            watcher = asyncio.create_task(_watch(request_iterator, work, outbox, cancel_choice))
+            try:
+                running = await self.begin(start, context.time_remaining(), outbox.put_nowait)
+            except Exception as exc:
+                await abort_with(context, exc)
+            running.work.add_done_callback(lambda _: outbox.put_nowait(None))  # the stream ends however the work does
+            watcher = asyncio.create_task(_watch(request_iterator, running, outbox))
             try:
                 held = _NOTHING
                 while (item := await outbox.get() if held is _NOTHING else held) is not None:
@@ -153,18 +145,41 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                     yield item
             finally:  # also when the client disappears: the work's cleanup frees everything
                 watcher.cancel()
-                work.cancel()
+                running.work.cancel()
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, start: worker_pb2.DecodeStart, exc: Exception) -> None:
-        """End the RPC with exc's status, releasing the refused request's session unless another
-        decode worker could take it (this one is loading or draining)."""
+    async def DecodeMany(self, request_iterator: AsyncIterator[worker_pb2.DecodeManyRequest],
+                         context: grpc.aio.ServicerContext):
+        async for response in SharedStream(self.state, self.begin).serve(request_iterator, context):
+            yield response
+
+    async def begin(self, start: worker_pb2.DecodeStart, time_left_s: float | None,
+                    put: Callable[[object], None]) -> Running:
+        """Admit `start` and run it: its messages, or the exception that ends it, go to `put`; the request has ended
+        when Running.work has. Raises what refuses it, after giving back its session where that is ours to give."""
+        try:
+            engine = self.state.admit()
+            plan = _plan(start, self.state.kv_layout, self.state.kv_path)
+            plan.time_left_s = time_left_s
+        except Exception as exc:
+            await self._give_back_refused(start, exc)
+            raise
+        progress = Progress(plan.request_id, len(plan.prompt), plan.choices)
+
+        def cancel_choice(index: int) -> None:  # one choice's stop string matched: the others go on
+            progress.cancelled.add(index)
+            self.state.spawn(engine.abort(f"{plan.engine_id}#{index}"))
+
+        return Running(asyncio.create_task(self._work(engine, plan, put, progress)), cancel_choice)
+
+    async def _give_back_refused(self, start: worker_pb2.DecodeStart, exc: Exception) -> None:
+        """Release a refused request's session unless another decode worker could take it (this one is loading or
+        draining)."""
         ref, kv_path = start.session, self.state.kv_path
         if start.HasField("session") and ref.endpoint and ref.session_id and not isinstance(exc, Unavailable) \
                 and kv_path is not None:
             await asyncio.shield(kv_path.give_back(ref))
-        await abort_with(context, exc)
 
-    async def _work(self, engine: Engine, plan: _Plan, outbox: asyncio.Queue, progress: Progress) -> None:
+    async def _work(self, engine: Engine, plan: _Plan, put: Callable[[object], None], progress: Progress) -> None:
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
         owed = plan.handoff is not None  # the exporter's session, ours to release once the engine has the KV
@@ -188,14 +203,14 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
                 if out.new_token_ids and progress.usage.completion_tokens == 0:
                     span.add_event("first_token")
                 for message in progress.messages(out):
-                    outbox.put_nowait(message)
+                    put(message)
         except asyncio.CancelledError:
             # generate() aborts a request it streams, but not one cancelled while being added.
             await asyncio.shield(engine.abort(plan.engine_id))
-            outbox.put_nowait(progress.finished())
+            put(progress.finished())
         except Exception as exc:
             span.record_exception(exc)
-            outbox.put_nowait(exc)
+            put(exc)
         finally:
             if isinstance(kv, PlacedKv):
                 kv.discard()  # blocks pulled into our pool but never taken by the engine (a no-op once taken)
@@ -251,6 +266,20 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         return pulled.export
 
 
+@dataclass
+class Running:
+    """A request this worker accepted: the task that runs it, and how its caller cancels it or one choice."""
+
+    work: asyncio.Task
+    cancel_choice: Callable[[int], None]
+
+    def cancel(self, index: int | None = None) -> None:
+        if index is None:
+            self.work.cancel()
+        else:
+            self.cancel_choice(index)
+
+
 _NOTHING = object()
 
 
@@ -284,8 +313,8 @@ async def _read_start(request_iterator: AsyncIterator[worker_pb2.DecodeClientMes
     return message.start
 
 
-async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage], work: asyncio.Task,
-                 outbox: asyncio.Queue, cancel_choice: Callable[[int], None]) -> None:
+async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage], running: Running,
+                 outbox: asyncio.Queue) -> None:
     """Reads the rest of the stream: `cancel` cancels the request (with an index, that choice alone); a half-close
     changes nothing."""
     try:
@@ -293,11 +322,9 @@ async def _watch(request_iterator: AsyncIterator[worker_pb2.DecodeClientMessage]
             if message.WhichOneof("kind") != "cancel":
                 outbox.put_nowait(InvalidRequest("a Decode stream carries one request: one `start`, then only "
                                                  "`cancel`"))
-            elif message.cancel.HasField("index"):
-                cancel_choice(message.cancel.index)
-                continue
-            else:
-                work.cancel()
-            return
+                return
+            running.cancel(message.cancel.index if message.cancel.HasField("index") else None)
+            if not message.cancel.HasField("index"):
+                return
     except DecodeError as exc:
         outbox.put_nowait(InvalidRequest(f"could not parse a DecodeClientMessage: {exc}"))

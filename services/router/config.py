@@ -14,6 +14,7 @@ from services.router import policies, reasoning_parsers, tool_parsers
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000  # vLLM's and SGLang's OpenAI server port, where OpenAI clients are usually pointed
+DECODE_STREAMS = ("shared", "per-request")
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,14 @@ class RouterConfig:
     """How long a newly discovered worker may stay silent before the router serves without it."""
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     migration_limit: int = 0
+    """How many times a request may move to another decode worker when its worker is lost mid-stream."""
+    decode_streams: str = "shared"
+    """"shared": one Decoder.DecodeMany stream per decode worker carries all of this router's requests there;
+    "per-request": a Decoder.Decode stream each (one message per request per engine step: more CPU on both sides)."""
     kv_overlap_weight: float = 1.0
     """kv_aware: cost of one prompt block a prefill worker must compute (not cached there)."""
     kv_load_weight: float = 1.0
     """kv_aware: cost of one block of prefill this router already has queued on the worker."""
-    """How many times a request may move to another decode worker when its worker is lost mid-stream."""
     api_keys: ApiKeys = ApiKeys()
     """Keys every front door requires (none: open); services/kit/auth.py."""
     tool_call_parser: str | None = None
@@ -65,6 +69,8 @@ class RouterConfig:
             (self.worker_wait_s > 0, f"--worker-wait must be > 0, got {self.worker_wait_s}"),
             (self.drain_timeout_s >= 0, f"--drain-timeout must be >= 0, got {self.drain_timeout_s}"),
             (self.migration_limit >= 0, f"--migration-limit must be >= 0, got {self.migration_limit}"),
+            (self.decode_streams in DECODE_STREAMS,
+             f"--decode-streams must be one of {list(DECODE_STREAMS)}, got {self.decode_streams!r}"),
             (self.tool_call_parser in (None, *tool_parsers.names()),
              f"--tool-call-parser must be one of {list(tool_parsers.names())}, got {self.tool_call_parser!r}"),
             (self.reasoning_parser in (None, *reasoning_parsers.names()),
@@ -116,6 +122,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-limit", type=int, default=0,
                         help="times a request may move to another decode worker when its worker is lost mid-stream "
                              "(0: it ends with UNAVAILABLE)")
+    parser.add_argument("--decode-streams", choices=DECODE_STREAMS, default="shared",
+                        help="'shared': one DecodeMany stream per decode worker carries every request there (a "
+                             "message per engine step); 'per-request': a Decode stream per request")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--tool-call-parser", choices=tool_parsers.names(), default=None,
                         help="how tool calls are read out of chat answers (default: the one the model's chat "
@@ -132,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
         max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         worker_wait_s=args.worker_wait, drain_timeout_s=args.drain_timeout, migration_limit=args.migration_limit,
+        decode_streams=args.decode_streams,
         kv_overlap_weight=args.kv_overlap_weight, kv_load_weight=args.kv_load_weight,
         api_keys=api_keys_from_args(args),
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

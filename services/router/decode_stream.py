@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Union
 
 import grpc
 from opentelemetry import trace
@@ -28,6 +28,7 @@ from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFini
                                            WorkerTimings)
 from services.router.generation import FinishReason
 from services.router.prepare import PreparedRequest
+from services.router.shared_decode import SharedDecodeCall
 from services.router.workers import WorkerClient, WorkerPool
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP, common_pb2.
                    common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED}
 
 
+# A request's Decode: its own stream, or its part of the worker's shared DecodeMany stream.
+DecodeCall = Union[grpc.aio.StreamStreamCall, SharedDecodeCall]
 # Picks a ready decode worker other than those given; None when there is none.
 PickDecode = Callable[[set[WorkerClient]], Awaitable[WorkerClient | None]]
 
@@ -58,8 +61,9 @@ class DecodeRoute:
 
 
 class DecodeStream:
-    def __init__(self, pool: WorkerPool, pick_decode: PickDecode, migration_limit: int):
+    def __init__(self, pool: WorkerPool, pick_decode: PickDecode, migration_limit: int, shared_streams: bool = True):
         self._pool = pool
+        self._shared_streams = shared_streams
         self._pick_decode = pick_decode
         self._migration_limit = migration_limit
 
@@ -72,7 +76,9 @@ class DecodeStream:
         span = tracing.tracer().start_span("decode", attributes={
             "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})
         with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
-            call = worker.decoder.Decode(timeout=flight.deadline.remaining_s())
+            timeout_s = flight.deadline.remaining_s()
+            call = (worker.shared_decode.call(timeout_s) if self._shared_streams
+                    else worker.decoder.Decode(timeout=timeout_s))
         delivered_before = flight.sent.completion_tokens
         # This worker's timings are the TTFT breakdown's: it runs the prompt, or it continues a KV handoff
         # (not a migration's or a continuation's recompute).
@@ -189,7 +195,7 @@ def _usage(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[De
     return events
 
 
-async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | None:
+async def _cancelled(call: DecodeCall) -> common_pb2.Finished | None:
     """Cancel the worker's request on its Decode stream and wait for its Finished: by then its blocks are free.
     None when the worker does not confirm in time or the stream breaks (cancelling the RPC frees them too)."""
     try:
@@ -204,7 +210,7 @@ async def _cancelled(call: grpc.aio.StreamStreamCall) -> common_pb2.Finished | N
     return None
 
 
-async def _cancel_choice(call: grpc.aio.StreamStreamCall, index: int) -> None:
+async def _cancel_choice(call: DecodeCall, index: int) -> None:
     """Ask the worker to stop one choice. Best effort: the worker may have ended the stream already (every choice
     done), and a stream that broke says so at the next read."""
     try:
@@ -213,7 +219,7 @@ async def _cancel_choice(call: grpc.aio.StreamStreamCall, index: int) -> None:
         log.debug("choice %d's cancel not written: %s", index, exc)
 
 
-async def _write(call: grpc.aio.StreamStreamCall, message: worker_pb2.DecodeClientMessage) -> None:
+async def _write(call: DecodeCall, message: worker_pb2.DecodeClientMessage) -> None:
     """call.write, with this task's cancellation kept a cancellation: a call with interceptors (tracing on) turns a
     CancelledError that lands while the call is still being set up into InvalidStateError ("RPC already
     finished"), which would end a request its client cancelled as an internal error."""
@@ -225,7 +231,7 @@ async def _write(call: grpc.aio.StreamStreamCall, message: worker_pb2.DecodeClie
         raise
 
 
-async def _end_call(call: grpc.aio.StreamStreamCall) -> None:
+async def _end_call(call: DecodeCall) -> None:
     """Cancel the call, or half-close it when the worker has ended it already: with interceptors (tracing on) the
     call's writes go through a task that waits for the next one until the call is cancelled or half-closed, and
     a call that is over is neither, so that task would wait forever ("Task was destroyed but it is pending!")."""

@@ -56,7 +56,7 @@ class Orchestrator:
                          config.max_prefill_queue_tokens), prefill_policy, metrics)
         self._handoff = Handoff(pool, prefill_policy, config.policy, metrics)
         self._decode = DecodeStream(pool, lambda refused: self._pick(Role.DECODE, exclude=refused),
-                                    config.migration_limit)
+                                    config.migration_limit, shared_streams=config.decode_streams == "shared")
         # One thread: HF tokenizers are not meant to be driven from several threads at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0

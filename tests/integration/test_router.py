@@ -101,6 +101,14 @@ def router(text_model, workers):
 
 
 @pytest.fixture(scope="module")
+def per_request_router(text_model, workers):
+    """As `router`, with a Decode stream per request instead of the shared DecodeMany stream to the decode worker."""
+    process = _router(text_model, workers[:1], workers[1:], "--decode-streams", "per-request")
+    yield process
+    stop_cleanly([process])
+
+
+@pytest.fixture(scope="module")
 def aggregated_router(text_model, workers):
     """Every prompt runs aggregated on the decode worker; at most 4 requests in flight."""
     process = _router(text_model, workers[:1], workers[1:], "--min-remote-prefill-tokens", "100000",
@@ -138,7 +146,7 @@ def _reference(model: str, tokenizer: Tokenizer, prompt: str, max_tokens: int = 
     return hf_greedy(model, tokenizer.encode(prompt), max_tokens, stop_at_eos=True)[0]
 
 
-@pytest.mark.parametrize("which", ["router", "aggregated_router"])
+@pytest.mark.parametrize("which", ["router", "aggregated_router", "per_request_router"])
 def test_greedy_text_matches_hf_generate(request, which, text_model, tokenizer, workers):
     stub = _stub(request.getfixturevalue(which))
     for prompt in PROMPTS:
@@ -151,7 +159,7 @@ def test_greedy_text_matches_hf_generate(request, which, text_model, tokenizer, 
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(tokenizer.encode(prompt)), MAX_TOKENS)
         assert 0 < usage.ttft_ms <= usage.e2e_ms
         # The client sees how the prompt's KV reached decode (none moved when aggregated).
-        handed_off = which == "router"
+        handed_off = which != "aggregated_router"
         assert (usage.kv_transfer_backend != common_pb2.TRANSFER_BACKEND_UNSPECIFIED) == handed_off
         assert (usage.kv_transfer_bytes > 0) == handed_off
     assert_no_leaks(workers)
@@ -257,8 +265,10 @@ async def _stream_with_cancels(address: str, requests: list[generation_pb2.Gener
     return responses
 
 
-def test_many_requests_on_one_stream_with_cancels_all_finish_and_free_every_block(router, text_model, tokenizer,
-                                                                                   workers):
+@pytest.mark.parametrize("which", ["router", "per_request_router"])
+def test_many_requests_on_one_stream_with_cancels_all_finish_and_free_every_block(request, which, text_model,
+                                                                                   tokenizer, workers):
+    router = request.getfixturevalue(which)
     requests, cancel_at_once, cancel_after_first = [], set(), set()
     for i in range(24):
         rid = f"req-{i}"

@@ -80,6 +80,55 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, first_token: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., session: _Optional[_Union[_common_pb2.KvSessionRef, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., ttft_breakdown: _Optional[_Union[_common_pb2.TtftBreakdown, _Mapping]] = ..., more_first_tokens: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class TaggedDecodeClientMessage(_message.Message):
+    __slots__ = ("tag", "message", "timeout_s", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    message: DecodeClientMessage
+    timeout_s: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, tag: _Optional[int] = ..., message: _Optional[_Union[DecodeClientMessage, _Mapping]] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DecodeManyRequest(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[TaggedDecodeClientMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[TaggedDecodeClientMessage, _Mapping]]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TaggedDecodeServerMessage(_message.Message):
+    __slots__ = ("tag", "message", "end")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    message: DecodeServerMessage
+    end: RequestStatus
+    def __init__(self, tag: _Optional[int] = ..., message: _Optional[_Union[DecodeServerMessage, _Mapping]] = ..., end: _Optional[_Union[RequestStatus, _Mapping]] = ...) -> None: ...
+
+class DecodeManyResponse(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[TaggedDecodeServerMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[TaggedDecodeServerMessage, _Mapping]]] = ...) -> None: ...
+
 class DecodeStart(_message.Message):
     __slots__ = ("request_id", "token_ids", "first_token", "session", "sampling", "stop", "output", "request_type", "embeddings", "choice_indices", "more_first_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -200,6 +200,11 @@ class DecoderStub:
                 request_serializer=disagg_dot_v1_dot_worker__pb2.DecodeClientMessage.SerializeToString,
                 response_deserializer=disagg_dot_v1_dot_worker__pb2.DecodeServerMessage.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/disagg.v1.Decoder/DecodeMany',
+                request_serializer=disagg_dot_v1_dot_worker__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=disagg_dot_v1_dot_worker__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
 
 
 class DecoderServicer:
@@ -224,6 +229,20 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeMany(self, request_iterator, context):
+        """Many requests on one stream: a router keeps one open to each decode worker, so what the engine makes in one
+        step travels as one message instead of one per request (gRPC's cost is per message, on both sides). Each
+        request is Decode's, tagged: the client sends a tagged `start` (then optionally tagged `cancel`s); the server
+        sends the tag's deltas and `finished` as Decode does, then the tag's `end`: OK after `finished`, or the status
+        Decode would have ended its RPC with (same codes, same rules about the session) in its place. A request's
+        deadline is its `timeout_s`; the client enforces it (cancel, then DEADLINE_EXCEEDED), the worker bounds the KV
+        pull by it. Cancelling the RPC (or the client going away) cancels every request on it and frees every block;
+        half-closing ends the stream once its requests have ended. A tag may be reused once its `end` has come.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +250,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=disagg_dot_v1_dot_worker__pb2.DecodeClientMessage.FromString,
                     response_serializer=disagg_dot_v1_dot_worker__pb2.DecodeServerMessage.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=disagg_dot_v1_dot_worker__pb2.DecodeManyRequest.FromString,
+                    response_serializer=disagg_dot_v1_dot_worker__pb2.DecodeManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +285,33 @@ class Decoder:
             '/disagg.v1.Decoder/Decode',
             disagg_dot_v1_dot_worker__pb2.DecodeClientMessage.SerializeToString,
             disagg_dot_v1_dot_worker__pb2.DecodeServerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/disagg.v1.Decoder/DecodeMany',
+            disagg_dot_v1_dot_worker__pb2.DecodeManyRequest.SerializeToString,
+            disagg_dot_v1_dot_worker__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
