@@ -52,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from services.router.config import DECODE_STREAMS  # noqa: E402
 from tests.bench.disagg_sweep import pull_totals  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import SHAPES, shape_arg  # noqa: E402
 from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
@@ -99,8 +100,8 @@ def engine_args(model: Path, args: argparse.Namespace) -> tuple[str, ...]:
             "--load-format", args.load_format)
 
 
-def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
-                 chunk: int | None) -> tuple[list[ServiceProcess], ServiceProcess]:
+def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: int | None,
+                 streams: str = "shared") -> tuple[list[ServiceProcess], ServiceProcess]:
     specs = []
     for role, gpu, tp in layout.devices():
         flags = (*engine_args(model, args), "--device", f"cuda:{gpu}", "--tensor-parallel-size", str(tp))
@@ -113,7 +114,7 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace,
     prefill = [w.address for w, (role, _) in zip(workers, specs) if role == "prefill"]
     decode = [w.address for w, (role, _) in zip(workers, specs) if role == "decode"]
     flags = ["--model", str(model), "--decode-workers", ",".join(decode), "--http-port", "0",
-             "--policy", "least_loaded"]
+             "--policy", "least_loaded", "--decode-streams", streams]
     if prefill:
         flags += ["--prefill-workers", ",".join(prefill)]  # the router's defaults: every prompt remote
         if layout.queue_limited:
@@ -286,11 +287,12 @@ def meets(point: dict, args: argparse.Namespace) -> bool:
 
 
 def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespace, results: list[dict],
-          deadline: float) -> None:
+          deadline: float, streams: str = "shared") -> None:
     label = layout.name if chunk is None else f"{layout.name} chunk {chunk}"
     label += f" x{args.routers} routers" if args.routers > 1 else ""
+    label += f" ({streams} decode streams)" if len(args.decode_streams) > 1 else ""
     started = time.monotonic()
-    workers, routers = start_layout(layout, model, args, chunk)
+    workers, routers = start_layout(layout, model, args, chunk, streams)
     print(f"# {label}: up in {time.monotonic() - started:.0f}s", flush=True)
     decoders = [w for w in workers if w.role == "decode"]
     first, windows = len(results), []
@@ -310,7 +312,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             windows.append((started_at, time.perf_counter()))
             busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, windows[-1][1] - started_at)
             routed_after = decisions(routers)
-            point = {"layout": layout.name, "label": label, "chunk": chunk, "rate": rate,
+            point = {"layout": layout.name, "label": label, "chunk": chunk, "decode_streams": streams, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
                      "achieved_req_s": round(s["request_throughput"], 2),
                      "output_tok_s": round(s["output_throughput"], 1),
@@ -438,6 +440,9 @@ def main() -> int:
                              "mod N (one router's event loop streams about 7 000 tokens/s: see cores_busy)")
     parser.add_argument("--bench-clients", type=int, default=1,
                         help="disagg bench's client processes (--clients): one times about 10 000 tokens/s at most")
+    parser.add_argument("--decode-streams", type=lambda t: t.split(","), default=["shared"],
+                        help="the routers' --decode-streams, comma-separated: each layout runs with each "
+                             "(shared,per-request compares the shared DecodeMany stream with a stream per request)")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
@@ -450,6 +455,8 @@ def main() -> int:
     if args.layouts is None:
         splits = {2: ["1P1D"], 4: ["1P3D", "2P2D", "3P1D", "tp2-1P2D"]}.get(gpus, [f"1P{gpus - 1}D"])
         args.layouts = [Layout.parse(x) for x in (f"{gpus}xagg", *splits)]
+    if set(args.decode_streams) - set(DECODE_STREAMS):
+        parser.error(f"--decode-streams: each of {list(DECODE_STREAMS)}, got {args.decode_streams}")
     for layout in args.layouts:
         if layout.gpus > gpus:
             parser.error(f"layout {layout.name} needs {layout.gpus} GPUs; {gpus} visible")
@@ -459,10 +466,10 @@ def main() -> int:
     results: list[dict] = []
     for layout in args.layouts:
         chunks = [*([] if args.only_agg_chunks else [None]), *args.agg_chunks] if layout.prefill == 0 else [None]
-        for chunk in chunks:
+        for chunk, streams in ((c, m) for c in chunks for m in args.decode_streams):
             if time.monotonic() > deadline:
                 break
-            sweep(layout, chunk, model, args, results, deadline)
+            sweep(layout, chunk, model, args, results, deadline, streams)
     write(results, args)
     text = table(results, args)
     (args.out / "multi_gpu.md").write_text(text + "\n")

@@ -1,6 +1,7 @@
 """The router's CPU per streamed token: what caps the tokens/s one router can stream, on any machine.
 
-    python -m tests.bench.router_cpu [--rate 30] [--num-prompts 200] [--routers 1] [--profile-s 8]
+    python -m tests.bench.router_cpu [--rate 30] [--num-prompts 200] [--routers 1] [--decode-streams both]
+        [--profile-s 8]
 
 A tiny random Llama (one layer, hidden 32, the 128k vocabulary of Llama 3, the default model's tokenizer files) on a
 CPU decode worker, the router(s) over it, and `disagg bench` (input uniform 64–128, output 128, Poisson --rate).
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.bench.gpu_kv_plane import TOKENIZER_FILES  # noqa: E402
+from services.router.config import DECODE_STREAMS  # noqa: E402
 from tests.bench.multi_gpu import role_cpu  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
@@ -100,25 +102,40 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=30.0)
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--routers", type=int, default=1)
+    parser.add_argument("--decode-streams", choices=[*DECODE_STREAMS, "both"], default="both",
+                        help="the router's --decode-streams; both: one run each, shared first")
     parser.add_argument("--profile-s", type=int, default=0, help="py-spy the first router this long")
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "disagg-bench-models")
     args = parser.parse_args()
     model = tiny_model(args.models / "router-cpu-tiny")
     worker = start_services([("decode", ("--model", str(model), "--device", "cpu", "--max-num-seqs", "256",
                                          "--num-kv-blocks", "20000"))])[0]
+    try:
+        for mode in DECODE_STREAMS if args.decode_streams == "both" else [args.decode_streams]:
+            report(mode, *run_mode(mode, model, worker, args), args)
+    finally:
+        worker.stop()
+    return 0
+
+
+def run_mode(mode: str, model: Path, worker: ServiceProcess,
+             args: argparse.Namespace) -> tuple[dict, dict[str, float], list[str]]:
     routers: list[ServiceProcess] = []
     try:
-        routers = start_services([("router", ("--model", str(model), "--decode-workers", worker.address))]
-                                 * args.routers)
+        routers = start_services([("router", ("--model", str(model), "--decode-workers", worker.address,
+                                              "--decode-streams", mode))] * args.routers)
         bench(routers, args.rate, 20, None)  # warm-up
         with tempfile.TemporaryDirectory() as scratch:
-            summary, used, frames = timed_run(routers, worker, args, Path(scratch))
+            return timed_run(routers, worker, args, Path(scratch))
     finally:
-        for process in [*routers, worker]:
+        for process in routers:
             process.stop()
+
+
+def report(mode: str, summary: dict, used: dict[str, float], frames: list[str], args: argparse.Namespace) -> None:
     tokens = summary["completed"] * OUTPUT_TOKENS
-    print(f"{summary['request_throughput']:.1f} req/s, {summary['output_throughput']:.0f} output tok/s at "
-          f"{args.rate:g} req/s offered; TTFT p90 {summary['ttft']['p90']:.0f} ms, "
+    print(f"--decode-streams {mode}: {summary['request_throughput']:.1f} req/s, {summary['output_throughput']:.0f} "
+          f"output tok/s at {args.rate:g} req/s offered; TTFT p90 {summary['ttft']['p90']:.0f} ms, "
           f"ITL p99 {summary['itl']['p99']:.1f} ms")
     for role, seconds in used.items():
         per_token = seconds / tokens * 1e6
@@ -129,7 +146,6 @@ def main() -> int:
               f"{limit}")
     if frames:
         print("router's hottest frames (share of busy samples):\n  " + "\n  ".join(frames))
-    return 0
 
 
 if __name__ == "__main__":
