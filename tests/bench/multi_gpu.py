@@ -97,7 +97,7 @@ class Layout:
 def engine_args(model: Path, args: argparse.Namespace) -> tuple[str, ...]:
     return ("--model", str(model), "--dtype", "bfloat16", "--num-kv-blocks", str(args.kv_blocks),
             "--max-model-len", str(args.max_model_len), "--no-prefix-caching", "--session-ttl", "120",
-            "--load-format", args.load_format)
+            "--load-format", args.load_format, *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()))
 
 
 def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: int | None,
@@ -443,6 +443,7 @@ def main() -> int:
     parser.add_argument("--decode-streams", type=lambda t: t.split(","), default=["shared"],
                         help="the routers' --decode-streams, comma-separated: each layout runs with each "
                              "(shared,per-request compares the shared DecodeMany stream with a stream per request)")
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="every worker's --max-num-seqs (0: its default)")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
