@@ -11,6 +11,9 @@ For each prompt length: the median of `--reps` engine steps that prefill one fre
   matmuls, one token's LM head) at the bf16 matmul rate measured here (an 8192³ cuBLAS matmul, best of 10).
 `--profile-dir` writes the kernels of one engine prefill at the middle length, by GPU time (torch.profiler).
 
+`--stream N` (a prefill worker under a full queue): N prompts of uniform 512-2048 tokens queued at once, steps of
+`--stream-budget` tokens: prompt tokens/s, and the share of the wall its kernels kept the GPU busy.
+
 `--mixed-batch B` (an aggregated worker's step): B requests decode at `--mixed-context` tokens while prompts of 2048
 tokens prefill beside them in chunks, the step's budget `--mixed-budget` tokens (--max-num-batched-tokens). Prints the
 median decode-only step and the median step that carries a chunk, each as wall time (engine.step and a device sync)
@@ -135,6 +138,43 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
     return out
 
 
+def stream_prefill(model_dir: str, load_format: str, prompts: int, budget: int, seed: int = 0) -> dict:
+    """A prefill worker's engine under a full queue: `prompts` prompts of uniform 512-2048 tokens queued at once,
+    each sampling its first token (max_tokens=1), steps of at most `budget` tokens (--max-num-batched-tokens).
+    Returns the wall time, the steps, and the GPU time of their kernels (torch.profiler): wall minus kernels is
+    time the GPU waited for the host between and inside steps."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(512, 2048) for _ in range(prompts)]
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
+                                    num_kv_blocks=sum(lengths) // 16 + prompts + 64, max_num_seqs=128,
+                                    max_num_batched_tokens=budget, max_model_len=4096, enable_prefix_caching=False,
+                                    load_format=load_format))
+
+    def run(tag: str) -> tuple[float, int]:
+        for i, n in enumerate(lengths):
+            engine.add_request(f"{tag}{i}", [1000 + (i * 13 + j) % 100000 for j in range(n)],
+                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        t, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, steps
+
+    run("warm")
+    wall, steps = run("timed")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run("profiled")
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    del engine
+    torch.cuda.empty_cache()
+    return {"prompts": prompts, "budget": budget, "prompt_tokens": sum(lengths), "wall_s": wall, "steps": steps,
+            "kernels_s": kernels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=shape_arg, default="llama-3.2-3b")
@@ -147,6 +187,10 @@ def main() -> None:
     parser.add_argument("--mixed-context", type=int, default=1024)
     parser.add_argument("--mixed-budget", type=int, default=512)
     parser.add_argument("--mixed-steps", type=int, default=200)
+    parser.add_argument("--stream", type=int, default=0,
+                        help="also: this many prompts of 512-2048 tokens queued at once, a prefill worker's steps "
+                             "(--stream-budget tokens each): prompt tokens/s and the GPU's busy share")
+    parser.add_argument("--stream-budget", type=int, default=2048)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     peak = emit("bf16_matmul_peak", flops_per_s=matmul_peak_flops(), device=torch.cuda.get_device_name())["flops_per_s"]
@@ -170,6 +214,13 @@ def main() -> None:
                 print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "
                       f"{m[kind + '_wall_s'] * 1e3:.2f} ms, kernels {m[kind + '_kernels_s'] * 1e3:.2f} ms "
                       f"(median of {args.mixed_steps} steps; kernels over 16 more)", flush=True)
+        if args.stream:
+            r = emit("prefill_stream", model=args.model, **stream_prefill(model_dir, args.load_format, args.stream,
+                                                                         args.stream_budget))
+            print(f"{r['prompts']} prompts queued, steps of <= {r['budget']} tokens: "
+                  f"{r['prompt_tokens'] / r['wall_s']:,.0f} prompt tok/s, {r['prompts'] / r['wall_s']:.1f} prompts/s, "
+                  f"{r['wall_s'] / r['steps'] * 1e3:.2f} ms a step; the GPU busy {r['kernels_s'] / r['wall_s']:.0%} "
+                  "of the wall (kernels under the profiler)", flush=True)
     if not args.skip_hf:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         model = model.cuda().eval()
