@@ -107,6 +107,8 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: i
         flags = (*engine_args(model, args), "--device", f"cuda:{gpu}", "--tensor-parallel-size", str(tp))
         step_tokens = chunk if chunk is not None else (
             args.local_chunk if layout.queue_limited and role == "decode" else 0)
+        if role == "prefill" and args.prefill_budget:
+            step_tokens = args.prefill_budget
         if step_tokens:  # the step's whole budget: a threshold alone bounds one prompt's chunk, not the step's
             flags += ("--max-num-batched-tokens", str(step_tokens), "--long-prefill-token-threshold", str(step_tokens))
         specs.append((role, flags))
@@ -444,6 +446,8 @@ def main() -> int:
                         help="the routers' --decode-streams, comma-separated: each layout runs with each "
                              "(shared,per-request compares the shared DecodeMany stream with a stream per request)")
     parser.add_argument("--max-num-seqs", type=int, default=0, help="every worker's --max-num-seqs (0: its default)")
+    parser.add_argument("--prefill-budget", type=int, default=0,
+                        help="prefill workers' --max-num-batched-tokens (0: their default)")
     parser.add_argument("--kv-blocks", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
