@@ -24,6 +24,17 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # 128-token prompts on 2 cores, 128 against 64: TTFT 204 against 229 ms at concurrency 1 (prefill and decode a core
 # each), and aggregated 139 against 115 output tok/s at concurrency 8.
 CPU_LONG_PREFILL_TOKENS = 128
+# A step's token budget (--max-num-batched-tokens) unless set. A prefill worker on a GPU has no decode rows whose
+# inter-token latency a long step would hold up, and bigger steps run its GEMMs nearer the peak: on an H200, random
+# Llama-3.2-3B shape, prompts of uniform 512-2048 tokens queued at once, 76 000 prompt tok/s at 2048 and 84 500 at
+# 4096 (tests/bench/gpu_prefill.py --stream 128); served 1P1D on 2 H200s the prefill GPU saturated at 48.9 req/s with
+# 2048, 53.2 with 4096 and 56.0-56.2 with 8192 (tests/bench/multi_gpu.py --prefill-budget, 72 req/s offered).
+DEFAULT_STEP_TOKENS = 2048
+GPU_PREFILL_WORKER_STEP_TOKENS = 8192
+
+
+def default_step_tokens(device: str, prefill_only: bool) -> int:
+    return GPU_PREFILL_WORKER_STEP_TOKENS if prefill_only and device.startswith("cuda") else DEFAULT_STEP_TOKENS
 DTYPES = ("float32", "float16", "bfloat16")  # --dtype's choices, each torch's dtype of that name
 
 

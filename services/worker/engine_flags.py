@@ -10,8 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from common.engine.config import (CPU_LONG_PREFILL_TOKENS, ENGINES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
-                                  EngineConfig)
+from common.engine.config import (CPU_LONG_PREFILL_TOKENS, DEFAULT_STEP_TOKENS, ENGINES, GPU_PREFILL_WORKER_STEP_TOKENS,
+                                  KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, default_step_tokens)
 from common.engine.default_model import resolve_model
 from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_specs, read_json, read_yaml
 
@@ -46,7 +46,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         help="CUDA only: size the KV cache to fill this fraction of the GPU's memory after the weights "
              "are loaded (e.g. 0.9), instead of --num-kv-blocks")
     add("--max-num-seqs", type=int, default=32)
-    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--max-num-batched-tokens", type=int, default=None,
+        help=f"most tokens a step computes (default: {DEFAULT_STEP_TOKENS}; {GPU_PREFILL_WORKER_STEP_TOKENS} on a prefill "
+             "worker on CUDA, which has no decode rows to hold up and runs bigger steps faster)")
     add("--long-prefill-token-threshold", type=int, default=None,
         help="most prompt tokens of one request per step, so a long prompt shares steps with the "
              f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
@@ -96,13 +98,17 @@ def apply_engine_config(args: argparse.Namespace, *more: tuple[str, Mapping[str,
     return args
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of the flags, merged with --engine-config and --engine-overrides (apply_engine_config)."""
+def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False) -> EngineConfig:
+    """The EngineConfig of the flags, merged with --engine-config and --engine-overrides (apply_engine_config);
+    `prefill_only`: a prefill worker's, whose unset step budget is its own (default_step_tokens)."""
     apply_engine_config(args)
+    step_tokens = args.max_num_batched_tokens
+    if step_tokens is None:
+        step_tokens = default_step_tokens(args.device, prefill_only)
     return EngineConfig(
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
@@ -115,8 +121,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def effective_engine_json(args: argparse.Namespace, config: EngineConfig) -> str:
     """Every engine flag's value as the engine runs with it, by key (the flag without --), the model directory
     resolved: what Worker/GetInfo shows, and itself a valid --engine-config file."""
-    flags = {a.option_strings[-1].removeprefix("--"): getattr(args, a.dest) for a in _engine_actions()}
+    flags = {a.option_strings[-1].removeprefix("--"): _effective(args, config, a.dest) for a in _engine_actions()}
     return json.dumps({**flags, "model": config.model}, sort_keys=True)
+
+
+def _effective(args: argparse.Namespace, config: EngineConfig, dest: str) -> object:
+    """A flag's value, or where it is unset and resolved by the config (the step budget), the config's."""
+    value = getattr(args, dest)
+    return getattr(config, dest) if value is None and dest == "max_num_batched_tokens" else value
 
 
 def engine_argv(args: argparse.Namespace, **overrides: object) -> list[str]:

@@ -16,7 +16,7 @@ from common.errors import InvalidConfig
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.cli.up import parse_args, plan, worker_argv
 from services.kit.serving import start_server
-from services.worker.engine_flags import add_engine_args, engine_argv, engine_config_from_args
+from services.worker.engine_flags import add_engine_args, effective_engine_json, engine_argv, engine_config_from_args
 from services.worker.service import WorkerServicer
 from tests.integration.processes import REPO_ROOT
 from tests.unit.test_dummy_load import config_dir
@@ -109,6 +109,20 @@ def test_up_lays_out_by_the_file_and_gives_each_role_its_overrides(engine_yaml):
     assert workers["decode"].block_size == 8 and workers["decode"].no_prefix_caching
     with pytest.raises(SystemExit):
         parse_args(["--model", "/m", "--prefill-engine-overrides", '{"device": "cuda:1"}'])
+
+
+def test_a_prefill_worker_on_cuda_takes_bigger_steps_unless_a_layer_sets_them(model, engine_yaml):
+    def budget(argv: list[str], prefill_only: bool) -> int:
+        return engine_config_from_args(_parse(["--model", model, *argv]), prefill_only).max_num_batched_tokens
+
+    assert budget(["--device", "cuda:1"], prefill_only=True) == 8192
+    assert budget(["--device", "cuda:1"], prefill_only=False) == budget([], prefill_only=True) == 2048  # decode; CPU
+    assert budget(["--device", "cuda", "--max-num-batched-tokens", "1024"], prefill_only=True) == 1024
+    assert budget(["--device", "cuda", "--engine-config", str(engine_yaml)], prefill_only=True) == 512
+    args = _parse(["--model", model, "--device", "cuda"])
+    config = engine_config_from_args(args, prefill_only=True)
+    assert json.loads(effective_engine_json(args, config))["max-num-batched-tokens"] == 8192  # what it runs with
+    assert "--max-num-batched-tokens" not in engine_argv(args)  # a child resolves it by its own role
 
 
 def test_the_workers_command_line_carries_every_merged_value_and_reparses_to_it(model, engine_yaml):
