@@ -103,3 +103,19 @@ def test_workers_describe_themselves(cluster):
     assert info["role"] == "WORKER_ROLE_PREFILL" and info["fingerprint"]
     load = json.loads(ok(grpcurl(decode, "disagg.v1.Worker/GetLoad")))
     assert int(load["kv_blocks_total"]) > 0
+
+
+def test_a_decode_worker_serves_two_requests_on_one_decode_many_stream(cluster, front_door_model):
+    _, (_, decode) = cluster
+    prompt_ids = Tokenizer.from_model_dir(front_door_model).encode(PROMPT)
+    start = {"request_id": "grpcurl", "token_ids": prompt_ids, "sampling": {"temperature": 0, "max_tokens": 4}}
+    request = {"messages": [{"tag": 1, "message": {"start": start}},
+                            {"tag": 2, "message": {"start": {**start, "sampling": {"temperature": 0, "max_tokens": 2}}}}]}
+    entries = [e for m in _messages(ok(grpcurl(decode, "disagg.v1.Decoder/DecodeMany", data=request)))
+               for e in m["messages"]]
+    expected = hf_greedy(front_door_model, prompt_ids, 4, stop_at_eos=True)[0]
+    for tag, max_tokens in (("1", 4), ("2", 2)):
+        mine = [e for e in entries if e["tag"] == tag]
+        tokens = [int(t) for e in mine if "delta" in e.get("message", {}) for t in e["message"]["delta"]["token_ids"]]
+        assert tokens == expected[:max_tokens], tag
+        assert "finished" in mine[-2]["message"] and mine[-1]["end"] == {}  # OK: the end's code is the default 0
