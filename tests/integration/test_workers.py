@@ -1,4 +1,5 @@
-"""Prefill and decode workers as real processes on loopback: handoff, cancel, TTL, layout checks, bad input."""
+"""Prefill and decode workers as real processes on loopback: handoff, cancel, TTL, layout checks, bad input, and
+many requests on one DecodeMany stream."""
 from __future__ import annotations
 
 import asyncio
@@ -25,13 +26,15 @@ from common.kv.transfer import release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import WORKER_ENV
 from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
-from tests.integration.worker_client import DecodeStream, WorkerClient, assert_pool_full, is_idle, split
+from tests.integration.worker_client import (DecodeStream, SharedDecodeStream, WorkerClient, assert_pool_full, is_idle,
+                                            split)
 
 PROMPT = list(range(3, 22))  # 19 tokens: four full blocks of 4 and a partial one
 GREEDY = dict(temperature=0, max_tokens=12)
 SEEDED = dict(temperature=0.9, top_k=50, seed=1234, max_tokens=12)
 LONG = dict(temperature=0, max_tokens=400)
 NO_EOS = common_pb2.StopConditions(ignore_eos=True)
+OK = grpc.StatusCode.OK.value[0]  # a DecodeMany request's `end` code
 
 
 @pytest.fixture(scope="module")
@@ -403,3 +406,81 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_cleanly(own_workers
         client.channel.close()
     assert len(tokens) == 200 and finished.reason == common_pb2.FINISH_REASON_LENGTH
     assert process.popen.wait(30) == 0, process.log()
+
+
+# Decoder.DecodeMany: many tagged requests on one stream, each one Decode's (the router's shared streams ride on it).
+
+
+def test_many_requests_on_one_stream_give_decode_s_tokens_in_fewer_messages(prefill, decode):
+    expected = split(decode.decoder.Decode(iter([decode_start(None, **LONG)]), timeout=60))[0]
+    shared = SharedDecodeStream(decode)
+    tags = set(range(1, 7))
+    try:
+        for tag in tags:  # aggregated and handoff requests side by side
+            prefilled = run_prefill(prefill, **LONG) if tag % 2 else None
+            shared.send(tag, decode_start(prefilled, **LONG), timeout_s=60)
+        shared.read_until_ended(tags)
+    finally:
+        shared.close()
+    for tag in tags:
+        assert shared.end_of(tag).code == OK
+        tokens, finished = split(shared.messages_of(tag))
+        assert tokens == (expected[1:] if tag % 2 else expected), f"tag {tag}"  # a prefill worker sampled the first
+        assert finished.reason == common_pb2.FINISH_REASON_LENGTH
+    deltas = sum(len(shared.messages_of(tag)) - 1 for tag in tags)
+    assert shared.num_responses < deltas, "the requests' deltas did not share messages"
+    assert list(shared.responses) == []  # half-closed with nothing running: the stream ends with OK
+
+
+def test_a_cancel_or_a_refusal_ends_one_request_and_spares_the_others(prefill, decode):
+    shared = SharedDecodeStream(decode)
+    try:
+        shared.send(1, decode_start(run_prefill(prefill, **LONG), **LONG))
+        shared.send(2, decode_start(None, **LONG))
+        bad = decode_start(None, **GREEDY)
+        bad.start.request_type = common_pb2.REQUEST_TYPE_GENERATION_ONLY  # without a session: refused
+        shared.send(3, bad)
+        shared.cancel(1)
+        shared.read_until_ended({1, 2, 3})
+        refused = shared.end_of(3)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "needs a session" in refused.message
+        assert shared.end_of(1).code == OK
+        assert shared.messages_of(1)[-1].finished.reason == common_pb2.FINISH_REASON_CANCELLED
+        assert shared.end_of(2).code == OK and split(shared.messages_of(2))[1].reason == common_pb2.FINISH_REASON_LENGTH
+        del shared.by_tag[3]
+        shared.send(3, decode_start(None, **GREEDY))  # an ended tag may be used again
+        shared.read_until_ended({3})
+        assert split(shared.messages_of(3))[1].reason == common_pb2.FINISH_REASON_LENGTH
+    finally:
+        shared.close()
+
+
+def test_a_stream_the_client_cancels_frees_every_request_on_it(prefill, decode):
+    shared = SharedDecodeStream(decode)
+    shared.send(1, decode_start(run_prefill(prefill, **LONG), **LONG))
+    shared.send(2, decode_start(None, **LONG))
+    first = next(iter(shared.responses))  # both running (or one has produced)
+    assert first.messages
+    shared.responses.cancel()
+    shared.close()
+    # every_block_returns checks both pools
+
+
+def test_a_tag_started_twice_is_a_broken_stream(decode):
+    shared = SharedDecodeStream(decode)
+    shared.send(1, decode_start(None, **LONG))
+    shared.send(1, decode_start(None, **LONG))
+    shared.close()
+    with pytest.raises(grpc.RpcError) as raised:
+        list(shared.responses)
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "tag 1 already runs" in raised.value.details()
+
+
+def test_an_empty_prompt_is_refused_on_its_tag(decode):
+    shared = SharedDecodeStream(decode)
+    try:
+        shared.send(5, decode_start(None, prompt=[], **GREEDY))
+        shared.read_until_ended({5})
+    finally:
+        shared.close()
+    assert shared.end_of(5).code == grpc.StatusCode.INVALID_ARGUMENT.value[0]

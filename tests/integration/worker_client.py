@@ -74,3 +74,47 @@ class DecodeStream:
     def close(self) -> None:
         """Half-close the client side (always call it: grpc's sender thread waits on the queue)."""
         self._outgoing.put(None)
+
+
+class SharedDecodeStream:
+    """A DecodeMany call whose client side stays open (many tagged requests on one stream); entries read back
+    grouped by tag."""
+
+    def __init__(self, client: WorkerClient, timeout_s: float = 30):
+        self._outgoing: queue.Queue = queue.Queue()
+        self.responses = client.decoder.DecodeMany(iter(self._outgoing.get, None), timeout=timeout_s)
+        self.by_tag: dict[int, list[worker_pb2.TaggedDecodeServerMessage]] = {}
+        self.num_responses = 0
+
+    def send(self, tag: int, message: worker_pb2.DecodeClientMessage, timeout_s: float | None = None) -> None:
+        tagged = worker_pb2.TaggedDecodeClientMessage(tag=tag, message=message)
+        if timeout_s is not None:
+            tagged.timeout_s = timeout_s
+        self._outgoing.put(worker_pb2.DecodeManyRequest(messages=[tagged]))
+
+    def cancel(self, tag: int) -> None:
+        self.send(tag, worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel()))
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+
+    def read_until_ended(self, tags: set[int]) -> None:
+        """Read responses until every tag in `tags` has its `end`."""
+        open_tags = set(tags)
+        for response in self.responses:
+            self.num_responses += 1
+            for entry in response.messages:
+                self.by_tag.setdefault(entry.tag, []).append(entry)
+                if entry.HasField("end"):
+                    open_tags.discard(entry.tag)
+            if not open_tags:
+                return
+        raise AssertionError(f"the stream ended before tags {open_tags} did")
+
+    def end_of(self, tag: int) -> worker_pb2.RequestStatus:
+        entries = self.by_tag[tag]
+        assert entries[-1].HasField("end") and all(e.HasField("message") for e in entries[:-1]), entries
+        return entries[-1].end
+
+    def messages_of(self, tag: int) -> list[worker_pb2.DecodeServerMessage]:
+        return [e.message for e in self.by_tag[tag] if e.HasField("message")]
