@@ -48,40 +48,43 @@ class SharedStream:
         self._outbox: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._requests: dict[int, _Request] = {}
         self._errors: dict[int, tuple[grpc.StatusCode, str]] = {}  # what ends a request, sent when its task is over
+        self._closing = False  # the client half-closed: the stream ends once its requests have
+        self._malformed: InvalidRequest | None = None  # a message the stream cannot carry on after
 
     async def serve(self, request_iterator: AsyncIterator[worker_pb2.DecodeManyRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeManyResponse]:
         reader = asyncio.create_task(self._read(request_iterator))
-        closing = False
         try:
-            while not (closing and not self._requests and self._outbox.empty()):
+            while not (self._closing and not self._requests and self._outbox.empty()):
                 entries = _Batch()
-                item = await self._outbox.get()
-                while True:
-                    tag, what = item
-                    if what is _READ_ALL:
-                        closing = True
-                    elif isinstance(what, InvalidRequest) and tag < 0:  # the stream itself is malformed
-                        await abort_with(context, what)
-                    elif what is _ENDED:  # its `end` goes out now, so the tag is free when the client reads it
-                        self._requests.pop(tag, None)
-                        entries.end(tag, *self._errors.pop(tag, (grpc.StatusCode.OK, "")))
-                    elif isinstance(what, BaseException):
-                        code = status_of(what)
-                        if code is grpc.StatusCode.INTERNAL:
-                            log.exception("internal error", exc_info=what)
-                        self._errors.setdefault(tag, (code, message_of(what) or type(what).__name__))
-                    else:
-                        entries.add(tag, what)
-                    if self._outbox.empty():
-                        break
-                    item = self._outbox.get_nowait()
+                self._book(entries, *await self._outbox.get())
+                while not self._outbox.empty():  # what came while the last write was under way
+                    self._book(entries, *self._outbox.get_nowait())
+                if self._malformed is not None:
+                    await abort_with(context, self._malformed)
                 if entries.messages:
                     yield worker_pb2.DecodeManyResponse(messages=entries.messages)
         finally:  # the client went away or the stream failed: every request's cleanup frees its blocks
             reader.cancel()
             for request in self._requests.values():
                 request.task.cancel()
+
+    def _book(self, entries: _Batch, tag: int, what: object) -> None:
+        """One outbox item into the next response: a message, a request's end, or the stream's own news."""
+        if what is _READ_ALL:
+            self._closing = True
+        elif tag < 0:  # the stream itself is malformed
+            self._malformed = what
+        elif what is _ENDED:  # its `end` goes out now, so the tag is free when the client reads it
+            self._requests.pop(tag, None)
+            entries.end(tag, *self._errors.pop(tag, (grpc.StatusCode.OK, "")))
+        elif isinstance(what, BaseException):
+            code = status_of(what)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error", exc_info=what)
+            self._errors.setdefault(tag, (code, message_of(what) or type(what).__name__))
+        else:
+            entries.add(tag, what)
 
     async def _read(self, request_iterator: AsyncIterator[worker_pb2.DecodeManyRequest]) -> None:
         try:
