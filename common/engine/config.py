@@ -35,6 +35,17 @@ GPU_PREFILL_WORKER_STEP_TOKENS = 8192
 
 def default_step_tokens(device: str, prefill_only: bool) -> int:
     return GPU_PREFILL_WORKER_STEP_TOKENS if prefill_only and device.startswith("cuda") else DEFAULT_STEP_TOKENS
+
+
+# Requests a step runs at most (--max-num-seqs) unless set. A GPU decode step is bound by reading the weights, so more
+# rows cost little: on 2 H200s, 1P1D (tests/bench/multi_gpu.py) at 48 / 56 / 64 req/s needs 31-41 requests running on
+# its decode worker, and with 32 their first decode step waited 20 / 44 / 93 ms mean for a slot; with 128, 10-11 ms.
+DEFAULT_MAX_NUM_SEQS = 32
+GPU_MAX_NUM_SEQS = 128
+
+
+def default_max_num_seqs(device: str) -> int:
+    return GPU_MAX_NUM_SEQS if device.startswith("cuda") else DEFAULT_MAX_NUM_SEQS
 DTYPES = ("float32", "float16", "bfloat16")  # --dtype's choices, each torch's dtype of that name
 
 

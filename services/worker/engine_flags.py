@@ -10,8 +10,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from common.engine.config import (CPU_LONG_PREFILL_TOKENS, DEFAULT_STEP_TOKENS, ENGINES, GPU_PREFILL_WORKER_STEP_TOKENS,
-                                  KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, default_step_tokens)
+from common.engine.config import (CPU_LONG_PREFILL_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
+                                  GPU_MAX_NUM_SEQS, GPU_PREFILL_WORKER_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
+                                  QUANTIZATIONS, EngineConfig, default_max_num_seqs, default_step_tokens)
 from common.engine.default_model import resolve_model
 from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_specs, read_json, read_yaml
 
@@ -45,7 +46,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--gpu-memory-utilization", type=float, default=None,
         help="CUDA only: size the KV cache to fill this fraction of the GPU's memory after the weights "
              "are loaded (e.g. 0.9), instead of --num-kv-blocks")
-    add("--max-num-seqs", type=int, default=32)
+    add("--max-num-seqs", type=int, default=None,
+        help=f"most requests a step runs (default: {DEFAULT_MAX_NUM_SEQS}; {GPU_MAX_NUM_SEQS} on CUDA, where a decode "
+             "step costs about the same for many more rows)")
     add("--max-num-batched-tokens", type=int, default=None,
         help=f"most tokens a step computes (default: {DEFAULT_STEP_TOKENS}; {GPU_PREFILL_WORKER_STEP_TOKENS} on a prefill "
              "worker on CUDA, which has no decode rows to hold up and runs bigger steps faster)")
@@ -105,10 +108,11 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
     step_tokens = args.max_num_batched_tokens
     if step_tokens is None:
         step_tokens = default_step_tokens(args.device, prefill_only)
+    max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else default_max_num_seqs(args.device)
     return EngineConfig(
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=step_tokens,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
@@ -125,10 +129,13 @@ def effective_engine_json(args: argparse.Namespace, config: EngineConfig) -> str
     return json.dumps({**flags, "model": config.model}, sort_keys=True)
 
 
+_RESOLVED_BY_CONFIG = ("max_num_batched_tokens", "max_num_seqs")  # flags whose unset default depends on device, role
+
+
 def _effective(args: argparse.Namespace, config: EngineConfig, dest: str) -> object:
-    """A flag's value, or where it is unset and resolved by the config (the step budget), the config's."""
+    """A flag's value, or where it is unset and the config resolved it by device and role, the config's."""
     value = getattr(args, dest)
-    return getattr(config, dest) if value is None and dest == "max_num_batched_tokens" else value
+    return getattr(config, dest) if value is None and dest in _RESOLVED_BY_CONFIG else value
 
 
 def engine_argv(args: argparse.Namespace, **overrides: object) -> list[str]:

@@ -70,7 +70,7 @@ def test_the_file_beats_a_default_from_the_environment(model, engine_yaml, monke
 
 @pytest.mark.parametrize("layer, message", [
     ("max-num-seq: 4", "--engine-config {path}: unknown key 'max-num-seq' (did you mean 'max-num-seqs'?)"),
-    ("max-num-seqs: many", "--engine-config {path}: max-num-seqs must be an integer, got 'many'"),
+    ("max-num-seqs: many", "--engine-config {path}: max-num-seqs must be an integer or null, got 'many'"),  # null: default
     ("no-prefix-caching: 1", "--engine-config {path}: no-prefix-caching must be true or false, got 1"),
     ("dtype: fp4", "--engine-config {path}: dtype must be one of ['float32', 'float16', 'bfloat16'], got 'fp4'"),
     ("max-model-len: null\nblock-size: null", "--engine-config {path}: block-size must be an integer, got None"),
@@ -123,6 +123,15 @@ def test_a_prefill_worker_on_cuda_takes_bigger_steps_unless_a_layer_sets_them(mo
     config = engine_config_from_args(args, prefill_only=True)
     assert json.loads(effective_engine_json(args, config))["max-num-batched-tokens"] == 8192  # what it runs with
     assert "--max-num-batched-tokens" not in engine_argv(args)  # a child resolves it by its own role
+
+
+def test_a_gpu_worker_runs_more_requests_a_step_unless_a_layer_sets_it(model, engine_yaml):
+    def max_num_seqs(*argv: str) -> int:
+        return engine_config_from_args(_parse(["--model", model, *argv])).max_num_seqs
+
+    assert (max_num_seqs("--device", "cuda:0"), max_num_seqs("--device", "cpu")) == (128, 32)
+    assert max_num_seqs("--device", "cuda", "--max-num-seqs", "16") == 16
+    assert max_num_seqs("--device", "cuda", "--engine-config", str(engine_yaml)) == 8
 
 
 def test_the_workers_command_line_carries_every_merged_value_and_reparses_to_it(model, engine_yaml):
