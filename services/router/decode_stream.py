@@ -77,7 +77,7 @@ class DecodeStream:
             "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})
         with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
             timeout_s = flight.deadline.remaining_s()
-            call = (worker.shared_decode.call(timeout_s) if self._shared_streams
+            call = (worker.shared_decode.request(timeout_s) if self._shared_streams
                     else worker.decoder.Decode(timeout=timeout_s))
         delivered_before = flight.sent.completion_tokens
         # This worker's timings are the TTFT breakdown's: it runs the prompt, or it continues a KV handoff

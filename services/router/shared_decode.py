@@ -36,11 +36,11 @@ class SharedDecodeStream:
         self._tags = itertools.count(1)  # never reused: a late entry for an old tag is simply dropped
         self._stream: _Open | None = None
 
-    def call(self, timeout_s: float | None) -> SharedDecodeCall:
+    def request(self, timeout_s: float | None) -> SharedDecodeCall:
         """A request on the stream, with its deadline; nothing is sent until its first write (the start)."""
         if self._stream is None or self._stream.broken:
             self._stream = _Open(self._stub, self._endpoint)
-        return self._stream.call(next(self._tags), timeout_s)
+        return self._stream.register(next(self._tags), timeout_s)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -63,7 +63,7 @@ class _Open:
         self._writer = loop.create_task(self._write_all(), context=context.copy())
         self._reader = loop.create_task(self._read_all(), context=context.copy())
 
-    def call(self, tag: int, timeout_s: float | None) -> SharedDecodeCall:
+    def register(self, tag: int, timeout_s: float | None) -> SharedDecodeCall:
         call = self.calls[tag] = SharedDecodeCall(self, tag, timeout_s)
         return call
 

@@ -16,7 +16,7 @@ FILES = [common_pb2.DESCRIPTOR, generation_pb2.DESCRIPTOR, worker_pb2.DESCRIPTOR
 SERVICES = {
     "Generation": {"Generate": (False, True), "GenerateStream": (True, True), "ListModels": (False, False)},
     "Prefiller": {"Prefill": (False, False)},
-    "Decoder": {"Decode": (True, True)},
+    "Decoder": {"Decode": (True, True), "DecodeMany": (True, True)},
     "Encoder": {"Encode": (False, False)},
     "TensorStore": {"Pull": (False, True), "Release": (False, False), "OpenKvCache": (False, False)},
     "Worker": {"GetInfo": (False, False), "GetLoad": (False, False), "SubscribeKvEvents": (False, True)},
