@@ -151,9 +151,10 @@ def test_up_gives_each_worker_its_gpus_and_its_share_of_the_memory():
 @pytest.mark.parametrize("visible, layout", [
     (1, {"prefill-0": (0,), "decode-0": (0,)}),  # as before: the two share the one GPU
     (2, {"prefill-0": (0,), "decode-0": (1,)}),
-    (4, {"prefill-0": (0,), "decode-0": (1,), "decode-1": (2,), "decode-2": (3,)}),
+    (3, {"prefill-0": (0,), "decode-0": (1,), "decode-1": (2,)}),
+    (4, {"prefill-0": (0,), "prefill-1": (1,), "decode-0": (2,), "decode-1": (3,)}),
 ])
-def test_up_on_cuda_without_counts_lays_out_one_prefill_and_a_decode_worker_per_other_gpu(visible, layout):
+def test_up_on_cuda_without_counts_gives_half_the_gpus_to_prefill_and_the_rest_to_decode(visible, layout):
     settled = plan(parse_args(["--device", "cuda"]), visible_gpus=visible)
     assert {w.name: w.devices for w in settled.workers} == layout
 

@@ -77,8 +77,11 @@ def test_tensor_parallel_ranks_need_consecutive_gpus():
 def test_the_default_layout_is_one_prefill_and_a_decode_worker_per_other_gpu():
     assert default_counts(1, TP1) == {"prefill": 1, "decode": 1}  # and they share the GPU
     assert default_counts(2, TP1) == {"prefill": 1, "decode": 1}
-    assert default_counts(4, TP1) == {"prefill": 1, "decode": 3}
+    assert default_counts(3, TP1) == {"prefill": 1, "decode": 2}
+    assert default_counts(4, TP1) == {"prefill": 2, "decode": 2}
+    assert default_counts(8, TP1) == {"prefill": 4, "decode": 4}
     assert default_counts(4, {"prefill": 2, "decode": 1}) == {"prefill": 1, "decode": 2}
+    assert default_counts(8, {"prefill": 2, "decode": 2}) == {"prefill": 2, "decode": 2}
 
 
 def test_off_cuda_workers_have_no_gpus_and_keep_the_users_device():
