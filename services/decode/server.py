@@ -1,4 +1,5 @@
-"""Decoder servicer: one request per bidirectional stream.
+"""Decoder servicer: one request per bidirectional stream (Decode), or many tagged on one (DecodeMany,
+shared_stream.py), each run by `begin`.
 
 With a KvSessionRef the worker checks the layout, pulls the prompt's KV from the exporter's
 TensorStore, releases the session and generates from the first token (GENERATION_ONLY);
