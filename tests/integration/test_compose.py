@@ -120,6 +120,22 @@ def test_1p3d_override_adds_decode_workers_on_gpus_2_and_3():
     assert all(s == without_device[0] for s in without_device)  # the same worker otherwise: command, image, namespaces
 
 
+def test_2p2d_override_adds_a_prefill_worker_on_gpu_1_and_a_decode_worker_on_gpu_3():
+    result = _compose("-f", str(COMPOSE_DIR / "gpu-2p2d.yml"), "config", "--format", "json",
+                      env={"COMPOSE_PROFILES": "gpu", "DECODE_DEVICE": "cuda:2"})
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    devices = {n: s["environment"]["DISAGG_DEVICE"] for n, s in services.items() if n.startswith(("prefill-gpu",
+                                                                                                     "decode-gpu"))}
+    assert devices == {"prefill-gpu": "cuda:0", "prefill-gpu-2": "cuda:1", "decode-gpu": "cuda:2",
+                       "decode-gpu-2": "cuda:3"}
+    for role in ("prefill-gpu", "decode-gpu"):  # the second is the first's worker otherwise
+        first, second = ({k: v for k, v in services[n]["environment"].items() if k != "DISAGG_DEVICE"}
+                         for n in (role, f"{role}-2"))
+        assert first == second and services[role]["command"] == services[f"{role}-2"]["command"]
+        assert _shares_the_hosts_kv_namespaces(services[f"{role}-2"])
+
+
 def test_dockerfile_is_multi_stage_non_root_and_copies_what_exists():
     dockerfile = pytest.importorskip("dockerfile")  # the official BuildKit parser, via Go
     path = COMPOSE_DIR / "Dockerfile"
