@@ -14,7 +14,6 @@ import logging
 import time
 from typing import Callable
 
-import grpc
 import torch
 
 from common.kv import transport
@@ -91,20 +90,21 @@ class KvPuller:
         return [n for n in out if n != transport.FALLBACK] + [transport.FALLBACK]
 
     async def pull_and_release(self, ref: common_pb2.KvSessionRef, timeout_s: float | None = None) -> PulledKv:
-        """The session's KV (on this worker's device), the session released whatever happened; the ref was checked
-        already (KvPath.check). Raises grpc.aio.AioRpcError from the exporter, NotFound / Unavailable / LayoutMismatch."""
+        """The session's KV (on this worker's device); the ref was checked already (KvPath.check). The transport that
+        pulls releases the session; a pull that ends before one has it is the caller's to release (DataPlane.import_kv
+        runs this inside Releases.owing, which also covers making the puller). Raises grpc.aio.AioRpcError from the
+        exporter, NotFound / Unavailable / LayoutMismatch."""
         channel = self.channels.get(ref.endpoint)
         if self.self_check is not None:
             self.self_check.start(channel, ref)  # once per exporter, in the background
-        async with self.releases.owing(ref):  # a transport releases what it pulls; this, a pull ended before that
-            for name in self.candidates(ref):
-                if not await self.usable(name):
-                    continue
-                try:
-                    pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
-                    return pulled._replace(transfer_backend=transport.number_of(name))
-                except BackendUnavailable as exc:
-                    self.fall_back(ref.endpoint, name, str(exc))
+        for name in self.candidates(ref):
+            if not await self.usable(name):
+                continue
+            try:
+                pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
+                return pulled._replace(transfer_backend=transport.number_of(name))
+            except BackendUnavailable as exc:
+                self.fall_back(ref.endpoint, name, str(exc))
         raise AssertionError("grpc is always a candidate and never unavailable")
 
     def fall_back(self, endpoint: str, name: str, reason: str) -> None:
