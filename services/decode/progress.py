@@ -63,6 +63,19 @@ class Progress:
         return worker_pb2.DecodeServerMessage(request_id=self.request_id, finished=finished)
 
 
+def join_delta(message: worker_pb2.DecodeServerMessage, following: object) -> bool:
+    """Append `following`'s tokens and logprobs to `message` where the two can be one Delta (both deltas of one
+    choice, and `following` not a choice's first, which carries the prompt's logprobs alone); False, and `message`
+    unchanged, where not. What a stream that fell behind its writes sends as one message (Decode and DecodeMany)."""
+    if not (isinstance(following, worker_pb2.DecodeServerMessage) and message.HasField("delta")
+            and following.HasField("delta") and following.delta.index == message.delta.index
+            and not following.delta.prompt_logprobs):
+        return False
+    message.delta.token_ids.extend(following.delta.token_ids)
+    message.delta.logprobs.extend(following.delta.logprobs)
+    return True
+
+
 def _choice_finished(out: RequestOutput) -> common_pb2.ChoiceFinished:
     end = common_pb2.ChoiceFinished(index=out.index, reason=finish_reason_to_proto(out.finish_reason),
                                     completion_tokens=out.num_output_tokens)

@@ -33,7 +33,7 @@ from common.kv.paths import KvPath
 from common.kv.transfer import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import request_type_from_proto, sampling_from_proto
-from services.decode.progress import Progress
+from services.decode.progress import Progress, join_delta
 from services.decode.shared_stream import SharedStream
 from common.telemetry import tracing
 from services.kit.serving import abort_with
@@ -294,11 +294,8 @@ def _merge_waiting(message: worker_pb2.DecodeServerMessage,
         return message, _NOTHING
     while not outbox.empty():
         following = outbox.get_nowait()
-        if not (isinstance(following, worker_pb2.DecodeServerMessage) and following.HasField("delta")
-                and following.delta.index == message.delta.index and not following.delta.prompt_logprobs):
+        if not join_delta(message, following):
             return message, following
-        message.delta.token_ids.extend(following.delta.token_ids)
-        message.delta.logprobs.extend(following.delta.logprobs)
     return message, _NOTHING
 
 

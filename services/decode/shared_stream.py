@@ -21,6 +21,7 @@ from opentelemetry import propagate
 
 from common.errors import InvalidRequest
 from common.pb.disagg.v1 import worker_pb2
+from services.decode.progress import join_delta
 from services.kit.serving import abort_with, message_of, status_of
 from services.worker.service import WorkerState
 
@@ -155,9 +156,7 @@ class _Batch:
 
     def add(self, tag: int, message: worker_pb2.DecodeServerMessage) -> None:
         last = self._last.get(tag)
-        if last is not None and last.HasField("message") and _joinable(last.message, message):
-            last.message.delta.token_ids.extend(message.delta.token_ids)
-            last.message.delta.logprobs.extend(message.delta.logprobs)
+        if last is not None and last.HasField("message") and join_delta(last.message, message):
             return
         entry = worker_pb2.TaggedDecodeServerMessage(tag=tag, message=message)
         self.messages.append(entry)
@@ -169,7 +168,3 @@ class _Batch:
         self.messages.append(entry)
         self._last[tag] = entry
 
-
-def _joinable(first: worker_pb2.DecodeServerMessage, following: worker_pb2.DecodeServerMessage) -> bool:
-    return (first.HasField("delta") and following.HasField("delta") and following.delta.index == first.delta.index
-            and not following.delta.prompt_logprobs)
