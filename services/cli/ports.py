@@ -6,6 +6,8 @@ bind), a listening socket as in use.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from services.kit.ports import bind_problem
 
 
@@ -23,17 +25,17 @@ def metrics_ports(names: list[str], base: int) -> dict[str, int]:
     return {name: (0 if not base else -1 if base < 0 else base + i) for i, name in enumerate(names)}
 
 
-def check_metrics_ports(names: list[str], base: int, host: str, router_port: int, http_port: int) -> str | None:
-    """With --metrics-port-base: None if every port of its range is valid, free and apart from the router's, else
-    one line."""
+def check_metrics_ports(names: list[str], base: int, host: str, reserved: Mapping[str, int]) -> str | None:
+    """With --metrics-port-base: None if every port of its range is valid, free and apart from the routers' (`reserved`:
+    each port by the flag that sets it), else one line."""
     if base <= 0:
         return None if base >= -1 else f"--metrics-port-base must be -1 or 0..{65535 - len(names)}, got {base}"
     if base > 65535 - len(names):
         return f"--metrics-port-base must be -1 or 0..{65535 - len(names)}, got {base}"
     ports = metrics_ports(names, base)
     span = f"--metrics-port-base {base} gives ports {min(ports.values())}-{max(ports.values())}"
-    for flag, port in (("--router-port", router_port), ("--http-port", http_port)):
-        if port in ports.values():
+    for flag, port in reserved.items():
+        if port and port in ports.values():
             return f"{span} ({len(ports)} services), which include {flag} {port}; choose another base"
     for name, port in ports.items():
         problem = bind_problem(host, port)

@@ -332,6 +332,15 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
                 cpu_plan(args, list(workers), cores), why, routers=args.routers)
 
 
+def routers_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Every router's gRPC and HTTP port by the flag that sets it (router i: --router-port + i, --http-port + i)."""
+    ports = {}
+    for i in range(args.routers):
+        plus = f" + {i}" if i else ""
+        ports[f"--router-port{plus}"], ports[f"--http-port{plus}"] = router_ports(args, i)
+    return ports
+
+
 def router_ports_busy(args: argparse.Namespace) -> str | None:
     """Every router's gRPC and HTTP port free (router i: --router-port + i and --http-port + i), else one line."""
     for i in range(args.routers):
@@ -349,7 +358,7 @@ def preflight(args: argparse.Namespace) -> Plan:
         raise InvalidConfig(f"--routers must be at least 1, got {args.routers}")
     settled = plan(args)
     busy = (router_ports_busy(args)
-            or check_metrics_ports(settled.names, args.metrics_port_base, args.host, args.router_port, args.http_port))
+            or check_metrics_ports(settled.names, args.metrics_port_base, args.host, routers_ports(args)))
     if busy:
         raise InvalidConfig(busy)
     settings = tls.tls_from_args(args)  # the flags, else DISAGG_TLS_*: every child gets them

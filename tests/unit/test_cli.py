@@ -18,8 +18,10 @@ from services.cli import client, run_local
 from services.worker.engine_flags import add_engine_args, engine_argv
 from services.cli.sampling_flags import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
                                          add_sampling_args)
+from common.errors import InvalidConfig
 from services.cli.ports import check_metrics_ports, metrics_ports
-from services.cli.up import ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS, parse_args, plan
+from services.cli.up import (ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS, parse_args, plan,
+                             preflight)
 from tests.integration.processes import REPO_ROOT
 
 
@@ -276,11 +278,21 @@ def test_up_hands_out_metrics_ports_from_the_base_in_a_fixed_order():
 def test_up_refuses_metrics_ports_that_overlap_the_routers_in_one_line(flag):
     ports = {"--router-port": 50051, "--http-port": 8000, flag: 60002}
     names = ["router", "prefill-0", "decode-0"]  # 60000..60002
-    assert check_metrics_ports(names, 60000, "127.0.0.1", ports["--router-port"], ports["--http-port"]) == (
+    assert check_metrics_ports(names, 60000, "127.0.0.1", ports) == (
         f"--metrics-port-base 60000 gives ports 60000-60002 (3 services), which include {flag} 60002; "
         "choose another base")
-    assert check_metrics_ports(names, 65534, "127.0.0.1", 1, 1) == "--metrics-port-base must be -1 or 0..65532, " \
-                                                                    "got 65534"
+    assert check_metrics_ports(names, 65534, "127.0.0.1", {"--router-port": 1}) == \
+        "--metrics-port-base must be -1 or 0..65532, got 65534"
+
+
+def test_up_refuses_metrics_ports_that_overlap_a_router_replicas_in_one_line():
+    args = parse_args(["--routers", "2", "--router-port", "60001", "--http-port", "0", "--metrics-port-base", "60000"])
+    with pytest.raises(InvalidConfig, match=r"^--metrics-port-base 60000 gives ports 60000-60003 \(4 services\), "
+                                            r"which include --router-port 60001; choose another base$"):
+        preflight(args)
+    args = parse_args(["--routers", "2", "--router-port", "59999", "--http-port", "0", "--metrics-port-base", "60000"])
+    with pytest.raises(InvalidConfig, match=r"which include --router-port \+ 1 60000; choose another base$"):
+        preflight(args)  # router-1 on 60000: before, only router 0's ports were kept out of the range
 
 
 def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(busy_port):
@@ -379,7 +391,6 @@ def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
 
     from services.cli.banner import summary
     from services.cli.supervise import Child
-    from common.errors import InvalidConfig
     from services.cli.up import preflight, router_argv
 
     args = parse_args(["--model", "/m", "--routers", "3", "--router-port", "7100", "--http-port", "7200",
