@@ -129,13 +129,10 @@ def effective_engine_json(args: argparse.Namespace, config: EngineConfig) -> str
     return json.dumps({**flags, "model": config.model}, sort_keys=True)
 
 
-_RESOLVED_BY_CONFIG = ("max_num_batched_tokens", "max_num_seqs")  # flags whose unset default depends on device, role
-
-
 def _effective(args: argparse.Namespace, config: EngineConfig, dest: str) -> object:
-    """A flag's value, or where it is unset and the config resolved it by device and role, the config's."""
+    """A flag's value; unset, what the config made of it (a default by device and role: the step budget, the batch)."""
     value = getattr(args, dest)
-    return getattr(config, dest) if value is None and dest in _RESOLVED_BY_CONFIG else value
+    return getattr(config, dest, None) if value is None else value
 
 
 def engine_argv(args: argparse.Namespace, **overrides: object) -> list[str]:

@@ -97,11 +97,12 @@ class Layout:
 def engine_args(model: Path, args: argparse.Namespace) -> tuple[str, ...]:
     return ("--model", str(model), "--dtype", "bfloat16", "--num-kv-blocks", str(args.kv_blocks),
             "--max-model-len", str(args.max_model_len), "--no-prefix-caching", "--session-ttl", "120",
-            "--load-format", args.load_format, *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()))
+            "--load-format", args.load_format,
+            *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()))
 
 
 def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: int | None,
-                 streams: str = "shared") -> tuple[list[ServiceProcess], ServiceProcess]:
+                 streams: str = "shared") -> tuple[list[ServiceProcess], list[ServiceProcess]]:
     specs = []
     for role, gpu, tp in layout.devices():
         flags = (*engine_args(model, args), "--device", f"cuda:{gpu}", "--tensor-parallel-size", str(tp))
