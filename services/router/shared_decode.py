@@ -119,12 +119,15 @@ class SharedDecodeCall:
         self._tag = tag
         loop = asyncio.get_running_loop()
         self._deadline = None if timeout_s is None else loop.time() + timeout_s
+        # One timer for the request's deadline (not one per message read): it cancels the request on the worker and
+        # ends the reading with DEADLINE_EXCEEDED, as a Decode call's deadline does.
+        self._timer = None if self._deadline is None else loop.call_at(self._deadline, self._expire)
         self._inbox: asyncio.Queue[worker_pb2.TaggedDecodeServerMessage | grpc.aio.AioRpcError] = asyncio.Queue()
         self._trace_context: dict[str, str] = {}
         propagate.inject(self._trace_context, otel_context.get_current())  # the caller's span, for the worker's
         self._started = False
         self._finished = False  # the worker sent `finished`
-        self._ended = False  # its `end` came, the stream broke, or it was cancelled here
+        self._ended = False  # its `end` came, the stream broke, its deadline passed, or it was cancelled here
 
     def deliver(self, entry: worker_pb2.TaggedDecodeServerMessage | grpc.aio.AioRpcError) -> None:
         self._inbox.put_nowait(entry)
@@ -144,22 +147,17 @@ class SharedDecodeCall:
         return self
 
     async def __anext__(self) -> worker_pb2.DecodeServerMessage:
-        if self._ended:
+        if self._ended and self._inbox.empty():
             raise StopAsyncIteration
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                entry = await self._inbox.get()
-        except TimeoutError:
-            self.cancel()
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        entry = await self._inbox.get()
         if isinstance(entry, grpc.aio.AioRpcError):
-            self._ended = True
+            self._end()
             raise entry
         if entry.HasField("message"):
             if entry.message.HasField("finished"):  # its `end` follows: nothing is left to cancel
                 self._finished = True
             return entry.message
-        self._ended = True
+        self._end()
         if entry.end.code == grpc.StatusCode.OK.value[0]:
             raise StopAsyncIteration
         raise _error(_STATUS_BY_NUMBER.get(entry.end.code, grpc.StatusCode.UNKNOWN), entry.end.message)
@@ -168,12 +166,26 @@ class SharedDecodeCall:
         """Cancel the request (the worker frees its blocks) and stop reading it; False when it had ended."""
         if self._ended:
             return False
+        self._end()
+        while not self._inbox.empty():  # what came before the cancel is not read
+            self._inbox.get_nowait()
+        return True
+
+    def _expire(self) -> None:
+        if not self._ended:
+            self._end()
+            self._inbox.put_nowait(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _end(self) -> None:
+        """No more of this request: its timer stopped, its entries no longer delivered, and, if the worker may still
+        be running it, a Cancel sent."""
         self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
         if self._stream.calls.pop(self._tag, None) is not None and self._started and not self._finished \
                 and not self._stream.broken:
             self._stream.send(worker_pb2.TaggedDecodeClientMessage(
                 tag=self._tag, message=worker_pb2.DecodeClientMessage(cancel=common_pb2.Cancel())))
-        return True
 
     async def done_writing(self) -> None:
         """Nothing to half-close: the stream is shared."""
