@@ -224,16 +224,17 @@ class LLMEngine:
             launched = self.runner.launch(batch)
         try:
             if self.async_scheduling:
-                self._ahead = self._launch_ahead(launched)
+                self._ahead = self._launch_ahead(launched) or self._launch_prompts_ahead(launched)
             drawn = launched.result()
         except Exception:
             self._ahead = None
             raise
-        # Every step launched so far has written its KV, but the one launched ahead.
-        self.block_manager.steps_done = self.block_manager.steps_launched - (self._ahead is not None)
+        if not launched.unawaited:  # every step launched so far has written its KV, but the one launched ahead
+            self.block_manager.steps_done = self.block_manager.steps_launched - (self._ahead is not None)
         for request, n in launched.scheduled:
             if self._live(request):
-                request.num_computed_tokens += n
+                if not launched.booked:
+                    request.num_computed_tokens += n
                 self.block_manager.commit_full_blocks(request)
                 if request.forks and request.num_computed_tokens >= request.num_prompt_tokens:
                     self._fork(request)  # before its token is booked: that may end it and free its blocks
@@ -286,6 +287,39 @@ class LLMEngine:
         joined = self._admit_joiners(len(rows)) if waiting else []
         self.block_manager.steps_launched += 1
         return self.runner.launch_ahead(launched, rows, joined)
+
+    def _launch_prompts_ahead(self, launched: StepLaunch) -> StepLaunch | None:
+        """A prefill worker's next prompt step, launched before `launched`'s first tokens are read: the GPU runs
+        it while the host books them and pins their sessions, instead of waiting for the host between every two
+        steps. Only where nothing in it depends on those tokens (every request a plain context_only prompt: no
+        choices to fork, grammar, images or prompt logprobs; a prompt finished in `launched` just waits for its
+        token, out of the next step) and only when the prompts queued already fill the next step: a prompt that
+        arrives meanwhile would not have fit in it anyway, so going ahead costs no one a step. The rows of
+        `launched` count as computed from here on (`booked`); the step it schedules preempts no one, since a
+        victim's blocks may be in `launched`."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        if launched.awaits_masks or not all(map(self._plain_context, running)) \
+                or not all(map(self._plain_context, waiting)):
+            return None
+        in_flight = {id(r): n for r, n in launched.scheduled}
+        queued = sum(r.num_tokens - r.num_computed_tokens - in_flight.get(id(r), 0) for r in running) \
+            + sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        if queued < self.scheduler.max_num_batched_tokens:
+            return None
+        for request, n in launched.scheduled:
+            if self._live(request):
+                request.num_computed_tokens += n
+        launched.booked = True
+        batch = self.scheduler.schedule(preempt=False)
+        if batch.empty:
+            return None
+        self.block_manager.steps_launched += 1
+        return self.runner.launch(batch)
+
+    @staticmethod
+    def _plain_context(request: Request) -> bool:
+        return (request.request_type is RequestType.CONTEXT_ONLY and not request.forks and request.grammar is None
+                and request.mm is None and request.sampling.prompt_logprobs is None)
 
     @staticmethod
     def _joins_ahead(request: Request) -> bool:

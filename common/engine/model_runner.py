@@ -114,6 +114,10 @@ class StepLaunch:
     ready: torch.cuda.Event | None = None
     drawn: list[tuple[int, TokenLogprob | None]] | None = None
     logits: torch.Tensor | None = None
+    # The host waits for no token of it (no row samples), so its result does not mean the GPU ran it.
+    unawaited: bool = False
+    # Its rows' computed counts were advanced before it ran (the engine launched the next prompt step first).
+    booked: bool = False
 
     @property
     def awaits_masks(self) -> bool:
@@ -309,7 +313,7 @@ class ModelRunner:
             _score_prompts(scored, logits[len(last_rows):])
             logits = logits[: len(last_rows)]
         if not sampled:
-            return StepLaunch(scheduled, [], drawn=[])
+            return StepLaunch(scheduled, [], drawn=[], unawaited=self.device.type == "cuda")
         return self._sample(scheduled, sampled, logits, None)
 
     def _send(self, step: StepInputs) -> None:

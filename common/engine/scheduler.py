@@ -61,7 +61,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, preempt: bool = True) -> ScheduledBatch:
+        """The next step. Without `preempt` (a step launched while another still runs) a row that gets no blocks
+        ends the batch instead of freeing someone's: the next step scheduled with the GPU idle preempts."""
         batch = ScheduledBatch()
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -72,7 +74,9 @@ class Scheduler:
             if request in batch.preempted:
                 continue  # preempted by an earlier row of this step
             n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
-            if not self._allocate_or_preempt(request, n, batch):
+            if not preempt and not self.block_manager.allocate_slots(request, n):
+                break
+            if preempt and not self._allocate_or_preempt(request, n, batch):
                 break  # the request itself was preempted: every row after it in `running` already was
             batch.requests.append(request)
             batch.num_new_tokens.append(n)

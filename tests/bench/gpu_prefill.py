@@ -12,7 +12,8 @@ For each prompt length: the median of `--reps` engine steps that prefill one fre
 `--profile-dir` writes the kernels of one engine prefill at the middle length, by GPU time (torch.profiler).
 
 `--stream N` (a prefill worker under a full queue): N prompts of uniform 512-2048 tokens queued at once, steps of
-`--stream-budget` tokens: prompt tokens/s, and the share of the wall its kernels kept the GPU busy.
+`--stream-budget` tokens: prompt tokens/s, and the share of the wall its kernels kept the GPU busy, with the next prompt
+step launched before the last one's first tokens are read (async scheduling) and without.
 
 `--mixed-batch B` (an aggregated worker's step): B requests decode at `--mixed-context` tokens while prompts of 2048
 tokens prefill beside them in chunks, the step's budget `--mixed-budget` tokens (--max-num-batched-tokens). Prints the
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
-from common.engine.request import SamplingParams
+from common.engine.request import RequestType, SamplingParams
 from tests.bench.engine_steps import decoding
 from tests.bench.gpu_engine_vs_hf import emit, engine_for, make_model, shape_arg, shape_config
 
@@ -133,16 +134,15 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
             for _ in range(16):
                 step(mixed)
         out[f"{kind}_kernels_s"] = sum(e.self_device_time_total for e in prof.key_averages()) / 16 / 1e6
-    del engine
-    torch.cuda.empty_cache()
-    return out
+    return out  # (its engine goes with this frame: the caller's free_gpu)
 
 
 def stream_prefill(model_dir: str, load_format: str, prompts: int, budget: int, seed: int = 0) -> dict:
-    """A prefill worker's engine under a full queue: `prompts` prompts of uniform 512-2048 tokens queued at once,
-    each sampling its first token (max_tokens=1), steps of at most `budget` tokens (--max-num-batched-tokens).
-    Returns the wall time, the steps, and the GPU time of their kernels (torch.profiler): wall minus kernels is
-    time the GPU waited for the host between and inside steps."""
+    """A prefill worker's engine under a full queue: `prompts` context_only prompts of uniform 512-2048 tokens
+    queued at once, each session released as its first token comes, steps of at most `budget` tokens
+    (--max-num-batched-tokens); once with the next prompt step launched before the last one's tokens are read (async
+    scheduling, the default on CUDA), once without. Each run's wall time, steps, and the GPU time of its kernels
+    (torch.profiler, a third pass): wall minus kernels is time the GPU waited for the host."""
     import random
 
     rng = random.Random(seed)
@@ -152,27 +152,37 @@ def stream_prefill(model_dir: str, load_format: str, prompts: int, budget: int, 
                                     max_num_batched_tokens=budget, max_model_len=4096, enable_prefix_caching=False,
                                     load_format=load_format))
 
-    def run(engine: LLMEngine, tag: str) -> tuple[float, int]:
+    def run(tag: str) -> tuple[float, int]:
         for i, n in enumerate(lengths):
             engine.add_request(f"{tag}{i}", [1000 + (i * 13 + j) % 100000 for j in range(n)],
-                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                               SamplingParams(temperature=0, max_tokens=1), RequestType.CONTEXT_ONLY)
         torch.cuda.synchronize()
         t, steps = time.perf_counter(), 0
         while engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():
+                engine.release_session(out.session_id)
             steps += 1
         torch.cuda.synchronize()
         return time.perf_counter() - t, steps
 
-    run(engine, "warm")
-    wall, steps = run(engine, "timed")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(engine, "profiled")
-    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-    del engine  # its KV cache, before the caller's next model
+    result = {"prompts": prompts, "budget": budget, "prompt_tokens": sum(lengths)}
+    for ahead in (True, False):
+        engine.async_scheduling = ahead
+        run("warm")
+        wall, steps = run("timed")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run("profiled")
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        result["ahead" if ahead else "synchronous"] = {"wall_s": wall, "steps": steps, "kernels_s": kernels}
+    return result  # (its engine goes with this frame: the caller's free_gpu)
+
+
+def free_gpu() -> None:
+    """Give back the memory of an engine a function above made and dropped (its KV cache), before the next one."""
+    import gc
+
+    gc.collect()
     torch.cuda.empty_cache()
-    return {"prompts": prompts, "budget": budget, "prompt_tokens": sum(lengths), "wall_s": wall, "steps": steps,
-            "kernels_s": kernels}
 
 
 def main() -> None:
@@ -210,6 +220,7 @@ def main() -> None:
             m = emit("mixed_step", model=args.model, **mixed_steps(model_dir, args.load_format, args.mixed_batch,
                                                                    args.mixed_context, args.mixed_budget,
                                                                    args.mixed_steps))
+            free_gpu()
             for kind in ("decode", "mixed"):
                 print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "
                       f"{m[kind + '_wall_s'] * 1e3:.2f} ms, kernels {m[kind + '_kernels_s'] * 1e3:.2f} ms "
@@ -217,10 +228,13 @@ def main() -> None:
         if args.stream:
             r = emit("prefill_stream", model=args.model, **stream_prefill(model_dir, args.load_format, args.stream,
                                                                          args.stream_budget))
-            print(f"{r['prompts']} prompts queued, steps of <= {r['budget']} tokens: "
-                  f"{r['prompt_tokens'] / r['wall_s']:,.0f} prompt tok/s, {r['prompts'] / r['wall_s']:.1f} prompts/s, "
-                  f"{r['wall_s'] / r['steps'] * 1e3:.2f} ms a step; the GPU busy {r['kernels_s'] / r['wall_s']:.0%} "
-                  "of the wall (kernels under the profiler)", flush=True)
+            free_gpu()
+            for mode in ("ahead", "synchronous"):
+                m = r[mode]
+                print(f"{r['prompts']} prompts queued, steps of <= {r['budget']} tokens, {mode}: "
+                      f"{r['prompt_tokens'] / m['wall_s']:,.0f} prompt tok/s, {r['prompts'] / m['wall_s']:.1f} "
+                      f"prompts/s, {m['wall_s'] / m['steps'] * 1e3:.2f} ms a step; the GPU busy "
+                      f"{m['kernels_s'] / m['wall_s']:.0%} of the wall (kernels under the profiler)", flush=True)
     if not args.skip_hf:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         model = model.cuda().eval()

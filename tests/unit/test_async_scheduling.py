@@ -39,6 +39,15 @@ def make_engine(request):
             return launch_ahead(prev, rows, joined)
 
         engine.runner.launch_ahead = counted
+        engine.prompt_launches = 0  # prompt steps launched ahead (a prefill worker's)
+        prompts_ahead = engine._launch_prompts_ahead
+
+        def counted_prompts(prev):
+            step = prompts_ahead(prev)
+            engine.prompt_launches += step is not None
+            return step
+
+        engine._launch_prompts_ahead = counted_prompts
         return engine
 
     return make
@@ -227,3 +236,85 @@ def test_context_only_sessions_are_never_written_ahead(make_engine, tiny_llama):
         assert _all_blocks_free(engine)
     assert engine.ahead_launches > 0  # "gen" went on ahead, alone
     assert torch.equal(exported[True], exported[False])
+
+
+# --- a prefill worker's prompt steps launched ahead (engine.py `_launch_prompts_ahead`) ---
+
+def _prefill_all(engine: LLMEngine, prompts: dict[str, list[int]], sampling: SamplingParams,
+                 abort: str | None = None) -> dict[str, tuple[int, torch.Tensor]]:
+    """Queue context_only prompts and step until every one has its session: each prompt's first token and its
+    session's KV (then released). `abort`: that request is aborted once a prompt step was launched ahead."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, sampling, RequestType.CONTEXT_ONLY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.session_id is not None:
+                kv = engine.runner.export_blocks(engine.sessions.get(out.session_id).block_ids)
+                kv = kv.flatten(2, 3)[:, :, :len(prompts[out.request_id])]  # its tokens (not a last block's rest)
+                done[out.request_id] = (out.new_token_ids[0], kv)
+                engine.release_session(out.session_id)
+        if abort is not None and engine._ahead is not None:
+            assert engine.abort_request(abort)
+            abort = None
+    return done
+
+
+def _equal_sessions(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for rid, (token, kv) in want.items():
+        assert got[rid][0] == token, rid
+        assert torch.equal(got[rid][1], kv), rid
+
+
+PREFILL = {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16}  # chunks: prompts span steps and share them
+
+
+def test_prompt_steps_launched_ahead_make_the_synchronous_sessions(make_engine, tiny_llama):
+    """A full queue of context_only prompts: each next prompt step goes ahead of the last one's first tokens, and
+    every first token and every session's KV equal the synchronous engine's (and the first tokens HF's)."""
+    prompts = dict(zip([f"p{i}" for i in range(8)], _prompts([9, 30, 5, 17, 40, 12, 26, 8], seed=11)))
+    sampling = SamplingParams(temperature=0, max_tokens=8)
+    want = _prefill_all(make_engine(tiny_llama, False, **PREFILL), prompts, sampling)
+    engine = make_engine(tiny_llama, True, **PREFILL)
+    got = _prefill_all(engine, prompts, sampling)
+    assert engine.prompt_launches > 0 and engine.ahead_launches == 0
+    _equal_sessions(got, want)
+    for rid in ("p0", "p4"):
+        assert got[rid][0] == hf_greedy(tiny_llama, prompts[rid], 1)[0][0]
+    assert _all_blocks_free(engine)
+
+
+def test_prompt_steps_go_ahead_only_while_the_queue_fills_them(make_engine, tiny_llama):
+    """Fewer queued prompt tokens than a step holds: a prompt arriving during the step would have joined the next
+    one, so nothing goes ahead of it."""
+    engine = make_engine(tiny_llama, True, **PREFILL)
+    _prefill_all(engine, dict(zip(["a", "b"], _prompts([6, 9], seed=2))), SamplingParams(temperature=0, max_tokens=4))
+    assert engine.prompt_launches == 0
+
+
+def test_an_abort_while_a_prompt_step_runs_ahead_frees_everything(make_engine, tiny_llama):
+    prompts = dict(zip([f"p{i}" for i in range(6)], _prompts([20, 33, 14, 27, 9, 21], seed=12)))
+    sampling = SamplingParams(temperature=0, max_tokens=4)
+    want = _prefill_all(make_engine(tiny_llama, False, **PREFILL), prompts, sampling)
+    engine = make_engine(tiny_llama, True, **PREFILL)
+    got = _prefill_all(engine, prompts, sampling, abort="p1")  # its prompt is in the steps on their way
+    assert engine.prompt_launches > 0
+    _equal_sessions(got, {k: v for k, v in want.items() if k != "p1"})
+    assert _all_blocks_free(engine)
+
+
+def test_a_prompt_step_ahead_preempts_no_one(make_engine, tiny_llama):
+    """Two prompts outgrow the pool mid-prompt: the synchronous engine preempts one; a step launched ahead stops
+    where blocks run out instead (the rows in flight keep theirs), and the sessions are the same."""
+    prompts = dict(zip([f"p{i}" for i in range(4)], _prompts([40, 38, 30, 36], seed=14)))
+    sampling = SamplingParams(temperature=0, max_tokens=4)
+    small = {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 12, "num_kv_blocks": 16}
+    synchronous = make_engine(tiny_llama, False, **small)
+    want = _prefill_all(synchronous, prompts, sampling)
+    assert synchronous.num_preemptions > 0
+    engine = make_engine(tiny_llama, True, **small)
+    got = _prefill_all(engine, prompts, sampling)
+    assert engine.prompt_launches > 0
+    _equal_sessions(got, want)
+    assert _all_blocks_free(engine)
