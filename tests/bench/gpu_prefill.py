@@ -155,7 +155,7 @@ def stream_prefill(model_dir: str, load_format: str, prompts: int, budget: int, 
     def run(tag: str) -> tuple[float, int]:
         for i, n in enumerate(lengths):
             engine.add_request(f"{tag}{i}", [1000 + (i * 13 + j) % 100000 for j in range(n)],
-                               SamplingParams(temperature=0, max_tokens=1), RequestType.CONTEXT_ONLY)
+                               SamplingParams(temperature=0, max_tokens=16), RequestType.CONTEXT_ONLY)
         torch.cuda.synchronize()
         t, steps = time.perf_counter(), 0
         while engine.has_unfinished_requests():
