@@ -33,7 +33,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.engine.block_manager import BlockManager  # noqa: E402
 from common.engine.interface import KvBlocks  # noqa: E402
 from common.kv import gather  # noqa: E402
 from common.kv.transports.cuda_ipc.block_copy import BlockCopier  # noqa: E402
