@@ -21,7 +21,8 @@ Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, the reques
 are within the SLO's limits, and whether the point meets the SLO (TTFT p90 and ITL p99 within the limits); its SLO
 goodput is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its disagg_kv_pull_seconds) and where the router prefilled. Everything
 lands in OUT/multi_gpu.json as it is measured, then OUT/multi_gpu.md (the table, with each layout's highest rate
-that meets the SLO) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
+that meets the SLO, and each split against the best aggregated run: the ratio of their SLO rates, and at every rate
+both ran below saturation their ITL p99, TTFT p90 and output tok/s ratios) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
 step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
 whether the p99 falls on them), `cores_busy` (the cores each role's processes and the bench client kept busy: a
@@ -333,10 +334,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             results.append(point)
             print(json.dumps(point), flush=True)
             write(results, args)
-            # A short run's achieved rate counts its tail (the last requests' decode): 0.75, not 0.9, of the offer.
-            saturated = (point["failed"] or point["achieved_req_s"] < 0.75 * rate
-                         or point["ttft_p90_ms"] > 4 * args.slo_ttft_p90_ms)
-            if saturated:
+            if saturated(point, args):
                 break
     finally:
         for router in routers:
@@ -350,6 +348,50 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 steps = json.dumps(point["decode_steps"])
                 print(f"# {label} {point['rate']:g} req/s decode steps: {steps}", flush=True)
             write(results, args)
+
+
+def saturated(point: dict, args: argparse.Namespace) -> bool:
+    """Past the layout's capacity: a request failed, it completed under 75 % of the offered rate (a short run's
+    achieved rate counts its tail, the last requests' decode: 0.75, not 0.9), or its TTFT p90 passed 4× the SLO's."""
+    return bool(point["failed"] or point["achieved_req_s"] < 0.75 * point["rate"]
+                or point["ttft_p90_ms"] > 4 * args.slo_ttft_p90_ms)
+
+
+def comparison(results: list[dict], args: argparse.Namespace) -> list[str]:
+    """Each split against the best aggregated run (the highest SLO rate; the first on a tie): the ratio of their SLO
+    rates, then at every rate both ran below saturation, ITL p99 (aggregated / split: above 1 is the split's gain),
+    TTFT p90 (split / aggregated: above 1 is the split's loss) and output tok/s (split / aggregated)."""
+    best = best_rates(results)
+    aggregated = [label for label in best if _is_aggregated(results, label)]
+    if not aggregated or len(aggregated) == len(best):
+        return []
+    peer = max(aggregated, key=lambda label: (best[label], -aggregated.index(label)))
+    lines = ["", f"Against the best aggregated run ({peer}; ITL p99: aggregated / split, TTFT p90 and output tok/s: "
+             "split / aggregated, at the rates both ran below saturation):", "",
+             "| split | highest SLO rate (× aggregated) | rate (req/s) | ITL p99 gain | TTFT p90 | output tok/s |",
+             "|" + " --- |" * 6]
+    peer_points = {r["rate"]: r for r in results if r["label"] == peer and not saturated(r, args)}
+    for label in best:
+        if label in aggregated:
+            continue
+        rate = f"{best[label]:g} against {best[peer]:g}" + (f" ({best[label] / best[peer]:.2f}×)" if best[peer] else "")
+        shared = [(r, peer_points[r["rate"]]) for r in results
+                  if r["label"] == label and r["rate"] in peer_points and not saturated(r, args)]
+        if not shared:
+            lines.append(f"| {label} | {rate} | - | - | - | - |")
+        for split, agg in shared:
+            lines.append(f"| {label} | {rate} | {split['rate']:g} | {_ratio(agg['itl_p99_ms'], split['itl_p99_ms'])} | "
+                         f"{_ratio(split['ttft_p90_ms'], agg['ttft_p90_ms'])} | "
+                         f"{_ratio(split['output_tok_s'], agg['output_tok_s'])} |")
+    return lines
+
+
+def _is_aggregated(results: list[dict], label: str) -> bool:
+    return any(r["label"] == label and Layout.parse(r["layout"]).prefill == 0 for r in results)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b else "-"
 
 
 def best_rates(results: list[dict]) -> dict[str, float]:
@@ -378,7 +420,7 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
                      f"{r['ttft_mean_ms']} / {r['ttft_p90_ms']} | {r['tpot_mean_ms']} | {r['itl_p99_ms']} | "
                      f"{r['goodput_req_s']} | {'yes' if r['meets_slo'] else 'no'} | {r['kv_pull_mean_ms'] or '-'} |")
     lines += ["", "Highest rate that meets the SLO: " + ", ".join(f"{k} {v:g}" for k, v in best_rates(results).items())]
-    return "\n".join(lines)
+    return "\n".join(lines + comparison(results, args))
 
 
 def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:

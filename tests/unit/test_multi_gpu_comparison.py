@@ -1,0 +1,51 @@
+"""The multi-GPU bench's comparison of each split with the best aggregated run (tests/bench/multi_gpu.py): which
+aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only where both points ran below
+saturation."""
+import argparse
+
+from tests.bench.multi_gpu import comparison, saturated
+
+ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
+
+
+def point(layout: str, label: str, rate: float, ttft_p90: float, itl_p99: float, tok_s: float,
+          achieved: float | None = None, failed: int = 0) -> dict:
+    meets = ttft_p90 <= ARGS.slo_ttft_p90_ms and itl_p99 <= ARGS.slo_itl_p99_ms
+    return {"layout": layout, "label": label, "rate": rate, "ttft_p90_ms": ttft_p90, "itl_p99_ms": itl_p99,
+            "output_tok_s": tok_s, "achieved_req_s": rate * 0.9 if achieved is None else achieved, "failed": failed,
+            "meets_slo": meets}
+
+
+RESULTS = [
+    point("2xagg", "2xagg chunk 512", 40, 110.0, 12.0, 4500.0),
+    point("2xagg", "2xagg chunk 512", 48, 320.0, 17.0, 5300.0),
+    point("2xagg", "2xagg chunk 1024", 40, 100.0, 18.0, 4500.0),  # misses everywhere: not the peer
+    point("1P1D", "1P1D", 40, 80.0, 4.0, 4600.0),
+    point("1P1D", "1P1D", 48, 100.0, 8.0, 5300.0),
+    point("1P1D", "1P1D", 64, 190.0, 9.0, 7000.0),
+    point("1P1D", "1P1D", 80, 1200.0, 14.0, 8000.0, achieved=50.0),  # saturated: no ratio at 80
+]
+
+
+def test_each_split_against_the_best_aggregated_run():
+    lines = comparison(RESULTS, ARGS)
+    assert "best aggregated run (2xagg chunk 512;" in lines[1]
+    rows = [line for line in lines if line.startswith("| 1P1D |")]
+    assert rows == [
+        "| 1P1D | 64 against 40 (1.60×) | 40 | 3.00× | 0.73× | 1.02× |",
+        # aggregated at 48 misses the SLO but is not saturated (90 % completed, TTFT p90 under 4 × 250 ms)
+        "| 1P1D | 64 against 40 (1.60×) | 48 | 2.12× | 0.31× | 1.00× |",
+    ]
+
+
+def test_no_comparison_without_both_kinds():
+    only_splits = [r for r in RESULTS if r["layout"] == "1P1D"]
+    assert comparison(only_splits, ARGS) == []
+    assert comparison([r for r in RESULTS if r["layout"] == "2xagg"], ARGS) == []
+
+
+def test_saturation_is_a_failure_a_low_completion_rate_or_a_runaway_ttft():
+    assert not saturated(point("1P1D", "x", 64, 190.0, 9.0, 1.0), ARGS)
+    assert saturated(point("1P1D", "x", 64, 190.0, 9.0, 1.0, failed=1), ARGS)
+    assert saturated(point("1P1D", "x", 64, 190.0, 9.0, 1.0, achieved=47.9), ARGS)
+    assert saturated(point("1P1D", "x", 64, 1001.0, 9.0, 1.0), ARGS)
