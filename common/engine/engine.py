@@ -202,9 +202,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step and return what it produced. With async scheduling, the next decode step (or a prefill
         worker's next prompt step) is launched before this one's tokens are read, so the GPU runs it while the
-        host books this one. Grammar rows go
-        ahead too: the step launched ahead samples here, at the start of the next, once the tokens before are
-        booked (each grammar took its token), and its masks are filled while its forward still runs."""
+        host books this one. Grammar rows go ahead too: the step launched ahead samples here, at the start of the
+        next, once the tokens before are booked (each grammar took its token), and its masks are filled while its
+        forward still runs."""
         self.expire_sessions()
         self.runner.bind()
         launched, self._ahead = self._ahead, None

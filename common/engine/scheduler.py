@@ -74,10 +74,10 @@ class Scheduler:
             if request in batch.preempted:
                 continue  # preempted by an earlier row of this step
             n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
-            if not preempt and not self.block_manager.allocate_slots(request, n):
-                break
             if preempt and not self._allocate_or_preempt(request, n, batch):
                 break  # the request itself was preempted: every row after it in `running` already was
+            if not preempt and not self.block_manager.allocate_slots(request, n):
+                return batch  # short of blocks: no newcomer takes what a running row waits for
             batch.requests.append(request)
             batch.num_new_tokens.append(n)
         if not batch.preempted:

@@ -111,3 +111,21 @@ def test_a_prompt_the_leftover_budget_would_split_waits_to_start_whole():
     for request in (Request("a", list(range(1300))), Request("b", list(range(1500)))):
         shared.add(request)
     assert _scheduled(_step(shared)) == {"a": 512, "b": 512}
+
+
+def test_a_step_scheduled_without_preemption_stops_where_blocks_run_out():
+    """schedule(preempt=False), for a step launched while another runs (a victim's blocks may be in that one): a
+    running prompt short of blocks ends the batch, nobody is preempted, and no newcomer takes blocks before it."""
+    scheduler = _scheduler(threshold=64, num_blocks=10, budget=128)
+    first, second = Request("first", list(range(80))), Request("second", list(range(100)))
+    scheduler.add(first)
+    scheduler.add(second)
+    assert _scheduled(_step(scheduler)) == {"first": 64, "second": 64}  # 8 of the 10 blocks
+    scheduler.add(Request("small", [1, 2, 3]))
+    batch = scheduler.schedule(preempt=False)
+    # "first" takes one more block; "second" needs 3, one is left: the batch ends there, and "small" (one block)
+    # waits rather than take it
+    assert _scheduled(batch) == {"first": 16} and not batch.preempted
+    assert [r.request_id for r in scheduler.running] == ["first", "second"]
+    assert [r.request_id for r in scheduler.waiting] == ["small"]
+    assert scheduler.block_manager.num_free_blocks == 1
