@@ -411,15 +411,28 @@ def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
         preflight(parse_args(["--model", "/m", "--routers", "0"]))
 
 
-def test_up_refuses_a_replicas_taken_port_naming_it():
-    import socket
+def _free_port_below_a_taken_one(taken: socket.socket) -> int:
+    """A port that was free a moment ago (the kernel just gave it out and took it back) whose next port `taken`
+    now listens on. (Taking a random port and trusting the one below it to be free failed when another test's
+    process held that one.)"""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            taken.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        taken.listen()
+        return port
+    raise AssertionError("no free port with a free next port in 50 tries")
 
+
+def test_up_refuses_a_replicas_taken_port_naming_it():
     from services.cli.up import router_ports_busy
 
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        args = parse_args(["--routers", "2", "--router-port", str(port - 1), "--http-port", "0"])
+        port = _free_port_below_a_taken_one(taken)
+        args = parse_args(["--routers", "2", "--router-port", str(port), "--http-port", "0"])
         busy = router_ports_busy(args)
-        assert busy.startswith(f"127.0.0.1:{port} is already in use") and "(router-1 takes --router-port + 1" in busy
+        assert busy.startswith(f"127.0.0.1:{port + 1} is already in use") and "(router-1 takes --router-port + 1" in busy
