@@ -243,7 +243,7 @@ def test_context_only_sessions_are_never_written_ahead(make_engine, tiny_llama):
 def _prefill_all(engine: LLMEngine, prompts: dict[str, list[int]], sampling: SamplingParams,
                  abort: str | None = None) -> dict[str, tuple[int, torch.Tensor]]:
     """Queue context_only prompts and step until every one has its session: each prompt's first token and its
-    session's KV (then released). `abort`: that request is aborted once a prompt step was launched ahead."""
+    session's KV (then released). `abort`: that request is aborted while a prompt step launched ahead computes it."""
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, sampling, RequestType.CONTEXT_ONLY)
     done = {}
@@ -254,9 +254,11 @@ def _prefill_all(engine: LLMEngine, prompts: dict[str, list[int]], sampling: Sam
                 kv = kv.flatten(2, 3)[:, :, :len(prompts[out.request_id])]  # its tokens (not a last block's rest)
                 done[out.request_id] = (out.new_token_ids[0], kv)
                 engine.release_session(out.session_id)
-        if abort is not None and engine._ahead is not None:
+        if abort is not None and engine._ahead is not None \
+                and abort in [r.request_id for r, _ in engine._ahead.scheduled]:
             assert engine.abort_request(abort)
             abort = None
+    assert abort is None, f"{abort} was never in a step launched ahead"
     return done
 
 
@@ -289,7 +291,8 @@ def test_prompt_steps_go_ahead_only_while_the_queue_fills_them(make_engine, tiny
     """Fewer queued prompt tokens than a step holds: a prompt arriving during the step would have joined the next
     one, so nothing goes ahead of it."""
     engine = make_engine(tiny_llama, True, **PREFILL)
-    _prefill_all(engine, dict(zip(["a", "b"], _prompts([6, 9], seed=2))), SamplingParams(temperature=0, max_tokens=4))
+    # the first step takes 16 of "a" and all of "b"; the 14 tokens of "a" left wait, but fill no step of 24
+    _prefill_all(engine, dict(zip(["a", "b"], _prompts([30, 5], seed=2))), SamplingParams(temperature=0, max_tokens=4))
     assert engine.prompt_launches == 0
 
 
@@ -298,7 +301,7 @@ def test_an_abort_while_a_prompt_step_runs_ahead_frees_everything(make_engine, t
     sampling = SamplingParams(temperature=0, max_tokens=4)
     want = _prefill_all(make_engine(tiny_llama, False, **PREFILL), prompts, sampling)
     engine = make_engine(tiny_llama, True, **PREFILL)
-    got = _prefill_all(engine, prompts, sampling, abort="p1")  # its prompt is in the steps on their way
+    got = _prefill_all(engine, prompts, sampling, abort="p1")  # while a step launched ahead computes it
     assert engine.prompt_launches > 0
     _equal_sessions(got, {k: v for k, v in want.items() if k != "p1"})
     assert _all_blocks_free(engine)
