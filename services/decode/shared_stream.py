@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
@@ -22,13 +21,12 @@ from opentelemetry import propagate
 from common.errors import InvalidRequest
 from common.pb.disagg.v1 import worker_pb2
 from services.decode.progress import join_delta
-from services.kit.serving import abort_with, message_of, status_of
+from services.kit.serving import abort_with, status_details
 from services.worker.service import WorkerState
 
 if TYPE_CHECKING:
     from services.decode.server import Running
 
-log = logging.getLogger(__name__)
 
 Begin = Callable[[worker_pb2.DecodeStart, "float | None", Callable[[object], None]], Awaitable["Running"]]
 _ENDED = object()  # a request's task is over: its `end` follows (OK unless an exception ended it)
@@ -80,10 +78,7 @@ class SharedStream:
             self._requests.pop(tag, None)
             entries.end(tag, *self._errors.pop(tag, (grpc.StatusCode.OK, "")))
         elif isinstance(what, BaseException):
-            code = status_of(what)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("internal error", exc_info=what)
-            self._errors.setdefault(tag, (code, message_of(what) or type(what).__name__))
+            self._errors.setdefault(tag, status_details(what))  # the first error ends the request
         else:
             entries.add(tag, what)
 

@@ -48,12 +48,18 @@ def message_of(exc: BaseException) -> str:
     return exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """End the RPC with the status that `exc` maps to (never returns)."""
+def status_details(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status `exc` maps to and its details; an INTERNAL one (a bug, not a bad request) is logged with its
+    traceback."""
     code = status_of(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("internal error", exc_info=exc)
-    await context.abort(code, message_of(exc) or type(exc).__name__)
+    return code, message_of(exc) or type(exc).__name__
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the RPC with the status that `exc` maps to (never returns)."""
+    await context.abort(*status_details(exc))
 
 
 # A unary answer ready with less than this left of its caller's deadline is not sent. The caller's timer started

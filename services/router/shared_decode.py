@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
-import logging
 
 import grpc
 from opentelemetry import context as otel_context
@@ -21,7 +20,6 @@ from opentelemetry import propagate
 
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-log = logging.getLogger(__name__)
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
