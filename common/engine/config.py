@@ -46,6 +46,8 @@ GPU_MAX_NUM_SEQS = 128
 
 def default_max_num_seqs(device: str) -> int:
     return GPU_MAX_NUM_SEQS if device.startswith("cuda") else DEFAULT_MAX_NUM_SEQS
+
+
 DTYPES = ("float32", "float16", "bfloat16")  # --dtype's choices, each torch's dtype of that name
 
 

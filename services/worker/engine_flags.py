@@ -105,9 +105,8 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
     """The EngineConfig of the flags, merged with --engine-config and --engine-overrides (apply_engine_config);
     `prefill_only`: a prefill worker's, whose unset step budget is its own (default_step_tokens)."""
     apply_engine_config(args)
-    step_tokens = args.max_num_batched_tokens
-    if step_tokens is None:
-        step_tokens = default_step_tokens(args.device, prefill_only)
+    step_tokens = (args.max_num_batched_tokens if args.max_num_batched_tokens is not None
+                   else default_step_tokens(args.device, prefill_only))
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else default_max_num_seqs(args.device)
     return EngineConfig(
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,

@@ -177,8 +177,8 @@ class EngineRole:
         add_engine_args(parser)
 
     def configure(self, args: argparse.Namespace) -> EngineConfig:
-        config = engine_config_from_args(args, prefill_only=self.role == worker_pb2.WORKER_ROLE_PREFILL)  # args now hold
-        # --engine-config's and --engine-overrides' values too
+        # args hold --engine-config's and --engine-overrides' values after this too
+        config = engine_config_from_args(args, prefill_only=self.role == worker_pb2.WORKER_ROLE_PREFILL)
         args.kv_transfer_backends = parse_backends(args.kv_transfer_backends)
         log.info("engine config: %s", effective_engine_json(args, config))
         return config

@@ -19,10 +19,11 @@ the layout saturates (it completes under 75 % of the offered rate (a short run's
   (in chunks of --local-chunk tokens beside its decode rows),
 Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, the requests / s whose own TTFT and TPOT
 are within the SLO's limits, and whether the point meets the SLO (TTFT p90 and ITL p99 within the limits); its SLO
-goodput is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its disagg_kv_pull_seconds) and where the router prefilled. Everything
-lands in OUT/multi_gpu.json as it is measured, then OUT/multi_gpu.md (the table, with each layout's highest rate
-that meets the SLO, and each split against the best aggregated run: the ratio of their SLO rates, and at every rate
-both ran below saturation their ITL p99, TTFT p90 and output tok/s ratios) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
+goodput is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its
+disagg_kv_pull_seconds) and where the router prefilled. Everything lands in OUT/multi_gpu.json as it is measured, then
+OUT/multi_gpu.md (the table, with each layout's highest rate that meets the SLO, and each split against the best
+aggregated run: the ratio of their SLO rates, and at every rate both ran below saturation their ITL p99, TTFT p90 and
+output tok/s ratios) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
 step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
 whether the p99 falls on them), `cores_busy` (the cores each role's processes and the bench client kept busy: a
@@ -365,7 +366,7 @@ def comparison(results: list[dict], args: argparse.Namespace) -> list[str]:
     aggregated = [label for label in best if _is_aggregated(results, label)]
     if not aggregated or len(aggregated) == len(best):
         return []
-    peer = max(aggregated, key=lambda label: (best[label], -aggregated.index(label)))
+    peer = max(aggregated, key=best.__getitem__)  # (max keeps the first of equals)
     lines = ["", f"Against the best aggregated run ({peer}; ITL p99: aggregated / split, TTFT p90 and output tok/s: "
              "split / aggregated, at the rates both ran below saturation):", "",
              "| split | highest SLO rate (× aggregated) | rate (req/s) | ITL p99 gain | TTFT p90 | output tok/s |",
