@@ -74,7 +74,7 @@ def test_tensor_parallel_ranks_need_consecutive_gpus():
     assert _layout(shared) == {"prefill-0": (0, 1), "decode-0": (0, 1)}  # wraps to the start rather than split
 
 
-def test_the_default_layout_is_one_prefill_and_a_decode_worker_per_other_gpu():
+def test_the_default_layout_gives_half_the_gpus_to_prefill_and_the_rest_to_decode():
     assert default_counts(1, TP1) == {"prefill": 1, "decode": 1}  # and they share the GPU
     assert default_counts(2, TP1) == {"prefill": 1, "decode": 1}
     assert default_counts(3, TP1) == {"prefill": 1, "decode": 2}
