@@ -99,16 +99,22 @@ def kernel_table(engine, length: int, path: str) -> None:
     print(f"kernels of one {length}-token prefill:\n" + "\n".join(table.splitlines()[:24]), flush=True)
 
 
-def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budget: int, steps: int) -> dict:
+def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budget: int, steps: int,
+                profile_dir: str | None = None) -> dict:
     """Decode-only steps of `batch` requests, then steps that also carry a chunk of a 2048-token prompt (one always
-    prefilling): each kind's median wall, and its kernels' GPU time a step over 16 more steps under torch.profiler."""
+    prefilling): each kind's median wall, and its kernels' GPU time a step over 16 more steps under torch.profiler
+    (their table by GPU time in `profile_dir`, when given)."""
+    # The first prompts decode while the last ones prefill (batch × context / budget steps): none may finish
+    # before the measured steps are over, or the batch is smaller than asked.
+    max_tokens = batch * context // budget + 2 * steps + 128
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
-                                    num_kv_blocks=(batch + 1) * (context + 2 * steps + 2048) // 16 + 64,
-                                    max_num_seqs=batch + 1, max_num_batched_tokens=budget, max_model_len=4096,
-                                    enable_prefix_caching=False, load_format=load_format))
+                                    num_kv_blocks=(batch + 1) * (context + max_tokens + 2048) // 16 + 64,
+                                    max_num_seqs=batch + 1, max_num_batched_tokens=budget,
+                                    max_model_len=context + max_tokens + 2048, enable_prefix_caching=False,
+                                    load_format=load_format))
     for i in range(batch):
         engine.add_request(f"dec{i}", [1000 + (i * 31 + j) % 100000 for j in range(context)],
-                           SamplingParams(temperature=0, max_tokens=2 * steps + 128, ignore_eos=True))
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while not decoding(engine):
         engine.step()
     prompts = 0
@@ -125,6 +131,8 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
+    decoding_rows = len(engine.scheduler.running)
+    assert decoding_rows == batch, f"{decoding_rows} of {batch} requests decoding"
     out = {"batch": batch, "context": context, "budget": budget}
     for kind, mixed in (("decode", False), ("mixed", True)):
         for _ in range(8):
@@ -134,6 +142,10 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
             for _ in range(16):
                 step(mixed)
         out[f"{kind}_kernels_s"] = sum(e.self_device_time_total for e in prof.key_averages()) / 16 / 1e6
+        if profile_dir:
+            with open(f"{profile_dir}/{kind}_step_b{batch}_kernels.txt", "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30,
+                                                  max_name_column_width=80))
     return out  # (its engine goes with this frame: the caller's free_gpu)
 
 
@@ -219,7 +231,7 @@ def main() -> None:
         if args.mixed_batch:
             m = emit("mixed_step", model=args.model, **mixed_steps(model_dir, args.load_format, args.mixed_batch,
                                                                    args.mixed_context, args.mixed_budget,
-                                                                   args.mixed_steps))
+                                                                   args.mixed_steps, args.profile_dir))
             free_gpu()
             for kind in ("decode", "mixed"):
                 print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "

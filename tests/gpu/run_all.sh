@@ -16,7 +16,7 @@ fi
 if [ "${TESTS_S:-300}" != 0 ]; then
   # test_multi_gpu before test_kv_plane_gpu: an engine on the last GPU, then one on GPU 0 in the same process (#36)
   echo "== gpu tests"; timeout "${TESTS_S:-300}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_kernels.py \
-    tests/gpu/test_gemv.py tests/gpu/test_gpu_kernels.py tests/gpu/test_decode_tunings.py tests/unit/test_async_scheduling.py \
+    tests/gpu/test_gemv.py tests/gpu/test_gpu_kernels.py tests/gpu/test_decode_tunings.py tests/gpu/test_prefill_tunings.py tests/unit/test_async_scheduling.py \
     tests/gpu/test_multi_gpu.py tests/gpu/test_kv_plane_gpu.py tests/unit/test_kv_fence.py tests/unit/test_peer_copy.py \
     tests/gpu/test_fused_moe.py \
     ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.log" 2>&1; echo "tests rc=$?"

@@ -1,6 +1,6 @@
 """Decode attention's KV read bandwidth under launch shapes (DecodeTuning), for the shapes the bench runs.
 
-    python -m tests.gpu.sweep_decode_attention [--budget-s 90]
+    python -m tests.gpu.sweep_decode_attention [--budget-s 90] [--shapes 3b-b256-c1400,...]
 
 One JSON line per (shape, tuning): bytes of K and V read / median kernel time, and its fraction of the HBM
 copy bandwidth; the best tuning of each shape last. Random bf16 cache, blocks scattered as after churn.
@@ -23,6 +23,8 @@ SHAPES = {  # name: (batch, context, heads, kv_heads, head_dim)
     "3b-b1-c512": (1, 512, 24, 8, 128),
     "1b-b8-c16k": (8, 16384, 32, 8, 64),
     "3b-b64-c1000": (64, 1000, 24, 8, 128),
+    "3b-b128-c1400": (128, 1400, 24, 8, 128),  # a decode worker of a 3-prefill, 1-decode split (input 512-2048)
+    "3b-b256-c1400": (256, 1400, 24, 8, 128),
 }
 KERNELS = [(64, 4, 3), (32, 4, 3), (64, 4, 2), (64, 8, 3), (128, 4, 3), (128, 8, 3), (64, 2, 3)]
 TARGETS = [(256, 32), (1024, 64), (4096, 64)]
@@ -50,12 +52,14 @@ def case(shape: tuple[int, int, int, int, int], block_size: int = 16):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=90.0)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
     args = parser.parse_args()
     start = time.perf_counter()
     bw = hbm_bandwidth()
     print(json.dumps({"hbm_copy_bandwidth": bw}), flush=True)
     best: dict[str, dict] = {}
-    for name, shape in SHAPES.items():
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
         layout, cache, q, kv_bytes = case(shape)
         for block_n, warps, stages in KERNELS:
             for target, max_splits in TARGETS:
