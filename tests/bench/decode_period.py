@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E402
 from tests.bench.vllm_cpu import Server  # noqa: E402
 from tests.integration.processes import REPO_ROOT  # noqa: E402
 
@@ -132,8 +133,8 @@ def main() -> int:
             server.start(Path(tmp), 300)
             procs = children(server.process.pid)
             bench(server.url, 1, 2, Path(tmp) / "warmup.json")
-            for old in Path(tmp).glob("steps-*.json"):
-                old.unlink()  # the warm-up's steps: written again with every step so far, filtered by time below
+            for old in Path(tmp).glob("steps-*.jsonl"):
+                old.unlink()  # the warm-up's steps (a later write may still hold some: filtered by time below)
             before = {pid: thread_stats(pid) for pid in procs}
             sampler = CoreSampler(list(procs))
             sampler.start()
@@ -143,7 +144,7 @@ def main() -> int:
             after = {pid: thread_stats(pid) for pid in procs}
         finally:
             server.stop()  # the decode worker writes its steps at exit
-        records = [r for f in Path(tmp).glob("steps-*.json") for r in json.loads(f.read_text()) if r[0] >= started]
+        records = [r for worker in read_steps(tmp) for r in worker if r[0] >= started]
     tokens = summary["output_tokens"]
     print(f"concurrency {args.concurrency}: out tok/s {summary['output_throughput']:.1f}, TTFT mean "
           f"{summary['ttft']['mean']:.1f} ms, ITL mean {summary['itl']['mean']:.2f} ms, load {os.getloadavg()[0]:.2f}")

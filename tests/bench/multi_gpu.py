@@ -55,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.router.config import DECODE_STREAMS  # noqa: E402
+from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E402
 from tests.bench.disagg_sweep import pull_totals  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import SHAPES, shape_arg  # noqa: E402
 from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
@@ -139,7 +140,7 @@ def step_times_env(layout: Layout, chunk: int | None, args: argparse.Namespace) 
         return None
     folder = step_dir(layout, chunk, args)
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("steps-*.json"):
+    for old in folder.glob("steps-*.jsonl"):
         old.unlink()
     path = os.pathsep.join(filter(None, (str(STEP_SITE), os.environ.get("PYTHONPATH"))))
     return {"PYTHONPATH": path, "DISAGG_STEP_TIMES_DIR": str(folder)}
@@ -178,7 +179,7 @@ def step_summary(records: list[list[float]], start: float, end: float) -> dict |
 
 
 def step_records(layout: Layout, chunk: int | None, args: argparse.Namespace) -> list[list[list[float]]]:
-    return [json.loads(f.read_text()) for f in sorted(step_dir(layout, chunk, args).glob("steps-*.json"))]
+    return read_steps(step_dir(layout, chunk, args))
 
 
 def ttft_parts(s: dict) -> dict[str, list[float]] | None:

@@ -1,8 +1,10 @@
 """Loaded by tests/bench/decode_period.py through PYTHONPATH in every process `disagg up` starts: in the decode worker
 alone it wraps LLMEngine.step to record each step's wall clock, the engine thread's CPU time and its wait for a core
 (/proc schedstat), the running batch after it, and whether a step launched ahead (async scheduling) was waiting for it,
-and writes them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.json every 256 steps and at exit. Also loaded by
-tests/bench/multi_gpu.py --step-times."""
+and appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at exit: only the
+new ones, so the engine thread's write stays ~0.1 ms (rewriting every record so far cost tens of ms a write late in
+a run, long gaps the ITL tail then showed). Also loaded by tests/bench/multi_gpu.py --step-times; `read_steps` reads
+a folder of them."""
 import atexit
 import importlib.abc
 import importlib.util
@@ -25,11 +27,12 @@ def _run_delay_ns(tid: int) -> int:
 
 def _wrap(module) -> None:
     records: list[tuple[float, float, float, float, int, int]] = []
-    path = os.path.join(_OUT, f"steps-{os.getpid()}.json")
+    path = os.path.join(_OUT, f"steps-{os.getpid()}.jsonl")
 
     def dump() -> None:
-        with open(path, "w") as f:
-            json.dump(records, f)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        records.clear()
 
     step = module.LLMEngine.step
 
@@ -42,7 +45,7 @@ def _wrap(module) -> None:
         finally:
             records.append((wall, time.perf_counter(), time.thread_time() - cpu, (_run_delay_ns(tid) - delay) / 1e9,
                             len(self.scheduler.running), ahead))
-            if len(records) % 256 == 0:
+            if len(records) == 256:
                 dump()
 
     module.LLMEngine.step = timed_step
@@ -63,6 +66,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_and_wrap
         return spec
+
+
+def read_steps(folder) -> list[list[list[float]]]:
+    """Every decode worker's records in `folder`, one list per worker, in step order."""
+    from pathlib import Path
+
+    return [[json.loads(line) for line in f.read_text().splitlines()]
+            for f in sorted(Path(folder).glob("steps-*.jsonl"))]
 
 
 with open("/proc/self/cmdline", "rb") as _f:
