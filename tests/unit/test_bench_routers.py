@@ -3,13 +3,14 @@ each one streams is timed as from one router."""
 from __future__ import annotations
 
 import asyncio
-
-import grpc
+import contextlib
+from functools import partial
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.cli.bench.clients import GrpcClient, SendOptions
 from services.cli.bench.stats import RequestRecord
 from services.cli.bench.workload import BenchRequest
+from tests.loopback_grpc import loopback_server
 
 
 class _Counting(generation_pb2_grpc.GenerationServicer):
@@ -29,23 +30,18 @@ class _Counting(generation_pb2_grpc.GenerationServicer):
 
 def test_requests_go_to_each_router_in_turn():
     async def run():
-        servers, servicers, addresses = [], [], []
-        for _ in range(2):
-            server, servicer = grpc.aio.server(), _Counting()
-            generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-            await server.start()
-            servers.append(server)
-            servicers.append(servicer)
-        client = GrpcClient(",".join(addresses))
-        records = [RequestRecord(i, 3, 2, start=0.0) for i in range(5)]
-        try:
-            await asyncio.gather(*(client.one(BenchRequest(i, [1, 2, 3], 2), SendOptions(run_id="t"), records[i])
-                                   for i in range(5)))
-        finally:
-            await client.close()
-            for server in servers:
-                await server.stop(None)
+        servicers = [_Counting(), _Counting()]
+        async with contextlib.AsyncExitStack() as servers:
+            addresses = [(await servers.enter_async_context(
+                loopback_server(partial(generation_pb2_grpc.add_GenerationServicer_to_server, servicer))))[1]
+                for servicer in servicers]
+            client = GrpcClient(",".join(addresses))
+            records = [RequestRecord(i, 3, 2, start=0.0) for i in range(5)]
+            try:
+                await asyncio.gather(*(client.one(BenchRequest(i, [1, 2, 3], 2), SendOptions(run_id="t"), records[i])
+                                       for i in range(5)))
+            finally:
+                await client.close()
         return servicers, records
 
     servicers, records = asyncio.run(run())

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from functools import partial
 from typing import AsyncIterator
 
 import consul
@@ -18,19 +19,14 @@ from common.discovery import Role
 from common.discovery.consul import (ConsulDiscovery, ConsulSettings, ServiceRegistration, add_consul_args,
                                      consul_from_args)
 from tests.consul_double import ConsulDouble, parse_duration
+from tests.loopback_grpc import loopback_server
 
 
 @contextlib.asynccontextmanager
 async def health_server() -> AsyncIterator[tuple[int, health.aio.HealthServicer, grpc.aio.Server]]:
-    server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield port, servicer, server
-    finally:
-        await server.stop(None)
+    async with loopback_server(partial(health_pb2_grpc.add_HealthServicer_to_server, servicer)) as (server, address):
+        yield int(address.rsplit(":", 1)[1]), servicer, server
 
 
 def _settings(consul_double: ConsulDouble, **kwargs) -> ConsulSettings:

@@ -4,6 +4,7 @@ client span when the caller cancels early or the call fails while nobody reads i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -11,6 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.telemetry import grpc_tracing
+from tests.loopback_grpc import loopback_server
 
 METHOD = "/test.Counter/Count"
 
@@ -32,18 +34,17 @@ class _Server:
         self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
 
     async def __aenter__(self) -> grpc.aio.Channel:
-        self.server = grpc.aio.server(interceptors=grpc_tracing.server_interceptors(self.provider))
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Counter", {
-            "Count": self.kind(self.handler)})])
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{self.port}", interceptors=grpc_tracing.client_interceptors(self.provider))
-        return self.channel
+        counter = grpc.method_handlers_generic_handler("test.Counter", {"Count": self.kind(self.handler)})
+        self.stack = contextlib.AsyncExitStack()
+        _, address = await self.stack.enter_async_context(loopback_server(
+            lambda server: server.add_generic_rpc_handlers([counter]),
+            interceptors=grpc_tracing.server_interceptors(self.provider)))
+        channel = grpc.aio.insecure_channel(address, interceptors=grpc_tracing.client_interceptors(self.provider))
+        self.stack.push_async_callback(channel.close)  # closed before the server stops
+        return channel
 
     async def __aexit__(self, *exc_info) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
+        await self.stack.aclose()
 
 
 async def _run(read_all: bool) -> tuple[list[bytes], InMemorySpanExporter]:

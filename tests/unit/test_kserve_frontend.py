@@ -20,6 +20,7 @@ from services.router.frontends.kserve_tensors import decode_inputs, encode_bytes
 from services.router.generation import Finished, FinishReason, TextDelta, Usage
 from tests.fake_core import HANG, FakeCore
 from tests.kserve_cases import BAD_CASES, infer_request, prompt_request, raw_of
+from tests.loopback_grpc import loopback_server
 
 MODEL = "tiny"
 WORDS = [TextDelta((7,), "Hello"), TextDelta((8,), ""), TextDelta((9,), " sea"),
@@ -29,15 +30,9 @@ WORDS = [TextDelta((7,), "Hello"), TextDelta((8,), ""), TextDelta((9,), " sea"),
 def serve(core: FakeCore, scenario):
     """Runs `scenario(stub)` against a grpc.aio server with the KServe servicer on a free loopback port."""
     async def main():
-        server = grpc.aio.server()
-        kserve.add_to_server(server, core)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with loopback_server(lambda server: kserve.add_to_server(server, core)) as (_, address):
+            async with grpc.aio.insecure_channel(address) as channel:
                 return await scenario(pb_grpc.GRPCInferenceServiceStub(channel))
-        finally:
-            await server.stop(None)
     return asyncio.run(main())
 
 

@@ -1,6 +1,7 @@
 """The router's KV index: engine hashes match the router's, gaps and broken streams resubscribe,
 and kv_aware's cost weighs cached blocks against queued prefill."""
 import asyncio
+from functools import partial
 
 import grpc
 
@@ -15,6 +16,7 @@ from services.router import kv_index as kv_index_module
 from services.router.kv_index import KvIndex
 from services.router.policies.kv_aware import KvAware, KvAwareWeights
 from services.router.workers import WorkerClient
+from tests.loopback_grpc import loopback_server
 
 
 def _stored(seq: int, hashes: list[int]) -> worker_pb2.KvEvent:
@@ -76,24 +78,20 @@ def test_a_sequence_gap_drops_the_entry_and_resubscribes_to_a_snapshot(monkeypat
     monkeypatch.setattr(kv_index_module, "_RETRY_S", (0.01, 0.05))
 
     async def main():
-        server = grpc.aio.server()
         servicer = _ScriptedWorker()
-        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        index = KvIndex()
-        worker = _client(f"127.0.0.1:{port}")
-        try:
-            index.follow(worker)
-            for _ in range(200):
-                if servicer.subscriptions >= 2 and index.num_blocks(worker.endpoint) == 2:
-                    break
-                await asyncio.sleep(0.01)
-            return servicer.subscriptions, index.overlap_blocks(worker.endpoint, [11, 12, 99])
-        finally:
-            await index.close()
-            await worker.channel.close()
-            await server.stop(None)
+        async with loopback_server(partial(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)) as (_, address):
+            index = KvIndex()
+            worker = _client(address)
+            try:
+                index.follow(worker)
+                for _ in range(200):
+                    if servicer.subscriptions >= 2 and index.num_blocks(worker.endpoint) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                return servicer.subscriptions, index.overlap_blocks(worker.endpoint, [11, 12, 99])
+            finally:
+                await index.close()
+                await worker.channel.close()
 
     subscriptions, overlap = asyncio.run(main())
     assert subscriptions == 2 and overlap == 2  # 99 (after the gap) was never applied

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
-import grpc
 import pytest
 import torch
 
@@ -22,6 +22,7 @@ from common.kv.sharing import KvCacheExporter
 from common.kv.transfer import release_session, session_ref
 from common.kv.transports.grpc_pull import pull_chunks
 from common.kv.transports.shm import pull_shm
+from tests.loopback_grpc import loopback_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 NUM_BLOCKS = 64
@@ -176,22 +177,18 @@ def test_tensor_store_serves_grpc_and_shm_pulls_and_releases_while_the_engine_th
         facts, cache = await engine.facts(), await engine.kv_cache()
         backends = ("shm", "grpc") if host.host_id() else ("grpc",)
         source = DataPlane("torch", backends, KvCacheExporter(cache, backends), engine=engine, layout=facts.kv_layout)
-        server = grpc.aio.server()
-        add_tensor_store(TensorStoreServicer(_Holder(source)), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ref = session_ref(facts.kv_layout, engine.engine.sessions.get(session_id), f"127.0.0.1:{port}")
-        expected = engine.engine.export_session(session_id).blocks
-        blocked, busy_done = await _stuck_in_a_step(engine)
-        try:
-            pulls = {"grpc": pull_chunks, **({"shm": pull_shm} if host.host_id() else {})}
-            seen = {name: torch.equal((await pull(ref.endpoint, ref, timeout_s=WITHIN_S)).export.blocks, expected)
-                    for name, pull in pulls.items()}
-            seen["released"] = (await release_session(ref.endpoint, session_id, timeout_s=WITHIN_S)).released
-            seen["while stuck"] = not busy_done()
-        finally:
-            blocked.release()
-            await server.stop(None)
+        async with loopback_server(partial(add_tensor_store, TensorStoreServicer(_Holder(source)))) as (_, address):
+            ref = session_ref(facts.kv_layout, engine.engine.sessions.get(session_id), address)
+            expected = engine.engine.export_session(session_id).blocks
+            blocked, busy_done = await _stuck_in_a_step(engine)
+            try:
+                pulls = {"grpc": pull_chunks, **({"shm": pull_shm} if host.host_id() else {})}
+                seen = {name: torch.equal((await pull(ref.endpoint, ref, timeout_s=WITHIN_S)).export.blocks, expected)
+                        for name, pull in pulls.items()}
+                seen["released"] = (await release_session(ref.endpoint, session_id, timeout_s=WITHIN_S)).released
+                seen["while stuck"] = not busy_done()
+            finally:
+                blocked.release()
         await _until(busy_done)
         return {**seen, "freed": engine.engine.block_manager.num_free_blocks == NUM_BLOCKS}
 

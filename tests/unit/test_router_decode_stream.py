@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from common.telemetry import grpc_tracing
 from services.router.decode_stream import _end_call, _write
+from tests.loopback_grpc import loopback_server
 
 METHOD = "/test.Echo/Echo"
 
@@ -21,17 +22,12 @@ async def _echo_once(requests, context) -> None:
 
 
 async def _with_traced_call(body):
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Echo", {
-        "Echo": grpc.stream_stream_rpc_method_handler(_echo_once)})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    interceptors = grpc_tracing.client_interceptors(TracerProvider())
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=interceptors) as channel:
+    echo = grpc.method_handlers_generic_handler("test.Echo",
+                                                {"Echo": grpc.stream_stream_rpc_method_handler(_echo_once)})
+    async with loopback_server(lambda server: server.add_generic_rpc_handlers([echo])) as (_, address):
+        interceptors = grpc_tracing.client_interceptors(TracerProvider())
+        async with grpc.aio.insecure_channel(address, interceptors=interceptors) as channel:
             return await body(channel.stream_stream(METHOD))
-    finally:
-        await server.stop(None)
 
 
 def _writers() -> list[asyncio.Task]:

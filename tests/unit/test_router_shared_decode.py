@@ -5,6 +5,7 @@ request on it and the next request opens a new one. The real worker's side: test
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Callable
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.router.shared_decode import SharedDecodeStream
+from tests.loopback_grpc import loopback_server
 
 Script = Callable[[worker_pb2.TaggedDecodeClientMessage, "ScriptedWorker"], list[worker_pb2.TaggedDecodeServerMessage]]
 
@@ -71,19 +73,13 @@ class ScriptedWorker(worker_pb2_grpc.DecoderServicer):
 def run(script: Script, body) -> ScriptedWorker:
     async def main() -> ScriptedWorker:
         worker = ScriptedWorker(script)
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_DecoderServicer_to_server(worker, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stream = SharedDecodeStream(worker_pb2_grpc.DecoderStub(channel), f"127.0.0.1:{port}")
+        async with loopback_server(partial(worker_pb2_grpc.add_DecoderServicer_to_server, worker)) as (_, address):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stream = SharedDecodeStream(worker_pb2_grpc.DecoderStub(channel), address)
                 try:
                     await body(stream, worker)
                 finally:
                     stream.close()
-        finally:
-            await server.stop(None)
         return worker
 
     return asyncio.run(main())
