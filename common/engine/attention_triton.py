@@ -32,7 +32,6 @@ from common.engine.host_upload import upload
 from common.engine.attention import BatchLayout
 
 
-
 @triton.jit
 def _store_kv(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_vt, HD: tl.constexpr, HD_PAD: tl.constexpr):
     t = tl.program_id(0)

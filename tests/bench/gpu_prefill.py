@@ -108,7 +108,7 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
     # before the measured steps are over, or the batch is smaller than asked.
     max_tokens = batch * context // budget + 2 * steps + 128
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
-                                    num_kv_blocks=(batch + 1) * (context + max_tokens + 2048) // 16 + 64,
+                                    num_kv_blocks=(batch * (context + max_tokens) + 4 * 2048) // 16 + 64,
                                     max_num_seqs=batch + 1, max_num_batched_tokens=budget,
                                     max_model_len=context + max_tokens + 2048, enable_prefix_caching=False,
                                     load_format=load_format))
