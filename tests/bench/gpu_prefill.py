@@ -110,7 +110,7 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cuda", block_size=16,
                                     num_kv_blocks=(batch * (context + max_tokens) + 4 * 2048) // 16 + 64,
                                     max_num_seqs=batch + 1, max_num_batched_tokens=budget,
-                                    max_model_len=context + max_tokens + 2048, enable_prefix_caching=False,
+                                    max_model_len=max(context + max_tokens, 2048 + 1), enable_prefix_caching=False,
                                     load_format=load_format))
     for i in range(batch):
         engine.add_request(f"dec{i}", [1000 + (i * 31 + j) % 100000 for j in range(context)],
