@@ -48,6 +48,7 @@ class AsyncLLMEngine:
         self._commands: queue.Queue[tuple[Callable, concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._adding = 0  # requests on their way to the engine thread (their add command not run yet)
+        self._adding_prompt_tokens = 0  # their prompt tokens to compute (none for a handoff with its KV)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -78,11 +79,14 @@ class AsyncLLMEngine:
             stream.members = stream.running = 1 + len(added.forks)
             self._streams[request_id] = stream
 
+        adding_tokens = 0 if request.kv_import is not None else len(request.prompt_token_ids)
         self._adding += 1
+        self._adding_prompt_tokens += adding_tokens
         try:
             await self.call(add)
         finally:
             self._adding -= 1
+            self._adding_prompt_tokens -= adding_tokens
         finished = False
         running = stream.members
         try:
@@ -129,9 +133,10 @@ class AsyncLLMEngine:
     async def load(self) -> EngineLoad:
         """Read here, not between steps: a router asks every worker before placing a request, and a prefill
         worker's step can take tens of ms. The counts are a step old at most; a request still on its way to the
-        engine thread counts as waiting."""
+        engine thread counts as waiting (and its prompt as to compute)."""
         load = self.engine.load_snapshot()
-        return dataclasses.replace(load, waiting=load.waiting + self._adding)
+        return dataclasses.replace(load, waiting=load.waiting + self._adding,
+                                   prompt_tokens_to_compute=load.prompt_tokens_to_compute + self._adding_prompt_tokens)
 
     async def abort_all(self) -> int:
         running = await self.call(lambda e: list(e.requests))

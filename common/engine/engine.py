@@ -447,7 +447,14 @@ class LLMEngine:
             running=self.num_running, waiting=self.num_waiting, kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage, active_sessions=num_sessions,
             expired_sessions=self.sessions.num_expired,
-            session_bytes=session_blocks * self.kv_layout.block_bytes())
+            session_bytes=session_blocks * self.kv_layout.block_bytes(),
+            prompt_tokens_to_compute=self.prompt_tokens_to_compute())
+
+    def prompt_tokens_to_compute(self) -> int:
+        """EngineLoad.prompt_tokens_to_compute. Read from any thread: the queues are copied first (one C call each,
+        under the GIL), and a count read mid-step is at most a step old."""
+        requests = (*tuple(self.scheduler.waiting), *tuple(self.scheduler.running))
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in requests if r.kv_import is None)
 
     @property
     def num_leased_released(self) -> int:

@@ -91,6 +91,10 @@ class EngineLoad:
     active_sessions: int
     expired_sessions: int
     session_bytes: int
+    prompt_tokens_to_compute: int | None = None
+    """Prompt tokens queued or part-way that the engine's steps still have to compute (a handed-off request whose KV
+    came with it has none): whether a worker is busy prefilling, which `waiting` does not say on a decode worker,
+    whose waiting requests are mostly handoffs about to join the next step. None: the engine does not say."""
 
 
 class Engine(Protocol):

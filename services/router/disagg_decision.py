@@ -3,8 +3,8 @@
 Dynamo's disaggregated router rule, extended with the decode worker's load: a prompt goes remote when
 the tokens the decode worker would have to compute (its uncached part) exceed --max-local-prefill-tokens
 and the prefill worker's queue is under --max-prefill-queue-tokens. A saturated prefill queue sends the
-request to the decode worker only while that worker has room (nothing waiting in its engine, a free batch
-slot); when both sides are busy it queues on the prefill worker, whose job that work is.
+request to the decode worker only while that worker has room (no prompt to compute in its engine, a free
+batch slot); when both sides are busy it queues on the prefill worker, whose job that work is.
 --min-remote-prefill-tokens stays a hard floor: shorter prompts always run locally.
 """
 from __future__ import annotations
@@ -72,14 +72,22 @@ class DecodeLoad:
     """Its batch size limit (WorkerInfo.limits); 0: it reports none."""
     prefilling_tokens: int = 0
     """Prompt tokens this router sent it to prefill itself that have not given their first token yet."""
+    prompt_tokens_to_compute: int | None = None
+    """Prompt tokens its engine still has to compute, from any router (Load.prompt_tokens_to_compute); None: it
+    does not report them."""
 
     @property
     def has_room(self) -> bool:
-        """Nothing queued in its engine, a free batch slot and no prompt of ours prefilling there: a local prefill
-        starts at once and has the worker's step budget beside its decode rows to itself. One at a time: on 2 H200s
-        (tests/bench/multi_gpu.py, 1P1D+q sending every prompt of up to 1024 tokens there) local prefills piled up
-        on the decode GPU in chunks beside its decodes, and TTFT p90 was 655-1002 ms from 32 req/s."""
-        return (self.waiting_requests == 0 and self.prefilling_tokens == 0
+        """No prompt to compute in its engine, a free batch slot and no prompt of ours prefilling there: a local
+        prefill starts at once and has the worker's step budget beside its decode rows to itself. One at a time: on
+        2 H200s (tests/bench/multi_gpu.py, 1P1D+q sending every prompt of up to 1024 tokens there) local prefills
+        piled up on the decode GPU in chunks beside its decodes, and TTFT p90 was 655-1002 ms from 32 req/s.
+        Handoffs waiting to join its next step do not count: they bring their KV, and under load one arrives every
+        few ms (2P2D+q on 4 H200s, counting them, refused 408 of 435 overflowing prompts at 176 req/s). A worker
+        that does not report its prompt tokens has room only with nothing waiting."""
+        idle = (self.prompt_tokens_to_compute == 0 if self.prompt_tokens_to_compute is not None
+                else self.waiting_requests == 0)
+        return (idle and self.prefilling_tokens == 0
                 and (self.max_num_seqs == 0 or self.running_requests < self.max_num_seqs))
 
 
@@ -163,4 +171,5 @@ def _decode_load(worker: WorkerClient, load: worker_pb2.Load | None) -> DecodeLo
     if load is None:
         return None
     return DecodeLoad(load.running_requests, load.waiting_requests, worker.info.limits.max_num_seqs,
-                      worker.pending_prefill_tokens)
+                      worker.pending_prefill_tokens,
+                      load.prompt_tokens_to_compute if load.HasField("prompt_tokens_to_compute") else None)
