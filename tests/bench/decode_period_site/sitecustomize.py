@@ -1,15 +1,16 @@
 """Loaded by tests/bench/decode_period.py through PYTHONPATH in every process `disagg up` starts: in the decode worker
 alone it wraps LLMEngine.step to record each step's wall clock, the engine thread's CPU time and its wait for a core
 (/proc schedstat), the running batch after it, and whether a step launched ahead (async scheduling) was waiting for it,
-and appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at exit: only the
-new ones, so the engine thread's write stays ~0.1 ms (rewriting every record so far cost tens of ms a write late in
-a run, long gaps the ITL tail then showed). Also loaded by tests/bench/multi_gpu.py --step-times; `read_steps` reads
+and appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at exit, from a
+thread of its own: only the new ones (rewriting every record so far on the engine thread cost it tens of ms a write
+late in a run, long gaps that the ITL tail then showed; appending 256 costs ~1.4 ms on the 2-core machine). Also loaded by tests/bench/multi_gpu.py --step-times; `read_steps` reads
 a folder of them."""
 import atexit
 import importlib.abc
 import importlib.util
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -28,11 +29,24 @@ def _run_delay_ns(tid: int) -> int:
 def _wrap(module) -> None:
     records: list[tuple[float, float, float, float, int, int]] = []
     path = os.path.join(_OUT, f"steps-{os.getpid()}.jsonl")
+    batches: queue.SimpleQueue = queue.SimpleQueue()
+
+    def write() -> None:  # a thread of its own: mostly while the engine thread waits for the GPU (GIL released)
+        while (batch := batches.get()) is not None:
+            with open(path, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in batch)
+
+    writer = threading.Thread(target=write, name="step-times-writer", daemon=True)
+    writer.start()
 
     def dump() -> None:
-        with open(path, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+        batches.put(records[:])
         records.clear()
+
+    def flush_at_exit() -> None:
+        dump()
+        batches.put(None)
+        writer.join(timeout=10)
 
     step = module.LLMEngine.step
 
@@ -49,7 +63,7 @@ def _wrap(module) -> None:
                 dump()
 
     module.LLMEngine.step = timed_step
-    atexit.register(dump)
+    atexit.register(flush_at_exit)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
