@@ -302,14 +302,11 @@ class LLMEngine:
         if launched.awaits_masks or not all(map(self._plain_context, running)) \
                 or not all(map(self._plain_context, waiting)):
             return None
-        in_flight = {id(r): n for r, n in launched.scheduled}
-        queued = sum(r.num_tokens - r.num_computed_tokens - in_flight.get(id(r), 0) for r in running) \
-            + sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-        if queued < self.scheduler.max_num_batched_tokens:
+        in_flight = [(request, n) for request, n in launched.scheduled if self._live(request)]
+        if self.prompt_tokens_to_compute() - sum(n for _, n in in_flight) < self.scheduler.max_num_batched_tokens:
             return None
-        for request, n in launched.scheduled:
-            if self._live(request):
-                request.num_computed_tokens += n
+        for request, n in in_flight:
+            request.num_computed_tokens += n
         launched.booked = True
         batch = self.scheduler.schedule(preempt=False)
         if batch.empty:
