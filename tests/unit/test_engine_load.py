@@ -2,6 +2,7 @@
 wait in; a handoff that brought its KV has none (a decode worker's waiting requests are mostly those, which is why
 the router's room rule reads this count, not waiting_requests)."""
 import asyncio
+import threading
 
 import grpc
 
@@ -58,20 +59,30 @@ def test_a_handoff_with_its_kv_has_nothing_to_compute_but_one_without_recomputes
 
 
 def test_a_prompt_on_its_way_to_the_engine_thread_counts_already(tiny_llama):
-    async def main():
+    async def main() -> tuple[int, int, int, int]:
         engine = AsyncLLMEngine(_engine(tiny_llama))
+        hold = threading.Event()
         try:
-            engine._adding, engine._adding_prompt_tokens = 1, 7  # as while an add command waits for the thread
-            load = await engine.load()
-            assert load.waiting == 1 and load.prompt_tokens_to_compute == 7
-            engine._adding = engine._adding_prompt_tokens = 0
+            held = asyncio.ensure_future(engine.call(lambda e: hold.wait(10)))  # the engine thread busy elsewhere
             stream = engine.generate(EngineRequest("a", list(range(10, 22)), GREEDY))
-            outputs = [out async for out in stream]
-            assert outputs[-1].finished and (await engine.load()).prompt_tokens_to_compute == 0
+            first = asyncio.ensure_future(anext(stream))  # its add command queues behind the busy one
+            for _ in range(500):
+                if (await engine.load()).waiting:
+                    break
+                await asyncio.sleep(0.01)
+            load = await engine.load()
+            in_engine = engine.engine.load_snapshot().prompt_tokens_to_compute  # the add has not run there yet
+            hold.set()
+            await held
+            outputs = [await first] + [out async for out in stream]
+            assert outputs[-1].finished
+            after = await engine.load()
+            return load.waiting, load.prompt_tokens_to_compute, in_engine, after.prompt_tokens_to_compute
         finally:
+            hold.set()
             engine.shutdown()
 
-    asyncio.run(main())
+    assert asyncio.run(main()) == (1, 12, 0, 0)
 
 
 def test_the_router_reads_the_count_from_getload_and_falls_back_without_it():
