@@ -14,8 +14,8 @@ import time
 import torch
 from triton.testing import do_bench
 
-from common.engine.attention import BatchLayout
 from common.engine.attention_triton import DecodeTuning, TritonPagedAttention
+from tests.gpu.attention_cases import scattered_layout
 
 SHAPES = {  # name: (batch, context, heads, kv_heads, head_dim)
     "1b-b64-c1000": (64, 1000, 32, 8, 64),
@@ -38,11 +38,8 @@ def hbm_bandwidth() -> float:
 
 def case(shape: tuple[int, int, int, int, int], block_size: int = 16):
     batch, ctx, heads, kv_heads, dim = shape
-    per_seq = -(-(ctx + 1) // block_size)
-    num_blocks = batch * per_seq
-    perm = torch.randperm(num_blocks).tolist()
-    tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
-    layout = BatchLayout(query_lens=[1] * batch, context_lens=[ctx] * batch, block_tables=tables)
+    layout = scattered_layout([ctx] * batch, [1] * batch, block_size)
+    num_blocks = sum(map(len, layout.block_tables))
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
     kv_bytes = 2 * batch * (ctx + 1) * kv_heads * dim * 2

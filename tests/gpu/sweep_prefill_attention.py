@@ -16,8 +16,8 @@ import time
 import torch
 from triton.testing import do_bench
 
-from common.engine.attention import BatchLayout
 from common.engine.attention_triton import PrefillTuning, TritonPagedAttention
+from tests.gpu.attention_cases import scattered_layout
 
 HEADS = (24, 8, 128)  # Llama-3.2-3B: query heads, KV heads, head dim
 SHAPES = {  # name: (context_lens, query_lens)
@@ -37,14 +37,9 @@ def attention_flops(ctx: list[int], qlen: list[int], heads: int, dim: int) -> fl
 
 def case(ctx: list[int], qlen: list[int], block_size: int = 16):
     heads, kv_heads, dim = HEADS
-    counts = [-(-(c + q) // block_size) for c, q in zip(ctx, qlen)]
-    perm = torch.randperm(sum(counts)).tolist()
-    tables, used = [], 0
-    for n in counts:
-        tables.append(perm[used:used + n])
-        used += n
-    layout = BatchLayout(query_lens=qlen, context_lens=ctx, block_tables=tables)
-    cache = torch.randn(2, sum(counts), block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    layout = scattered_layout(ctx, qlen, block_size)
+    num_blocks = sum(map(len, layout.block_tables))
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(sum(qlen), heads, dim, device="cuda", dtype=torch.bfloat16)
     return layout, cache, q
 

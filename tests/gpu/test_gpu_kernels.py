@@ -12,11 +12,12 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from common.engine.attention import BatchLayout, TorchPagedAttention  # noqa: E402
+from common.engine.attention import TorchPagedAttention  # noqa: E402
 from common.engine.attention_triton import TritonPagedAttention  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
+from tests.gpu.attention_cases import scattered_layout  # noqa: E402
 from tests.hf_reference import hf_greedy  # noqa: E402
 from tests.tiny_models import TINY_FAMILIES  # noqa: E402
 
@@ -31,16 +32,6 @@ CASES = {  # (context_lens, query_lens): decode-only, prefill from scratch, chun
 }
 
 
-def _layout(ctx: list[int], qlen: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> BatchLayout:
-    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks, as after churn
-    tables, used = [], 0
-    for c, q in zip(ctx, qlen):
-        n = -(-(c + q) // block_size)
-        tables.append(perm[used : used + n])
-        used += n
-    return BatchLayout(query_lens=qlen, context_lens=ctx, block_tables=tables)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -49,7 +40,7 @@ def test_triton_paged_attention_matches_the_torch_reference(case, window, dtype,
     num_heads, num_kv_heads, head_dim = heads
     block_size, num_blocks = 16, 2048
     gen = torch.Generator().manual_seed(0)
-    layout = _layout(*CASES[case], block_size, num_blocks, gen)
+    layout = scattered_layout(*CASES[case], block_size, num_blocks, gen)
     T = sum(layout.query_lens)
     q = torch.randn(T, num_heads, head_dim, generator=gen)
     k = torch.randn(T, num_kv_heads, head_dim, generator=gen)
