@@ -93,10 +93,16 @@ def kernel_table(engine, length: int, path: str) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         torch.cuda.synchronize()
+    table = write_kernel_table(prof, path)
+    print(f"kernels of one {length}-token prefill:\n" + "\n".join(table.splitlines()[:24]), flush=True)
+
+
+def write_kernel_table(prof, path: str) -> str:
+    """The profiled kernels by GPU time (the top 30), written to `path` and returned."""
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=80)
     with open(path, "w") as f:
         f.write(table)
-    print(f"kernels of one {length}-token prefill:\n" + "\n".join(table.splitlines()[:24]), flush=True)
+    return table
 
 
 def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budget: int, steps: int,
@@ -143,9 +149,7 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
                 step(mixed)
         out[f"{kind}_kernels_s"] = sum(e.self_device_time_total for e in prof.key_averages()) / 16 / 1e6
         if profile_dir:
-            with open(f"{profile_dir}/{kind}_step_b{batch}_kernels.txt", "w") as f:
-                f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30,
-                                                  max_name_column_width=80))
+            write_kernel_table(prof, f"{profile_dir}/{kind}_step_b{batch}_kernels.txt")
     return out  # (its engine goes with this frame: the caller's free_gpu)
 
 
