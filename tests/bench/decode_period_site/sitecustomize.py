@@ -14,6 +14,7 @@ import queue
 import sys
 import threading
 import time
+from pathlib import Path
 
 _OUT = os.environ.get("DISAGG_STEP_TIMES_DIR")
 
@@ -84,8 +85,6 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 def read_steps(folder) -> list[list[list[float]]]:
     """Every decode worker's records in `folder`, one list per worker, in step order."""
-    from pathlib import Path
-
     return [[json.loads(line) for line in f.read_text().splitlines()]
             for f in sorted(Path(folder).glob("steps-*.jsonl"))]
 
