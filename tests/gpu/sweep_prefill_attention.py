@@ -17,6 +17,7 @@ import torch
 from triton.testing import do_bench
 
 from common.engine.attention_triton import PrefillTuning, TritonPagedAttention
+from tests.bench.gpu_prefill import matmul_peak_flops
 from tests.gpu.attention_cases import scattered_layout
 
 HEADS = (24, 8, 128)  # Llama-3.2-3B: query heads, KV heads, head dim
@@ -69,18 +70,13 @@ def sdpa_flops_per_s(qlen: list[int]) -> float | None:
     return attention_flops([0] * len(qlen), qlen, heads, dim) / (ms * 1e-3)
 
 
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / (do_bench(lambda: a @ a, warmup=5, rep=30, return_mode="min") * 1e-3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=120.0)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
     args = parser.parse_args()
     start = time.perf_counter()
-    peak = matmul_peak()
+    peak = matmul_peak_flops()
     print(json.dumps({"bf16_matmul_peak": peak}), flush=True)
     heads, _, dim = HEADS
     best: dict[str, dict] = {}
