@@ -152,7 +152,8 @@ def step_dir(layout: Layout, chunk: int | None, args: argparse.Namespace) -> Pat
 
 def step_summary(records: list[list[float]], start: float, end: float) -> dict | None:
     """The decode steps one point ran (records of every decode worker, each worker's own sequence): see --step-times.
-    A record is (start, end, engine-thread CPU s, core wait s, running after, launched-ahead step waiting)."""
+    A record is (start, end, engine-thread CPU s, core wait s, running after, launched-ahead step waiting, prompt
+    tokens to compute at its start: a step with some is mixed, a chunk beside the decode rows)."""
     periods = []
     for worker in records:
         steps = [r for r in worker if start <= r[0] <= end]
@@ -167,6 +168,10 @@ def step_summary(records: list[list[float]], start: float, end: float) -> dict |
                "period_p90_ms": round(ms[int(len(ms) * 0.9)], 2), "period_p99_ms": round(ms[int(len(ms) * 0.99)], 2),
                "not_ahead_share": round(sum(1 for _, a, _ in periods if not a[5]) / len(periods), 3),
                "long": len(long)}
+    mixed = sorted(p * 1000 for p, a, _ in periods if len(a) > 6 and a[6])
+    if mixed:  # a decode worker prefilling a prompt itself (+q): how long its mixed steps make the gaps
+        summary.update({"mixed_share": round(len(mixed) / len(periods), 3), "mixed_p50_ms": round(mixed[len(mixed) // 2], 2),
+                        "mixed_p99_ms": round(mixed[int(len(mixed) * 0.99)], 2)})
     if long:
         summary.update({
             "long_mean_ms": round(statistics.mean(p for p, _, _ in long) * 1000, 2),

@@ -3,7 +3,7 @@ aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only
 saturation."""
 import argparse
 
-from tests.bench.multi_gpu import comparison, saturated
+from tests.bench.multi_gpu import comparison, saturated, step_summary
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
 
@@ -49,3 +49,19 @@ def test_saturation_is_a_failure_a_low_completion_rate_or_a_runaway_ttft():
     assert saturated(point("1P1D", "x", 64, 190.0, 9.0, 1.0, failed=1), ARGS)
     assert saturated(point("1P1D", "x", 64, 190.0, 9.0, 1.0, achieved=47.9), ARGS)
     assert saturated(point("1P1D", "x", 64, 1001.0, 9.0, 1.0), ARGS)
+
+
+def test_step_summary_splits_out_the_mixed_steps_of_a_decode_worker_that_prefills():
+    # 20 decode steps 5 ms apart, then 5 mixed ones (prompt tokens to compute at their start) 12 ms apart; records
+    # from before the point's window are left out.
+    records, t = [[-1.0, -0.99, 0.0, 0.0, 1, 1, 0]], 0.0
+    for i in range(26):
+        mixed = 20 <= i < 25
+        records.append([t, t + 0.004, 0.001, 0.0, 8, 1, 256 if mixed else 0])
+        t += 0.012 if mixed else 0.005
+    summary = step_summary([records], 0.0, t)
+    assert summary["steps"] == 25
+    assert summary["period_p50_ms"] == 5.0
+    assert summary["mixed_share"] == 0.2 and summary["mixed_p50_ms"] == 12.0 and summary["mixed_p99_ms"] == 12.0
+    # Records of a hook without the field (before it recorded prompt tokens) have no mixed figures.
+    assert "mixed_share" not in step_summary([[r[:6] for r in records]], 0.0, t)

@@ -1,7 +1,8 @@
 """Loaded by tests/bench/decode_period.py through PYTHONPATH in every process `disagg up` starts: in the decode worker
 alone it wraps LLMEngine.step to record each step's wall clock, the engine thread's CPU time and its wait for a core
-(/proc schedstat), the running batch after it, and whether a step launched ahead (async scheduling) was waiting for it,
-and appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at exit, from a
+(/proc schedstat), the running batch after it, whether a step launched ahead (async scheduling) was waiting for it,
+and the prompt tokens the engine had to compute when it began (a step with some is a mixed step: a chunk beside the
+decode rows), and appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at exit, from a
 thread of its own: only the new ones (rewriting every record so far on the engine thread cost it tens of ms a write
 late in a run, long gaps that the ITL tail then showed; appending 256 costs ~1.4 ms on the 2-core machine). Also loaded by tests/bench/multi_gpu.py --step-times; `read_steps` reads
 a folder of them."""
@@ -28,7 +29,7 @@ def _run_delay_ns(tid: int) -> int:
 
 
 def _wrap(module) -> None:
-    records: list[tuple[float, float, float, float, int, int]] = []
+    records: list[tuple[float, float, float, float, int, int, int]] = []
     path = os.path.join(_OUT, f"steps-{os.getpid()}.jsonl")
     batches: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -55,11 +56,12 @@ def _wrap(module) -> None:
         tid = threading.get_native_id()
         wall, cpu, delay = time.perf_counter(), time.thread_time(), _run_delay_ns(tid)
         ahead = int(getattr(self, "_ahead", None) is not None)
+        prompts = self.prompt_tokens_to_compute()
         try:
             return step(self)
         finally:
             records.append((wall, time.perf_counter(), time.thread_time() - cpu, (_run_delay_ns(tid) - delay) / 1e9,
-                            len(self.scheduler.running), ahead))
+                            len(self.scheduler.running), ahead, prompts))
             if len(records) == 256:
                 dump()
 
