@@ -26,6 +26,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -98,10 +99,10 @@ def kernel_table(engine, length: int, path: str) -> None:
 
 
 def write_kernel_table(prof, path: str) -> str:
-    """The profiled kernels by GPU time (the top 30), written to `path` and returned."""
+    """The profiled kernels by GPU time (the top 30), written to `path` (its folder made if missing) and returned."""
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=80)
-    with open(path, "w") as f:
-        f.write(table)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(table)
     return table
 
 
