@@ -23,6 +23,8 @@ SHAPES = {  # name: (batch, context, heads, kv_heads, head_dim)
     "3b-b1-c512": (1, 512, 24, 8, 128),
     "1b-b8-c16k": (8, 16384, 32, 8, 64),
     "3b-b64-c1000": (64, 1000, 24, 8, 128),
+    "3b-b32-c1400": (32, 1400, 24, 8, 128),  # a 1P1D decode worker at 24-80 req/s: 30-65 rows
+    "3b-b64-c1400": (64, 1400, 24, 8, 128),
     "3b-b128-c1400": (128, 1400, 24, 8, 128),  # a decode worker of a 3-prefill, 1-decode split (input 512-2048)
     "3b-b256-c1400": (256, 1400, 24, 8, 128),
 }
