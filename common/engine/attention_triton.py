@@ -229,6 +229,10 @@ class TritonAttentionMetadata:
     tile_start: torch.Tensor | None = None  # its first query index within the sequence
     decode_rows: torch.Tensor | None = None  # mixed: [R] int64, the rows of the sequences with one new token
     decode_part: "TritonAttentionMetadata | None" = None  # mixed: their tables and lengths, for `_decode`
+    decode_leading: int = 0
+    """Mixed: R when the decode rows are the batch's first R rows (the scheduler puts running decodes first), so
+    `_decode` reads and writes them in place: no gather, scratch output and scatter a layer (three launches of the
+    ~10 a mixed step's layer makes from the host between its graph pieces)."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,7 @@ class TritonPagedAttention:
         if len(rows):
             meta.decode_rows = rest[5]
             meta.decode_part = TritonAttentionMetadata(slots, rest[6], True, seq_lens=rest[7])
+            meta.decode_leading = len(rows) if rows[-1] == len(rows) - 1 else 0  # rows 0..R-1 (one token each)
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -350,12 +355,14 @@ class TritonPagedAttention:
                 meta.tile_start, scale, window or 0, *strides, GROUP=group, BLOCK_M=t.block_m,
                 **{**common, "BLOCK": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages)
         if meta.decode_rows is not None:
-            q_rows = q.index_select(0, meta.decode_rows)
-            rows_out = torch.empty_like(q_rows)
+            leading = meta.decode_leading  # in place (q and out share strides, as both kernels assume), or gathered
+            q_rows = q[:leading] if leading else q.index_select(0, meta.decode_rows)
+            rows_out = out[:leading] if leading else torch.empty_like(q_rows)
             part = meta.decode_part
             rows_strides = (q_rows.stride(0), q_rows.stride(1), part.block_tables.stride(0), *strides[3:])
             self._decode(q_rows, k_cache, v_cache, rows_out, part, scale, window, rows_strides, group, common)
-            out.index_copy_(0, meta.decode_rows, rows_out)
+            if not leading:
+                out.index_copy_(0, meta.decode_rows, rows_out)
         return out
 
     def _decode(self, q, k_cache, v_cache, out, meta, scale, window, strides, group, common) -> None:
