@@ -54,6 +54,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from common.engine.config import GPU_MAX_NUM_SEQS, EngineConfig  # noqa: E402
+from services.cli.bench.workload import LengthDist  # noqa: E402
 from services.router.config import DECODE_STREAMS  # noqa: E402
 from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E402
 from tests.bench.disagg_sweep import pull_totals  # noqa: E402
@@ -181,6 +183,21 @@ def step_summary(records: list[list[float]], start: float, end: float) -> dict |
             "long_cpu_ms": round(statistics.mean(a[2] for _, a, _ in long) * 1000, 2),
             "long_gap_ms": round(statistics.mean(b[0] - a[1] for _, a, b in long) * 1000, 2)})
     return summary
+
+
+def pool_note(args: argparse.Namespace, block_size: int = EngineConfig.block_size) -> str | None:
+    """A line when a worker's KV pool holds fewer requests of the mean size than --max-num-seqs admits: past that
+    many rows in flight (an overloaded point, or slow steps that keep rows longer) a decode worker leaves handoffs
+    queued and preempts rows, which recompute their prompts on the decode GPU (1P1D+q at 80 req/s on 2 H200s
+    collapsed so with 8192 blocks: TPOT 20 ms)."""
+    tokens = LengthDist.parse(args.input_len).mean + args.output_len
+    holds = int(args.kv_blocks * block_size // tokens)
+    rows = args.max_num_seqs or GPU_MAX_NUM_SEQS  # 0: the workers' default on a GPU
+    if holds >= rows:
+        return None
+    return (f"# note: --kv-blocks {args.kv_blocks} hold about {holds} requests of {tokens:g} tokens, fewer than "
+            f"the {rows} rows a worker admits (--max-num-seqs): past {holds} rows a decode worker queues handoffs "
+            "and preempts")
 
 
 def step_records(layout: Layout, chunk: int | None, args: argparse.Namespace) -> list[list[list[float]]]:
@@ -498,7 +515,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=0, help="every worker's --max-num-seqs (0: its default)")
     parser.add_argument("--prefill-budget", type=int, default=0,
                         help="prefill workers' --max-num-batched-tokens (0: their default)")
-    parser.add_argument("--kv-blocks", type=int, default=8192)
+    parser.add_argument("--kv-blocks", type=int, default=8192,
+                        help="each worker's pool (--num-kv-blocks); the run says when it holds fewer requests than a worker admits")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
     parser.add_argument("--step-times", action="store_true",
@@ -515,6 +533,8 @@ def main() -> int:
     for layout in args.layouts:
         if layout.gpus > gpus:
             parser.error(f"layout {layout.name} needs {layout.gpus} GPUs; {gpus} visible")
+    if note := pool_note(args):
+        print(note, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     model = model_dir(args.shape, args.tokenizer_from, args.models, args.load_format)

@@ -3,7 +3,7 @@ aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only
 saturation."""
 import argparse
 
-from tests.bench.multi_gpu import comparison, saturated, step_summary
+from tests.bench.multi_gpu import comparison, pool_note, saturated, step_summary
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
 
@@ -65,3 +65,14 @@ def test_step_summary_splits_out_the_mixed_steps_of_a_decode_worker_that_prefill
     assert summary["mixed_share"] == 0.2 and summary["mixed_p50_ms"] == 12.0 and summary["mixed_p99_ms"] == 12.0
     # Records of a hook without the field (before it recorded prompt tokens) have no mixed figures.
     assert "mixed_share" not in step_summary([[r[:6] for r in records]], 0.0, t)
+
+
+def test_a_pool_smaller_than_the_batch_limit_is_said_before_the_run():
+    # uniform 512-2048 prompts and 128 output tokens: 1408 tokens a request on average; 8192 blocks of 16 hold 93
+    args = argparse.Namespace(input_len="uniform:512:2048", output_len=128, kv_blocks=8192, max_num_seqs=128)
+    assert pool_note(args, block_size=16) == (
+        "# note: --kv-blocks 8192 hold about 93 requests of 1408 tokens, fewer than the 128 rows a worker admits "
+        "(--max-num-seqs): past 93 rows a decode worker queues handoffs and preempts")
+    assert pool_note(argparse.Namespace(**{**vars(args), "kv_blocks": 16384}), block_size=16) is None
+    assert pool_note(argparse.Namespace(**{**vars(args), "max_num_seqs": 64}), block_size=16) is None
+    assert "the 128 rows" in pool_note(argparse.Namespace(**{**vars(args), "max_num_seqs": 0}), block_size=16)

@@ -51,6 +51,10 @@ class LengthDist:
         return max(1, round(rng.gauss(self.a, self.b)))
 
     @property
+    def mean(self) -> float:
+        return {"fixed": self.a, "uniform": (self.a + self.b) / 2, "normal": self.a}[self.kind]
+
+    @property
     def max(self) -> int:
         """An upper bound used to check lengths against the model's context (normal: mean + 4 std)."""
         return int({"fixed": self.a, "uniform": self.b, "normal": self.a + 4 * self.b}[self.kind])
