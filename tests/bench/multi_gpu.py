@@ -516,7 +516,8 @@ def main() -> int:
     parser.add_argument("--prefill-budget", type=int, default=0,
                         help="prefill workers' --max-num-batched-tokens (0: their default)")
     parser.add_argument("--kv-blocks", type=int, default=8192,
-                        help="each worker's pool (--num-kv-blocks); the run says when it holds fewer requests than a worker admits")
+                        help="each worker's pool (--num-kv-blocks); the run says when it holds fewer requests than a "
+                             "worker admits")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
     parser.add_argument("--step-times", action="store_true",
