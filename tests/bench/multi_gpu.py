@@ -172,7 +172,8 @@ def step_summary(records: list[list[float]], start: float, end: float) -> dict |
                "long": len(long)}
     mixed = sorted(p * 1000 for p, a, _ in periods if len(a) > 6 and a[6])
     if mixed:  # a decode worker prefilling a prompt itself (+q): how long its mixed steps make the gaps
-        summary.update({"mixed_share": round(len(mixed) / len(periods), 3), "mixed_p50_ms": round(mixed[len(mixed) // 2], 2),
+        summary.update({"mixed_share": round(len(mixed) / len(periods), 3),
+                        "mixed_p50_ms": round(mixed[len(mixed) // 2], 2),
                         "mixed_p99_ms": round(mixed[int(len(mixed) * 0.99)], 2)})
     if long:
         summary.update({

@@ -2,10 +2,10 @@
 alone it wraps LLMEngine.step to record each step's wall clock, the engine thread's CPU time and its wait for a core
 (/proc schedstat), the running batch after it, whether a step launched ahead (async scheduling) was waiting for it,
 and the prompt tokens the engine had to compute when it began (a step with some is a mixed step: a chunk beside the
-decode rows), and appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at exit, from a
-thread of its own: only the new ones (rewriting every record so far on the engine thread cost it tens of ms a write
-late in a run, long gaps that the ITL tail then showed; appending 256 costs ~1.4 ms on the 2-core machine). Also loaded by tests/bench/multi_gpu.py --step-times; `read_steps` reads
-a folder of them."""
+decode rows). It appends them to $DISAGG_STEP_TIMES_DIR/steps-<pid>.jsonl (a record a line) every 256 steps and at
+exit, from a thread of its own: only the new ones (rewriting every record so far on the engine thread cost it tens
+of ms a write late in a run, long gaps that the ITL tail then showed; appending 256 costs ~1.4 ms on the 2-core
+machine). Also loaded by tests/bench/multi_gpu.py --step-times; `read_steps` reads a folder of them."""
 import atexit
 import importlib.abc
 import importlib.util
