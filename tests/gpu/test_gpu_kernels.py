@@ -29,6 +29,7 @@ CASES = {  # (context_lens, query_lens): decode-only, prefill from scratch, chun
     "prefill": ([0, 0, 0], [1, 70, 300]),
     "chunked": ([16, 130, 48], [33, 64, 200]),
     "mixed": ([99, 0, 7, 300], [1, 129, 1, 45]),
+    "mixed_leading": ([99, 7, 0, 300], [1, 1, 129, 45]),  # decode rows first (the scheduler's order): in place
 }
 
 
