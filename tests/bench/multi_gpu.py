@@ -35,7 +35,9 @@ bench`'s JSON, per request, in OUT/points/.
 point gets `decode_steps`: the step period (start to start, what a token's ITL is made of) p50 / p90 / p99, and of
 the long periods (over 2.5 × the median) how many followed a step with no step launched ahead (async scheduling's
 pipeline broken: a request joined or the batch changed), how many changed the running batch, and their mean wall,
-engine-thread CPU and gap after the step. So an ITL p99 says whether it is GPU work, host work or waiting.
+engine-thread CPU and gap after the step; and where a decode worker prefilled prompts itself (`+q`), the share of
+mixed steps (begun with prompt tokens to compute) and their period p50 / p99. So an ITL p99 says whether it is GPU
+work, host work or waiting.
 """
 from __future__ import annotations
 
