@@ -1,7 +1,9 @@
-"""Paged-attention cases the GPU kernel tests and sweeps share: block tables scattered as after churn, and a
-kernel's largest difference from the torch reference on random bf16 inputs. Importable without a GPU."""
+"""Paged-attention cases the GPU kernel tests and sweeps share: block tables scattered as after churn, a kernel's
+largest difference from the torch reference on random bf16 inputs, and the sweeps' command line. Importable without a
+GPU."""
 from __future__ import annotations
 
+import argparse
 from itertools import accumulate
 
 import torch
@@ -38,3 +40,19 @@ def max_error_against_reference(backend, ctx: list[int], qlen: list[int], window
                            ref.prepare(layout), dim**-0.5, window)
     got = backend.forward(q.to(device), k.to(device), v.to(device), cache, backend.prepare(layout), dim**-0.5, window)
     return (got.float() - expected).abs().max().item()
+
+
+def sweep_args(doc: str, shapes: dict, budget_s: float) -> argparse.Namespace:
+    """A sweep's command line: --budget-s, and --shapes as a list of names of `shapes`. An unknown name, or no CUDA
+    GPU to time kernels on, ends it with one line (exit 2)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="stop starting new tunings after this long")
+    parser.add_argument("--shapes", type=lambda text: text.split(","), default=list(shapes),
+                        help="comma-separated names of " + ", ".join(shapes))
+    args = parser.parse_args()
+    unknown = [name for name in args.shapes if name not in shapes]
+    if unknown:
+        parser.error(f"--shapes: no shape {', '.join(unknown)}; the shapes are {', '.join(shapes)}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: a sweep times the kernels on one")
+    return args

@@ -7,7 +7,6 @@ copy bandwidth; the best tuning of each shape last. Random bf16 cache, blocks sc
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -15,7 +14,7 @@ import torch
 from triton.testing import do_bench
 
 from common.engine.attention_triton import DecodeTuning, TritonPagedAttention
-from tests.gpu.attention_cases import scattered_layout
+from tests.gpu.attention_cases import scattered_layout, sweep_args
 
 SHAPES = {  # name: (batch, context, heads, kv_heads, head_dim)
     "1b-b64-c1000": (64, 1000, 32, 8, 64),
@@ -49,15 +48,12 @@ def case(shape: tuple[int, int, int, int, int], block_size: int = 16):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=90.0)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
-    args = parser.parse_args()
+    args = sweep_args(__doc__, SHAPES, budget_s=90.0)
     start = time.perf_counter()
     bw = hbm_bandwidth()
     print(json.dumps({"hbm_copy_bandwidth": bw}), flush=True)
     best: dict[str, dict] = {}
-    for name in args.shapes.split(","):
+    for name in args.shapes:
         shape = SHAPES[name]
         layout, cache, q, kv_bytes = case(shape)
         for block_n, warps, stages in KERNELS:

@@ -9,7 +9,6 @@ paging, no chunk context) where the shape has no context. Random bf16 cache, blo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -18,7 +17,7 @@ from triton.testing import do_bench
 
 from common.engine.attention_triton import PrefillTuning, TritonPagedAttention
 from tests.bench.gpu_prefill import matmul_peak_flops
-from tests.gpu.attention_cases import scattered_layout
+from tests.gpu.attention_cases import scattered_layout, sweep_args
 
 HEADS = (24, 8, 128)  # Llama-3.2-3B: query heads, KV heads, head dim
 SHAPES = {  # name: (context_lens, query_lens)
@@ -71,16 +70,13 @@ def sdpa_flops_per_s(qlen: list[int]) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=120.0)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
-    args = parser.parse_args()
+    args = sweep_args(__doc__, SHAPES, budget_s=120.0)
     start = time.perf_counter()
     peak = matmul_peak_flops()
     print(json.dumps({"bf16_matmul_peak": peak}), flush=True)
     heads, _, dim = HEADS
     best: dict[str, dict] = {}
-    for name in args.shapes.split(","):
+    for name in args.shapes:
         ctx, qlen = SHAPES[name]
         layout, cache, q = case(ctx, qlen)
         flops = attention_flops(ctx, qlen, heads, dim)
