@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.engine.config import GPU_MAX_NUM_SEQS, EngineConfig  # noqa: E402
+from common.engine.config import EngineConfig, default_max_num_seqs  # noqa: E402
 from services.cli.bench.workload import LengthDist  # noqa: E402
 from services.router.config import DECODE_STREAMS  # noqa: E402
 from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E402
@@ -195,7 +195,7 @@ def pool_note(args: argparse.Namespace, block_size: int = EngineConfig.block_siz
     collapsed so with 8192 blocks: TPOT 20 ms)."""
     tokens = LengthDist.parse(args.input_len).mean + args.output_len
     holds = int(args.kv_blocks * block_size // tokens)
-    rows = args.max_num_seqs or GPU_MAX_NUM_SEQS  # 0: the workers' default on a GPU
+    rows = args.max_num_seqs or default_max_num_seqs("cuda")  # 0: the workers' default on a GPU
     if holds >= rows:
         return None
     return (f"# note: --kv-blocks {args.kv_blocks} hold about {holds} requests of {tokens:g} tokens, fewer than "
