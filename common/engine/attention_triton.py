@@ -9,13 +9,14 @@ Three kernels over the same cache layout as `TorchPagedAttention` (per layer `[2
   query of the tile sees go through a loop without masks; only the diagonal's blocks (and a window's) compare
   positions. Tiles run longest first.
 In a mixed step (prefill chunks beside decode rows) the decode rows take `_decode`, split over their context like a
-decode-only step: through `_prefill` each would be one program per query head walking its whole context alone,
-with a BLOCK_M-row tile for its one query.
+decode-only step, each at its row of the packed batch (a row map): through `_prefill` each would be one program per
+query head walking its whole context alone, with a BLOCK_M-row tile for its one query.
 The cache may be FP8 (--kv-cache-dtype fp8, scale 1.0): stores convert to it, and the attention kernels convert each
 loaded K / V tile to q's dtype.
 
 All metadata is built on the host in `prepare` and copied with non-blocking pinned copies: the step loop
-never waits on the GPU here. Decode-only batches keep fixed-shape metadata so a CUDA graph can replay them.
+never waits on the GPU here. Decode-only batches keep fixed-shape metadata so a CUDA graph can replay them; other
+steps' metadata takes a fixed shape with padding that does nothing (`StaticShape`) for the whole-step graphs.
 Importing this module needs triton; model_runner.make_attention_backend only does so on a CUDA device.
 """
 from __future__ import annotations
@@ -44,21 +45,26 @@ def _store_kv(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_vt, HD: t
 
 
 @triton.jit
-def _decode(q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, scale, window,
+def _decode(q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, seq_lens, row_map, scale, window,
             stride_qt, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch,
             GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-            BS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+            BS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, MAPPED: tl.constexpr):
+    """MAPPED (a mixed step): sequence b's query and output are row `row_map[b]` of the packed batch, and an entry of
+    length 0 (a whole-step graph's padding) stores nothing. Otherwise row b, and length 0 gives zeros."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens + b)
+    row = b
+    if MAPPED:
+        row = tl.load(row_map + b)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     gmask = g < GROUP
     dmask = d < D
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -98,7 +104,9 @@ def _decode(q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, s
     if SPLITS == 1:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padded rows (seq_len 0) give zeros, not NaN
         out = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        if MAPPED:  # no head of an empty entry
+            out_mask = (g < tl.where(seq_len > 0, GROUP, 0))[:, None] & dmask[None, :]
+        tl.store(out_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # partial results [B, Hq, SPLITS, ...]; _merge_splits combines them
         row = (b * num_kv_heads * GROUP + heads) * SPLITS + split
@@ -108,10 +116,15 @@ def _decode(q_ptr, k_cache, v_cache, out_ptr, part_acc, part_ml, block_tables, s
 
 
 @triton.jit
-def _merge_splits(part_acc, part_ml, out_ptr, stride_qt, stride_qh, D: tl.constexpr, D_PAD: tl.constexpr,
-                  SPLITS: tl.constexpr):
+def _merge_splits(part_acc, part_ml, out_ptr, seq_lens, row_map, stride_qt, stride_qh, D: tl.constexpr,
+                  D_PAD: tl.constexpr, SPLITS: tl.constexpr, MAPPED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    out_row = b
+    width = D  # elements stored
+    if MAPPED:  # as in _decode
+        out_row = tl.load(row_map + b)
+        width = tl.where(tl.load(seq_lens + b) > 0, D, 0)
     row = (b * tl.num_programs(1) + h) * SPLITS + tl.arange(0, SPLITS)
     m = tl.load(part_ml + row * 2)
     l = tl.load(part_ml + row * 2 + 1)
@@ -123,7 +136,7 @@ def _merge_splits(part_acc, part_ml, out_ptr, stride_qt, stride_qh, D: tl.conste
     denom = tl.sum(w * l, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     out = tl.sum(w[:, None] * acc, 0) / denom
-    tl.store(out_ptr + b * stride_qt + h * stride_qh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(out_ptr + out_row * stride_qt + h * stride_qh + d, out.to(out_ptr.dtype.element_ty), mask=d < width)
 
 
 @triton.jit
@@ -170,12 +183,10 @@ def _prefill_keys(acc, l_i, m_i, q, k_cache, v_cache, block_tables, s_idx, n0, e
 
 
 @triton.jit
-def _prefill(q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx_lens, tile_seq, tile_start,
-             scale, window, stride_qt, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch,
-             GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
-    h = tl.program_id(0)  # heads vary fastest: a KV head's query heads run together and share its K/V in L2
-    tile = tl.program_id(1)  # the host orders tiles by their last query position, longest first
+def _prefill_tile(tile, h, q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx_lens, tile_seq,
+                  tile_start, scale, window, stride_qt, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch,
+                  GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     kvh = h // GROUP
     s_idx = tl.load(tile_seq + tile)
     m0 = tl.load(tile_start + tile)
@@ -216,6 +227,25 @@ def _prefill(q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx
              mask=mmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _prefill(q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx_lens, tile_seq, tile_start,
+             tile_count, scale, window, stride_qt, stride_qh, stride_bt, stride_cb, stride_ct, stride_ch,
+             GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, PERSISTENT: tl.constexpr):
+    """One program per (query head, tile); PERSISTENT (a whole-step graph, whose grid cannot follow the step): a fixed
+    number of programs per head take the step's `tile_count` tiles in turn."""
+    h = tl.program_id(0)  # heads vary fastest: a KV head's query heads run together and share its K/V in L2
+    if PERSISTENT:
+        for tile in range(tl.program_id(1), tl.load(tile_count), tl.num_programs(1)):
+            _prefill_tile(tile, h, q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx_lens,
+                          tile_seq, tile_start, scale, window, stride_qt, stride_qh, stride_bt, stride_cb, stride_ct,
+                          stride_ch, GROUP, D, D_PAD, BS, BLOCK_M, BLOCK, IEEE)
+    else:  # the host orders tiles by their last query position, longest first
+        _prefill_tile(tl.program_id(1), h, q_ptr, k_cache, v_cache, out_ptr, block_tables, q_locs, q_lens, ctx_lens,
+                      tile_seq, tile_start, scale, window, stride_qt, stride_qh, stride_bt, stride_cb, stride_ct,
+                      stride_ch, GROUP, D, D_PAD, BS, BLOCK_M, BLOCK, IEEE)
+
+
 @dataclass
 class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 = skip (padded graph row)
@@ -227,12 +257,44 @@ class TritonAttentionMetadata:
     ctx_lens: torch.Tensor | None = None
     tile_seq: torch.Tensor | None = None  # prefill: [tiles] sequence of each BLOCK_M query tile
     tile_start: torch.Tensor | None = None  # its first query index within the sequence
-    decode_rows: torch.Tensor | None = None  # mixed: [R] int64, the rows of the sequences with one new token
+    tile_count: torch.Tensor | None = None  # a whole-step graph: [1], the step's tiles (the arrays are longer)
+    tile_programs: int = 0  # a whole-step graph: programs per head that take the tiles in turn (0: one per tile)
+    decode_rows: torch.Tensor | None = None  # mixed: [R] int32, the packed batch's rows of the one-token sequences
     decode_part: "TritonAttentionMetadata | None" = None  # mixed: their tables and lengths, for `_decode`
-    decode_leading: int = 0
-    """Mixed: R when the decode rows are the batch's first R rows (the scheduler puts running decodes first), so
-    `_decode` reads and writes them in place: no gather, scratch output and scatter a layer (a quarter of the host's
-    time between a mixed step's graph pieces, under py-spy on an H200)."""
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """The fixed launch shape of a whole-step CUDA graph's attention (common.engine.prefill_graphs) for steps of up to
+    `tokens` tokens and `max_seqs` sequences: every array at its largest; the decode kernel over every entry a step
+    may have (padded ones of length 0 store nothing), the prefill kernel over `tile_programs` programs a head that
+    take the step's tiles in turn (a grid as large as the tiles a step may have would spend most of its waves on
+    empty tiles: a 2048-token prompt step has 34 tiles of at most 160)."""
+
+    tokens: int
+    max_seqs: int
+    block_m: int
+    spare_tiles: int = 8  # tile programs a head beyond a step's tokens / block_m: chunks that end mid-tile
+
+    @property
+    def tiles(self) -> int:
+        """Query tiles a step can have: sum(ceil(q / block_m)) over its chunks of >= 2 tokens is at most
+        tokens / block_m + chunks."""
+        return -(-self.tokens // self.block_m) + min(self.max_seqs, self.tokens // 2)
+
+    @property
+    def tile_programs(self) -> int:
+        return min(self.tiles, -(-self.tokens // self.block_m) + self.spare_tiles)
+
+    @property
+    def decode_entries(self) -> int:
+        return min(self.tokens, self.max_seqs)
+
+    @property
+    def packed_size(self) -> int:
+        """int32s of `pack_static`'s small arrays: q_locs, q_lens, ctx | tile_seq, tile_start, tile count |
+        decode rows, lengths."""
+        return 3 * self.max_seqs + 2 * self.tiles + 1 + 2 * self.decode_entries
 
 
 @dataclass(frozen=True)
@@ -295,6 +357,15 @@ class TritonPagedAttention:
         return {"slots": slots, "tables": tables, "seq_lens": seq_lens.astype(np.int32),
                 "q_lens": q_lens.astype(np.int32), "ctx": ctx.astype(np.int32)}
 
+    def _tiles(self, q_lens: np.ndarray, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sequence, first query) of each BLOCK_M query tile of the prompts' chunks, the tiles with the most keys (the
+        last query's position) first, so the short ones fill the last wave."""
+        block_m, ctx = self.prefill_tuning.block_m, ctx.tolist()
+        tiles = sorted(((s, m) for s, q in enumerate(q_lens.tolist()) if q > 1 for m in range(0, q, block_m)),
+                       key=lambda t: -(ctx[t[0]] + t[1]))
+        return (np.asarray([s for s, _ in tiles], dtype=np.int32).reshape(-1),
+                np.asarray([m for _, m in tiles], dtype=np.int32).reshape(-1))
+
     def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
         """The step's metadata on the device, its arrays in one copy (common.engine.host_upload)."""
         a = self.host_arrays(layout)
@@ -303,23 +374,50 @@ class TritonPagedAttention:
             slots, tables, seq_lens = upload([a["slots"], a["tables"], a["seq_lens"]], self.device)
             return TritonAttentionMetadata(slots, tables, True, seq_lens=seq_lens)
         q_locs = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
-        block_m = self.prefill_tuning.block_m
-        ctx = a["ctx"].tolist()
-        # the tiles with the most keys first (the last query's position), so the short ones fill the last wave
-        tiles = sorted(((s, m) for s, q in enumerate(q_lens.tolist()) if q > 1 for m in range(0, q, block_m)),
-                       key=lambda t: -(ctx[t[0]] + t[1]))
-        arrays = [a["slots"], a["tables"], q_locs, q_lens, a["ctx"], np.asarray([s for s, _ in tiles], dtype=np.int32),
-                  np.asarray([m for _, m in tiles], dtype=np.int32)]
+        arrays = [a["slots"], a["tables"], q_locs, q_lens, a["ctx"], *self._tiles(q_lens, a["ctx"])]
         rows = np.flatnonzero(q_lens == 1)
         if len(rows):  # a mixed step: its decode rows go to the decode kernel
-            arrays += [q_locs[rows].astype(np.int64), a["tables"][rows], a["seq_lens"][rows]]
+            arrays += [q_locs[rows], a["tables"][rows], a["seq_lens"][rows]]
         slots, tables, *rest = upload(arrays, self.device)
         meta = TritonAttentionMetadata(slots, tables, False)
         meta.q_locs, meta.q_lens, meta.ctx_lens, meta.tile_seq, meta.tile_start = rest[:5]
         if len(rows):
             meta.decode_rows = rest[5]
             meta.decode_part = TritonAttentionMetadata(slots, rest[6], True, seq_lens=rest[7])
-            meta.decode_leading = len(rows) if rows[-1] == len(rows) - 1 else 0  # rows 0..R-1 (one token each)
+        return meta
+
+    def pack_static(self, a: dict[str, np.ndarray], shape: StaticShape) -> tuple[np.ndarray, np.ndarray]:
+        """A step's `host_arrays` in a whole-step graph's layout: the small arrays packed at fixed offsets, zeros past
+        the step's own (`StaticShape`), and the decode entries' block tables. Every one-token sequence is a decode
+        entry."""
+        q_lens = a["q_lens"]
+        n, t, r = shape.max_seqs, shape.tiles, shape.decode_entries
+        packed = np.zeros(shape.packed_size, dtype=np.int32)
+        q_locs = np.cumsum(q_lens) - q_lens
+        s = len(q_lens)
+        packed[:s], packed[n:n + s], packed[2 * n:2 * n + s] = q_locs, q_lens, a["ctx"]
+        tile_seq, tile_start = self._tiles(q_lens, a["ctx"])
+        packed[3 * n:3 * n + len(tile_seq)], packed[3 * n + t:3 * n + t + len(tile_seq)] = tile_seq, tile_start
+        packed[3 * n + 2 * t] = len(tile_seq)
+        rows = np.flatnonzero(q_lens == 1)
+        base = 3 * n + 2 * t + 1
+        packed[base:base + len(rows)], packed[base + r:base + r + len(rows)] = q_locs[rows], a["seq_lens"][rows]
+        return packed, a["tables"][rows]
+
+    @staticmethod
+    def static_metadata(slots: torch.Tensor, packed: torch.Tensor, tables: torch.Tensor, decode_tables: torch.Tensor,
+                        shape: StaticShape) -> TritonAttentionMetadata:
+        """The metadata of a whole-step graph: views of its static device buffers (`pack_static`'s layout), every
+        array at the shape's full size, so the kernels' launch shapes never change."""
+        n, t, r = shape.max_seqs, shape.tiles, shape.decode_entries
+        meta = TritonAttentionMetadata(slots, tables, False)
+        meta.q_locs, meta.q_lens, meta.ctx_lens = packed[:n], packed[n:2 * n], packed[2 * n:3 * n]
+        meta.tile_seq, meta.tile_start = packed[3 * n:3 * n + t], packed[3 * n + t:3 * n + 2 * t]
+        meta.tile_count, meta.tile_programs = packed[3 * n + 2 * t:3 * n + 2 * t + 1], shape.tile_programs
+        base = 3 * n + 2 * t + 1
+        meta.decode_rows = packed[base:base + r]
+        meta.decode_part = TritonAttentionMetadata(slots, decode_tables[:r], True,
+                                                   seq_lens=packed[base + r:base + 2 * r])
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -333,13 +431,12 @@ class TritonPagedAttention:
         return self.attend(q, kv_cache, meta, scale, window)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float,
-               window: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of q [T, Hq, D] over the cache, where this step's K and V already are; into `out` when given
-        (a piecewise graph's static buffer, common.engine.prefill_graphs)."""
+               window: int | None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, where this step's K and V already are."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
-        out = torch.empty_like(q) if out is None else out
+        out = torch.empty_like(q)
         group = num_heads // num_kv_heads
         common = dict(D=head_dim, D_PAD=_pow2(head_dim, 16), BS=self.block_size,
                       IEEE=q.dtype == torch.float32)
@@ -348,39 +445,40 @@ class TritonPagedAttention:
         if meta.decode_only:
             self._decode(q, k_cache, v_cache, out, meta, scale, window, strides, group, common)
             return out
-        if meta.tile_seq.shape[0]:
+        programs = meta.tile_programs or meta.tile_seq.shape[0]
+        if programs:
             t = self.prefill_tuning
-            _prefill[(num_heads, meta.tile_seq.shape[0])](
+            persistent = meta.tile_count is not None
+            _prefill[(num_heads, programs)](
                 q, k_cache, v_cache, out, meta.block_tables, meta.q_locs, meta.q_lens, meta.ctx_lens, meta.tile_seq,
-                meta.tile_start, scale, window or 0, *strides, GROUP=group, BLOCK_M=t.block_m,
-                **{**common, "BLOCK": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages)
-        if meta.decode_rows is not None:
-            leading = meta.decode_leading  # in place (q and out share strides, as both kernels assume), or gathered
-            q_rows = q[:leading] if leading else q.index_select(0, meta.decode_rows)
-            rows_out = out[:leading] if leading else torch.empty_like(q_rows)
+                meta.tile_start, meta.tile_count if persistent else meta.tile_seq, scale, window or 0, *strides,
+                GROUP=group, BLOCK_M=t.block_m, **{**common, "BLOCK": t.block_n}, PERSISTENT=persistent,
+                num_warps=t.num_warps, num_stages=t.num_stages)
+        if meta.decode_rows is not None:  # read and written at their rows of q and out
             part = meta.decode_part
-            rows_strides = (q_rows.stride(0), q_rows.stride(1), part.block_tables.stride(0), *strides[3:])
-            self._decode(q_rows, k_cache, v_cache, rows_out, part, scale, window, rows_strides, group, common)
-            if not leading:
-                out.index_copy_(0, meta.decode_rows, rows_out)
+            self._decode(q, k_cache, v_cache, out, part, scale, window, (*strides[:2], part.block_tables.stride(0),
+                                                                         *strides[3:]), group, common, meta.decode_rows)
         return out
 
-    def _decode(self, q, k_cache, v_cache, out, meta, scale, window, strides, group, common) -> None:
-        batch, num_heads = q.shape[0], q.shape[1]
-        num_kv_heads = k_cache.shape[2]
+    def _decode(self, q, k_cache, v_cache, out, meta, scale, window, strides, group, common, row_map=None) -> None:
+        """`meta`'s sequences over the decode kernel: sequence b at row b of q and out, or at row_map[b]."""
+        batch = meta.seq_lens.shape[0]
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         t = self.tuning
         splits = decode_splits(batch, num_kv_heads, t.target_programs, t.max_splits)
         d_pad = common["D_PAD"]
         part_acc = q.new_empty((batch * num_heads * splits, d_pad), dtype=torch.float32) if splits > 1 else out
         part_ml = q.new_empty((batch * num_heads * splits, 2), dtype=torch.float32) if splits > 1 else out
+        mapped = row_map is not None
+        row_map = row_map if mapped else meta.seq_lens  # (not read)
         _decode[(batch, num_kv_heads, splits)](q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables,
-                                               meta.seq_lens, scale, window or 0, *strides, GROUP=group,
+                                               meta.seq_lens, row_map, scale, window or 0, *strides, GROUP=group,
                                                G_PAD=_pow2(group, 16), SPLITS=splits,
-                                               **{**common, "BLOCK": t.block_n},
+                                               **{**common, "BLOCK": t.block_n}, MAPPED=mapped,
                                                num_warps=t.num_warps, num_stages=t.num_stages)
         if splits > 1:
-            _merge_splits[(batch, num_heads)](part_acc, part_ml, out, strides[0], strides[1], D=common["D"],
-                                              D_PAD=d_pad, SPLITS=splits)
+            _merge_splits[(batch, num_heads)](part_acc, part_ml, out, meta.seq_lens, row_map, strides[0], strides[1],
+                                              D=common["D"], D_PAD=d_pad, SPLITS=splits, MAPPED=mapped)
 
 
 def decode_splits(batch: int, num_kv_heads: int, target_programs: int = 256, max_splits: int = 32) -> int:

@@ -256,17 +256,17 @@ class ModelRunner:
                             -(-max_len // self.block_size), self.device)
 
     def _make_prefill_graphs(self, config: EngineConfig):
-        """Piecewise CUDA graphs for the other steps (common.engine.prefill_graphs), with the decode graphs, on one
-        rank. A model whose pieces do not capture runs those steps eagerly, said once here."""
+        """Whole-step CUDA graphs for the other steps (common.engine.prefill_graphs), with the decode graphs, on one
+        rank. A model whose forward does not capture runs those steps eagerly, said once here."""
         if self.graphs is None or self.tp.size > 1:
             return None
         from common.engine.prefill_graphs import PrefillGraphs
 
         try:
             return PrefillGraphs(self.model, self.attention, self.rank_cache, config.max_num_batched_tokens,
-                                 self.device)
+                                 config.max_num_seqs, self.graphs.tables.shape[1], self.device)
         except Exception as exc:  # a capture the model refuses: eager prompt steps, never a failed start
-            log.warning("prompt and mixed steps run eagerly (no piecewise CUDA graphs): %s: %s",
+            log.warning("prompt and mixed steps run eagerly (no whole-step CUDA graphs): %s: %s",
                         type(exc).__name__, exc)
             torch.cuda.synchronize(self.device)
             return None
@@ -336,11 +336,11 @@ class ModelRunner:
             embeds = self.model.embed(ids)
             rows, values = step.image_rows
             embeds[rows.to(self.device)] = values.to(device=self.device, dtype=embeds.dtype)
-        meta = self.attention.prepare(step.layout)
-        if self.prefill_graphs is not None and embeds is None and self.prefill_graphs.fits(len(step.positions)):
-            hidden = self.prefill_graphs.run(ids, positions, meta)
+        if self.prefill_graphs is not None and embeds is None and self.prefill_graphs.fits(step.layout):
+            hidden = self.prefill_graphs.run(ids, positions, step.layout)
         else:
-            hidden = self.model(ids, positions, self.rank_cache, meta, self.attention, embeds)
+            hidden = self.model(ids, positions, self.rank_cache, self.attention.prepare(step.layout), self.attention,
+                                embeds)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[sample_rows])

@@ -29,7 +29,7 @@ CASES = {  # (context_lens, query_lens): decode-only, prefill from scratch, chun
     "prefill": ([0, 0, 0], [1, 70, 300]),
     "chunked": ([16, 130, 48], [33, 64, 200]),
     "mixed": ([99, 0, 7, 300], [1, 129, 1, 45]),
-    "mixed_leading": ([99, 7, 0, 300], [1, 1, 129, 45]),  # decode rows first (the scheduler's order): in place
+    "mixed_leading": ([99, 7, 0, 300], [1, 1, 129, 45]),  # decode rows first (the scheduler's order)
 }
 
 
@@ -75,12 +75,12 @@ def test_gpu_engine_greedy_matches_hf(tiny_model_dirs, family, eager):
     engine = _engine(path, enforce_eager=eager, max_num_batched_tokens=16)  # small budget: chunked prefills too
     assert (engine.runner.graphs is None) == eager
     _generates_the_hf_tokens(engine, path, (5, 11, 17, 40))
-    if not eager:  # the prompt chunks and mixed steps went through the piecewise graphs (bucket 16)
+    if not eager:  # the prompt chunks and mixed steps went through the whole-step graphs (bucket 16)
         assert engine.runner.prefill_graphs.steps > 0
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
-def test_prompt_and_mixed_steps_in_piecewise_graphs_match_hf(tiny_model_dirs, family):
+def test_prompt_and_mixed_steps_in_whole_step_graphs_match_hf(tiny_model_dirs, family):
     """Steps of 1-100 tokens padded to their bucket (16 ... 100): whole prompts, chunks beside decode rows."""
     path = tiny_model_dirs[family]
     engine = _engine(path, max_num_batched_tokens=100)
