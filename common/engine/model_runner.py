@@ -368,6 +368,34 @@ class ModelRunner:
             return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout), grammars_current=False)
         return self._sample(scheduled, requests, self.run_step(step, ids), None, grammars_current=False)
 
+    @torch.inference_mode()
+    def launch_mixed_ahead(self, prev: StepLaunch, rows: list[int], batch: ScheduledBatch) -> StepLaunch:
+        """A mixed step launched before prev's tokens are read: each of prev.sampled[rows] feeds the token prev
+        sampled for it (on the device) at its next position, first, then `batch`'s prompt tokens (known here). Every
+        request counts as computed up to where this step starts (prev booked), and holds blocks for its tokens."""
+        decodes = [prev.sampled[i] for i in rows]
+        host_ids: list[int] = []
+        positions = [r.num_computed_tokens for r in decodes]
+        last_rows, sampled = list(range(len(rows))), list(decodes)
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            if n == 1 and start == request.num_tokens - 1:  # a handed-off prompt's first token
+                host_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
+            else:
+                host_ids.extend(request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            if start + n == request.num_tokens:
+                last_rows.append(len(positions) - 1)
+                sampled.append(request)
+        requests = decodes + batch.requests
+        layout = BatchLayout(query_lens=[1] * len(rows) + list(batch.num_new_tokens),
+                             context_lens=[r.num_computed_tokens for r in requests],
+                             block_tables=[r.block_table for r in requests])
+        scheduled = [(r, 1) for r in decodes] + list(zip(batch.requests, batch.num_new_tokens))
+        step = StepInputs(host_ids, positions, layout, last_rows, ahead_rows=rows)  # (followers: as launch_ahead's)
+        logits = self.run_step(step, self._ahead_ids(prev.tokens, rows, host_ids))
+        return self._sample(scheduled, sampled, logits, None, grammars_current=False)
+
     def _ahead_ids(self, tokens: torch.Tensor, rows: list[int], joined_ids: list[int]) -> torch.Tensor:
         """A step launched ahead's input tokens: prev's greedy tokens of `rows` (on the device), then the joined
         rows' tokens."""

@@ -61,14 +61,15 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
-    def schedule(self, preempt: bool = True) -> ScheduledBatch:
+    def schedule(self, preempt: bool = True, reserved: int = 0) -> ScheduledBatch:
         """The next step. Without `preempt` (a step launched while another still runs) a row that gets no blocks
-        ends the batch instead of freeing someone's: the next step scheduled with the GPU idle preempts."""
+        ends the batch instead of freeing someone's: the next step scheduled with the GPU idle preempts.
+        `reserved`: tokens of the step the caller fills itself (a mixed step launched ahead: its decode rows)."""
         batch = ScheduledBatch()
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:  # decodes first: a prefill chunk never delays a running stream
-            budget = self.max_num_batched_tokens - batch.num_tokens
+            budget = self.max_num_batched_tokens - reserved - batch.num_tokens
             if budget <= 0:
                 break
             if request in batch.preempted:
@@ -81,7 +82,7 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(n)
         if not batch.preempted:
-            self._admit_waiting(batch, self.max_num_batched_tokens - batch.num_tokens)
+            self._admit_waiting(batch, self.max_num_batched_tokens - reserved - batch.num_tokens)
         return batch
 
     def admit_waiting(self, budget: int, only: Callable[[Request], bool]) -> ScheduledBatch:

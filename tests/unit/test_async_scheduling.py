@@ -1,8 +1,9 @@
-"""Async scheduling: the next decode step is launched before this one's tokens are read (engine.py
-`_launch_ahead`). On a GPU it runs where CUDA graphs do; here it is forced on over the eager CPU path, which
-takes the same engine-side decisions (which rows go ahead, blocks for them, rows dropped after a stop token
-or an abort), so every output must equal the synchronous engine's and Hugging Face's, and every block must
-come back. With a CUDA GPU each test runs there too, over CUDA graphs (tokens read back behind an event)."""
+"""Async scheduling: the next decode step, or mixed step (decode rows beside prompt chunks), is launched before this
+one's tokens are read (engine.py `_launch_ahead`, `_launch_mixed_ahead`). On a GPU it runs where CUDA graphs do;
+here it is forced on over the eager CPU path, which takes the same engine-side decisions (which rows go ahead,
+blocks for them, rows dropped after a stop token or an abort), so every output must equal the synchronous engine's
+and Hugging Face's, and every block must come back. With a CUDA GPU each test runs there too, over CUDA graphs
+(tokens read back behind an event)."""
 import pytest
 import torch
 
@@ -48,6 +49,14 @@ def make_engine(request):
             return step
 
         engine._launch_prompts_ahead = counted_prompts
+        engine.mixed_launches = 0  # mixed steps (decode rows beside prompt chunks) launched ahead
+        mixed_ahead = engine.runner.launch_mixed_ahead
+
+        def counted_mixed(prev, rows, batch):
+            engine.mixed_launches += 1
+            return mixed_ahead(prev, rows, batch)
+
+        engine.runner.launch_mixed_ahead = counted_mixed
         return engine
 
     return make
@@ -78,6 +87,57 @@ def test_greedy_equals_hf_with_steps_launched_ahead(make_engine, tiny_model_dirs
         assert got[f"r{i}"] == hf_greedy(path, prompt, n)[0]
     assert engine.ahead_launches > 0
     assert _all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3-qknorm", "mistral"])
+def test_mixed_steps_launched_ahead_match_hf(make_engine, tiny_model_dirs, family):
+    """Prompts chunked 16 tokens a step beside running decodes, some arriving mid-pipeline: the mixed steps go
+    ahead (the decode rows' tokens from the step before, on the device), and every output is Hugging Face's."""
+    path = tiny_model_dirs[family]
+    engine = make_engine(path, True, max_num_batched_tokens=16)
+    prompts = _prompts([5, 40, 23, 9, 31], seed=5)
+    lengths = [14, 6, 10, 12, 8]
+    sampling = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    engine.add_request("r0", prompts[0], sampling[0])
+    engine.add_request("r1", prompts[1], sampling[1])
+    tokens: dict[str, list[int]] = {}
+    for _ in range(4):  # r0 decodes beside r1's chunks when the others arrive
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i in range(2, 5):
+        engine.add_request(f"r{i}", prompts[i], sampling[i])
+    _run_all(engine, tokens)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        assert tokens[f"r{i}"] == hf_greedy(path, prompt, n)[0], i
+    assert engine.mixed_launches > 0
+    assert _all_blocks_free(engine)
+
+
+def test_a_stop_token_or_an_abort_in_a_mixed_step_launched_ahead(make_engine, tiny_llama):
+    """A row that ends on a stop token while a mixed step is computed ahead for it is dropped from that step, a
+    request aborted while its chunk is in flight gives back its blocks, and the rest match the synchronous engine."""
+    prompts = _prompts([6, 35, 9, 28], seed=6)
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = make_engine(tiny_llama, False, max_num_batched_tokens=16).generate(prompts, plain)
+    stop_at = reference[0][3]
+    outputs = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_llama, async_scheduling, max_num_batched_tokens=16)
+        for i, prompt in enumerate(prompts):
+            sampling = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]) if i == 0 else plain
+            engine.add_request(f"r{i}", prompt, sampling)
+        tokens: dict[str, list[int]] = {}
+        for _ in range(3):
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.abort_request("r3")  # mid-prompt: its chunks are still being computed
+        tokens.pop("r3", None)
+        outputs[async_scheduling] = _run_all(engine, tokens)
+        assert _all_blocks_free(engine)
+    assert engine.mixed_launches > 0
+    assert outputs[True] == outputs[False]
+    assert outputs[True]["r0"][-1] == stop_at and len(outputs[True]["r0"]) <= 4
+    assert outputs[True]["r1"] == reference[1] and outputs[True]["r2"] == reference[2]
 
 
 def test_a_stop_token_mid_pipeline_drops_the_row_computed_ahead(make_engine, tiny_llama):
