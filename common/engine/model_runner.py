@@ -47,6 +47,15 @@ def _device_greedy(request: Request, masks_here: bool) -> bool:
     return s.greedy and not s.adjusts_logits and not s.logprobs and (masks_here or request.grammar is None)
 
 
+def _step_tokens(request: Request, n: int) -> list[int]:
+    """The `n` tokens a step computes for `request`, from its computed count on; a decode's one without copying the
+    whole sequence."""
+    start = request.num_computed_tokens
+    if n == 1 and start == request.num_tokens - 1:
+        return [(request.output_token_ids or request.prompt_token_ids)[-1]]
+    return request.all_token_ids[start : start + n]
+
+
 def _prompt_rows(request: Request, start: int, n: int) -> range:
     """Positions of this chunk whose logits score the next prompt token (prompt_logprobs asked for)."""
     if request.sampling.prompt_logprobs is None or request.output_token_ids or request.group_id:
@@ -283,10 +292,7 @@ class ModelRunner:
         score_rows: list[int] = []
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
-            if n == 1 and start == request.num_tokens - 1:  # a decode: skip copying the whole sequence
-                input_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
-            else:
-                input_ids.extend(request.all_token_ids[start : start + n])
+            input_ids.extend(_step_tokens(request, n))
             if positions_scored := _prompt_rows(request, start, n):
                 scored.append((request, positions_scored))
                 score_rows.extend(len(input_ids) - n + p - start for p in positions_scored)
@@ -379,10 +385,7 @@ class ModelRunner:
         last_rows, sampled = list(range(len(rows))), list(decodes)
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
-            if n == 1 and start == request.num_tokens - 1:  # a handed-off prompt's first token
-                host_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
-            else:
-                host_ids.extend(request.all_token_ids[start : start + n])
+            host_ids.extend(_step_tokens(request, n))  # (n == 1: a handed-off prompt's first token, or a decode)
             positions.extend(range(start, start + n))
             if start + n == request.num_tokens:
                 last_rows.append(len(positions) - 1)
