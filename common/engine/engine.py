@@ -322,7 +322,8 @@ class LLMEngine:
         worker's that prefill a prompt, would otherwise leave the GPU idle while the host books one step and builds
         the next: 2-3 ms of a 10-13 ms mixed step on an H100 (`tests/bench/gpu_prefill.py --mixed-batch`). Only
         where every request is plain (`_plain`) and every sampled row greedy on the device; `launched` is booked
-        first (its rows count as computed), and the step preempts no one."""
+        first (its rows count as computed), and the step preempts no one. Where no prompt fits beside the rows (the
+        batch's row limit reached, say), they go ahead alone: a waiting prompt no longer stops the pipeline."""
         running, waiting = self.scheduler.running, self.scheduler.waiting
         if (launched.tokens is None or launched.awaits_masks or not all(map(self._plain, running))
                 or not all(self._plain(r) and not isinstance(r.kv_import, KvExport) for r in waiting)):
@@ -339,11 +340,11 @@ class LLMEngine:
         if not all(self.block_manager.allocate_slots(launched.sampled[i], 1) for i in rows):
             return None
         batch = self.scheduler.schedule(preempt=False, reserved=len(rows))  # (the rows themselves: nothing to do)
-        if batch.empty:
-            return None
+        self.block_manager.steps_launched += 1
+        if batch.empty:  # no prompt fits beside them (a full batch, or no blocks): the decode rows go ahead alone
+            return self.runner.launch_ahead(launched, rows)
         for request in batch.kv_imports:
             request.kv_import = None  # (a PlacedKv: its blocks, which the request adopted, hold the KV)
-        self.block_manager.steps_launched += 1
         return self.runner.launch_mixed_ahead(launched, rows, batch)
 
     @staticmethod

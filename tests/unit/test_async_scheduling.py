@@ -113,6 +113,27 @@ def test_mixed_steps_launched_ahead_match_hf(make_engine, tiny_model_dirs, famil
     assert _all_blocks_free(engine)
 
 
+def test_decode_rows_go_ahead_while_a_prompt_waits_for_a_free_row(make_engine, tiny_llama):
+    """At the batch's row limit a waiting prompt cannot join: the running rows still go ahead (before, any waiting
+    prompt stopped the pipeline until a row finished), and the prompt starts once one does."""
+    engine = make_engine(tiny_llama, True, max_num_seqs=2)
+    prompts = _prompts([6, 11, 8], seed=7)
+    lengths = [9, 14, 6]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    ahead_while_waiting = 0
+    while engine.has_unfinished_requests():
+        launches = engine.ahead_launches
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        ahead_while_waiting += engine.ahead_launches > launches and bool(engine.scheduler.waiting)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        assert tokens[f"r{i}"] == hf_greedy(tiny_llama, prompt, n)[0]
+    assert ahead_while_waiting > 0
+    assert _all_blocks_free(engine)
+
+
 def test_a_stop_token_or_an_abort_in_a_mixed_step_launched_ahead(make_engine, tiny_llama):
     """A row that ends on a stop token while a mixed step is computed ahead for it is dropped from that step, a
     request aborted while its chunk is in flight gives back its blocks, and the rest match the synchronous engine."""
