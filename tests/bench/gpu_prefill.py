@@ -19,6 +19,8 @@ step launched before the last one's first tokens are read (async scheduling) and
 tokens prefill beside them in chunks, the step's budget `--mixed-budget` tokens (--max-num-batched-tokens). Prints the
 median decode-only step and the median step that carries a chunk, each as wall time (engine.step and a device sync)
 and the GPU time of its kernels (torch.profiler, 16 more steps): the difference is time the GPU waited for the host.
+Then the mean step run back to back (no sync between steps): with async scheduling, the next step is launched before
+this one's tokens are read, and the host's part of a step hides behind the GPU's.
 """
 from __future__ import annotations
 
@@ -126,15 +128,18 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
         engine.step()
     prompts = 0
 
-    def step(mixed: bool) -> float:
+    def advance(mixed: bool) -> None:
         nonlocal prompts
         if mixed and decoding(engine):  # no prompt left prefilling: start the next
             prompts += 1
             engine.add_request(f"chunked{prompts}", [2000 + (prompts * 17 + j) % 100000 for j in range(2048)],
                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        engine.step()
+
+    def step(mixed: bool) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.step()
+        advance(mixed)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
@@ -145,6 +150,12 @@ def mixed_steps(model_dir: str, load_format: str, batch: int, context: int, budg
         for _ in range(8):
             step(mixed)
         out[f"{kind}_wall_s"] = statistics.median(step(mixed) for _ in range(steps))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):  # no sync between steps: what launching the next step ahead (async scheduling) hides
+            advance(mixed)
+        torch.cuda.synchronize()
+        out[f"{kind}_period_s"] = (time.perf_counter() - t) / steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(16):
                 step(mixed)
@@ -241,7 +252,8 @@ def main() -> None:
             for kind in ("decode", "mixed"):
                 print(f"{kind} step at batch {args.mixed_batch}, budget {args.mixed_budget}: wall "
                       f"{m[kind + '_wall_s'] * 1e3:.2f} ms, kernels {m[kind + '_kernels_s'] * 1e3:.2f} ms "
-                      f"(median of {args.mixed_steps} steps; kernels over 16 more)", flush=True)
+                      f"(median of {args.mixed_steps} steps; kernels over 16 more), back to back "
+                      f"{m[kind + '_period_s'] * 1e3:.2f} ms a step", flush=True)
         if args.stream:
             r = emit("prefill_stream", model=args.model, **stream_prefill(model_dir, args.load_format, args.stream,
                                                                          args.stream_budget))
