@@ -291,10 +291,20 @@ class StaticShape:
         return min(self.tokens, self.max_seqs)
 
     @property
+    def sections(self) -> dict[str, slice]:
+        """Where each small array lies in the packed int32s (`pack_static` writes them, `static_metadata` views
+        them)."""
+        sizes = {"q_locs": self.max_seqs, "q_lens": self.max_seqs, "ctx": self.max_seqs, "tile_seq": self.tiles,
+                 "tile_start": self.tiles, "tile_count": 1, "decode_rows": self.decode_entries,
+                 "decode_lens": self.decode_entries}
+        out, at = {}, 0
+        for name, size in sizes.items():
+            out[name], at = slice(at, at + size), at + size
+        return out
+
+    @property
     def packed_size(self) -> int:
-        """int32s of `pack_static`'s small arrays: q_locs, q_lens, ctx | tile_seq, tile_start, tile count |
-        decode rows, lengths."""
-        return 3 * self.max_seqs + 2 * self.tiles + 1 + 2 * self.decode_entries
+        return self.sections["decode_lens"].stop
 
 
 @dataclass(frozen=True)
@@ -391,17 +401,15 @@ class TritonPagedAttention:
         the step's own (`StaticShape`), and the decode entries' block tables. Every one-token sequence is a decode
         entry."""
         q_lens = a["q_lens"]
-        n, t, r = shape.max_seqs, shape.tiles, shape.decode_entries
+        sec = shape.sections
         packed = np.zeros(shape.packed_size, dtype=np.int32)
         q_locs = np.cumsum(q_lens) - q_lens
-        s = len(q_lens)
-        packed[:s], packed[n:n + s], packed[2 * n:2 * n + s] = q_locs, q_lens, a["ctx"]
         tile_seq, tile_start = self._tiles(q_lens, a["ctx"])
-        packed[3 * n:3 * n + len(tile_seq)], packed[3 * n + t:3 * n + t + len(tile_seq)] = tile_seq, tile_start
-        packed[3 * n + 2 * t] = len(tile_seq)
         rows = np.flatnonzero(q_lens == 1)
-        base = 3 * n + 2 * t + 1
-        packed[base:base + len(rows)], packed[base + r:base + r + len(rows)] = q_locs[rows], a["seq_lens"][rows]
+        for name, values in (("q_locs", q_locs), ("q_lens", q_lens), ("ctx", a["ctx"]), ("tile_seq", tile_seq),
+                             ("tile_start", tile_start), ("tile_count", [len(tile_seq)]),
+                             ("decode_rows", q_locs[rows]), ("decode_lens", a["seq_lens"][rows])):
+            packed[sec[name]][: len(values)] = values
         return packed, a["tables"][rows]
 
     @staticmethod
@@ -409,15 +417,14 @@ class TritonPagedAttention:
                         shape: StaticShape) -> TritonAttentionMetadata:
         """The metadata of a whole-step graph: views of its static device buffers (`pack_static`'s layout), every
         array at the shape's full size, so the kernels' launch shapes never change."""
-        n, t, r = shape.max_seqs, shape.tiles, shape.decode_entries
+        sec = shape.sections
         meta = TritonAttentionMetadata(slots, tables, False)
-        meta.q_locs, meta.q_lens, meta.ctx_lens = packed[:n], packed[n:2 * n], packed[2 * n:3 * n]
-        meta.tile_seq, meta.tile_start = packed[3 * n:3 * n + t], packed[3 * n + t:3 * n + 2 * t]
-        meta.tile_count, meta.tile_programs = packed[3 * n + 2 * t:3 * n + 2 * t + 1], shape.tile_programs
-        base = 3 * n + 2 * t + 1
-        meta.decode_rows = packed[base:base + r]
-        meta.decode_part = TritonAttentionMetadata(slots, decode_tables[:r], True,
-                                                   seq_lens=packed[base + r:base + 2 * r])
+        meta.q_locs, meta.q_lens, meta.ctx_lens = packed[sec["q_locs"]], packed[sec["q_lens"]], packed[sec["ctx"]]
+        meta.tile_seq, meta.tile_start = packed[sec["tile_seq"]], packed[sec["tile_start"]]
+        meta.tile_count, meta.tile_programs = packed[sec["tile_count"]], shape.tile_programs
+        meta.decode_rows = packed[sec["decode_rows"]]
+        meta.decode_part = TritonAttentionMetadata(slots, decode_tables[: shape.decode_entries], True,
+                                                   seq_lens=packed[sec["decode_lens"]])
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
