@@ -233,10 +233,9 @@ class LLMEngine:
             raise
         if not launched.unawaited:  # every step launched so far has written its KV, but the one launched ahead
             self.block_manager.steps_done = self.block_manager.steps_launched - (self._ahead is not None)
-        for request, n in launched.scheduled:
+        self._book(launched)
+        for request, _ in launched.scheduled:
             if self._live(request):
-                if not launched.booked:
-                    request.num_computed_tokens += n
                 self.block_manager.commit_full_blocks(request)
                 if request.forks and request.num_computed_tokens >= request.num_prompt_tokens:
                     self._fork(request)  # before its token is booked: that may end it and free its blocks
@@ -303,12 +302,10 @@ class LLMEngine:
         if launched.awaits_masks or not all(map(self._plain_context, running)) \
                 or not all(map(self._plain_context, waiting)):
             return None
-        in_flight = [(request, n) for request, n in launched.scheduled if self._live(request)]
-        if self.prompt_tokens_to_compute() - sum(n for _, n in in_flight) < self.scheduler.max_num_batched_tokens:
+        in_flight = sum(n for request, n in launched.scheduled if self._live(request))
+        if self.prompt_tokens_to_compute() - in_flight < self.scheduler.max_num_batched_tokens:
             return None
-        for request, n in in_flight:
-            request.num_computed_tokens += n
-        launched.booked = True
+        self._book(launched)
         batch = self.scheduler.schedule(preempt=False)
         if batch.empty:
             return None
@@ -332,11 +329,7 @@ class LLMEngine:
                 and r.request_type is not RequestType.CONTEXT_ONLY and r.num_tokens + 1 < r.max_total_tokens]
         if not rows:
             return None
-        if not launched.booked:
-            for request, n in launched.scheduled:
-                if self._live(request):
-                    request.num_computed_tokens += n
-            launched.booked = True
+        self._book(launched)
         if not all(self.block_manager.allocate_slots(launched.sampled[i], 1) for i in rows):
             return None
         batch = self.scheduler.schedule(preempt=False, reserved=len(rows))  # (the rows themselves: nothing to do)
@@ -347,6 +340,15 @@ class LLMEngine:
             request.kv_import = None  # (a PlacedKv: its blocks, which the request adopted, hold the KV)
         return self.runner.launch_mixed_ahead(launched, rows, batch)
 
+    def _book(self, launched: StepLaunch) -> None:
+        """Count `launched`'s live rows as computed, once: when its tokens are read, or before, when a step is
+        scheduled ahead of it (`booked`)."""
+        if not launched.booked:
+            for request, n in launched.scheduled:
+                if self._live(request):
+                    request.num_computed_tokens += n
+            launched.booked = True
+
     @staticmethod
     def _plain(request: Request) -> bool:
         """Nothing in its next step depends on the host's reading of the step before: no grammar, choices to fork,
@@ -354,10 +356,9 @@ class LLMEngine:
         return not request.forks and request.grammar is None and request.mm is None \
             and request.sampling.prompt_logprobs is None
 
-    @staticmethod
-    def _plain_context(request: Request) -> bool:
-        return (request.request_type is RequestType.CONTEXT_ONLY and not request.forks and request.grammar is None
-                and request.mm is None and request.sampling.prompt_logprobs is None)
+    @classmethod
+    def _plain_context(cls, request: Request) -> bool:
+        return request.request_type is RequestType.CONTEXT_ONLY and cls._plain(request)
 
     @staticmethod
     def _joins_ahead(request: Request) -> bool:
