@@ -22,6 +22,7 @@ Importing this module needs triton; model_runner.make_attention_backend only doe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
@@ -290,7 +291,7 @@ class StaticShape:
     def decode_entries(self) -> int:
         return min(self.tokens, self.max_seqs)
 
-    @property
+    @cached_property
     def sections(self) -> dict[str, slice]:
         """Where each small array lies in the packed int32s (`pack_static` writes them, `static_metadata` views
         them)."""
@@ -361,11 +362,12 @@ class TritonPagedAttention:
         tables[np.repeat(np.arange(len(counts)), counts), np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts,
                                                                                           counts)] = flat
         num_tokens = int(q_lens.sum())
+        q_locs = np.cumsum(q_lens) - q_lens  # each sequence's first row in the packed batch
         rows = np.repeat(np.arange(len(q_lens)), q_lens)
-        pos = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + np.repeat(ctx, q_lens)
+        pos = np.arange(num_tokens) - np.repeat(q_locs, q_lens) + np.repeat(ctx, q_lens)
         slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         return {"slots": slots, "tables": tables, "seq_lens": seq_lens.astype(np.int32),
-                "q_lens": q_lens.astype(np.int32), "ctx": ctx.astype(np.int32)}
+                "q_lens": q_lens.astype(np.int32), "ctx": ctx.astype(np.int32), "q_locs": q_locs.astype(np.int32)}
 
     def _tiles(self, q_lens: np.ndarray, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sequence, first query) of each BLOCK_M query tile of the prompts' chunks, the tiles with the most keys (the
@@ -383,7 +385,7 @@ class TritonPagedAttention:
         if bool((q_lens == 1).all()):
             slots, tables, seq_lens = upload([a["slots"], a["tables"], a["seq_lens"]], self.device)
             return TritonAttentionMetadata(slots, tables, True, seq_lens=seq_lens)
-        q_locs = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+        q_locs = a["q_locs"]
         arrays = [a["slots"], a["tables"], q_locs, q_lens, a["ctx"], *self._tiles(q_lens, a["ctx"])]
         rows = np.flatnonzero(q_lens == 1)
         if len(rows):  # a mixed step: its decode rows go to the decode kernel
@@ -400,10 +402,9 @@ class TritonPagedAttention:
         """A step's `host_arrays` in a whole-step graph's layout: the small arrays packed at fixed offsets, zeros past
         the step's own (`StaticShape`), and the decode entries' block tables. Every one-token sequence is a decode
         entry."""
-        q_lens = a["q_lens"]
+        q_lens, q_locs = a["q_lens"], a["q_locs"]
         sec = shape.sections
         packed = np.zeros(shape.packed_size, dtype=np.int32)
-        q_locs = np.cumsum(q_lens) - q_lens
         tile_seq, tile_start = self._tiles(q_lens, a["ctx"])
         rows = np.flatnonzero(q_lens == 1)
         for name, values in (("q_locs", q_locs), ("q_lens", q_lens), ("ctx", a["ctx"]), ("tile_seq", tile_seq),

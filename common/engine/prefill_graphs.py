@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
 from common.devices import graph_capture
@@ -45,7 +44,8 @@ class PrefillGraphs:
         self.shapes = {b: StaticShape(b, min(max_seqs, b), block_m) for b in self.buckets}
         largest = self.shapes[n]
         self.inputs = torch.zeros((3, n), dtype=torch.long, device=device)  # ids, positions, slots
-        # each bucket's packed metadata (its own offsets); the block tables are shared, at the largest shape
+        # each bucket's packed metadata (its own offsets; all zeros: no tile, no decode entry, so attention does
+        # nothing while the graphs are captured); the block tables are shared, at the largest shape
         self.packed = {b: torch.zeros(s.packed_size, dtype=torch.int32, device=device) for b, s in self.shapes.items()}
         self.tables = torch.zeros((largest.max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.decode_tables = torch.zeros((largest.decode_entries, max_blocks_per_seq), dtype=torch.int32,
@@ -67,8 +67,6 @@ class PrefillGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         self.inputs[2].fill_(-1)  # no K/V stored while capturing
-        for b in self.buckets:
-            self.packed[b].copy_(torch.from_numpy(self._padding(b)))  # no tile, no decode entry: attention does nothing
         pool = None
         for b in reversed(self.buckets):  # largest first: smaller buckets reuse its memory pool
             self._forward(b)  # compile kernels, settle allocations, uncaptured
@@ -79,11 +77,6 @@ class PrefillGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
-
-    def _padding(self, b: int) -> np.ndarray:
-        empty = {"q_lens": np.zeros(0, np.int32), "ctx": np.zeros(0, np.int32), "seq_lens": np.zeros(0, np.int32),
-                 "tables": np.zeros((0, 1), np.int32)}
-        return self.attention.pack_static(empty, self.shapes[b])[0]
 
     def fits(self, layout: BatchLayout) -> bool:
         t, seqs = sum(layout.query_lens), len(layout.query_lens)
@@ -98,8 +91,7 @@ class PrefillGraphs:
         b = self.buckets[bisect.bisect_left(self.buckets, t)]
         a = self.attention.host_arrays(layout)
         packed, decode_tables = self.attention.pack_static(a, self.shapes[b])
-        tables = a["tables"]
-        slots, packed, tables, decode_tables = upload([a["slots"], packed, tables, decode_tables], self.device)
+        slots, packed, tables, decode_tables = upload([a["slots"], packed, a["tables"], decode_tables], self.device)
         self.inputs[2, t:b].fill_(-1)
         self.inputs[0, :t].copy_(ids)
         self.inputs[1, :t].copy_(positions)
