@@ -136,11 +136,19 @@ def test_decode_rows_go_ahead_while_a_prompt_waits_for_a_free_row(make_engine, t
 
 def test_a_stop_token_or_an_abort_in_a_mixed_step_launched_ahead(make_engine, tiny_llama):
     """A row that ends on a stop token while a mixed step is computed ahead for it is dropped from that step, a
-    request aborted while its chunk is in flight gives back its blocks, and the rest match the synchronous engine."""
+    request aborted while its chunk is in the step launched ahead gives back its blocks, and the rest match the
+    synchronous engine."""
     prompts = _prompts([6, 35, 9, 28], seed=6)
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reference = make_engine(tiny_llama, False, max_num_batched_tokens=16).generate(prompts, plain)
     stop_at = reference[0][3]
+
+    def in_flight(engine: LLMEngine, request_id: str, chunk: bool) -> bool:
+        """In a mixed step launched ahead (with a prompt chunk, or as a decode row)."""
+        ahead = engine._ahead
+        return ahead is not None and any(n > 1 for _, n in ahead.scheduled) and any(
+            r.request_id == request_id and (n > 1) == chunk for r, n in ahead.scheduled)
+
     outputs = {}
     for async_scheduling in (False, True):
         engine = make_engine(tiny_llama, async_scheduling, max_num_batched_tokens=16)
@@ -148,14 +156,23 @@ def test_a_stop_token_or_an_abort_in_a_mixed_step_launched_ahead(make_engine, ti
             sampling = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]) if i == 0 else plain
             engine.add_request(f"r{i}", prompt, sampling)
         tokens: dict[str, list[int]] = {}
-        for _ in range(3):
+        stopped_ahead = False  # r0 ended while the step launched ahead held a row for it
+        for _ in range(3 if not async_scheduling else 30):
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        assert engine.abort_request("r3")  # mid-prompt: its chunks are still being computed
+                stopped_ahead |= out.request_id == "r0" and out.finished and in_flight(engine, "r0", chunk=False)
+            if async_scheduling and in_flight(engine, "r3", chunk=True):
+                break
+        assert not async_scheduling or in_flight(engine, "r3", chunk=True)
+        assert engine.abort_request("r3")  # mid-prompt: a chunk of it is being computed
         tokens.pop("r3", None)
-        outputs[async_scheduling] = _run_all(engine, tokens)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                stopped_ahead |= out.request_id == "r0" and out.finished and in_flight(engine, "r0", chunk=False)
+        outputs[async_scheduling] = tokens
         assert _all_blocks_free(engine)
-    assert engine.mixed_launches > 0
+    assert engine.mixed_launches > 0 and stopped_ahead
     assert outputs[True] == outputs[False]
     assert outputs[True]["r0"][-1] == stop_at and len(outputs[True]["r0"]) <= 4
     assert outputs[True]["r1"] == reference[1] and outputs[True]["r2"] == reference[2]
