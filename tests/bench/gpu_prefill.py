@@ -230,6 +230,8 @@ def main() -> None:
                              "(--stream-budget tokens each): prompt tokens/s and the GPU's busy share")
     parser.add_argument("--stream-budget", type=int, default=2048)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: it times the engine's steps on one")
     lengths = [int(x) for x in args.lengths.split(",")]
     peak = emit("bf16_matmul_peak", flops_per_s=matmul_peak_flops(), device=torch.cuda.get_device_name())["flops_per_s"]
     config = shape_config(args.model)
