@@ -29,7 +29,9 @@ def test_settling_freezes_what_lives_so_the_oldest_generation_holds_only_later_o
     gc.collect()
     assert len(gc.get_objects(generation=2)) > 50_000
     frozen = settle_heap()
-    assert frozen >= 50_000 and gc.get_freeze_count() == frozen
+    # a frozen object still dies when its last reference goes (another test's thread may drop one meanwhile): the
+    # count only shrinks from what settle_heap froze
+    assert frozen >= 50_000 and 50_000 <= gc.get_freeze_count() <= frozen
     # what a full collection walks now: only what was made since, not the process's start-up objects
     assert len(gc.get_objects(generation=2)) < 1_000
     assert kept[-1] == [49_999]
