@@ -39,12 +39,14 @@ from common.pb.disagg.v1 import worker_pb2
 log = logging.getLogger(__name__)
 
 
-def _device_greedy(request: Request, masks_here: bool) -> bool:
-    """A greedy row whose token the device picks (argmax), so that it may stay there: no penalty, bias or logprobs,
-    and a grammar only where `masks_here` (one rank: each follower feeds its own argmax, unmasked, to a step
-    launched ahead)."""
+def _drawn_on_device(request: Request, one_rank: bool) -> bool:
+    """A row whose token the device draws, so that it may stay there: no penalty, bias or logprobs. Greedy with a
+    grammar, or sampled (temperature > 0, no grammar), only on one rank: each follower feeds its own argmax,
+    unmasked, to a step launched ahead, which would not be what rank 0 masked or drew."""
     s = request.sampling
-    return s.greedy and not s.adjusts_logits and not s.logprobs and (masks_here or request.grammar is None)
+    if s.adjusts_logits or s.logprobs:
+        return False
+    return one_rank or (s.greedy and request.grammar is None)
 
 
 def _step_tokens(request: Request, n: int) -> list[int]:
@@ -110,8 +112,8 @@ class StepInputs:
 @dataclass
 class StepLaunch:
     """One forward pass on its way. `scheduled`: every (request, new tokens) of the step; `sampled`: the rows
-    that sample, in order. With every sampled row greedy on the device (_device_greedy), `tokens` [B] stay there
-    (valid until the next step runs; a step launched ahead reads them on the same stream) and `result` waits for
+    that sample, in order. With every sampled row's token drawn on the device (_drawn_on_device), `tokens` [B] stay
+    there (valid until the next step runs; a step launched ahead reads them on the same stream) and `result` waits for
     their copy to the host; otherwise the sampler already ran and `result` returns what it drew. A step launched
     ahead with grammar rows keeps its `logits` unsampled instead: their masks need the step before's tokens
     accepted, so the engine books those first and then calls ModelRunner.sample_masked, while this forward runs."""
@@ -355,7 +357,7 @@ class ModelRunner:
     def launch_ahead(self, prev: StepLaunch, rows: list[int], joined: list[Request] = ()) -> StepLaunch:
         """The decode step after `prev`, launched before prev's tokens are read: each of prev.sampled[rows] feeds
         the token prev sampled for it (still on the device) at its next position. Their block tables must
-        already hold that position; prev must have device tokens (every row greedy on the device). Grammar rows
+        already hold that position; prev must have device tokens (every row drawn on the device). Grammar rows
         leave it awaiting its masks (sample_masked). `joined`: decode rows that were not in prev (a handed-off
         prompt's first token, known on the host), after the others."""
         requests = [prev.sampled[i] for i in rows] + list(joined)
@@ -371,8 +373,10 @@ class ModelRunner:
         step = StepInputs(joined_ids, ctx, layout, list(range(len(requests))), ahead_rows=rows)
         if self._graphed(layout, requests):
             self._send(dataclasses.replace(step, graphed=True))
-            return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout), grammars_current=False)
-        return self._sample(scheduled, requests, self.run_step(step, ids), None, grammars_current=False)
+            return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout), grammars_current=False,
+                                pending=len(rows))
+        return self._sample(scheduled, requests, self.run_step(step, ids), None, grammars_current=False,
+                            pending=len(rows))
 
     @torch.inference_mode()
     def launch_mixed_ahead(self, prev: StepLaunch, rows: list[int], batch: ScheduledBatch) -> StepLaunch:
@@ -397,7 +401,7 @@ class ModelRunner:
         scheduled = [(r, 1) for r in decodes] + list(zip(batch.requests, batch.num_new_tokens))
         step = StepInputs(host_ids, positions, layout, last_rows, ahead_rows=rows)  # (followers: as launch_ahead's)
         logits = self.run_step(step, self._ahead_ids(prev.tokens, rows, host_ids))
-        return self._sample(scheduled, sampled, logits, None, grammars_current=False)
+        return self._sample(scheduled, sampled, logits, None, grammars_current=False, pending=len(rows))
 
     def _ahead_ids(self, tokens: torch.Tensor, rows: list[int], joined_ids: list[int]) -> torch.Tensor:
         """A step launched ahead's input tokens: prev's greedy tokens of `rows` (on the device), then the joined
@@ -425,20 +429,28 @@ class ModelRunner:
         return upload([values], self.device)[0]
 
     def _sample(self, scheduled: list[tuple[Request, int]], sampled: list[Request], logits: torch.Tensor,
-                argmax: torch.Tensor | None, grammars_current: bool = True) -> StepLaunch:
-        """Greedy rows on the device only: the tokens stay there, copied to pinned memory behind an event, grammar
-        rows masked first (or, not `grammars_current`, left for sample_masked). Otherwise the sampler runs now (it
-        reads the logits on the host)."""
-        if not all(_device_greedy(r, self.ranks is None) for r in sampled):
-            return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled))
+                argmax: torch.Tensor | None, grammars_current: bool = True, pending: int = 0) -> StepLaunch:
+        """Rows the device draws (_drawn_on_device): the tokens stay there, copied to pinned memory behind an event,
+        grammar rows masked first (or, not `grammars_current`, left for sample_masked, greedy rows only). Otherwise
+        the sampler runs now (it reads the tokens on the host). `pending`: the leading rows whose token from the step
+        before is not booked yet (a step launched ahead): each draws one output position further."""
+        draws = [len(r.output_token_ids) + (i < pending) for i, r in enumerate(sampled)]
+        grammar = any(r.grammar is not None for r in sampled)
+        greedy = all(r.sampling.greedy for r in sampled)
+        if not all(_drawn_on_device(r, self.ranks is None) for r in sampled) or (grammar and not greedy):
+            return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled, draws))
         launch = StepLaunch(scheduled, sampled)
-        if any(r.grammar is not None for r in sampled):
+        if grammar:
             if not grammars_current:
                 launch.logits = logits
                 return launch
             self.sampler.masks.apply(logits, [r.grammar for r in sampled])
             argmax = None  # (a graph's is of the unmasked logits)
-        self._device_tokens(launch, argmax if argmax is not None else logits.argmax(dim=-1))
+        if not greedy:
+            tokens = self.sampler.draw(logits, sampled, draws)
+        else:
+            tokens = argmax if argmax is not None else logits.argmax(dim=-1)
+        self._device_tokens(launch, tokens)
         return launch
 
     @torch.inference_mode()

@@ -296,13 +296,64 @@ def test_a_joined_request_aborted_in_the_step_it_joined_frees_its_blocks(make_en
     assert _all_blocks_free(engine)
 
 
-def test_sampled_and_logprob_rows_run_synchronously(make_engine, tiny_llama):
-    """Only plain greedy rows keep their tokens on the device; a batch with a sampled or a logprob row samples at
-    once, never goes ahead, and draws what the synchronous engine draws."""
-    prompts = _prompts([5, 8, 6], seed=2)
+SAMPLED = {  # temperature > 0, each filter, seeded: the synchronous engine's draws are the reference
+    "plain": SamplingParams(temperature=0.9, seed=3, max_tokens=11, ignore_eos=True),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True),
+    "top_k": SamplingParams(temperature=1.3, top_k=20, seed=11, max_tokens=13, ignore_eos=True),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.05, seed=5, max_tokens=6, ignore_eos=True),
+    "greedy": SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3-qknorm"])
+def test_sampled_rows_go_ahead_and_draw_what_the_synchronous_engine_draws(make_engine, tiny_model_dirs, family):
+    """Rows with temperature > 0 (the OpenAI default) are drawn on the device too, each seeded draw by its output
+    position, so decode and mixed steps go ahead with them, prompts arriving mid-pipeline and chunked beside them,
+    and every token is the one the synchronous engine draws."""
+    path = tiny_model_dirs[family]
+    prompts = _prompts([7, 30, 12, 25, 9], seed=8)
+    got = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(path, async_scheduling, max_num_batched_tokens=16)
+        items = list(SAMPLED.items())
+        for (rid, sampling), prompt in zip(items[:2], prompts):
+            engine.add_request(rid, prompt, sampling)
+        tokens: dict[str, list[int]] = {}
+        for _ in range(5):
+            _step(engine, tokens)
+        for (rid, sampling), prompt in zip(items[2:], prompts[2:]):
+            engine.add_request(rid, prompt, sampling)
+        got[async_scheduling] = _run_all(engine, tokens)
+        assert _all_blocks_free(engine)
+    assert engine.ahead_launches > 0 and engine.mixed_launches > 0
+    assert got[True] == got[False]
+    assert {rid: len(t) for rid, t in got[True].items()} == {rid: s.max_tokens for rid, s in SAMPLED.items()}
+    assert got[True]["greedy"] == hf_greedy(path, prompts[4], 9)[0]
+
+
+def test_unseeded_sampled_rows_go_ahead(make_engine, tiny_llama):
+    """Unseeded rows draw from the engine's generator on the device: they go ahead as the seeded do."""
+    engine = make_engine(tiny_llama, True)
+    prompts = _prompts([6, 10], seed=4)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10,
+                                                           ignore_eos=True))
+    got = _run_all(engine)
+    assert engine.ahead_launches > 0
+    assert [len(got[f"r{i}"]) for i in range(2)] == [10, 10]
+    assert all(0 <= t < engine.vocab_size for tokens in got.values() for t in tokens)
+    assert _all_blocks_free(engine)
+
+
+def test_logprob_and_penalty_rows_run_synchronously(make_engine, tiny_llama):
+    """A row that asks for logprobs or has penalties samples on the host at once: a batch with one never goes
+    ahead, and draws what the synchronous engine draws."""
+    prompts = _prompts([5, 8, 6, 7], seed=2)
     samplings = {"greedy": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  "lp": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True),
-                 "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)}
+                 "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True),
+                 "penalty": SamplingParams(temperature=0.7, presence_penalty=0.5, seed=2, max_tokens=8,
+                                           ignore_eos=True)}
     got = {}
     for async_scheduling in (False, True):
         engine = make_engine(tiny_llama, async_scheduling)

@@ -83,3 +83,40 @@ def test_sampler_logprobs_are_of_the_raw_distribution():
     expected = torch.log_softmax(logits[0], -1)
     assert token == 2 and lp.logprob == pytest.approx(float(expected[2]))
     assert [t for t, _ in lp.top] == [2, 1]
+
+
+def test_each_row_of_a_batch_is_filtered_with_its_own_values():
+    """The batched filter gives each row what that row's values give it alone."""
+    from common.engine.sampler import _filter_rows
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    values = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.6, 0.0), (8, 0.7, 0.2)]
+    rows = _filter_rows(logits, *map(list, zip(*values)))
+    for row, alone, (k, p, m) in zip(rows, logits, values):
+        assert torch.equal(torch.isfinite(row), torch.isfinite(_filter(alone, top_k=k, top_p=p, min_p=m)))
+    assert torch.isfinite(rows[0]).all()
+
+
+def test_seeded_draws_follow_the_distribution():
+    """The exponential race draws token i with probability p_i: 4000 seeds (one draw each, deterministic) land
+    within 0.03 of each probability, and a filtered token is never drawn."""
+    probs = torch.tensor([0.45, 0.3, 0.15, 0.07, 0.03])
+    counts = torch.zeros(5)
+    sampler = Sampler()
+    requests = [Request(f"r{i}", [0], SamplingParams(temperature=1.0, seed=i)) for i in range(4000)]
+    counts += torch.bincount(sampler.draw(probs.log().expand(4000, 5).clone(), requests), minlength=5)
+    assert torch.allclose(counts / 4000, probs, atol=0.03), counts / 4000
+    top2 = [Request(f"k{i}", [0], SamplingParams(temperature=1.0, top_k=2, seed=i)) for i in range(500)]
+    assert set(sampler.draw(probs.log().expand(500, 5).clone(), top2).tolist()) == {0, 1}
+
+
+def test_a_seeded_draw_depends_on_the_output_position_and_choice_only():
+    """The same seed, position and choice draw the same token whatever else is in the batch; another position or
+    choice draws afresh (a step launched ahead passes the position it samples)."""
+    logits = torch.zeros(3, 64)
+    sampler = Sampler()
+    seeded = Request("s", [0], SamplingParams(temperature=1.0, seed=9))
+    others = [Request(f"o{i}", [0], SamplingParams(temperature=0.5)) for i in range(2)]
+    alone = sampler.draw(logits[:1], [seeded], [4]).item()
+    assert sampler.draw(logits, [others[0], seeded, others[1]], [0, 4, 0])[1].item() == alone
+    draws = {sampler.draw(logits[:1], [seeded], [step]).item() for step in range(12)}
+    assert len(draws) > 1
