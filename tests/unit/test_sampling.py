@@ -87,13 +87,26 @@ def test_sampler_logprobs_are_of_the_raw_distribution():
 
 def test_each_row_of_a_batch_is_filtered_with_its_own_values():
     """The batched filter gives each row what that row's values give it alone."""
-    from common.engine.sampler import _filter_rows
+    from common.engine.sampler import _kept_probs
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     values = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.6, 0.0), (8, 0.7, 0.2)]
-    rows = _filter_rows(logits, *map(list, zip(*values)))
+    rows = _kept_probs(logits, *map(list, zip(*values)))
     for row, alone, (k, p, m) in zip(rows, logits, values):
-        assert torch.equal(torch.isfinite(row), torch.isfinite(_filter(alone, top_k=k, top_p=p, min_p=m)))
-    assert torch.isfinite(rows[0]).all()
+        assert torch.equal(row > 0, torch.isfinite(_filter(alone, top_k=k, top_p=p, min_p=m)))
+    assert (rows[0] > 0).all() and (rows[1] > 0).sum() == 5
+
+
+def test_a_nucleus_beyond_the_cpu_head_is_found_by_ranking_the_whole_row():
+    """A flat row (random weights, a high temperature) whose top-p mass lies beyond the most likely 256 tokens keeps
+    what sorting the whole row keeps, beside a peaked row found in its head."""
+    from common.engine import sampler
+    flat = torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 0.1
+    peaked = torch.cat([torch.tensor([12.0, 11.0, 10.5]), torch.zeros(4093)])
+    probs = sampler._kept_probs(torch.stack([flat, peaked]), [0, 0], [0.9, 0.9], [0.0, 0.0])
+    ranked = flat.softmax(-1).sort(descending=True).values
+    expected = int(((ranked.cumsum(-1) - ranked) < 0.9).sum())
+    assert expected > sampler._NUCLEUS_HEAD
+    assert int((probs[0] > 0).sum()) == expected and int((probs[1] > 0).sum()) == 3
 
 
 def test_seeded_draws_follow_the_distribution():

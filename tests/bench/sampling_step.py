@@ -1,0 +1,100 @@
+"""What sampling costs a decode step, next to the greedy step (no draw: the floor).
+
+    python -m tests.bench.sampling_step                  # SmolLM2-135M-Instruct, bf16, one torch thread, batch 1 and 8
+    python -m tests.bench.sampling_step --batch 32 --rounds 3
+
+One engine (as `disagg up` runs a CPU worker: bf16, one torch thread) decodes `batch` sequences of 128-token prompts
+under each sampling setting in turn, round after round (the machine's load falls on all alike): greedy, the OpenAI
+default (temperature 1), the CLI's defaults (temperature 0.2, top_p 0.9) and a seeded top-k. Prints each setting's
+median decode step and, timed inside it, the sampler's draw (common/engine/sampler.py `Sampler.draw`).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common.engine import sampler as sampling
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from tests.bench.engine_steps import PROMPT, decoding, sync, tokens
+
+SETTINGS = {
+    "greedy": dict(temperature=0),
+    "temperature 1 (OpenAI's default)": dict(temperature=1.0),
+    "temperature 0.2, top_p 0.9 (the CLI's)": dict(temperature=0.2, top_p=0.9),
+    "temperature 0.7, top_k 40, seeded": dict(temperature=0.7, top_k=40, seed=1),
+}
+
+
+def _timed_draws(spent: list[float]):
+    """Sampler.draw, wrapped to add its wall time (the tokens synced) to `spent`."""
+    draw = sampling.Sampler.draw
+
+    def timed(self, logits, requests, draws=None):
+        start = time.perf_counter()
+        out = draw(self, logits, requests, draws)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        spent.append(time.perf_counter() - start)
+        return out
+    return timed
+
+
+def _round(engine: LLMEngine, batch: int, steps: int, setting: dict, seed: int, spent: list[float]) -> list[float]:
+    """The decode steps of one round (seconds); `spent` keeps only the draws timed inside them."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, **setting)
+    for i in range(batch):
+        engine.add_request(f"s{time.monotonic_ns()}-{i}", tokens(engine, PROMPT, seed * 1000 + i), params)
+    step_s = []
+    while engine.has_unfinished_requests():
+        decode = decoding(engine)
+        before = len(spent)
+        start = time.perf_counter()
+        engine.step()
+        sync(engine)
+        if decode:
+            step_s.append(time.perf_counter() - start)
+        elif len(spent) > before:
+            del spent[before:]
+    return step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=32, help="decode steps a round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir()), dtype=args.dtype, device=args.device,
+                                    num_kv_blocks=1024, enable_prefix_caching=False, max_num_seqs=max(args.batch)))
+    spent: list[float] = []
+    sampling.Sampler.draw = _timed_draws(spent)
+    print(f"SmolLM2-135M-Instruct, {args.dtype}, {args.device}, {PROMPT}-token prompts, {args.steps} decode steps a "
+          f"round, {args.rounds} rounds")
+    for batch in args.batch:
+        steps = {name: [] for name in SETTINGS}
+        draws = {name: [] for name in SETTINGS}
+        for r in range(args.rounds):
+            for name, sampling_args in SETTINGS.items():
+                spent.clear()
+                steps[name] += _round(engine, batch, args.steps, sampling_args, r, spent)
+                draws[name] += spent
+        floor = statistics.median(steps["greedy"])
+        for name in SETTINGS:
+            step = statistics.median(steps[name])
+            draw = statistics.median(draws[name]) if draws[name] else 0.0
+            print(f"batch {batch:3d}  {name:40s} step {step * 1e3:7.2f} ms ({step / floor:4.2f}x greedy), "
+                  f"draw {draw * 1e3:6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
