@@ -59,6 +59,8 @@ class BlockManager:
         self._freed_at = [0] * num_blocks  # steps_launched when the block last went free
         self._free_order = list(range(num_blocks))  # when it went free, counted in blocks: its LRU rank's bound
         self._frees = num_blocks
+        # Free blocks the running requests will grow into (Scheduler.publish_growth): a reservation leaves them.
+        self.growth_reserved = 0
         self.lock = threading.RLock()
 
     @property
@@ -118,8 +120,11 @@ class BlockManager:
 
     def reserve(self, num_blocks: int) -> list[int] | None:
         """Free blocks for KV written from outside the engine (an import), none of which a step in flight may
-        still write, taken as allocate_slots takes them; None if there are not that many."""
+        still write, taken as allocate_slots takes them; None if there are not that many beside the running
+        requests' growth (`growth_reserved`): the import then waits for room, as a queued request does."""
         with self.lock:
+            if num_blocks > self.num_free_blocks - self.growth_reserved:
+                return None
             chosen = self._pick(num_blocks, done=self.steps_done)
             if chosen is None:
                 return None

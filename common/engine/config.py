@@ -83,6 +83,11 @@ class EngineConfig:
     """How long an exported (context_only) KV session stays pinned waiting for its pull."""
     max_waiting: int = 1024
     """Bound on queued requests; past it add_request raises ResourceExhausted."""
+    kv_growth_reserve: int = 256
+    """Tokens of growth a new request leaves free in the KV pool for each running one (at most what that one may
+    still generate: its max_tokens): a prompt, or a handed-off KV, waits for room instead of taking blocks the
+    running rows are about to need, which would preempt the newest of them (recomputed: on a decode worker, its
+    imported prompt prefilled again). 0: admit while blocks last, preempting when short (vLLM's rule)."""
     enforce_eager: bool = False
     """On a GPU, run decode steps without CUDA graphs (for debugging and comparison)."""
     async_scheduling: bool | None = None
@@ -116,6 +121,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
             (self.session_ttl_s > 0, f"session_ttl_s must be > 0, got {self.session_ttl_s}"),
             (self.max_waiting >= 1, f"max_waiting must be >= 1, got {self.max_waiting}"),
+            (self.kv_growth_reserve >= 0, f"--kv-growth-reserve must be >= 0 tokens, got {self.kv_growth_reserve}"),
             (self.engine in ENGINES, f"--engine must be one of {list(ENGINES)}, got {self.engine!r}"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),

@@ -47,7 +47,7 @@ class LLMEngine:
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
         self.block_manager.events = self.kv_events
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_limit)
+                                   config.prefill_chunk_limit, config.kv_growth_reserve)
         self.sessions = KvSessionTable(config.session_ttl_s)
         self.requests: dict[str, Request] = {}
         self._stop_rules: dict[str, StopRule] = {}
@@ -207,6 +207,7 @@ class LLMEngine:
         forward still runs."""
         self.expire_sessions()
         self.runner.bind()
+        self.scheduler.publish_growth()  # (steps launched ahead schedule no one: an import still sees it fresh)
         launched, self._ahead = self._ahead, None
         if launched is not None and launched.awaits_masks:
             self.runner.sample_masked(launched, [r.grammar if self._live(r) else None for r in launched.sampled])

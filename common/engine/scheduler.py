@@ -6,7 +6,10 @@ budget, then admits waiting requests while the budget and the pool allow. One re
 is at most `long_prefill_token_threshold` tokens (vLLM's name), so a long prompt leaves room in
 every step for the decodes and a newly arrived prompt instead of taking the whole budget.
 When a running request cannot get a block, the most recently admitted one is preempted:
-its blocks are freed and it goes back to the queue to be recomputed.
+its blocks are freed and it goes back to the queue to be recomputed. Admission leaves room for the
+running requests' next `growth_reserve` tokens each (capped at what each may still generate), so
+that preemption stays for growth past that horizon rather than for every newcomer that filled the
+pool (TensorRT-LLM's GUARANTEED_NO_EVICT reserves a request's whole max_tokens; this is its horizon).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common.engine.block_manager import BlockManager
-from common.engine.request import Request, RequestStatus
+from common.engine.request import Request, RequestStatus, RequestType
 from common.kv.layout import PlacedKv
 
 
@@ -40,8 +43,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None = None):
+                 long_prefill_token_threshold: int | None = None, growth_reserve: int = 0):
         self.block_manager = block_manager
+        self.growth_reserve = growth_reserve
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
@@ -105,11 +109,28 @@ class Scheduler:
                 return False
         return True
 
+    def growth_blocks(self, request: Request) -> int:
+        """Blocks `request` lacks to hold its tokens and `growth_reserve` more (at most its max_total_tokens; a
+        context_only prompt grows no further: its first token's KV is the decode worker's)."""
+        grows = request.request_type is not RequestType.CONTEXT_ONLY
+        target = min(request.max_total_tokens, request.num_tokens + self.growth_reserve * grows)
+        return max(self.block_manager.blocks_needed(target) - len(request.block_table), 0)
+
+    def publish_growth(self) -> int:
+        """The running requests' growth_blocks, summed, where the KV data plane's reservations see it
+        (BlockManager.growth_reserved): an import waits rather than take them. Once a step, on the engine thread."""
+        held = sum(map(self.growth_blocks, self.running)) if self.growth_reserve else 0
+        self.block_manager.growth_reserved = held
+        return held
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None = None) -> int:
+        held = self.publish_growth()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if only is not None and not only(request):
                 break
+            if held and self.growth_blocks(request) > self.block_manager.num_free_blocks - held:
+                break  # it waits for room (FCFS): its blocks would be those the running rows grow into
             fresh = request.kv_import is None and not request.block_table  # holds no blocks yet
             if request.kv_import is not None:
                 if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
@@ -146,6 +167,9 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(n)
             budget -= n
+            if self.growth_reserve:
+                held += self.growth_blocks(request)
+                self.block_manager.growth_reserved = held
         return budget
 
     def _preempt(self, request: Request) -> None:

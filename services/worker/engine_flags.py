@@ -57,6 +57,10 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
              f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
     add("--max-model-len", type=int, default=None)
     add("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    add("--kv-growth-reserve", type=int, default=256, metavar="TOKENS",
+        help="tokens of KV growth a new request (or a handed-off KV) leaves free for each running one, at most "
+             "what that one may still generate; it waits for room instead of causing a preemption later "
+             "(0: admit while blocks last)")
     add("--no-prefix-caching", action=GivenSwitch)
     add("--enforce-eager", action=GivenSwitch,
         help="GPU: run every step eagerly, without CUDA graphs (decode steps, and prompt and mixed steps in pieces)")
@@ -113,7 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
-        max_waiting=args.max_waiting,
+        max_waiting=args.max_waiting, kv_growth_reserve=args.kv_growth_reserve,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format, dummy_seed=args.dummy_seed,

@@ -461,7 +461,8 @@ def test_a_prompt_step_ahead_preempts_no_one(make_engine, tiny_llama):
     where blocks run out instead (the rows in flight keep theirs), and the sessions are the same."""
     prompts = dict(zip([f"p{i}" for i in range(4)], _prompts([40, 38, 30, 36], seed=14)))
     sampling = SamplingParams(temperature=0, max_tokens=4)
-    small = {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 12, "num_kv_blocks": 16}
+    small = {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 12, "num_kv_blocks": 16,
+             "kv_growth_reserve": 0}  # (admitted while blocks last)
     synchronous = make_engine(tiny_llama, False, **small)
     want = _prefill_all(synchronous, prompts, sampling)
     assert synchronous.num_preemptions > 0

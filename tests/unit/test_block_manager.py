@@ -65,3 +65,18 @@ def test_prefix_caching_off_never_shares():
     second = _request(range(10), "second")
     bm.match_prefix(second)
     assert second.num_computed_tokens == 0 and bm.cached == {}
+
+
+def test_an_import_leaves_the_running_requests_growth_free():
+    """reserve() (an import from another thread) takes no block the running requests will grow into: with 6 of 10
+    free and 3 kept for growth, 3 can be reserved and 4 cannot; once the growth is gone, 4 can."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    running = _request(range(16))
+    _fill(bm, running)
+    bm.growth_reserved = 3
+    assert bm.reserve(4) is None and bm.num_free_blocks == 6
+    taken = bm.reserve(3)
+    assert taken is not None and bm.num_free_blocks == 3
+    bm.free_block_ids(taken)
+    bm.growth_reserved = 0
+    assert len(bm.reserve(4)) == 4

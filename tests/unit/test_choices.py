@@ -169,7 +169,8 @@ def test_choices_survive_preemption_and_steps_launched_ahead(tiny_llama, device)
     holds their blocks); with async scheduling the steps after the fork are launched ahead. Greedy stays n=1's."""
     greedy = dict(temperature=0, max_tokens=14, ignore_eos=True)
     (alone,) = _run(_engine(tiny_llama, device), sampling=SamplingParams(**greedy)).values()
-    engine = _engine(tiny_llama, device, num_kv_blocks=16, async_scheduling=True)  # 4 choices need 4 + 4 * 4
+    engine = _engine(tiny_llama, device, num_kv_blocks=16, async_scheduling=True,  # 4 choices need 4 + 4 * 4
+                     kv_growth_reserve=0)  # (admitted while blocks last)
     choices = _run(engine, sampling=SamplingParams(**greedy, n=4))
     assert choices == {i: alone for i in range(4)}
     assert engine.num_preemptions > 0

@@ -18,6 +18,7 @@ from common.errors import InvalidConfig, InvalidRequest, ResourceExhausted
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
     ({"max_model_len": 1}, "max_model_len must be >= 2"),
     ({"dtype": "int8"}, "dtype must be one of"),
+    ({"kv_growth_reserve": -1}, "--kv-growth-reserve must be >= 0 tokens, got -1"),
 ])
 def test_bad_config_names_the_setting(kwargs, message):
     with pytest.raises(InvalidConfig, match=message):

@@ -95,13 +95,33 @@ def test_identical_prompt_twice_reuses_all_but_the_last_token(tiny_llama):
 
 
 def test_preemption_by_recompute_matches_hf(tiny_llama):
-    # 10 blocks of 4 tokens cannot hold three requests growing to 24+ tokens: someone is preempted.
-    engine = _engine(tiny_llama, num_kv_blocks=10, enable_prefix_caching=False)
+    # 10 blocks of 4 tokens cannot hold three requests growing to 24+ tokens: admitted while blocks last (no growth
+    # reserve), someone is preempted.
+    engine = _engine(tiny_llama, num_kv_blocks=10, enable_prefix_caching=False, kv_growth_reserve=0)
     prompts = _prompts([10, 12, 14], seed=4)
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
     assert engine.num_preemptions > 0
     for prompt, got in zip(prompts, outputs):
         assert got == hf_greedy(tiny_llama, prompt, 14)[0]
+    assert engine.block_manager.num_free_blocks == 10
+
+
+def test_the_growth_reserve_queues_a_newcomer_instead_of_preempting(tiny_llama):
+    """The same pool and requests with the default growth reserve: the third request waits until the first two
+    have room to finish, nobody is preempted, and every output is still HF's."""
+    engine = _engine(tiny_llama, num_kv_blocks=10, enable_prefix_caching=False)
+    prompts = _prompts([10, 12, 14], seed=4)
+    ids = [f"r{i}" for i in range(3)]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    outputs, waited = {rid: [] for rid in ids}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+        waited += bool(engine.scheduler.waiting) and bool(engine.scheduler.running)
+    assert engine.num_preemptions == 0 and waited > 0
+    for rid, prompt in zip(ids, prompts):
+        assert outputs[rid] == hf_greedy(tiny_llama, prompt, 14)[0]
     assert engine.block_manager.num_free_blocks == 10
 
 

@@ -80,6 +80,42 @@ def test_a_fenced_import_into_our_blocks_gives_the_aggregated_tokens(pair):
     assert importer.block_manager.num_free_blocks == 24
 
 
+def test_an_import_waits_for_room_beside_the_running_growth_then_lands(pair):
+    """A pull into a pool whose free blocks the running requests will grow into waits (the session stays with its
+    exporter) and is reserved as soon as they need them no more; the copy then gives the aggregated tokens. With
+    no room within its wait, it gives up (the caller pulls beside the pool), holding no block."""
+    exporter, importer, epochs = pair
+    session_id = _context(exporter, "p", PROMPT)
+    first = exporter.sessions.get(session_id).first_token
+    ref = session_ref(exporter.kv_layout, exporter.sessions.get(session_id), "127.0.0.1:1")
+    pool = importer.block_manager
+    pool.growth_reserved = pool.num_free_blocks - 2  # the running rows' growth: 2 spare, the import needs 5
+
+    async def wait_then_import():
+        assert await direct.reserve_with_room(importer.kv_blocks(), ref, 0.02) is None
+        room = asyncio.get_running_loop().call_later(0.03, setattr, pool, "growth_reserved", 0)  # rows finished
+        started = asyncio.get_running_loop().time()
+        reserved = await direct.reserve_with_room(importer.kv_blocks(), ref, 5.0)
+        waited = asyncio.get_running_loop().time() - started
+        room.cancel()
+        reader = BlockEpochs.open(str(epochs.path), epochs.num_blocks)
+        try:
+            placed = await direct.import_placed(BlockCopier(exporter.kv_cache, importer.kv_cache), reader, ref,
+                                                layout_of(ref), importer.kv_blocks(), lambda: None, None, reserved)
+        finally:
+            reader.close()
+        return placed, waited
+
+    assert pool.num_free_blocks == 24
+    placed, waited = asyncio.run(wait_then_import())
+    assert 0.02 <= waited < 1.0 and len(placed.block_ids) == 5 and pool.num_free_blocks == 24 - 5
+    importer.add_request("d", PROMPT, GREEDY, RequestType.GENERATION_ONLY, placed, first)
+    decoded = [first] + _run(importer)["d"]
+    importer.add_request("a", PROMPT, GREEDY)
+    assert decoded == _run(importer)["a"]
+    assert pool.num_free_blocks == 24
+
+
 def test_a_read_of_blocks_reused_before_the_copy_is_never_served(pair):
     exporter, importer, epochs = pair
     session_id = _context(exporter, "p", PROMPT)

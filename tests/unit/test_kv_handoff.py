@@ -118,7 +118,7 @@ def test_preempted_decode_recomputes_and_still_matches(tiny_llama):
     sampling = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     aggregated = _engine(tiny_llama).generate(prompts, sampling)
     prefill = _engine(tiny_llama)
-    decode = _engine(tiny_llama, num_kv_blocks=16, enable_prefix_caching=False)
+    decode = _engine(tiny_llama, num_kv_blocks=16, enable_prefix_caching=False, kv_growth_reserve=0)
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"p{i}", prompt, sampling, RequestType.CONTEXT_ONLY)
     firsts = {}
@@ -138,6 +138,36 @@ def test_preempted_decode_recomputes_and_still_matches(tiny_llama):
     assert decode.block_manager.num_free_blocks == 16
 
 
+def test_a_decode_worker_queues_handoffs_its_pool_cannot_grow_instead_of_preempting(tiny_llama):
+    """The same three handoffs into the same 16-block pool with the default growth reserve: a handoff waits in the
+    queue (its KV held beside the pool) until the running rows have room to finish, so no imported prompt is
+    recomputed on the decode worker, and the tokens are the aggregated engine's."""
+    prompts = [list(range(3 + i, 23 + i)) for i in range(3)]
+    sampling = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    aggregated = _engine(tiny_llama).generate(prompts, sampling)
+    prefill = _engine(tiny_llama)
+    decode = _engine(tiny_llama, num_kv_blocks=16, enable_prefix_caching=False)
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"p{i}", prompt, sampling, RequestType.CONTEXT_ONLY)
+    firsts = {}
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            firsts[out.request_id] = out
+    for i, prompt in enumerate(prompts):
+        out = firsts[f"p{i}"]
+        decode.add_request(f"d{i}", prompt, sampling, RequestType.GENERATION_ONLY,
+                           kv_import=prefill.export_session(out.session_id), first_token=out.new_token_ids[0])
+    tokens = {f"d{i}": [firsts[f"p{i}"].new_token_ids[0]] for i in range(3)}
+    queued = 0
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        queued += bool(decode.scheduler.waiting)
+    assert decode.num_preemptions == 0 and queued > 0
+    assert [tokens[f"d{i}"] for i in range(3)] == aggregated
+    assert decode.block_manager.num_free_blocks == 16
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=10,
                                                              ignore_eos=True)])
 def test_generation_only_without_kv_recomputes_the_prompt_and_matches(tiny_llama, sampling):
@@ -151,3 +181,15 @@ def test_generation_only_without_kv_recomputes_the_prompt_and_matches(tiny_llama
     assert decode.block_manager.num_free_blocks == 64
     with pytest.raises(InvalidRequest, match="needs the first token"):
         decode.add_request("x", prompt, sampling, RequestType.GENERATION_ONLY)
+
+
+def test_context_only_prompts_keep_no_growth_reserve(tiny_llama):
+    """A prefill worker's prompts never grow past their prompt (the first token's KV is the decode worker's): three
+    prompts that fill the pool but for one block all start in the first step, as without a reserve."""
+    prefill = _engine(tiny_llama, num_kv_blocks=16, enable_prefix_caching=False)
+    for i in range(3):
+        prefill.add_request(f"p{i}", list(range(3 + i, 23 + i)), SamplingParams(temperature=0, max_tokens=64),
+                            RequestType.CONTEXT_ONLY)
+    first_step = prefill.step()
+    assert sorted(out.request_id for out in first_step) == ["p0", "p1", "p2"]
+    assert all(out.session_id for out in first_step) and prefill.block_manager.num_free_blocks == 1

@@ -240,7 +240,7 @@ def test_a_preempted_request_keeps_its_grammar_state(model):
     # 10 blocks of 4 tokens cannot hold three requests growing past 24 tokens: someone is preempted and recomputed.
     structured = _greedy(StructuredOutput("regex", "[a-z]{16,40}"), max_tokens=16)
     expected = _engine(model).generate(PROMPTS, structured)
-    engine = _engine(model, num_kv_blocks=10, enable_prefix_caching=False)
+    engine = _engine(model, num_kv_blocks=10, enable_prefix_caching=False, kv_growth_reserve=0)
     assert engine.generate(PROMPTS, structured) == expected
     assert engine.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == 10

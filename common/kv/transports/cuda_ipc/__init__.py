@@ -7,10 +7,12 @@ Release's answer confirms it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from common.kv import gather, host
 from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
@@ -28,6 +30,11 @@ from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 
 DEVICE_UUID_ATTRIBUTE = "cuda_device_uuid"  # the exporter's GPU, which the importer must see
+# How long a pull waits for room in our pool (its running requests' growth kept free) before it gathers the session
+# into memory beside the pool, as it did when the pool was short; the exporter keeps the session meanwhile.
+ROOM_WAIT_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 class CudaIpcTransport(KvTransport):
@@ -85,7 +92,15 @@ class CudaIpcTransport(KvTransport):
 
     async def _placed(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                       mapped: MappedCache, timeout_s: float | None) -> PulledKv | None:
+        waited = time.perf_counter()
+        room_wait_s = ROOM_WAIT_S if timeout_s is None else min(ROOM_WAIT_S, timeout_s)
+        reserved = await direct.reserve_with_room(puller.blocks, ref, room_wait_s)
         start, sent = time.perf_counter(), []
+        trace.get_current_span().set_attribute("disagg.kv_pull.room_wait_s", start - waited)
+        if reserved is None:  # still no room: the pull goes on another way (into memory beside the pool)
+            log.warning("KV session %s: no room in the KV pool for %d blocks after %.1f s; pulling beside it",
+                        ref.session_id, direct.blocks_for(ref), start - waited)
+            return None
 
         def copied() -> None:
             sent.append(puller.releases.later(ref))
@@ -94,7 +109,7 @@ class CudaIpcTransport(KvTransport):
         layout = layout_of(ref)
         try:
             placed = await direct.import_placed(mapped.copier, mapped.epochs, ref, layout, puller.blocks, copied,
-                                                timeout_s)
+                                                timeout_s, reserved)
         except BaseException:
             if not sent:
                 puller.releases.later(ref)

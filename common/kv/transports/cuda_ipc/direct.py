@@ -12,6 +12,8 @@ On a CPU cache (tests) the same steps run synchronously through the torch refere
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Callable
 
 import torch
@@ -45,18 +47,40 @@ def _devices(cache: torch.Tensor | KvShards) -> list[torch.device]:
     return cache.devices() if isinstance(cache, KvShards) else [cache.device]
 
 
+def blocks_for(ref: common_pb2.KvSessionRef) -> int:
+    """The blocks an import of `ref` reserves: room for the first generated token too, so that the engine admits
+    the request without allocating."""
+    return -(-(ref.num_tokens + 1) // ref.block_size)
+
+
+async def reserve_with_room(blocks: KvBlocks, ref: common_pb2.KvSessionRef, wait_s: float) -> list[int] | None:
+    """The blocks of `ref`'s import, reserved as soon as the pool spares them beside its running requests' growth
+    (BlockManager.reserve), checking every 1 ms, then 2, 4, ... 16 ms, while the pull waits: the session's KV stays
+    with its exporter meanwhile, as a queued request waits in the engine. None after `wait_s`."""
+    deadline, pause = time.monotonic() + wait_s, 0.001
+    while (reserved := blocks.reserve(blocks_for(ref))) is None:
+        if time.monotonic() + pause > deadline:
+            return None
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.016)
+    return reserved
+
+
 async def import_placed(copier: BlockCopier, epochs: BlockEpochs, ref: common_pb2.KvSessionRef,
                         layout: KvLayout, blocks: KvBlocks, copied: Callable[[], None],
-                        timeout_s: float | None = None) -> PlacedKv | None:
+                        timeout_s: float | None = None, reserved: list[int] | None = None) -> PlacedKv | None:
     """The session's KV copied by `copier` from the exporter's whole cache into reserved blocks of ours (its
-    destination: blocks.cache), fenced; None when the pool cannot spare the blocks now (the caller pulls another
-    way). StaleKv when the exporter reused a block before the copy ended, asyncio.TimeoutError when the copy
-    outlasts `timeout_s`: the reserved blocks are back in the pool then."""
+    destination: blocks.cache; `reserved`: blocks_for(ref) of them, reserved already, or None to reserve them
+    now), fenced; None when the pool cannot spare the blocks now (the caller pulls another way). StaleKv when the
+    exporter reused a block before the copy ended, asyncio.TimeoutError when the copy outlasts `timeout_s`: the
+    reserved blocks are back in the pool then."""
     expected = fence_of(ref)
     if expected is None:
+        if reserved is not None:
+            blocks.free(reserved)
         raise ValueError(f"KV session {ref.session_id} carries no {EPOCH_ATTRIBUTE}")
-    # Room for the first generated token too, so the engine admits the request without allocating.
-    reserved = blocks.reserve(-(-(ref.num_tokens + 1) // ref.block_size))
+    if reserved is None:
+        reserved = blocks.reserve(blocks_for(ref))
     if reserved is None:
         return None
     src_ids, dst_ids = list(ref.block_ids), reserved[: len(ref.block_ids)]
