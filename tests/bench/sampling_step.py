@@ -2,16 +2,19 @@
 
     python -m tests.bench.sampling_step                  # SmolLM2-135M-Instruct, bf16, one torch thread, batch 1 and 8
     python -m tests.bench.sampling_step --batch 32 --rounds 3
+    python -m tests.bench.sampling_step --device cuda --shape llama-3.2-3b --batch 64   # dummy weights of a shape
 
 One engine (as `disagg up` runs a CPU worker: bf16, one torch thread) decodes `batch` sequences of 128-token prompts
 under each sampling setting in turn, round after round (the machine's load falls on all alike): greedy, the OpenAI
 default (temperature 1), the CLI's defaults (temperature 0.2, top_p 0.9) and a seeded top-k. Prints each setting's
-median decode step and, timed inside it, the sampler's draw (common/engine/sampler.py `Sampler.draw`).
+median decode step and, timed inside it, the sampler's draw (common/engine/sampler.py `Sampler.draw`). On a GPU
+(async scheduling on) a step launched ahead is timed from its launch: the figure is the steps' period.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -22,6 +25,7 @@ from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
 from tests.bench.engine_steps import PROMPT, decoding, sync, tokens
+from tests.bench.gpu_engine_vs_hf import make_model, shape_arg
 
 SETTINGS = {
     "greedy": dict(temperature=0),
@@ -71,15 +75,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shape", type=shape_arg, default=None,
+                        help="a model shape with dummy weights (tests/bench/gpu_engine_vs_hf.py SHAPES) instead of "
+                             "SmolLM2-135M-Instruct's weights")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(model=str(default_model_dir()), dtype=args.dtype, device=args.device,
-                                    num_kv_blocks=1024, enable_prefix_caching=False, max_num_seqs=max(args.batch)))
+    with tempfile.TemporaryDirectory() as shape_dir:
+        if args.shape is not None:
+            make_model(args.shape, shape_dir, "dummy")
+        engine = LLMEngine(EngineConfig(
+            model=shape_dir if args.shape else str(default_model_dir()), dtype=args.dtype, device=args.device,
+            load_format="dummy" if args.shape else "auto", num_kv_blocks=max(1024, 16 * max(args.batch)),
+            enable_prefix_caching=False, max_num_seqs=max(args.batch)))
     spent: list[float] = []
     sampling.Sampler.draw = _timed_draws(spent)
-    print(f"SmolLM2-135M-Instruct, {args.dtype}, {args.device}, {PROMPT}-token prompts, {args.steps} decode steps a "
-          f"round, {args.rounds} rounds")
+    print(f"{args.shape or 'SmolLM2-135M-Instruct'}, {args.dtype}, {args.device}, {PROMPT}-token prompts, "
+          f"{args.steps} decode steps a round, {args.rounds} rounds")
     for batch in args.batch:
         steps = {name: [] for name in SETTINGS}
         draws = {name: [] for name in SETTINGS}
