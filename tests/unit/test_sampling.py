@@ -110,7 +110,7 @@ def test_a_nucleus_beyond_the_cpu_head_is_found_by_ranking_the_whole_row():
 
 
 def test_seeded_draws_follow_the_distribution():
-    """The exponential race draws token i with probability p_i: 4000 seeds (one draw each, deterministic) land
+    """A sampled row draws token i with probability p_i: 4000 seeds (one draw each, deterministic) land
     within 0.03 of each probability, and a filtered token is never drawn."""
     probs = torch.tensor([0.45, 0.3, 0.15, 0.07, 0.03])
     counts = torch.zeros(5)
