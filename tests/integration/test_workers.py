@@ -412,13 +412,16 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_cleanly(own_workers
 
 
 def test_many_requests_on_one_stream_give_decode_s_tokens_in_fewer_messages(prefill, decode):
-    expected = split(decode.decoder.Decode(iter([decode_start(None, **LONG)]), timeout=60))[0]
+    # Six requests side by side in the decode worker's 64 blocks of 4: 19 + 20 tokens (10 blocks) each at most, or
+    # its KV growth reserve runs them one after another (one of 19 + 400 would claim the whole pool).
+    side_by_side = dict(temperature=0, max_tokens=20)
+    expected = split(decode.decoder.Decode(iter([decode_start(None, **side_by_side)]), timeout=60))[0]
     shared = SharedDecodeStream(decode)
     tags = set(range(1, 7))
     try:
         for tag in tags:  # aggregated and handoff requests side by side
-            prefilled = run_prefill(prefill, **LONG) if tag % 2 else None
-            shared.send(tag, decode_start(prefilled, **LONG), timeout_s=60)
+            prefilled = run_prefill(prefill, **side_by_side) if tag % 2 else None
+            shared.send(tag, decode_start(prefilled, **side_by_side), timeout_s=60)
         shared.read_until_ended(tags)
     finally:
         shared.close()
