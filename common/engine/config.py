@@ -92,8 +92,8 @@ class EngineConfig:
     """On a GPU, run decode steps without CUDA graphs (for debugging and comparison)."""
     async_scheduling: bool | None = None
     """Launch each decode step before the previous one's tokens are read, so host work overlaps the GPU
-    (rows greedy or sampled, greedy grammar rows included; not penalties or logprobs). None: on where decode steps
-    run as CUDA graphs."""
+    (rows greedy or sampled, with logprobs or not, greedy grammar rows included; not penalties). None: on where
+    decode steps run as CUDA graphs."""
     engine: str = "torch"
     """Which engine runs the model: "torch" (ours) or "trtllm" (TensorRT-LLM's LLM API; common.engine.trtllm)."""
     tensor_parallel_size: int = 1

@@ -28,7 +28,7 @@ from common.engine.tp_ranks import FollowerRanks
 from common.engine.grammar_mask import GrammarState
 from common.engine.host_upload import upload
 from common.engine.request import Request, TokenLogprob
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, logprobs_on_device, with_logprobs
 from common.engine.scheduler import ScheduledBatch
 from common.kv import ipc_share
 from common.kv.blocks import gather_blocks
@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def _drawn_on_device(request: Request, one_rank: bool) -> bool:
-    """A row whose token the device draws, so that it may stay there: no penalty, bias or logprobs. Greedy with a
+    """A row whose token the device draws, so that it may stay there (its logprobs computed there too): no penalty
+    or bias (they count the tokens before, which a step launched ahead has not read yet). Greedy with a
     grammar, or sampled (temperature > 0, no grammar), only on one rank: each follower feeds its own argmax,
     unmasked, to a step launched ahead, which would not be what rank 0 masked or drew."""
     s = request.sampling
-    if s.adjusts_logits or s.logprobs:
+    if s.adjusts_logits:
         return False
     return one_rank or (s.greedy and request.grammar is None)
 
@@ -125,6 +126,10 @@ class StepLaunch:
     ready: torch.cuda.Event | None = None
     drawn: list[tuple[int, TokenLogprob | None]] | None = None
     logits: torch.Tensor | None = None
+    # Rows that asked for logprobs: (their indices in `sampled`, each one's top_logprobs), and the values
+    # (sampler.logprobs_on_device) copied to the host behind the same event as the tokens.
+    logprob_rows: tuple[list[int], list[int]] | None = None
+    logprob_host: torch.Tensor | None = None
     # The host waits for no token of it (no row samples), so its result does not mean the GPU ran it.
     unawaited: bool = False
     # Its rows' computed counts were advanced before it ran (the engine launched the next prompt step first).
@@ -139,7 +144,9 @@ class StepLaunch:
         if self.drawn is None:
             if self.ready is not None:
                 self.ready.synchronize()
-            self.drawn = [(t, None) for t in self.host.tolist()]
+            rows, tops = self.logprob_rows or ([], [])
+            packed = None if self.logprob_host is None else self.logprob_host.tolist()
+            self.drawn = with_logprobs(self.host.tolist(), rows, tops, packed)
         return self.drawn
 
 
@@ -437,7 +444,9 @@ class ModelRunner:
         draws = [len(r.output_token_ids) + (i < pending) for i, r in enumerate(sampled)]
         grammar = any(r.grammar is not None for r in sampled)
         greedy = all(r.sampling.greedy for r in sampled)
-        if not all(_drawn_on_device(r, self.ranks is None) for r in sampled) or (grammar and not greedy):
+        want = [i for i, r in enumerate(sampled) if r.sampling.logprobs]
+        if not all(_drawn_on_device(r, self.ranks is None) for r in sampled) or (grammar and (want or not greedy)):
+            # (a grammar masks the logits in place: logprobs, of the raw ones, are the sampler's to copy first)
             return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled, draws))
         launch = StepLaunch(scheduled, sampled)
         if grammar:
@@ -450,7 +459,11 @@ class ModelRunner:
             tokens = self.sampler.draw(logits, sampled, draws)
         else:
             tokens = argmax if argmax is not None else logits.argmax(dim=-1)
-        self._device_tokens(launch, tokens)
+        if want:
+            launch.logprob_rows = want, [sampled[i].sampling.top_logprobs for i in want]
+            self._device_tokens(launch, tokens, logprobs_on_device(logits, want, tokens, launch.logprob_rows[1]))
+        else:
+            self._device_tokens(launch, tokens)
         return launch
 
     @torch.inference_mode()
@@ -461,16 +474,21 @@ class ModelRunner:
         logits, launch.logits = launch.logits, None
         self._device_tokens(launch, self.sampler.masks.greedy(logits, grammars))  # the sampler's greedy rule
 
-    def _device_tokens(self, launch: StepLaunch, tokens: torch.Tensor) -> None:
+    def _device_tokens(self, launch: StepLaunch, tokens: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
+        """The step's tokens (and its rows' packed logprobs) on their way to the host behind one event."""
         if self.device.type != "cuda":
             launch.tokens = launch.host = tokens
+            launch.logprob_host = logprobs
             return
-        # Pinned from torch's caching host allocator, which holds the buffer until this copy has run.
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        # Pinned from torch's caching host allocator, which holds each buffer until its copy has run.
+        launch.host, launch.logprob_host = (None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                            for t in (tokens, logprobs))
+        launch.host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            launch.logprob_host.copy_(logprobs, non_blocking=True)
         launch.ready = torch.cuda.Event()
         launch.ready.record()
-        launch.tokens, launch.host = tokens, host
+        launch.tokens = tokens
 
     # --- KV export / import: whole blocks with their layout ---
 

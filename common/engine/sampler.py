@@ -109,14 +109,11 @@ class Sampler:
         if adjusted:  # penalties and biases for all those rows at once, in place of theirs
             index = torch.tensor(adjusted, device=logits.device)
             logits = logits.index_copy(0, index, adjusted_logits(logits[index], [requests[i] for i in adjusted]))
-        tokens = self.draw(logits, requests, draws).tolist()
+        drawn = self.draw(logits, requests, draws)
         want = [i for i, r in enumerate(requests) if r.sampling.logprobs]
-        if not want:
-            return [(t, None) for t in tokens]
-        logprobs: list[TokenLogprob | None] = [None] * len(requests)
-        for i, lp in zip(want, _logprobs(raw, want, tokens, [requests[i].sampling.top_logprobs for i in want])):
-            logprobs[i] = lp
-        return list(zip(tokens, logprobs))
+        tops = [requests[i].sampling.top_logprobs for i in want]
+        packed = logprobs_on_device(raw, want, drawn, tops) if want else None
+        return with_logprobs(drawn.tolist(), want, tops, None if packed is None else packed.tolist())
 
     def draw(self, logits: torch.Tensor, requests: list[Request], draws: list[int] | None = None) -> torch.Tensor:
         """Each row's token [B] on the logits' device, without waiting for it: greedy rows their argmax, the others
@@ -154,18 +151,34 @@ class Sampler:
         return generator
 
 
-def _logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """Raw-distribution logprobs of the chosen tokens and each row's top-n, brought to the host in one copy."""
-    index = torch.tensor(rows, device=logits.device)
-    lp = torch.log_softmax(logits[index], dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=logits.device)[:, None])[:, 0]
+def logprobs_on_device(logits: torch.Tensor, rows: list[int], tokens: torch.Tensor, tops: list[int]) -> torch.Tensor:
+    """Raw-distribution logprobs of `rows`' chosen tokens (`tokens` [B], on the logits' device) and each row's top
+    max(tops), packed into one float32 tensor for one host copy (logprobs_from_host reads it); nothing waits."""
+    index = upload([rows], logits.device)[0]
+    lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
     k = max(tops)
-    top = torch.topk(lp, k) if k else None
-    parts = [chosen] + ([top.values.flatten(), top.indices.flatten().to(lp.dtype)] if top is not None else [])
-    host = torch.cat(parts).cpu().tolist()  # indices < 2**24 are exact in float32
-    n = len(rows)
+    if not k:
+        return chosen
+    top = torch.topk(lp, k)
+    return torch.cat([chosen, top.values.flatten(), top.indices.flatten().to(lp.dtype)])  # ids < 2**24: exact
+
+
+def logprobs_from_host(host: list[float], rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """logprobs_on_device's values, read: each row's TokenLogprob (its top_logprobs of the max(tops) computed)."""
+    n, k = len(rows), max(tops)
     out = []
     for j, (row, want) in enumerate(zip(rows, tops)):
         values, ids = host[n + j * k: n + j * k + want], host[n + n * k + j * k: n + n * k + j * k + want]
         out.append(TokenLogprob(token_id=tokens[row], logprob=host[j], top=[(int(t), v) for t, v in zip(ids, values)]))
     return out
+
+
+def with_logprobs(tokens: list[int], rows: list[int], tops: list[int],
+                  packed: list[float] | None) -> list[tuple[int, TokenLogprob | None]]:
+    """(token, logprob) of each row: the TokenLogprob of `rows` from logprobs_on_device's values read back."""
+    logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+    if packed is not None:
+        for i, lp in zip(rows, logprobs_from_host(packed, rows, tokens, tops)):
+            logprobs[i] = lp
+    return list(zip(tokens, logprobs))

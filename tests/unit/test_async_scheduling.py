@@ -345,12 +345,38 @@ def test_unseeded_sampled_rows_go_ahead(make_engine, tiny_llama):
     assert _all_blocks_free(engine)
 
 
-def test_logprob_and_penalty_rows_run_synchronously(make_engine, tiny_llama):
-    """A row that asks for logprobs or has penalties samples on the host at once: a batch with one never goes
-    ahead, and draws what the synchronous engine draws."""
-    prompts = _prompts([5, 8, 6, 7], seed=2)
+def test_logprob_rows_go_ahead_with_the_synchronous_engine_s_logprobs(make_engine, tiny_llama):
+    """Logprobs (and the top ones) are computed on the device beside the tokens and read back with them: a batch
+    with logprob rows, greedy and sampled, goes ahead, and every token and logprob is the synchronous engine's."""
+    prompts = _prompts([5, 8, 6], seed=12)
+    samplings = {"greedy": SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=True),
+                 "top": SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=True, top_logprobs=3),
+                 "sampled": SamplingParams(temperature=0.9, seed=4, max_tokens=8, ignore_eos=True, logprobs=True,
+                                           top_logprobs=2)}
+    got = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_llama, async_scheduling)
+        for (rid, sampling), prompt in zip(samplings.items(), prompts):
+            engine.add_request(rid, prompt, sampling)
+        outputs: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(
+                    (t, lp.token_id, round(lp.logprob, 4), [(i, round(v, 4)) for i, v in lp.top])
+                    for t, lp in zip(out.new_token_ids, out.new_logprobs))
+        got[async_scheduling] = outputs
+        assert _all_blocks_free(engine)
+    assert engine.ahead_launches > 0
+    assert got[True] == got[False]
+    assert [t for t, *_ in got[True]["greedy"]] == hf_greedy(tiny_llama, prompts[0], 9)[0]
+    assert all(len(top) == 3 for *_, top in got[True]["top"]) and all(t == lp for t, lp, *_ in got[True]["sampled"])
+
+
+def test_penalty_rows_run_synchronously(make_engine, tiny_llama):
+    """A row with penalties samples on the host at once (they count the tokens before it, which a step launched
+    ahead has not read): a batch with one never goes ahead, and draws what the synchronous engine draws."""
+    prompts = _prompts([5, 8, 6], seed=2)
     samplings = {"greedy": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 "lp": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True),
                  "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True),
                  "penalty": SamplingParams(temperature=0.7, presence_penalty=0.5, seed=2, max_tokens=8,
                                            ignore_eos=True)}
@@ -364,7 +390,6 @@ def test_logprob_and_penalty_rows_run_synchronously(make_engine, tiny_llama):
         assert _all_blocks_free(engine)
     assert got[True] == got[False]
     assert got[True]["greedy"] == hf_greedy(tiny_llama, prompts[0], 8)[0]
-    assert got[True]["lp"] == hf_greedy(tiny_llama, prompts[1], 8)[0]
 
 
 def test_context_only_sessions_are_never_written_ahead(make_engine, tiny_llama):
