@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -38,6 +39,12 @@ def decode_step_ms(engine: LLMEngine, batch: int) -> float:
     sampling = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"d{time.monotonic_ns()}-{i}", prompt, sampling)
+    return 1e3 * statistics.median(decode_steps(engine))
+
+
+def decode_steps(engine: LLMEngine, after_step: Callable[[bool], None] = lambda decode: None) -> list[float]:
+    """Step `engine` until its requests end: each decode step's wall time (seconds, the device synced);
+    `after_step(decode)` runs after every step, told whether it was a decode step."""
     steps = []
     while engine.has_unfinished_requests():
         decode = decoding(engine)
@@ -46,4 +53,5 @@ def decode_step_ms(engine: LLMEngine, batch: int) -> float:
         sync(engine)
         if decode:
             steps.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(steps)
+        after_step(decode)
+    return steps

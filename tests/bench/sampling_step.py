@@ -24,7 +24,7 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from tests.bench.engine_steps import PROMPT, decoding, sync, tokens
+from tests.bench.engine_steps import PROMPT, decode_steps, tokens
 from tests.bench.gpu_engine_vs_hf import make_model, shape_arg
 
 SETTINGS = {
@@ -54,18 +54,14 @@ def _round(engine: LLMEngine, batch: int, steps: int, setting: dict, seed: int, 
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, **setting)
     for i in range(batch):
         engine.add_request(f"s{time.monotonic_ns()}-{i}", tokens(engine, PROMPT, seed * 1000 + i), params)
-    step_s = []
-    while engine.has_unfinished_requests():
-        decode = decoding(engine)
-        before = len(spent)
-        start = time.perf_counter()
-        engine.step()
-        sync(engine)
-        if decode:
-            step_s.append(time.perf_counter() - start)
-        elif len(spent) > before:
-            del spent[before:]
-    return step_s
+    mark = len(spent)
+
+    def keep_decode_draws(decode: bool) -> None:  # a prompt step's draws (its first tokens) are not a decode's
+        nonlocal mark
+        if not decode:
+            del spent[mark:]
+        mark = len(spent)
+    return decode_steps(engine, keep_decode_draws)
 
 
 def main() -> None:
