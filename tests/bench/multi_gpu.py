@@ -191,16 +191,15 @@ def step_summary(records: list[list[float]], start: float, end: float) -> dict |
 def pool_note(args: argparse.Namespace, block_size: int = EngineConfig.block_size) -> str | None:
     """A line when a worker's KV pool holds fewer requests of the mean size than --max-num-seqs admits: past that
     many rows in flight (an overloaded point, or slow steps that keep rows longer) a decode worker leaves handoffs
-    queued and preempts rows, which recompute their prompts on the decode GPU (1P1D+q at 80 req/s on 2 H200s
-    collapsed so with 8192 blocks: TPOT 20 ms)."""
+    queued (its KV growth reserve; before it, it preempted rows, which recomputed their prompts on the decode GPU:
+    1P1D+q at 80 req/s on 2 H200s collapsed so with 8192 blocks, TPOT 20 ms)."""
     tokens = LengthDist.parse(args.input_len).mean + args.output_len
     holds = int(args.kv_blocks * block_size // tokens)
     rows = args.max_num_seqs or default_max_num_seqs("cuda")  # 0: the workers' default on a GPU
     if holds >= rows:
         return None
     return (f"# note: --kv-blocks {args.kv_blocks} hold about {holds} requests of {tokens:g} tokens, fewer than "
-            f"the {rows} rows a worker admits (--max-num-seqs): past {holds} rows a decode worker queues handoffs "
-            "and preempts")
+            f"the {rows} rows a worker admits (--max-num-seqs): past {holds} rows a decode worker queues handoffs")
 
 
 def step_records(layout: Layout, chunk: int | None, args: argparse.Namespace) -> list[list[list[float]]]:

@@ -72,7 +72,7 @@ def test_a_pool_smaller_than_the_batch_limit_is_said_before_the_run():
     args = argparse.Namespace(input_len="uniform:512:2048", output_len=128, kv_blocks=8192, max_num_seqs=128)
     assert pool_note(args, block_size=16) == (
         "# note: --kv-blocks 8192 hold about 93 requests of 1408 tokens, fewer than the 128 rows a worker admits "
-        "(--max-num-seqs): past 93 rows a decode worker queues handoffs and preempts")
+        "(--max-num-seqs): past 93 rows a decode worker queues handoffs")
     assert pool_note(argparse.Namespace(**{**vars(args), "kv_blocks": 16384}), block_size=16) is None
     assert pool_note(argparse.Namespace(**{**vars(args), "max_num_seqs": 64}), block_size=16) is None
     assert "the 128 rows" in pool_note(argparse.Namespace(**{**vars(args), "max_num_seqs": 0}), block_size=16)
