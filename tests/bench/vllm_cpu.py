@@ -1,7 +1,8 @@
 """vLLM's CPU server and `disagg up`, one after the other, on the same workload and the same client, with ratios.
 
     python -m tests.bench.vllm_cpu [--vllm-python /opt/vllm-cpu/bin/python] [--dtype bfloat16] [--rounds 2]
-        [--concurrency 1,8] [--num-prompts 16,32] [--ours-args "" --ours-args "--prefill 1"] [--json out.json]
+        [--concurrency 1,8] [--num-prompts 16,32] [--ours-args "" --ours-args "--prefill 1"] [--temperature 1]
+        [--json out.json]
 
 The workload is issue #35's: completions, streaming, 128 prompt tokens (random ids, the same for both servers: one
 seed) and 64 output tokens with ignore_eos, at each --concurrency, through `disagg bench --api openai` (it lists
@@ -112,12 +113,13 @@ def servers(args: argparse.Namespace, model: Path) -> list[Server]:
     return [vllm, *ours]
 
 
-def bench(server: Server, concurrency: int, prompts: int, out: Path) -> dict:
+def bench(server: Server, concurrency: int, prompts: int, out: Path, temperature: float = 0.0) -> dict:
     result = out / f"{server.name.replace(' ', '_')}-c{concurrency}.json"
     subprocess.run([sys.executable, "-m", "services", "bench", "--api", "openai", "--http", server.url,
                     "--num-prompts", str(prompts), "--input-len", "fixed:128", "--output-len", "fixed:64",
                     "--max-concurrency", str(concurrency), "--warmup", "2", "--seed", "35", "--no-progress",
-                    "--json", str(result)], cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=900)
+                    "--temperature", str(temperature), "--json", str(result)],
+                   cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=900)
     summary = json.loads(result.read_text())["summary"]
     return {"completed": summary["completed"], "failed": summary["failed"], "load_1min": os.getloadavg()[0],
             "output_tok_s": summary["output_throughput"], "ttft_mean_ms": summary["ttft"]["mean"],
@@ -155,6 +157,8 @@ def main() -> int:
     p.add_argument("--num-prompts", default="16,32", help="requests at each --concurrency (one value: all)")
     p.add_argument("--ours-args", action="append", default=None,
                    help="`disagg up` flags beside the defaults, e.g. '--prefill 1'; repeat it to compare layouts")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy, issue #35's workload; 1: the OpenAI default)")
     p.add_argument("--port", type=int, default=8100, help="vLLM's HTTP port; ours takes the next one")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)
@@ -176,7 +180,7 @@ def main() -> int:
                 try:
                     ready[server.name].append(server.start(Path(tmp), args.start_timeout))
                     for c, n in zip(concurrencies, counts):
-                        results[server.name][str(c)].append(bench(server, c, n, Path(tmp)))
+                        results[server.name][str(c)].append(bench(server, c, n, Path(tmp), args.temperature))
                         print(f"round {round_}: {server.name} c={c}: {results[server.name][str(c)][-1]}", flush=True)
                 finally:
                     server.stop()
