@@ -62,6 +62,8 @@ class Scheduler:
         """Take a request out of the queues (finished or aborted); the caller frees its blocks."""
         if request in self.running:
             self.running.remove(request)
+            if not self.running:  # an idle engine steps no more: nothing grows, an import takes what is free
+                self.block_manager.growth_reserved = 0
         elif request in self.waiting:
             self.waiting.remove(request)
 

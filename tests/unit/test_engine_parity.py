@@ -125,6 +125,18 @@ def test_the_growth_reserve_queues_a_newcomer_instead_of_preempting(tiny_llama):
     assert engine.block_manager.num_free_blocks == 10
 
 
+def test_an_idle_engine_keeps_no_growth_reserve(tiny_llama):
+    """The reserve the last step published goes with the last running request (an abort here, mid-generation):
+    idle, the engine steps no more, and an import (the KV data plane's reserve) takes the whole pool at once."""
+    engine = _engine(tiny_llama, num_kv_blocks=64, enable_prefix_caching=False)
+    engine.add_request("r", _prompts([10], seed=5)[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.growth_reserved > 0 and engine.block_manager.reserve(64) is None
+    assert engine.abort_request("r")
+    assert engine.block_manager.growth_reserved == 0 and len(engine.block_manager.reserve(64)) == 64
+
+
 def test_chunked_prefill_splits_a_long_prompt_and_matches_hf(tiny_llama):
     engine = _engine(tiny_llama, max_num_batched_tokens=8)
     long_prompt, short_prompt = _prompts([45, 5], seed=5)

@@ -92,21 +92,22 @@ class CudaIpcTransport(KvTransport):
 
     async def _placed(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                       mapped: MappedCache, timeout_s: float | None) -> PulledKv | None:
-        waited = time.perf_counter()
-        room_wait_s = ROOM_WAIT_S if timeout_s is None else min(ROOM_WAIT_S, timeout_s)
-        reserved = await direct.reserve_with_room(puller.blocks, ref, room_wait_s)
-        start, sent = time.perf_counter(), []
-        trace.get_current_span().set_attribute("disagg.kv_pull.room_wait_s", start - waited)
-        if reserved is None:  # still no room: the pull goes on another way (into memory beside the pool)
-            log.warning("KV session %s: no room in the KV pool for %d blocks after %.1f s; pulling beside it",
-                        ref.session_id, direct.blocks_for(ref), start - waited)
-            return None
+        sent = []
 
         def copied() -> None:
             sent.append(puller.releases.later(ref))
         if mapped.copier is None:
             mapped.copier = BlockCopier(mapped.tensor, puller.blocks.cache)
         layout = layout_of(ref)
+        waited = time.perf_counter()
+        room_wait_s = ROOM_WAIT_S if timeout_s is None else min(ROOM_WAIT_S, timeout_s)
+        reserved = await direct.reserve_with_room(puller.blocks, ref, room_wait_s)  # (import_placed owns them)
+        start = time.perf_counter()
+        trace.get_current_span().set_attribute("disagg.kv_pull.room_wait_s", start - waited)
+        if reserved is None:  # still no room: the pull goes on another way (into memory beside the pool)
+            log.warning("KV session %s: no room in the KV pool for %d blocks after %.1f s; pulling beside it",
+                        ref.session_id, direct.blocks_for(ref), start - waited)
+            return None
         try:
             placed = await direct.import_placed(mapped.copier, mapped.epochs, ref, layout, puller.blocks, copied,
                                                 timeout_s, reserved)
