@@ -223,7 +223,8 @@ def bench_point(routers: list[ServiceProcess], rate: float, num_prompts: int, ar
                "--output-len", f"fixed:{args.output_len}",
                "--request-rate", str(rate), "--warmup", "4", "--token-range", "1000", "120000", "--seed", "7",
                "--goodput-ttft-ms", str(args.slo_ttft_p90_ms), "--goodput-tpot-ms", str(args.slo_itl_p99_ms),
-               "--no-progress", "--json", str(result), "--clients", str(args.bench_clients)]
+               "--no-progress", "--json", str(result), "--clients", str(args.bench_clients),
+               "--temperature", str(args.temperature)]
     subprocess.run(command, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=300)
     point = json.loads(result.read_text())
     summary = {**point["summary"], "itl_split": itl_split(point["requests"])}
@@ -492,6 +493,8 @@ def main() -> int:
                              "high rates, so the tail weighs less in the achieved rate); 0: --num-prompts alone")
     parser.add_argument("--input-len", default="uniform:512:2048")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (0: greedy; 1: the OpenAI default, sampled on the device)")
     parser.add_argument("--slo-ttft-p90-ms", type=float, default=250.0)
     parser.add_argument("--slo-itl-p99-ms", type=float, default=15.0)
     parser.add_argument("--agg-chunks", type=lambda t: [int(x) for x in t.split(",")], default=[],
