@@ -487,7 +487,7 @@ class LLMEngine:
             kv_blocks_free=blocks.num_free_blocks, kv_usage_ratio=blocks.usage, active_sessions=num_sessions,
             expired_sessions=self.sessions.num_expired,
             session_bytes=session_blocks * self.kv_layout.block_bytes(),
-            prompt_tokens_to_compute=self.prompt_tokens_to_compute())
+            prompt_tokens_to_compute=self.prompt_tokens_to_compute(), preemptions=self.num_preemptions)
 
     def prompt_tokens_to_compute(self) -> int:
         """EngineLoad.prompt_tokens_to_compute. Read from any thread: the queues are copied first (one C call each,

@@ -95,6 +95,8 @@ class EngineLoad:
     """Prompt tokens queued or part-way that the engine's steps still have to compute (a handed-off request whose KV
     came with it has none): whether a worker is busy prefilling, which `waiting` does not say on a decode worker,
     whose waiting requests are mostly handoffs about to join the next step. None: the engine does not say."""
+    preemptions: int = 0
+    """Running requests preempted since the engine started (freed, recomputed later)."""
 
 
 class Engine(Protocol):

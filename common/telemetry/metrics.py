@@ -43,6 +43,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_kv_sessions_exported_total": ("counter", "KV sessions exported by prefill.", ()),
     "disagg_kv_sessions_pulled_total": ("counter", "KV sessions whose blocks were pulled from this worker.", ()),
     "disagg_kv_sessions_expired_total": ("counter", "KV sessions that reached their TTL unpulled.", ()),
+    "disagg_preemptions_total": ("counter", "Running requests preempted (KV freed, recomputed later) when the KV pool "
+                                 "ran short.", ()),
     "disagg_kv_pull_bytes_total": ("counter", "KV bytes pulled by decode from prefill workers, by transfer backend.",
                                    ("backend",)),
     "disagg_kv_pull_seconds": ("histogram", "Duration of one KV pull, by transfer backend.", ("backend",)),
@@ -79,6 +81,7 @@ class Metrics:
     registry: CollectorRegistry
     _families: dict = field(default_factory=dict)
     _expired_seen: int = 0  # the engine's cumulative expired-session count at the last observation
+    _preemptions_seen: int = 0  # and its cumulative preemptions
 
     @classmethod
     def create(cls, role: str, model: str) -> "Metrics":
@@ -104,7 +107,8 @@ class Metrics:
 
 
 def observe_engine_load(metrics: Metrics, load) -> None:
-    """Copy a worker's Load (disagg.v1.Load) into its gauges; expired sessions count up monotonically."""
+    """Copy a worker's Load (disagg.v1.Load) into its gauges; expired sessions and preemptions count up
+    monotonically."""
     metrics.get("disagg_requests_running").set(load.running_requests)
     metrics.get("disagg_requests_waiting").set(load.waiting_requests)
     metrics.get("disagg_kv_cache_usage_ratio").set(load.kv_usage_ratio)
@@ -113,3 +117,6 @@ def observe_engine_load(metrics: Metrics, load) -> None:
     if load.expired_kv_sessions > metrics._expired_seen:
         metrics.get("disagg_kv_sessions_expired_total").inc(load.expired_kv_sessions - metrics._expired_seen)
         metrics._expired_seen = load.expired_kv_sessions
+    if load.preemptions > metrics._preemptions_seen:
+        metrics.get("disagg_preemptions_total").inc(load.preemptions - metrics._preemptions_seen)
+        metrics._preemptions_seen = load.preemptions

@@ -259,4 +259,5 @@ def _load_proto(load: EngineLoad) -> worker_pb2.Load:
         active_kv_sessions=load.active_sessions, expired_kv_sessions=load.expired_sessions,
         stored_tensors=load.active_sessions, stored_tensor_bytes=load.session_bytes,  # what TensorStore holds
         prompt_tokens_to_compute=load.prompt_tokens_to_compute,  # None: absent
+        preemptions=load.preemptions,
     )

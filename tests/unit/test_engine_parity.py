@@ -100,7 +100,7 @@ def test_preemption_by_recompute_matches_hf(tiny_llama):
     engine = _engine(tiny_llama, num_kv_blocks=10, enable_prefix_caching=False, kv_growth_reserve=0)
     prompts = _prompts([10, 12, 14], seed=4)
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
-    assert engine.num_preemptions > 0
+    assert engine.num_preemptions > 0 and engine.load_snapshot().preemptions == engine.num_preemptions  # (GetLoad's)
     for prompt, got in zip(prompts, outputs):
         assert got == hf_greedy(tiny_llama, prompt, 14)[0]
     assert engine.block_manager.num_free_blocks == 10

@@ -40,19 +40,20 @@ def test_names_follow_prometheus_conventions():
     assert required <= set(METRICS)
 
 
-def test_engine_load_becomes_gauges_and_expired_sessions_count_up():
+def test_engine_load_becomes_gauges_and_expired_sessions_and_preemptions_count_up():
     metrics = Metrics.create("decode", "m")
     load = worker_pb2.Load(running_requests=3, waiting_requests=2, kv_blocks_total=10, kv_blocks_free=4,
-                           kv_usage_ratio=0.6, active_kv_sessions=1, expired_kv_sessions=2)
+                           kv_usage_ratio=0.6, active_kv_sessions=1, expired_kv_sessions=2, preemptions=3)
     observe_engine_load(metrics, load)
     observe_engine_load(metrics, load)  # the same cumulative count again adds nothing
     samples = _samples(metrics)
     assert samples["disagg_requests_running"] == 3 and samples["disagg_requests_waiting"] == 2
     assert samples["disagg_kv_cache_usage_ratio"] == pytest.approx(0.6) and samples["disagg_kv_cache_free_blocks"] == 4
-    assert samples["disagg_kv_sessions_expired_total"] == 2
-    load.expired_kv_sessions = 5
+    assert samples["disagg_kv_sessions_expired_total"] == 2 and samples["disagg_preemptions_total"] == 3
+    load.expired_kv_sessions, load.preemptions = 5, 4
     observe_engine_load(metrics, load)
     assert _samples(metrics)["disagg_kv_sessions_expired_total"] == 5
+    assert _samples(metrics)["disagg_preemptions_total"] == 4
 
 
 def test_the_endpoint_serves_the_registry_on_a_free_port():

@@ -367,7 +367,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_free", "kv_usage_ratio", "active_kv_sessions", "stored_tensors", "stored_tensor_bytes", "timestamp_unix_ms", "expired_kv_sessions", "prompt_tokens_to_compute")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_free", "kv_usage_ratio", "active_kv_sessions", "stored_tensors", "stored_tensor_bytes", "timestamp_unix_ms", "expired_kv_sessions", "prompt_tokens_to_compute", "preemptions")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,7 @@ class Load(_message.Message):
     TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_KV_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TO_COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -390,7 +391,8 @@ class Load(_message.Message):
     timestamp_unix_ms: int
     expired_kv_sessions: int
     prompt_tokens_to_compute: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_usage_ratio: _Optional[float] = ..., active_kv_sessions: _Optional[int] = ..., stored_tensors: _Optional[int] = ..., stored_tensor_bytes: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., expired_kv_sessions: _Optional[int] = ..., prompt_tokens_to_compute: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_usage_ratio: _Optional[float] = ..., active_kv_sessions: _Optional[int] = ..., stored_tensors: _Optional[int] = ..., stored_tensor_bytes: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., expired_kv_sessions: _Optional[int] = ..., prompt_tokens_to_compute: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ()
