@@ -8,7 +8,8 @@ Saves a random bf16 model of --shape (with DIR's tokenizer files; --load-format 
 workers make the weights on their GPUs, e.g. `--shape llama-3.1-8b --load-format dummy`), then for each layout
 starts its workers, each on the GPUs it is given (`--device cuda:N`; a TP worker on N..N+tp-1) and a router over
 them, and runs `disagg bench` at each Poisson --rates point (the same seed and prompts for every layout) until
-the layout saturates (it completes under 75 % of the offered rate (a short run's rate counts its tail), fails a request, or its TTFT p90 passes 4× the SLO's). Layouts:
+the layout saturates (it completes under 75 % of the offered rate (a short run's rate counts its tail), fails a
+request, or its TTFT p90 passes 4× the SLO's). Layouts:
 - `Kxagg`: K aggregated workers, one a GPU (the router with no prefill worker); with --agg-chunks, one run per
   chunked-prefill size (a step's token budget: --max-num-batched-tokens and --long-prefill-token-threshold), so
   the peer is the best aggregated setup, not the default,
@@ -357,7 +358,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             if s["errors"]:
                 point["errors"] = s["errors"][:5]
                 for w in workers:
-                    print(f"# {w.name} {w.args[-8:]}: last lines\n" + "".join(w.log().splitlines(True)[-25:]), flush=True)
+                    tail = "".join(w.log().splitlines(True)[-25:])
+                    print(f"# {w.name} {w.args[-8:]}: last lines\n" + tail, flush=True)
             results.append(point)
             print(json.dumps(point), flush=True)
             write(results, args)
@@ -401,7 +403,8 @@ def comparison(results: list[dict], args: argparse.Namespace) -> list[str]:
     for label in best:
         if label in aggregated:
             continue
-        rate = f"{best[label]:g} against {best[peer]:g}" + (f" ({best[label] / best[peer]:.2f}×)" if best[peer] else "")
+        ratio = f" ({best[label] / best[peer]:.2f}×)" if best[peer] else ""
+        rate = f"{best[label]:g} against {best[peer]:g}" + ratio
         shared = [(r, peer_points[r["rate"]]) for r in results
                   if r["label"] == label and r["rate"] in peer_points and not saturated(r, args)]
         if not shared:

@@ -443,7 +443,8 @@ def _equal_sessions(got: dict, want: dict) -> None:
         assert torch.equal(got[rid][1], kv), rid
 
 
-PREFILL = {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16}  # chunks: prompts span steps and share them
+# chunks: prompts span steps and share them
+PREFILL = {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16}
 
 
 def test_prompt_steps_launched_ahead_make_the_synchronous_sessions(make_engine, tiny_llama):
