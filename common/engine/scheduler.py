@@ -113,27 +113,25 @@ class Scheduler:
 
     def growth_blocks(self, request: Request) -> int:
         """Blocks `request` lacks to hold its tokens and `growth_reserve` more (at most its max_total_tokens; a
-        context_only prompt grows no further: its first token's KV is the decode worker's)."""
-        grows = request.request_type is not RequestType.CONTEXT_ONLY
-        target = min(request.max_total_tokens, request.num_tokens + self.growth_reserve * grows)
-        return max(self.block_manager.blocks_needed(target) - len(request.block_table), 0)
+        context_only prompt grows no further: its first token's KV is the decode worker's). Attribute reads and
+        integer arithmetic only: publish_growth sums it over every running row once a step."""
+        tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        if request.request_type is not RequestType.CONTEXT_ONLY:
+            tokens += self.growth_reserve
+        target = min(request.max_total_tokens, tokens)
+        return max(-(-target // self.block_manager.block_size) - len(request.block_table), 0)
 
     def publish_growth(self) -> int:
-        """The running requests' growth_blocks, summed, where the KV data plane's reservations see it
-        (BlockManager.growth_reserved): an import waits rather than take them. Once a step, on the engine thread
-        (growth_blocks written out: ~0.3 µs a row, not 0.6)."""
-        held, reserve, size = 0, self.growth_reserve, self.block_manager.block_size
-        if reserve:
-            context_only = RequestType.CONTEXT_ONLY
-            for r in self.running:
-                tokens = len(r.prompt_token_ids) + len(r.output_token_ids)
-                target = min(r.max_total_tokens, tokens if r.request_type is context_only else tokens + reserve)
-                held += max(-(-target // size) - len(r.block_table), 0)
+        """The running requests' growth_blocks, summed, where admission and the KV data plane's reservations read it
+        (BlockManager.growth_reserved): a newcomer or an import waits rather than take them. The engine publishes it
+        once a step, before it schedules; within the step it stays true or errs high (a row allocated a block needs
+        one less; a preempted row frees more than it held back)."""
+        held = sum(map(self.growth_blocks, self.running)) if self.growth_reserve else 0
         self.block_manager.growth_reserved = held
         return held
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None = None) -> int:
-        held = self.publish_growth()
+        held = self.block_manager.growth_reserved  # (publish_growth, at the step's start)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if only is not None and not only(request):
