@@ -441,13 +441,14 @@ class ModelRunner:
         grammar rows masked first (or, not `grammars_current`, left for sample_masked, greedy rows only). Otherwise
         the sampler runs now (it reads the tokens on the host). `pending`: the leading rows whose token from the step
         before is not booked yet (a step launched ahead): each draws one output position further."""
-        draws = [len(r.output_token_ids) + (i < pending) for i, r in enumerate(sampled)]
+        def draws() -> list[int]:  # each row's output position (seeded draws), for the steps that sample
+            return [len(r.output_token_ids) + (i < pending) for i, r in enumerate(sampled)]
         grammar = any(r.grammar is not None for r in sampled)
         greedy = all(r.sampling.greedy for r in sampled)
         want = [i for i, r in enumerate(sampled) if r.sampling.logprobs]
         if not all(_drawn_on_device(r, self.ranks is None) for r in sampled) or (grammar and (want or not greedy)):
             # (a grammar masks the logits in place: logprobs, of the raw ones, are the sampler's to copy first)
-            return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled, draws))
+            return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled, draws()))
         launch = StepLaunch(scheduled, sampled)
         if grammar:
             if not grammars_current:
@@ -456,7 +457,7 @@ class ModelRunner:
             self.sampler.masks.apply(logits, [r.grammar for r in sampled])
             argmax = None  # (a graph's is of the unmasked logits)
         if not greedy:
-            tokens = self.sampler.draw(logits, sampled, draws)
+            tokens = self.sampler.draw(logits, sampled, draws())
         else:
             tokens = argmax if argmax is not None else logits.argmax(dim=-1)
         if want:

@@ -131,5 +131,7 @@ def test_a_seeded_draw_depends_on_the_output_position_and_choice_only():
     others = [Request(f"o{i}", [0], SamplingParams(temperature=0.5)) for i in range(2)]
     alone = sampler.draw(logits[:1], [seeded], [4]).item()
     assert sampler.draw(logits, [others[0], seeded, others[1]], [0, 4, 0])[1].item() == alone
-    draws = {sampler.draw(logits[:1], [seeded], [step]).item() for step in range(12)}
-    assert len(draws) > 1
+    draws = [sampler.draw(logits[:1], [seeded], [step]).item() for step in range(12)]
+    assert len(set(draws)) > 1
+    choice_1 = Request("s#1", [0], SamplingParams(temperature=1.0, seed=9), index=1)
+    assert [sampler.draw(logits[:1], [choice_1], [step]).item() for step in range(12)] != draws
