@@ -28,9 +28,13 @@ output tok/s ratios) and OUT/multi_gpu.png (SLO goodput against rate, per layout
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
 step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
 whether the p99 falls on them), `cores_busy` (the cores each role's processes and the bench client kept busy: a
-router near 1.0 is saturated, its one event loop the limit), `gc_pauses` (each role's oldest-generation collections
+router near 1.0 is saturated, its one event loop the limit; a point where a router or bench client process kept
+0.85 of a core or more says so, `apparatus_bound`, in its record and under the table: it measured them as much as
+the layout), `gc_pauses` (each role's oldest-generation collections
 and their ms) and `disagg
-bench`'s JSON, per request, in OUT/points/.
+bench`'s JSON, per request, in OUT/points/. --routers and --bench-clients default to enough processes for the
+highest rate's output tokens/s (ROUTER_TOK_S, CLIENT_TOK_S a process): at 72 req/s x 128 tokens one router would
+stream 9 216 tok/s, past what its event loop relays without delaying the tokens.
 
 --step-times: every decode worker times its engine steps (tests/bench/decode_period_site on its PYTHONPATH), and each
 point gets `decode_steps`: the step period (start to start, what a token's ITL is made of) p50 / p90 / p99, and of
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -68,6 +73,14 @@ from tests.integration.observed import scrape  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
 STEP_SITE = Path(__file__).resolve().parent / "decode_period_site"
+# What one process of the measuring side streams while it stays well inside its one event loop (README: one router
+# streams about 7 000 tokens/s with a Decode stream per request and 11 000 with shared streams at a whole core; one
+# bench client times about 10 000). --routers 0 / --bench-clients 0 start enough of each for the highest rate.
+ROUTER_TOK_S = 5000
+CLIENT_TOK_S = 6000
+# A router or bench client process this busy (cores) measures itself: its loop delays every token it relays or
+# times, which lands in TTFT's `other` and in the gaps.
+APPARATUS_BUSY = 0.85
 _LAYOUT = re.compile(r"^(?:(?P<agg>\d+)xagg|(?:tp(?P<tp>\d+)-)?(?P<p>\d+)P(?P<d>\d+)D)(?P<queue>\+q)?$")
 
 
@@ -106,7 +119,8 @@ def engine_args(model: Path, args: argparse.Namespace) -> tuple[str, ...]:
     return ("--model", str(model), "--dtype", "bfloat16", "--num-kv-blocks", str(args.kv_blocks),
             "--max-model-len", str(args.max_model_len), "--no-prefix-caching", "--session-ttl", "120",
             "--load-format", args.load_format,
-            *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()))
+            *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()),
+            *(("--kv-growth-reserve", str(args.kv_growth_reserve)) if args.kv_growth_reserve is not None else ()))
 
 
 def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: int | None,
@@ -278,6 +292,27 @@ def role_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
     return totals
 
 
+def replicas(rates: list[float], output_len: int, tok_s: float) -> int:
+    """Processes of the measuring side (routers or bench clients) for the highest rate's output tokens/s."""
+    return max(1, math.ceil(max(rates) * output_len / tok_s))
+
+
+def process_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
+    """name → CPU seconds so far, per router process."""
+    return {p.name: cpu_seconds(p.popen.pid) for p in processes if p.role == "router"}
+
+
+def apparatus_bound(router_before: dict[str, float], router_after: dict[str, float], bench_cores: float,
+                    clients: int, seconds: float) -> list[str]:
+    """The measuring processes that kept APPARATUS_BUSY of a core or more during a point (the bench clients' share
+    each): the point measured them as much as the layout."""
+    busy = [f"{name} {(router_after[name] - router_before.get(name, 0.0)) / seconds:.2f} cores"
+            for name in router_after if (router_after[name] - router_before.get(name, 0.0)) / seconds >= APPARATUS_BUSY]
+    if bench_cores / clients >= APPARATUS_BUSY:
+        busy.append(f"bench client{'s' if clients > 1 else ''} {bench_cores / clients:.2f} cores each")
+    return busy
+
+
 def cores_busy(after: dict[str, float], before: dict[str, float], seconds: float) -> dict[str, float]:
     """role → cores its processes kept busy during one point (a router near 1.0 is the point's bottleneck: one
     event loop)."""
@@ -338,11 +373,13 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(routers)
             paused = gc_pauses([*workers, *routers])
-            cpu_before = role_cpu([*workers, *routers])
+            cpu_before, routers_before = role_cpu([*workers, *routers]), process_cpu(routers)
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
             windows.append((started_at, time.perf_counter()))
-            busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, windows[-1][1] - started_at)
+            seconds = windows[-1][1] - started_at
+            busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, seconds)
+            bound = apparatus_bound(routers_before, process_cpu(routers), busy["bench"], args.bench_clients, seconds)
             routed_after = decisions(routers)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "decode_streams": streams, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
@@ -355,6 +392,10 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
                      "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy}
             point["meets_slo"] = meets(point, args)
+            if bound:
+                point["apparatus_bound"] = bound
+                print(f"# {label} {rate:g} req/s: measured through a saturated {', '.join(bound)}: "
+                      "rerun with more --routers / --bench-clients", flush=True)
             if s["errors"]:
                 point["errors"] = s["errors"][:5]
                 for w in workers:
@@ -449,6 +490,11 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         lines.append(f"| {r['label']} | {r['rate']:g} | {r['achieved_req_s']} | {r['output_tok_s']} | "
                      f"{r['ttft_mean_ms']} / {r['ttft_p90_ms']} | {r['tpot_mean_ms']} | {r['itl_p99_ms']} | "
                      f"{r['goodput_req_s']} | {'yes' if r['meets_slo'] else 'no'} | {r['kv_pull_mean_ms'] or '-'} |")
+    bound = [f"{r['label']} at {r['rate']:g} ({', '.join(r['apparatus_bound'])})"
+             for r in results if r.get("apparatus_bound")]
+    if bound:
+        lines += ["", "Measured through a saturated router or bench client (its one event loop delays what it relays "
+                  "or times; more --routers / --bench-clients): " + "; ".join(bound) + "."]
     lines += ["", "Highest rate that meets the SLO: " + ", ".join(f"{k} {v:g}" for k, v in best_rates(results).items())]
     return "\n".join(lines + comparison(results, args))
 
@@ -512,11 +558,13 @@ def main() -> int:
                         help="+q layouts: the decode workers' step budget (--max-num-batched-tokens), so a prompt "
                              "they prefill themselves runs in chunks of at most this size beside their decode rows "
                              "(0: their default)")
-    parser.add_argument("--routers", type=int, default=1,
+    parser.add_argument("--routers", type=int, default=0,
                         help="router replicas over the same workers; the bench client sends request i to router i "
-                             "mod N (one router's event loop streams about 7 000 tokens/s: see cores_busy)")
-    parser.add_argument("--bench-clients", type=int, default=1,
-                        help="disagg bench's client processes (--clients): one times about 10 000 tokens/s at most")
+                             "mod N (one router's event loop streams about 7 000 tokens/s: see cores_busy; 0: one "
+                             f"per {ROUTER_TOK_S} output tokens/s of the highest rate)")
+    parser.add_argument("--bench-clients", type=int, default=0,
+                        help="disagg bench's client processes (--clients): one times about 10 000 tokens/s at most "
+                             f"(0: one per {CLIENT_TOK_S} output tokens/s of the highest rate)")
     parser.add_argument("--decode-streams", type=lambda t: t.split(","), default=["shared"],
                         help="the routers' --decode-streams, comma-separated: each layout runs with each "
                              "(shared,per-request compares the shared DecodeMany stream with a stream per request)")
@@ -527,6 +575,9 @@ def main() -> int:
                         help="each worker's pool (--num-kv-blocks); the run says when it holds fewer requests than a "
                              "worker admits")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-growth-reserve", type=int, default=None,
+                        help="every worker's --kv-growth-reserve in tokens (default: theirs, 256; 0: admit while "
+                             "blocks last)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
     parser.add_argument("--step-times", action="store_true",
                         help="time every decode engine step and summarise each point's step periods (see above)")
@@ -542,6 +593,17 @@ def main() -> int:
     for layout in args.layouts:
         if layout.gpus > gpus:
             parser.error(f"layout {layout.name} needs {layout.gpus} GPUs; {gpus} visible")
+    chosen = []
+    if args.routers <= 0:
+        args.routers = replicas(args.rates, args.output_len, ROUTER_TOK_S)
+        chosen.append(f"{args.routers} router{'s' if args.routers > 1 else ''}")
+    if args.bench_clients <= 0:
+        args.bench_clients = replicas(args.rates, args.output_len, CLIENT_TOK_S)
+        chosen.append(f"{args.bench_clients} bench client{'s' if args.bench_clients > 1 else ''}")
+    if chosen:
+        print(f"# {' and '.join(chosen)} for up to {max(args.rates):g} req/s x {args.output_len} output tokens "
+              f"({max(args.rates) * args.output_len:,.0f} tok/s): one router's event loop streams about "
+              f"{ROUTER_TOK_S} tok/s well inside a core", flush=True)
     if note := pool_note(args):
         print(note, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

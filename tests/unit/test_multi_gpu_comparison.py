@@ -3,7 +3,8 @@ aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only
 saturation."""
 import argparse
 
-from tests.bench.multi_gpu import comparison, pool_note, saturated, step_summary
+from tests.bench.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, pool_note, replicas,
+                                  saturated, step_summary, table)
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
 
@@ -76,3 +77,26 @@ def test_a_pool_smaller_than_the_batch_limit_is_said_before_the_run():
     assert pool_note(argparse.Namespace(**{**vars(args), "kv_blocks": 16384}), block_size=16) is None
     assert pool_note(argparse.Namespace(**{**vars(args), "max_num_seqs": 64}), block_size=16) is None
     assert "the 128 rows" in pool_note(argparse.Namespace(**{**vars(args), "max_num_seqs": 0}), block_size=16)
+
+
+def test_the_measuring_side_scales_with_the_highest_rate():
+    # 72 req/s x 128 tokens: 9 216 tok/s, past what one router streams well inside its core
+    assert replicas([56, 64, 72], 128, ROUTER_TOK_S) == 2
+    assert replicas([8, 16], 128, ROUTER_TOK_S) == 1
+    assert replicas([144, 176], 128, CLIENT_TOK_S) == 4
+
+
+def test_a_point_says_which_router_or_client_it_measured_through():
+    before = {"router-0": 10.0, "router-1": 10.0}
+    after = {"router-0": 19.0, "router-1": 14.0}  # 0.9 and 0.4 of a core over 10 s
+    assert apparatus_bound(before, after, bench_cores=1.0, clients=2, seconds=10.0) == ["router-0 0.90 cores"]
+    assert apparatus_bound(before, after, bench_cores=1.8, clients=2, seconds=10.0) == [
+        "router-0 0.90 cores", "bench clients 0.90 cores each"]
+    assert apparatus_bound(before, {"router-0": 12.0}, bench_cores=0.5, clients=1, seconds=10.0) == []
+    # the table says so beside the verdicts
+    rows = [dict(r, ttft_mean_ms=1.0, tpot_mean_ms=1.0, goodput_req_s=1.0, kv_pull_mean_ms=None) for r in RESULTS[:6]]
+    rows[5]["apparatus_bound"] = ["router-0 0.90 cores"]
+    text = table(rows, argparse.Namespace(**vars(ARGS), input_len="uniform:512:2048",
+                                          output_len=128, num_prompts=200, point_s=6.0))
+    assert "Measured through a saturated router or bench client" in text
+    assert "1P1D at 64 (router-0 0.90 cores)" in text
