@@ -7,8 +7,9 @@
 One engine (as `disagg up` runs a CPU worker: bf16, one torch thread) decodes `batch` sequences of 128-token prompts
 under each sampling setting in turn, round after round (the machine's load falls on all alike): greedy, the OpenAI
 default (temperature 1), the CLI's defaults (temperature 0.2, top_p 0.9) and a seeded top-k. Prints each setting's
-median decode step and, timed inside it, the sampler's draw (common/engine/sampler.py `Sampler.draw`). On a GPU
-(async scheduling on) a step launched ahead is timed from its launch: the figure is the steps' period.
+median decode step and, timed inside it, the sampler's draw (common/engine/sampler.py `Sampler.draw`; on a GPU the
+time of its kernels, between CUDA events). On a GPU (async scheduling on) a step launched ahead is timed from its
+launch: the figure is the steps' period.
 """
 from __future__ import annotations
 
@@ -35,21 +36,35 @@ SETTINGS = {
 }
 
 
-def _timed_draws(spent: list[float]):
-    """Sampler.draw, wrapped to add its wall time (the tokens synced) to `spent`."""
+def _timed_draws(spent: list):
+    """Sampler.draw, wrapped to add its time to `spent`: on the CPU its wall time; on a GPU a pair of CUDA events
+    around its kernels (read by _seconds once the round is synced), so the step launched ahead is not synced by the
+    timing and the figure is the draw's kernels, not the forward they queue behind."""
     draw = sampling.Sampler.draw
 
     def timed(self, logits, requests, draws=None):
+        if logits.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = draw(self, logits, requests, draws)
+            end.record()
+            spent.append((start, end))
+            return out
         start = time.perf_counter()
         out = draw(self, logits, requests, draws)
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
         spent.append(time.perf_counter() - start)
         return out
     return timed
 
 
-def _round(engine: LLMEngine, batch: int, steps: int, setting: dict, seed: int, spent: list[float]) -> list[float]:
+def _seconds(timed) -> float:
+    if isinstance(timed, tuple):
+        timed[1].synchronize()
+        return timed[0].elapsed_time(timed[1]) / 1000
+    return timed
+
+
+def _round(engine: LLMEngine, batch: int, steps: int, setting: dict, seed: int, spent: list) -> list[float]:
     """The decode steps of one round (seconds); `spent` keeps only the draws timed inside them."""
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, **setting)
     for i in range(batch):
@@ -84,7 +99,7 @@ def main() -> None:
             model=shape_dir if args.shape else str(default_model_dir()), dtype=args.dtype, device=args.device,
             load_format="dummy" if args.shape else "auto", num_kv_blocks=max(1024, 16 * max(args.batch)),
             enable_prefix_caching=False, max_num_seqs=max(args.batch)))
-    spent: list[float] = []
+    spent: list = []
     sampling.Sampler.draw = _timed_draws(spent)
     print(f"{args.shape or 'SmolLM2-135M-Instruct'}, {args.dtype}, {args.device}, {PROMPT}-token prompts, "
           f"{args.steps} decode steps a round, {args.rounds} rounds")
@@ -95,7 +110,7 @@ def main() -> None:
             for name, sampling_args in SETTINGS.items():
                 spent.clear()
                 steps[name] += _round(engine, batch, args.steps, sampling_args, r, spent)
-                draws[name] += spent
+                draws[name] += [_seconds(t) for t in spent]
         floor = statistics.median(steps["greedy"])
         for name in SETTINGS:
             step = statistics.median(steps[name])
