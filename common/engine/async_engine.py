@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
@@ -50,6 +51,8 @@ class AsyncLLMEngine:
         self._adding = 0  # requests on their way to the engine thread (their add command not run yet)
         self._adding_prompt_tokens = 0  # their prompt tokens to compute (none for a handoff with its KV)
         self._stopped = threading.Event()
+        # Called on the event loop with how long a step's outputs waited for it (the worker's metric), if set.
+        self.output_wait: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -213,8 +216,9 @@ class AsyncLLMEngine:
                 batches.setdefault(stream.loop, []).append((stream.queue, out))
                 if out.finished:
                     self._ended(out.request_id, stream)
+        handed = time.perf_counter()
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            loop.call_soon_threadsafe(_put_all, batch, handed, self.output_wait)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -242,6 +246,9 @@ class AsyncLLMEngine:
         self._streams.clear()
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]], handed: float,
+             waited: Callable[[float], None] | None) -> None:
+    if waited is not None:
+        waited(time.perf_counter() - handed)
     for stream_queue, out in batch:
         stream_queue.put_nowait(out)

@@ -199,6 +199,8 @@ class EngineRole:
         state.kv_path = await open_path(engine, state.role == worker_pb2.WORKER_ROLE_PREFILL,
                                         state.kv_transfer_backends, state.worker_id, state.metrics)
         state.closers.append(state.kv_path.close)
+        if hasattr(engine, "output_wait") and state.metrics is not None:  # our engine's bridge (not trtllm's)
+            engine.output_wait = state.metrics.get("disagg_engine_output_wait_seconds").observe
         state.engine = engine
         state.tensor_source = state.kv_path
 

@@ -18,23 +18,23 @@ request, or its TTFT p90 passes 4× the SLO's). Layouts:
 - a `+q` suffix (`1P1D+q`): the router's --max-prefill-queue-tokens --queue-tokens and --max-local-prefill-tokens
   --local-tokens, so a decode worker with room prefills short prompts itself while the prefill GPU is behind
   (in chunks of --local-chunk tokens beside its decode rows),
-Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, the requests / s whose own TTFT and TPOT
-are within the SLO's limits, and whether the point meets the SLO (TTFT p90 and ITL p99 within the limits); its SLO
-goodput is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its
+Each point records output tok/s, TTFT mean / p90, TPOT mean, ITL p99, the requests / s whose own TTFT and TPOT are
+within the SLO's limits, and whether the point meets the SLO (TTFT p90 and ITL p99 within the limits); its SLO goodput
+is its completed requests / s where it does, 0 where it does not, with decode's mean KV pull (its
 disagg_kv_pull_seconds) and where the router prefilled. Everything lands in OUT/multi_gpu.json as it is measured, then
 OUT/multi_gpu.md (the table, with each layout's highest rate that meets the SLO, and each split against the best
 aggregated run: the ratio of their SLO rates, and at every rate both ran below saturation their ITL p99, TTFT p90 and
 output tok/s ratios) and OUT/multi_gpu.png (SLO goodput against rate, per layout). Each point also keeps its TTFT
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
-step), `itl_split` (requests' first gaps, the handoff in a split, apart from the rest, whose long gaps decide
-whether the p99 falls on them), `cores_busy` (the cores each role's processes and the bench client kept busy: a
-router near 1.0 is saturated, its one event loop the limit; a point where a router or bench client process kept
-0.85 of a core or more says so, `apparatus_bound`, in its record and under the table: it measured them as much as
-the layout), `gc_pauses` (each role's oldest-generation collections
-and their ms) and `disagg
-bench`'s JSON, per request, in OUT/points/. --routers and --bench-clients default to enough processes for the
-highest rate's output tokens/s (ROUTER_TOK_S, CLIENT_TOK_S a process): at 72 req/s x 128 tokens one router would
-stream 9 216 tok/s, past what its event loop relays without delaying the tokens.
+step, and `other` with its two sides, router <-> worker and client <-> router), `itl_split` (requests' first gaps, the
+handoff in a split, apart from the rest, whose long gaps decide whether the p99 falls on them), `output_wait_ms` (each
+role's mean wait of a step's outputs for its worker's event loop: disagg_engine_output_wait_seconds), `cores_busy`
+(the cores each role's processes and the bench client kept busy: a router near 1.0 is saturated, its one event loop
+the limit; a point where a router or bench client process kept 0.85 of a core or more says so, `apparatus_bound`, in
+its record and under the table: it measured them as much as the layout), `gc_pauses` (each role's oldest-generation
+collections and their ms) and `disagg bench`'s JSON, per request, in OUT/points/. --routers and --bench-clients
+default to enough processes for the highest rate's output tokens/s (ROUTER_TOK_S, CLIENT_TOK_S a process): at 72 req/s
+x 128 tokens one router would stream 9 216 tok/s, past what its event loop relays without delaying the tokens.
 
 --step-times: every decode worker times its engine steps (tests/bench/decode_period_site on its PYTHONPATH), and each
 point gets `decode_steps`: the step period (start to start, what a token's ITL is made of) p50 / p90 / p99, and of
@@ -276,6 +276,28 @@ def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float
     return round(seconds / count * 1000, 3) if count else None
 
 
+def output_waits(workers: list[ServiceProcess]) -> dict[str, tuple[float, float]]:
+    """role → (seconds, count) of disagg_engine_output_wait_seconds so far, over the role's workers."""
+    totals: dict[str, tuple[float, float]] = {}
+    for worker in workers:
+        samples = scrape(worker)
+        waited = [sum(v for k, v in samples.items() if k.startswith(f"disagg_engine_output_wait_seconds_{suffix}{{"))
+                  for suffix in ("sum", "count")]
+        before = totals.get(worker.role, (0.0, 0.0))
+        totals[worker.role] = (before[0] + waited[0], before[1] + waited[1])
+    return totals
+
+
+def mean_output_wait_ms(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]) -> dict:
+    """role → mean ms a step's outputs waited for its worker's event loop during one point."""
+    out = {}
+    for role, (seconds, count) in after.items():
+        was = before.get(role, (0.0, 0.0))
+        if count > was[1]:
+            out[role] = round((seconds - was[0]) / (count - was[1]) * 1000, 3)
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     """The process's user + system CPU seconds so far (all its threads), from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -372,7 +394,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(routers)
-            paused = gc_pauses([*workers, *routers])
+            paused, waits = gc_pauses([*workers, *routers]), output_waits(workers)
             cpu_before, routers_before = role_cpu([*workers, *routers]), process_cpu(routers)
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
@@ -390,7 +412,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
-                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy}
+                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy,
+                     "output_wait_ms": mean_output_wait_ms(output_waits(workers), waits)}
             point["meets_slo"] = meets(point, args)
             if bound:
                 point["apparatus_bound"] = bound

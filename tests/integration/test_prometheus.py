@@ -124,3 +124,5 @@ def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
     assert _scalar(prometheus, 'disagg_kv_cache_free_blocks{role="decode"}') > 0
     # every process times its garbage collections (its start-up heap frozen out of them): router, prefill and decode
     assert _scalar(prometheus, 'count(disagg_gc_pause_seconds_count{generation="2"})') == 3
+    # both workers time how long their engine's outputs waited for their event loop: a step or more a request
+    assert _scalar(prometheus, 'count(disagg_engine_output_wait_seconds_count > 0)') == 2

@@ -160,7 +160,8 @@ def test_bench_prints_the_breakdown_for_grpc_and_openai_and_says_kserve_has_none
     assert len(tables) == 4, done.stdout  # one per front door
     for table in tables[1:3]:  # grpc, openai
         rows = {line[:28].strip(): line[28:].split() for line in table.splitlines() if len(line[28:].split()) == 5}
-        for name in ("router queue", "prefill queue", "prefill compute", "other (network, gRPC)", "TTFT (client)",
-                     "KV handoff", "first decode step"):
+        for name in ("router queue", "prefill queue", "prefill compute", "other (network, gRPC)",
+                     "of it router <-> worker", "of it client <-> router", "TTFT (client)", "KV handoff",
+                     "first decode step"):
             assert rows[name][0] == "4" and all(float(v) >= 0 for v in rows[name][1:]), (name, table)
     assert "KServe v2 does not carry" in tables[3]

@@ -1,6 +1,7 @@
 """The asyncio bridge: concurrent streams, abort from another coroutine, errors before the first token."""
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -99,3 +100,24 @@ def test_a_call_cancelled_before_its_turn_is_skipped_and_the_loop_lives_on(engin
 
     tokens = asyncio.run(main())
     assert ran == [] and len(tokens) == GREEDY.max_tokens
+
+
+def test_each_steps_outputs_report_how_long_they_waited_for_the_event_loop(engines):
+    # The worker's disagg_engine_output_wait_seconds: one observation a step's delivery, taken on the loop. A loop
+    # kept busy (a blocking callback) while the engine steps shows as waits at least that long.
+    async_engine, _ = engines
+    waits: list[tuple[float, int]] = []
+    async_engine.output_wait = lambda seconds: waits.append((seconds, threading.get_ident()))
+
+    async def main():
+        stream = _collect(async_engine, "w", list(range(3, 12)))
+        task = asyncio.ensure_future(stream)
+        await asyncio.sleep(0)
+        time.sleep(0.2)  # the loop busy: the engine's first outputs wait for it
+        return await task, threading.get_ident()
+
+    tokens, loop_thread = asyncio.run(main())
+    assert len(tokens) == GREEDY.max_tokens
+    assert 1 <= len(waits) <= GREEDY.max_tokens  # one a step at most (a step's outputs go in one call)
+    assert all(thread == loop_thread and seconds >= 0 for seconds, thread in waits)
+    assert max(seconds for seconds, _ in waits) >= 0.05

@@ -125,6 +125,23 @@ def test_ttft_breakdown_is_summarised_per_part_over_the_requests_it_applies_to(t
     assert data["summary"]["ttft_breakdown"]["kv_handoff_ms"]["count"] == 2
 
 
+def test_other_splits_at_the_routers_own_ttft_into_its_side_and_the_clients():
+    # client TTFT 50 ms; the router saw its first token 45 ms after the request reached it; its parts on the first
+    # token's path add to 42: 3 ms router <-> worker, 5 ms client <-> router (a busy router's loop, the network)
+    records = [_record(i, 0.0, [0.050, 0.070]) for i in range(2)]
+    for r in records:
+        r.ttft_breakdown = {"router_queue_ms": 2.0, "prefill_queue_ms": 10.0, "prefill_compute_ms": 30.0}
+        r.router_ttft_ms = 45.0
+    untimed = _record(2, 0.0, [0.020, 0.030])  # a router that reports no TTFT of its own: in `other` only
+    untimed.ttft_breakdown = {"router_queue_ms": 1.0, "prefill_queue_ms": 3.0, "prefill_compute_ms": 12.0}
+    parts = summarize([*records, untimed], 1.0, SloLimits()).ttft_breakdown
+    assert parts["other_ms"].count == 3
+    assert (parts["router_worker_ms"].count, parts["router_worker_ms"].mean) == (2, pytest.approx(3.0))
+    assert (parts["client_router_ms"].count, parts["client_router_ms"].mean) == (2, pytest.approx(5.0))
+    table = format_breakdown(summarize(records, 1.0, SloLimits()), "grpc")
+    assert "  of it router <-> worker" in table and "  of it client <-> router" in table
+
+
 def test_a_front_door_without_usage_says_there_is_no_breakdown():
     summary = summarize([_record(0, 0.0, [0.05, 0.06])], 1.0, SloLimits())
     assert summary.ttft_breakdown is None

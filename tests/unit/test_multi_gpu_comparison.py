@@ -3,8 +3,8 @@ aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only
 saturation."""
 import argparse
 
-from tests.bench.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, pool_note, replicas,
-                                  saturated, step_summary, table)
+from tests.bench.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, mean_output_wait_ms,
+                                  pool_note, replicas, saturated, step_summary, table)
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
 
@@ -100,3 +100,9 @@ def test_a_point_says_which_router_or_client_it_measured_through():
                                           output_len=128, num_prompts=200, point_s=6.0))
     assert "Measured through a saturated router or bench client" in text
     assert "1P1D at 64 (router-0 0.90 cores)" in text
+
+
+def test_a_points_output_wait_is_each_roles_mean_over_the_point():
+    before = {"prefill": (1.0, 100.0), "decode": (0.5, 1000.0)}
+    after = {"prefill": (1.3, 150.0), "decode": (0.5, 1000.0)}  # decode stepped no more: nothing to say
+    assert mean_output_wait_ms(after, before) == {"prefill": 6.0}

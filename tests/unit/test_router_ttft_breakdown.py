@@ -77,6 +77,7 @@ def test_prefill_then_decode_has_every_part_and_the_first_three_lead_to_the_firs
     assert span.attributes["disagg.ttft.mode"] == "prefill_decode"
     assert span.attributes["disagg.ttft_ms"] == pytest.approx(34.0)
     assert usage_json(usage)["ttft_breakdown"] == pytest.approx(_by_field((4.0, 3.0, 20.0, 2.0, 6.0)))
+    assert usage_json(usage)["ttft_ms"] == pytest.approx(34.0)  # the router's own, beside its parts
 
 
 def test_aggregated_has_no_kv_handoff_nor_first_decode_step(clock):

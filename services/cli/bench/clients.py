@@ -73,6 +73,7 @@ class GrpcClient:
                 else:
                     parts = response.finished.usage.ttft_breakdown.ListFields()
                     record.ttft_breakdown = {field.name: ms for field, ms in parts} or None
+                    record.router_ttft_ms = response.finished.usage.ttft_ms or None
         except grpc.aio.AioRpcError as exc:
             record.error = f"{exc.code().name}: {exc.details()}"
 
@@ -117,6 +118,7 @@ class OpenAIClient:
         if chunk.get("usage"):
             record.output_tokens = chunk["usage"]["completion_tokens"]
             record.ttft_breakdown = chunk["usage"].get("ttft_breakdown")  # ours, beside OpenAI's fields
+            record.router_ttft_ms = chunk["usage"].get("ttft_ms")
 
 
 class KServeClient:

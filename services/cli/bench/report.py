@@ -8,6 +8,7 @@ from services.cli.bench.stats import AFTER_FIRST_TOKEN_PARTS, FIRST_TOKEN_PARTS,
 
 _PART_NAMES = {"router_queue_ms": "router queue", "prefill_queue_ms": "prefill queue",
                "prefill_compute_ms": "prefill compute", "other_ms": "other (network, gRPC)",
+               "router_worker_ms": "  of it router <-> worker", "client_router_ms": "  of it client <-> router",
                "kv_handoff_ms": "KV handoff", "first_decode_step_ms": "first decode step"}
 
 
@@ -47,7 +48,8 @@ def format_breakdown(summary: Summary, api: str) -> str:
         d: Distribution = summary.ttft_breakdown[part]
         return f"{_PART_NAMES[part]:<28}{d.count:>6}{d.mean:>10.2f}{d.p50:>10.2f}{d.p90:>10.2f}{d.p99:>10.2f}"
 
-    lines += [row(part) for part in (*FIRST_TOKEN_PARTS, "other_ms")]
+    lines += [row(part) for part in (*FIRST_TOKEN_PARTS, "other_ms", "router_worker_ms", "client_router_ms")
+              if part in summary.ttft_breakdown]
     lines.append(f"{'TTFT (client)':<28}{summary.ttft.count:>6}{summary.ttft.mean:>10.2f}{summary.ttft.p50:>10.2f}"
                  f"{summary.ttft.p90:>10.2f}{summary.ttft.p99:>10.2f}")
     lines.append("after the first token (prefill -> decode; the second token waits for these):")

@@ -7,8 +7,12 @@ output token. Goodput: completed requests per second whose TTFT and TPOT are wit
 The TTFT breakdown is the router's (disagg.v1 Finished.usage.ttft_breakdown, or the OpenAI usage chunk's
 `ttft_breakdown`; KServe carries no usage): each part over the requests it applies to, and `other`, the client's
 TTFT less the three parts on the first token's path (router queue, prefill queue, prefill compute): the network and
-gRPC both ways, and the prefill worker's answer after its first token. KV handoff and the first decode step come
-after the first token (prefill → decode only): they are what the second token waits for.
+gRPC both ways, and the prefill worker's answer after its first token. Where the router reports its own TTFT
+(Usage.ttft_ms), `other` splits in two: `router_worker_ms`, inside the router's TTFT (the prompt's call to the worker
+and its answer back: the worker's path from its engine's first token to its answer, gRPC, the router's handling), and
+`client_router_ms`, outside it (the client's call reaching the router's handler, the first token relayed back: a busy
+router's event loop, the network, the client). KV handoff and the first decode step come after the first token
+(prefill → decode only): they are what the second token waits for.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class RequestRecord:
     end: float = 0.0
     error: str | None = None
     ttft_breakdown: dict[str, float] | None = None  # ms by TtftBreakdown field, as the router reported them
+    router_ttft_ms: float | None = None  # the router's own TTFT (Usage.ttft_ms): its arrival → its first delta
 
     @property
     def ok(self) -> bool:
@@ -142,4 +147,10 @@ def summarize_breakdown(done: list[RequestRecord]) -> dict[str, Distribution] | 
              for part in FIRST_TOKEN_PARTS + AFTER_FIRST_TOKEN_PARTS}
     parts["other_ms"] = Distribution.of(
         [r.ttft - sum(r.ttft_breakdown.get(part, 0.0) for part in FIRST_TOKEN_PARTS) / 1000 for r in reported])
+    timed = [r for r in reported if r.router_ttft_ms]
+    if timed:
+        parts["router_worker_ms"] = Distribution.of(
+            [(r.router_ttft_ms - sum(r.ttft_breakdown.get(part, 0.0) for part in FIRST_TOKEN_PARTS)) / 1000
+             for r in timed])
+        parts["client_router_ms"] = Distribution.of([r.ttft - r.router_ttft_ms / 1000 for r in timed])
     return parts

@@ -54,6 +54,8 @@ def usage_json(usage: Usage) -> Json:
     parts = usage.ttft_breakdown.parts()
     if parts:  # ours, not OpenAI's (clients ignore unknown fields): disagg.v1.TtftBreakdown's parts, in ms
         usage_of["ttft_breakdown"] = parts
+        if usage.ttft_ms:  # the router's own TTFT: a client tells its side of the time from the router's
+            usage_of["ttft_ms"] = usage.ttft_ms
     return usage_of
 
 
