@@ -84,6 +84,7 @@ class Metrics:
     model: str
     registry: CollectorRegistry
     _families: dict = field(default_factory=dict)
+    _children: dict = field(default_factory=dict)  # (name, *label items) → its labelled child
     _expired_seen: int = 0  # the engine's cumulative expired-session count at the last observation
     _preemptions_seen: int = 0  # and its cumulative preemptions
 
@@ -100,7 +101,13 @@ class Metrics:
         return metrics
 
     def get(self, name: str, **labels: str):
-        return self._families[name].labels(model=self.model, role=self.role, **labels)
+        # The labelled child, looked up once: prometheus_client's labels() checks and joins the label values on
+        # every call, and the router asks for some per token.
+        key = (name, *labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._families[name].labels(model=self.model, role=self.role, **labels)
+        return child
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP on host:port (0 picks a free port); returns the port."""
