@@ -384,6 +384,15 @@ def test_up_summary_names_the_model_directory_each_workers_gpus_and_the_memory_s
     assert "  decode-1   127.0.0.1:5003  (gRPC: Worker, Prefiller/Decoder, TensorStore)  on cuda:0\n" in text
     assert ("GPUs shared by several workers (2 on cuda:0): --gpu-memory-utilization 0.9 is divided by the workers on "
             "each GPU: prefill-0 0.45, decode-0 0.9, decode-1 0.45\n") in text
+    assert "One router: its event loop relays about 7 000 output tokens/s, which 2 GPUs can outrun" in text
+
+
+@pytest.mark.parametrize("flags, visible", [(["--device", "cuda"], 1), (["--device", "cuda", "--routers", "2"], 2),
+                                            (["--device", "cpu"], 0)])
+def test_up_says_nothing_of_the_routers_ceiling_on_one_gpu_with_replicas_or_on_the_cpu(flags, visible):
+    from services.cli.banner import router_note
+
+    assert router_note(plan(parse_args(["--model", "/m", *flags]), visible_gpus=visible)) == ""
 
 
 def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
