@@ -319,8 +319,8 @@ def replicas(rates: list[float], output_len: int, tok_s: float) -> int:
     return max(1, math.ceil(max(rates) * output_len / tok_s))
 
 
-def process_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
-    """name → CPU seconds so far, per router process."""
+def routers_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
+    """Each router process's CPU seconds so far, by its name."""
     return {p.name: cpu_seconds(p.popen.pid) for p in processes if p.role == "router"}
 
 
@@ -328,8 +328,8 @@ def apparatus_bound(router_before: dict[str, float], router_after: dict[str, flo
                     clients: int, seconds: float) -> list[str]:
     """The measuring processes that kept APPARATUS_BUSY of a core or more during a point (the bench clients' share
     each): the point measured them as much as the layout."""
-    busy = [f"{name} {(router_after[name] - router_before.get(name, 0.0)) / seconds:.2f} cores"
-            for name in router_after if (router_after[name] - router_before.get(name, 0.0)) / seconds >= APPARATUS_BUSY]
+    cores = {name: (after - router_before.get(name, 0.0)) / seconds for name, after in router_after.items()}
+    busy = [f"{name} {used:.2f} cores" for name, used in cores.items() if used >= APPARATUS_BUSY]
     if bench_cores / clients >= APPARATUS_BUSY:
         busy.append(f"bench client{'s' if clients > 1 else ''} {bench_cores / clients:.2f} cores each")
     return busy
@@ -395,13 +395,13 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(routers)
             paused, waits = gc_pauses([*workers, *routers]), output_waits(workers)
-            cpu_before, routers_before = role_cpu([*workers, *routers]), process_cpu(routers)
+            cpu_before, routers_before = role_cpu([*workers, *routers]), routers_cpu(routers)
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
             windows.append((started_at, time.perf_counter()))
             seconds = windows[-1][1] - started_at
             busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, seconds)
-            bound = apparatus_bound(routers_before, process_cpu(routers), busy["bench"], args.bench_clients, seconds)
+            bound = apparatus_bound(routers_before, routers_cpu(routers), busy["bench"], args.bench_clients, seconds)
             routed_after = decisions(routers)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "decode_streams": streams, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
