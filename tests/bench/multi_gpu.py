@@ -280,9 +280,8 @@ def output_waits(workers: list[ServiceProcess]) -> dict[str, tuple[float, float]
     """role → (seconds, count) of disagg_engine_output_wait_seconds so far, over the role's workers."""
     totals: dict[str, tuple[float, float]] = {}
     for worker in workers:
-        samples = scrape(worker)
-        waited = [sum(v for k, v in samples.items() if k.startswith(f"disagg_engine_output_wait_seconds_{suffix}{{"))
-                  for suffix in ("sum", "count")]
+        samples = scrape(worker)  # (model and role are dropped: this histogram's keys carry no labels)
+        waited = [samples.get(f"disagg_engine_output_wait_seconds_{suffix}", 0.0) for suffix in ("sum", "count")]
         before = totals.get(worker.role, (0.0, 0.0))
         totals[worker.role] = (before[0] + waited[0], before[1] + waited[1])
     return totals

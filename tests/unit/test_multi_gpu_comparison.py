@@ -106,3 +106,15 @@ def test_a_points_output_wait_is_each_roles_mean_over_the_point():
     before = {"prefill": (1.0, 100.0), "decode": (0.5, 1000.0)}
     after = {"prefill": (1.3, 150.0), "decode": (0.5, 1000.0)}  # decode stepped no more: nothing to say
     assert mean_output_wait_ms(after, before) == {"prefill": 6.0}
+
+
+def test_output_waits_read_the_histogram_as_a_scrape_keys_it(monkeypatch):
+    # tests.integration.observed.scrape drops model and role: an unlabelled histogram's sum and count are bare names
+    import tests.bench.multi_gpu as multi_gpu
+
+    scraped = {"prefill": {"disagg_engine_output_wait_seconds_sum": 0.5, "disagg_engine_output_wait_seconds_count": 10.0,
+                           'disagg_engine_output_wait_seconds_bucket{le="0.001"}': 3.0},
+               "decode": {"disagg_engine_output_wait_seconds_sum": 0.25, "disagg_engine_output_wait_seconds_count": 50.0}}
+    workers = [argparse.Namespace(role=role) for role in ("prefill", "decode", "decode")]
+    monkeypatch.setattr(multi_gpu, "scrape", lambda worker: scraped[worker.role])
+    assert multi_gpu.output_waits(workers) == {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)}
