@@ -112,9 +112,9 @@ def test_output_waits_read_the_histogram_as_a_scrape_keys_it(monkeypatch):
     # tests.integration.observed.scrape drops model and role: an unlabelled histogram's sum and count are bare names
     import tests.bench.multi_gpu as multi_gpu
 
-    scraped = {"prefill": {"disagg_engine_output_wait_seconds_sum": 0.5, "disagg_engine_output_wait_seconds_count": 10.0,
-                           'disagg_engine_output_wait_seconds_bucket{le="0.001"}': 3.0},
-               "decode": {"disagg_engine_output_wait_seconds_sum": 0.25, "disagg_engine_output_wait_seconds_count": 50.0}}
+    name = "disagg_engine_output_wait_seconds"
+    scraped = {"prefill": {f"{name}_sum": 0.5, f"{name}_count": 10.0, f'{name}_bucket{{le="0.001"}}': 3.0},
+               "decode": {f"{name}_sum": 0.25, f"{name}_count": 50.0}}
     workers = [argparse.Namespace(role=role) for role in ("prefill", "decode", "decode")]
     monkeypatch.setattr(multi_gpu, "scrape", lambda worker: scraped[worker.role])
     assert multi_gpu.output_waits(workers) == {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)}
