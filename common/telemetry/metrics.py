@@ -61,6 +61,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_routing_prefill_decisions_total": ("counter", "Where the router ran a request's prefill (a prefill "
                                                "worker, or locally on the decode worker) and why.",
                                                ("where", "reason")),
+    "disagg_event_loop_lag_seconds": ("histogram", "How much later than asked the router's event loop ran a 50 ms "
+                                      "timer while requests were in flight: what its busy loop adds to every token it "
+                                      "relays and to a new request's start.", ()),
     "disagg_engine_output_wait_seconds": ("histogram", "How long a step's outputs waited for this worker's event loop "
                                           "(the engine thread handed them over → the loop took them): the loop busy, "
                                           "or the engine thread holding the GIL.", ()),
@@ -72,7 +75,7 @@ _BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_ttft
             "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
             "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,
             "disagg_encode_latency_seconds": _LATENCY_BUCKETS, "disagg_gc_pause_seconds": _PULL_BUCKETS,
-            "disagg_engine_output_wait_seconds": _PULL_BUCKETS}
+            "disagg_engine_output_wait_seconds": _PULL_BUCKETS, "disagg_event_loop_lag_seconds": _PULL_BUCKETS}
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 

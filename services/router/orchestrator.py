@@ -29,6 +29,7 @@ from services.router.disagg_decision import DisaggConfig, PrefillPlacement
 from services.router.flight import Flight
 from services.router import policies
 from services.router.handoff import Handoff, PrefillReady
+from services.router.loop_lag import LoopLagProbe
 from services.router.generation import Event, GenerationRequest, ServedModel
 from services.router.prepare import PreparedRequest, RequestPreparer
 from services.router.streaming import ResponseBuilder
@@ -61,6 +62,9 @@ class Orchestrator:
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.inflight = 0
         self.draining = False
+        # How late the loop runs while requests are in flight (a busy router delays every token it relays).
+        self._loop_lag = (LoopLagProbe(metrics.get("disagg_event_loop_lag_seconds").observe)
+                          if metrics is not None else None)
         self._running: set[Flight] = set()  # for end_inflight
 
     def stream(self, request: GenerationRequest, timeout_s: float | None = None) -> Flight:
@@ -98,6 +102,8 @@ class Orchestrator:
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        if self._loop_lag is not None:
+            await self._loop_lag.close()
 
     async def _run(self, flight: Flight) -> AsyncIterator[Event]:
         """The request's one loop: admitted, tokenised, encoded, prefilled (its first token), decoded; each decode
@@ -189,7 +195,8 @@ class Orchestrator:
         self._running.add(flight)
         self.inflight += 1
         try:
-            yield
+            with self._loop_lag.busy() if self._loop_lag is not None else contextlib.nullcontext():
+                yield
         finally:
             self.inflight -= 1
             self._running.discard(flight)

@@ -28,7 +28,8 @@ output tok/s ratios) and OUT/multi_gpu.png (SLO goodput against rate, per layout
 breakdown (the router's parts: mean and p90 of router queue, prefill queue, prefill compute, KV handoff, first decode
 step, and `other` with its two sides, router <-> worker and client <-> router), `itl_split` (requests' first gaps, the
 handoff in a split, apart from the rest, whose long gaps decide whether the p99 falls on them), `output_wait_ms` (each
-role's mean wait of a step's outputs for its worker's event loop: disagg_engine_output_wait_seconds), `cores_busy`
+role's mean wait of a step's outputs for its worker's event loop: disagg_engine_output_wait_seconds), `loop_lag_ms`
+(the routers' event-loop lag while requests were in flight: disagg_event_loop_lag_seconds), `cores_busy`
 (the cores each role's processes and the bench client kept busy: a router near 1.0 is saturated, its one event loop
 the limit; a point where a router or bench client process kept 0.85 of a core or more says so, `apparatus_bound`, in
 its record and under the table: it measured them as much as the layout), `gc_pauses` (each role's oldest-generation
@@ -276,19 +277,24 @@ def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float
     return round(seconds / count * 1000, 3) if count else None
 
 
-def output_waits(workers: list[ServiceProcess]) -> dict[str, tuple[float, float]]:
-    """role → (seconds, count) of disagg_engine_output_wait_seconds so far, over the role's workers."""
+# Unlabelled histograms of waits read per point: each role's mean over the point.
+WAITS = {"output_wait_ms": "disagg_engine_output_wait_seconds", "loop_lag_ms": "disagg_event_loop_lag_seconds"}
+
+
+def histogram_totals(processes: list[ServiceProcess], name: str) -> dict[str, tuple[float, float]]:
+    """role → (seconds, count) of the unlabelled histogram `name` so far, over the role's processes."""
     totals: dict[str, tuple[float, float]] = {}
-    for worker in workers:
-        samples = scrape(worker)  # (model and role are dropped: this histogram's keys carry no labels)
-        waited = [samples.get(f"disagg_engine_output_wait_seconds_{suffix}", 0.0) for suffix in ("sum", "count")]
-        before = totals.get(worker.role, (0.0, 0.0))
-        totals[worker.role] = (before[0] + waited[0], before[1] + waited[1])
+    for process in processes:
+        samples = scrape(process)  # (model and role are dropped: the keys carry no labels)
+        waited = [samples.get(f"{name}_{suffix}", 0.0) for suffix in ("sum", "count")]
+        if waited[1]:
+            before = totals.get(process.role, (0.0, 0.0))
+            totals[process.role] = (before[0] + waited[0], before[1] + waited[1])
     return totals
 
 
-def mean_output_wait_ms(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]) -> dict:
-    """role → mean ms a step's outputs waited for its worker's event loop during one point."""
+def mean_ms_by_role(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]]) -> dict:
+    """role → the mean ms of what a histogram observed during one point."""
     out = {}
     for role, (seconds, count) in after.items():
         was = before.get(role, (0.0, 0.0))
@@ -393,7 +399,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(routers)
-            paused, waits = gc_pauses([*workers, *routers]), output_waits(workers)
+            paused = gc_pauses([*workers, *routers])
+            waits = {key: histogram_totals([*workers, *routers], name) for key, name in WAITS.items()}
             cpu_before, routers_before = role_cpu([*workers, *routers]), routers_cpu(routers)
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
@@ -412,7 +419,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
                      "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy,
-                     "output_wait_ms": mean_output_wait_ms(output_waits(workers), waits)}
+                     **{key: mean_ms_by_role(histogram_totals([*workers, *routers], name), waits[key])
+                        for key, name in WAITS.items()}}
             point["meets_slo"] = meets(point, args)
             if bound:
                 point["apparatus_bound"] = bound

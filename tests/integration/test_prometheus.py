@@ -126,3 +126,6 @@ def test_prometheus_reads_ttft_and_kv_pull_bytes(services, prometheus):
     assert _scalar(prometheus, 'count(disagg_gc_pause_seconds_count{generation="2"})') == 3
     # both workers time how long their engine's outputs waited for their event loop: a step or more a request
     assert _scalar(prometheus, 'count(disagg_engine_output_wait_seconds_count > 0)') == 2
+    # the router timed its event loop while the requests were in flight
+    wait_for(lambda: (_scalar(prometheus, 'disagg_event_loop_lag_seconds_count{role="router"}') or 0) > 0, 20,
+             "the router's event-loop lag to reach Prometheus")

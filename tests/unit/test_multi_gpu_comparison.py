@@ -3,7 +3,7 @@ aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only
 saturation."""
 import argparse
 
-from tests.bench.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, mean_output_wait_ms,
+from tests.bench.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, mean_ms_by_role,
                                   pool_note, replicas, saturated, step_summary, table)
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
@@ -105,16 +105,18 @@ def test_a_point_says_which_router_or_client_it_measured_through():
 def test_a_points_output_wait_is_each_roles_mean_over_the_point():
     before = {"prefill": (1.0, 100.0), "decode": (0.5, 1000.0)}
     after = {"prefill": (1.3, 150.0), "decode": (0.5, 1000.0)}  # decode stepped no more: nothing to say
-    assert mean_output_wait_ms(after, before) == {"prefill": 6.0}
+    assert mean_ms_by_role(after, before) == {"prefill": 6.0}
 
 
-def test_output_waits_read_the_histogram_as_a_scrape_keys_it(monkeypatch):
+def test_a_points_waits_read_each_histogram_as_a_scrape_keys_it(monkeypatch):
     # tests.integration.observed.scrape drops model and role: an unlabelled histogram's sum and count are bare names
     import tests.bench.multi_gpu as multi_gpu
 
     name = "disagg_engine_output_wait_seconds"
     scraped = {"prefill": {f"{name}_sum": 0.5, f"{name}_count": 10.0, f'{name}_bucket{{le="0.001"}}': 3.0},
                "decode": {f"{name}_sum": 0.25, f"{name}_count": 50.0}}
-    workers = [argparse.Namespace(role=role) for role in ("prefill", "decode", "decode")]
-    monkeypatch.setattr(multi_gpu, "scrape", lambda worker: scraped[worker.role])
-    assert multi_gpu.output_waits(workers) == {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)}
+    scraped["router"] = {"disagg_event_loop_lag_seconds_sum": 0.2, "disagg_event_loop_lag_seconds_count": 40.0}
+    processes = [argparse.Namespace(role=role) for role in ("prefill", "decode", "decode", "router")]
+    monkeypatch.setattr(multi_gpu, "scrape", lambda process: scraped[process.role])
+    assert multi_gpu.histogram_totals(processes, name) == {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)}
+    assert multi_gpu.histogram_totals(processes, multi_gpu.WAITS["loop_lag_ms"]) == {"router": (0.2, 40.0)}
