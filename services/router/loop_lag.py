@@ -9,32 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 INTERVAL_S = 0.05
 
 
 class LoopLagProbe:
-    def __init__(self, observe: Callable[[float], None], interval_s: float = INTERVAL_S):
+    def __init__(self, observe: Callable[[float], None], in_flight: Callable[[], bool],
+                 interval_s: float = INTERVAL_S):
         self._observe = observe
+        self._in_flight = in_flight  # the router's own count: the probe runs while it says so
         self._interval_s = interval_s
-        self._inflight = 0
         self._task: asyncio.Task | None = None
 
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Around a request: the probe runs while any is inside."""
-        self._inflight += 1
+    def start(self) -> None:
+        """A request came in: probe from now until none is in flight (one probe for all of them)."""
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag-probe")
-        try:
-            yield
-        finally:
-            self._inflight -= 1
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._inflight > 0:
+        while self._in_flight():
             start = loop.time()
             await asyncio.sleep(self._interval_s)
             self._observe(max(loop.time() - start - self._interval_s, 0.0))

@@ -63,7 +63,7 @@ class Orchestrator:
         self.inflight = 0
         self.draining = False
         # How late the loop runs while requests are in flight (a busy router delays every token it relays).
-        self._loop_lag = (LoopLagProbe(metrics.get("disagg_event_loop_lag_seconds").observe)
+        self._loop_lag = (LoopLagProbe(metrics.get("disagg_event_loop_lag_seconds").observe, lambda: self.inflight > 0)
                           if metrics is not None else None)
         self._running: set[Flight] = set()  # for end_inflight
 
@@ -194,9 +194,10 @@ class Orchestrator:
                                     f"(--max-inflight-requests={limit}); retry later")
         self._running.add(flight)
         self.inflight += 1
+        if self._loop_lag is not None:
+            self._loop_lag.start()
         try:
-            with self._loop_lag.busy() if self._loop_lag is not None else contextlib.nullcontext():
-                yield
+            yield
         finally:
             self.inflight -= 1
             self._running.discard(flight)
