@@ -281,15 +281,16 @@ def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float
 WAITS = {"output_wait_ms": "disagg_engine_output_wait_seconds", "loop_lag_ms": "disagg_event_loop_lag_seconds"}
 
 
-def histogram_totals(processes: list[ServiceProcess], name: str) -> dict[str, tuple[float, float]]:
-    """role → (seconds, count) of the unlabelled histogram `name` so far, over the role's processes."""
-    totals: dict[str, tuple[float, float]] = {}
+def wait_totals(processes: list[ServiceProcess]) -> dict[str, dict[str, tuple[float, float]]]:
+    """WAITS key → role → (seconds, count) of its histogram so far, over the role's processes: one scrape each."""
+    totals: dict[str, dict[str, tuple[float, float]]] = {key: {} for key in WAITS}
     for process in processes:
         samples = scrape(process)  # (model and role are dropped: the keys carry no labels)
-        waited = [samples.get(f"{name}_{suffix}", 0.0) for suffix in ("sum", "count")]
-        if waited[1]:
-            before = totals.get(process.role, (0.0, 0.0))
-            totals[process.role] = (before[0] + waited[0], before[1] + waited[1])
+        for key, name in WAITS.items():
+            waited = [samples.get(f"{name}_{suffix}", 0.0) for suffix in ("sum", "count")]
+            if waited[1]:
+                before = totals[key].get(process.role, (0.0, 0.0))
+                totals[key][process.role] = (before[0] + waited[0], before[1] + waited[1])
     return totals
 
 
@@ -400,7 +401,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 return
             before, routed = [pull_totals(d) for d in decoders], decisions(routers)
             paused = gc_pauses([*workers, *routers])
-            waits = {key: histogram_totals([*workers, *routers], name) for key, name in WAITS.items()}
+            waits = wait_totals([*workers, *routers])
             cpu_before, routers_before = role_cpu([*workers, *routers]), routers_cpu(routers)
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
@@ -419,8 +420,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
                      "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy,
-                     **{key: mean_ms_by_role(histogram_totals([*workers, *routers], name), waits[key])
-                        for key, name in WAITS.items()}}
+                     **{key: mean_ms_by_role(after, waits[key])
+                        for key, after in wait_totals([*workers, *routers]).items()}}
             point["meets_slo"] = meets(point, args)
             if bound:
                 point["apparatus_bound"] = bound

@@ -118,5 +118,5 @@ def test_a_points_waits_read_each_histogram_as_a_scrape_keys_it(monkeypatch):
     scraped["router"] = {"disagg_event_loop_lag_seconds_sum": 0.2, "disagg_event_loop_lag_seconds_count": 40.0}
     processes = [argparse.Namespace(role=role) for role in ("prefill", "decode", "decode", "router")]
     monkeypatch.setattr(multi_gpu, "scrape", lambda process: scraped[process.role])
-    assert multi_gpu.histogram_totals(processes, name) == {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)}
-    assert multi_gpu.histogram_totals(processes, multi_gpu.WAITS["loop_lag_ms"]) == {"router": (0.2, 40.0)}
+    assert multi_gpu.wait_totals(processes) == {"output_wait_ms": {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)},
+                                                "loop_lag_ms": {"router": (0.2, 40.0)}}
