@@ -145,12 +145,15 @@ def summarize_breakdown(done: list[RequestRecord]) -> dict[str, Distribution] | 
         return None
     parts = {part: Distribution.of([r.ttft_breakdown[part] / 1000 for r in reported if part in r.ttft_breakdown])
              for part in FIRST_TOKEN_PARTS + AFTER_FIRST_TOKEN_PARTS}
-    parts["other_ms"] = Distribution.of(
-        [r.ttft - sum(r.ttft_breakdown.get(part, 0.0) for part in FIRST_TOKEN_PARTS) / 1000 for r in reported])
+    parts["other_ms"] = Distribution.of([r.ttft - _first_token_path_ms(r) / 1000 for r in reported])
     timed = [r for r in reported if r.router_ttft_ms]
     if timed:
-        parts["router_worker_ms"] = Distribution.of(
-            [(r.router_ttft_ms - sum(r.ttft_breakdown.get(part, 0.0) for part in FIRST_TOKEN_PARTS)) / 1000
-             for r in timed])
+        parts["router_worker_ms"] = Distribution.of([(r.router_ttft_ms - _first_token_path_ms(r)) / 1000
+                                                     for r in timed])
         parts["client_router_ms"] = Distribution.of([r.ttft - r.router_ttft_ms / 1000 for r in timed])
     return parts
+
+
+def _first_token_path_ms(record: RequestRecord) -> float:
+    """The router's parts on the first token's path (FIRST_TOKEN_PARTS), summed."""
+    return sum(record.ttft_breakdown.get(part, 0.0) for part in FIRST_TOKEN_PARTS)
