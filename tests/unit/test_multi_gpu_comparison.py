@@ -83,7 +83,7 @@ def test_the_measuring_side_scales_with_the_highest_rate():
     # 72 req/s x 128 tokens: 9 216 tok/s, past what one router streams well inside its core
     assert replicas([56, 64, 72], 128, ROUTER_TOK_S) == 2
     assert replicas([8, 16], 128, ROUTER_TOK_S) == 1
-    assert replicas([144, 176], 128, CLIENT_TOK_S) == 4
+    assert replicas([144, 176], 128, CLIENT_TOK_S) == 8
 
 
 def test_a_point_says_which_router_or_client_it_measured_through():
