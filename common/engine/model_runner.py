@@ -18,7 +18,7 @@ from common.engine.config import EngineConfig, kv_cache_blocks, resolve_max_mode
 from common.cpu_cores import pin_model_thread, usable_cores
 from common.engine import cpu_attention, cpu_ops
 from common.engine.cpu_linear import pack_linears, packs
-from common.devices import bind_thread
+from common.devices import bind_thread, limit_host_threads
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
 from common.engine.quantization.kv_cache import KvCacheFormat
@@ -187,6 +187,7 @@ class ModelRunner:
         self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
         self.device = rank_device(config.device, self.tp.rank)
         bind_thread(self.device)  # the loading thread's kernels (and a graph's capture) go to this rank's GPU
+        limit_host_threads(self.device)
         if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the cores this process may use
             torch.set_num_threads(max(1, len(usable_cores()) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp, config.load_format,
