@@ -187,11 +187,11 @@ class ModelRunner:
         self.tp = self.ranks.tp if self.ranks is not None else tp or SINGLE
         self.device = rank_device(config.device, self.tp.rank)
         bind_thread(self.device)  # the loading thread's kernels (and a graph's capture) go to this rank's GPU
-        limit_host_threads(self.device)
         if self.tp.size > 1 and self.device.type == "cpu":  # the ranks share the cores this process may use
             torch.set_num_threads(max(1, len(usable_cores()) // self.tp.size))
         self.model, self.hf_config = load_model(config.model, self.dtype, self.device, self.tp, config.load_format,
                                                 config.dummy_seed, config.quantization)
+        limit_host_threads(self.device)  # after loading, which may convert weights on the host's whole pool
         if packs(self.device, self.dtype):  # bf16 GEMMs on the CPU's own instructions, weights packed once
             pack_linears(self.model)
         c = self.hf_config
