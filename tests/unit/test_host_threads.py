@@ -1,4 +1,6 @@
 """A GPU worker keeps torch's intra-op pool small (common/devices.py says why); the CPU's threads stay the model's."""
+import threading
+
 import pytest
 import torch
 
@@ -17,6 +19,11 @@ def threads(monkeypatch):
 def test_a_gpu_worker_runs_its_host_work_on_a_few_threads(threads):
     limit_host_threads("cuda:1")  # set_num_threads needs no GPU: the cap is the same on a CPU-only machine
     assert torch.get_num_threads() == GPU_HOST_THREADS
+    seen = []  # the engine's steps run in a thread started after the runner was built (AsyncLLMEngine._loop)
+    engine_thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    engine_thread.start()
+    engine_thread.join()
+    assert seen == [GPU_HOST_THREADS]
 
 
 def test_the_cpu_and_the_users_setting_are_left_alone(threads, monkeypatch):
