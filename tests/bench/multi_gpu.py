@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.engine.config import EngineConfig, default_max_num_seqs  # noqa: E402
 from services.cli.bench.workload import LengthDist  # noqa: E402
+from services.cli.bench.stats import CLIENT_LOOP_SATURATED  # noqa: E402
 from services.router.config import DECODE_STREAMS  # noqa: E402
 from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E402
 from tests.bench.disagg_sweep import pull_totals  # noqa: E402
@@ -82,7 +83,7 @@ ROUTER_TOK_S = 5000
 CLIENT_TOK_S = 3000
 # A router or bench client process this busy (cores) measures itself: its loop delays every token it relays or
 # times, which lands in TTFT's `other` and in the gaps.
-APPARATUS_BUSY = 0.85
+APPARATUS_BUSY = CLIENT_LOOP_SATURATED  # one event loop at its ceiling, a router's as a client's
 _LAYOUT = re.compile(r"^(?:(?P<agg>\d+)xagg|(?:tp(?P<tp>\d+)-)?(?P<p>\d+)P(?P<d>\d+)D)(?P<queue>\+q)?$")
 
 
@@ -331,13 +332,19 @@ def routers_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
     return {p.name: cpu_seconds(p.popen.pid) for p in processes if p.role == "router"}
 
 
-def apparatus_bound(router_before: dict[str, float], router_after: dict[str, float], bench_cores: float,
-                    clients: int, seconds: float) -> list[str]:
-    """The measuring processes that kept APPARATUS_BUSY of a core or more during a point (the bench clients' share
-    each): the point measured them as much as the layout."""
+def apparatus_bound(router_before: dict[str, float], router_after: dict[str, float], client_loops: list[float],
+                    bench_cores: float, clients: int, seconds: float) -> list[str]:
+    """The measuring processes that kept APPARATUS_BUSY of a core or more during a point: the point measured them as
+    much as the layout. A bench client by its event loop's own busy share while it sent (`disagg bench`'s
+    client_loop_busy); a bench without it, by its processes' CPU over the point (their start and the summary too)
+    shared among the clients."""
     cores = {name: (after - router_before.get(name, 0.0)) / seconds for name, after in router_after.items()}
     busy = [f"{name} {used:.2f} cores" for name, used in cores.items() if used >= APPARATUS_BUSY]
-    if bench_cores / clients >= APPARATUS_BUSY:
+    if client_loops:
+        if max(client_loops) >= APPARATUS_BUSY:
+            busy.append(f"bench client loop {max(client_loops):.2f} cores"
+                        + (f" (the busiest of {len(client_loops)})" if len(client_loops) > 1 else ""))
+    elif bench_cores / clients >= APPARATUS_BUSY:
         busy.append(f"bench client{'s' if clients > 1 else ''} {bench_cores / clients:.2f} cores each")
     return busy
 
@@ -409,7 +416,9 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             windows.append((started_at, time.perf_counter()))
             seconds = windows[-1][1] - started_at
             busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, seconds)
-            bound = apparatus_bound(routers_before, routers_cpu(routers), busy["bench"], args.bench_clients, seconds)
+            loops = s.get("client_loop_busy") or []
+            bound = apparatus_bound(routers_before, routers_cpu(routers), loops, busy["bench"], args.bench_clients,
+                                    seconds)
             routed_after = decisions(routers)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "decode_streams": streams, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
@@ -421,6 +430,7 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
                      "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy,
+                     "client_loop_busy": loops,
                      **{key: mean_ms_by_role(after, waits[key])
                         for key, after in wait_totals([*workers, *routers]).items()}}
             point["meets_slo"] = meets(point, args)

@@ -63,6 +63,9 @@ def test_bench_spread_over_client_processes_sends_the_same_workload_on_the_same_
     # Both follow one Poisson schedule (the seed's): each request is sent at the same offset, within a loop's lag.
     assert all(abs(a["sent_s"] - b["sent_s"]) < 0.15 for a, b in zip(one["requests"], two["requests"]))
     assert max(r["sent_s"] for r in one["requests"]) > 0.3  # the seed's schedule spreads the sends
+    # each sending loop's busy share: one from the single client, one from each process of the spread
+    assert len(one["summary"]["client_loop_busy"]) == 1 and len(two["summary"]["client_loop_busy"]) == 2
+    assert all(0 <= busy < 1.5 for busy in one["summary"]["client_loop_busy"] + two["summary"]["client_loop_busy"])
     assert_no_leaks(front_doors.workers)
 
 

@@ -1,14 +1,18 @@
 """`disagg bench`'s arithmetic: length distributions, arrivals, per-request timings, the summary and its files."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
+import time
 
 import numpy as np
 import pytest
 
+from services.cli.bench.clients import SendOptions
 from services.cli.bench.report import format_breakdown, format_table, write_json, write_plot
+from services.cli.bench.runner import LoadShape, run_load
 from services.cli.bench.stats import Distribution, RequestRecord, SloLimits, summarize
 from services.cli.bench.workload import LengthDist, arrival_gaps, make_requests
 
@@ -146,3 +150,37 @@ def test_a_front_door_without_usage_says_there_is_no_breakdown():
     summary = summarize([_record(0, 0.0, [0.05, 0.06])], 1.0, SloLimits())
     assert summary.ttft_breakdown is None
     assert "KServe v2 does not carry" in format_breakdown(summary, "kserve")
+
+
+class _Client:
+    """A front door's client that waits (a server's tokens) or keeps its loop busy (a client at its ceiling)."""
+
+    def __init__(self, burn_s: float):
+        self.burn_s = burn_s
+
+    async def one(self, request, options, record):
+        if self.burn_s:
+            begun = time.thread_time()
+            while time.thread_time() - begun < self.burn_s:  # CPU on the loop's thread, as timing tokens takes
+                pass
+        else:
+            await asyncio.sleep(0.05)
+        record.output_tokens = 1
+
+
+@pytest.mark.parametrize("burn_s, busy", [(0.0, False), (0.04, True)], ids=["waiting", "busy"])
+def test_the_sending_loops_busy_share_tells_a_busy_client_from_a_waiting_one(burn_s, busy):
+    requests = make_requests(4, LengthDist.parse("fixed:8"), LengthDist.parse("fixed:2"), (10, 100), seed=0)
+    sent = asyncio.run(run_load(_Client(burn_s), requests, LoadShape(), SendOptions("m", 0.0, True, 10.0, "t")))
+    assert len(sent.records) == 4 and len(sent.loop_busy) == 1
+    # CPU seconds over wall: the waiting client ~0, the busy one all of its wall unless the machine took its core
+    assert (sent.loop_busy[0] > 0.3) is busy and (sent.loop_busy[0] < 0.1) is not busy
+
+
+def test_the_table_names_a_client_loop_at_its_ceiling():
+    record = _record(0, 1.0, [1.05, 1.1])
+    calm = summarize([record], 1.0, SloLimits(None, None), [0.3, 0.5])
+    assert "Client loop busy (cores, max of 2):" in format_table(calm, "t") and "note:" not in format_table(calm, "t")
+    hot = summarize([record], 1.0, SloLimits(None, None), [0.91])
+    assert "0.91 of a core busy" in format_table(hot, "t")
+    assert hot.to_dict()["client_loop_busy"] == [0.91]

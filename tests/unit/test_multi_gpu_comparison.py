@@ -89,10 +89,15 @@ def test_the_measuring_side_scales_with_the_highest_rate():
 def test_a_point_says_which_router_or_client_it_measured_through():
     before = {"router-0": 10.0, "router-1": 10.0}
     after = {"router-0": 19.0, "router-1": 14.0}  # 0.9 and 0.4 of a core over 10 s
-    assert apparatus_bound(before, after, bench_cores=1.0, clients=2, seconds=10.0) == ["router-0 0.90 cores"]
-    assert apparatus_bound(before, after, bench_cores=1.8, clients=2, seconds=10.0) == [
+    assert apparatus_bound(before, after, [], bench_cores=1.0, clients=2, seconds=10.0) == ["router-0 0.90 cores"]
+    assert apparatus_bound(before, after, [], bench_cores=1.8, clients=2, seconds=10.0) == [
         "router-0 0.90 cores", "bench clients 0.90 cores each"]
-    assert apparatus_bound(before, {"router-0": 12.0}, bench_cores=0.5, clients=1, seconds=10.0) == []
+    assert apparatus_bound(before, {"router-0": 12.0}, [], bench_cores=0.5, clients=1, seconds=10.0) == []
+    # a bench that reports its loops is judged by them, not by its processes' CPU (their start, the summary)
+    quiet = {"router-0": 12.0}
+    assert apparatus_bound(before, quiet, [0.41, 0.52], bench_cores=1.8, clients=2, seconds=10.0) == []
+    assert apparatus_bound(before, quiet, [0.41, 0.93], bench_cores=1.0, clients=2, seconds=10.0) == [
+        "bench client loop 0.93 cores (the busiest of 2)"]
     # the table says so beside the verdicts
     rows = [dict(r, ttft_mean_ms=1.0, tpot_mean_ms=1.0, goodput_req_s=1.0, kv_pull_mean_ms=None) for r in RESULTS[:6]]
     rows[5]["apparatus_bound"] = ["router-0 0.90 cores"]

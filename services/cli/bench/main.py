@@ -26,7 +26,7 @@ from common import tls
 from common.errors import InvalidConfig
 from services.cli.bench.clients import API_NAMES, SendOptions, make_client
 from services.cli.bench.report import format_breakdown, format_comparison, format_table, write_json, write_plot
-from services.cli.bench.runner import LoadShape, list_models, list_models_http, run_load
+from services.cli.bench.runner import LoadShape, Sent, list_models, list_models_http, run_load
 from services.cli.bench.spread import ClientSpec, run_spread
 from services.cli.bench.stats import SloLimits, summarize
 from services.cli.bench.workload import LengthDist, make_requests
@@ -130,7 +130,7 @@ async def _bench(args: argparse.Namespace) -> int:
     common = dict(token_range=tuple(args.token_range), max_model_len=info.max_model_len or None)
     text = _text_prompts(args)
     run_id = uuid.uuid4().hex[:8]
-    runs: dict[str, list[tuple[list, float]]] = {api: [] for api in args.api}
+    runs: dict[str, list[Sent]] = {api: [] for api in args.api}
     for round_ in range(args.rounds):
         for i, api in enumerate(args.api):
             content = None if len(args.api) == 1 and args.rounds == 1 else round_ * len(args.api) + i
@@ -142,9 +142,10 @@ async def _bench(args: argparse.Namespace) -> int:
             runs[api].append(await _run_api(api, args, requests, warm, options))
     summaries = {}
     for api, done in runs.items():
-        records = [r for recs, _ in done for r in recs]
-        duration = sum(d for _, d in done)
-        summaries[api] = summarize(records, duration, SloLimits(args.goodput_ttft_ms, args.goodput_tpot_ms))
+        records = [r for sent in done for r in sent.records]
+        duration = sum(sent.duration_s for sent in done)
+        summaries[api] = summarize(records, duration, SloLimits(args.goodput_ttft_ms, args.goodput_tpot_ms),
+                                   [busy for sent in done for busy in sent.loop_busy])
         title = (f"{info.id} via {api}: {args.num_prompts} requests x {args.rounds}, in {args.input_len}, "
                  f"out {args.output_len}, rate {args.request_rate:g}/s, concurrency {args.max_concurrency or 'unlimited'}")
         print(format_table(summaries[api], f"Serving Benchmark Result ({api})" if len(args.api) > 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.cli.bench.stats import AFTER_FIRST_TOKEN_PARTS, FIRST_TOKEN_PARTS, Distribution, RequestRecord, Summary
+from services.cli.bench.stats import (AFTER_FIRST_TOKEN_PARTS, CLIENT_LOOP_SATURATED, FIRST_TOKEN_PARTS, Distribution,
+                                      RequestRecord, Summary)
 
 _PART_NAMES = {"router_queue_ms": "router queue", "prefill_queue_ms": "prefill queue",
                "prefill_compute_ms": "prefill compute", "other_ms": "other (network, gRPC)",
@@ -29,6 +30,14 @@ def format_table(summary: Summary, title: str) -> str:
         lines.append(f"{('-' * 8) + ' ' + name + ' (ms) ' + ('-' * 8):-<52}")
         for stat in ("mean", "p50", "p90", "p99"):
             lines.append(f"{stat.upper() if stat != 'mean' else 'Mean':<40}{getattr(dist, stat):>12.2f}")
+    if s.client_loop_busy:
+        busiest = max(s.client_loop_busy)
+        several = len(s.client_loop_busy) > 1
+        label = f"Client loop busy (cores{f', max of {len(s.client_loop_busy)}' if several else ''}):"
+        lines.append(f"{label:<40}{busiest:>12.2f}")
+        if busiest >= CLIENT_LOOP_SATURATED:
+            lines.append(f"note: a client's event loop kept {busiest:.2f} of a core busy: it delayed what it timed; "
+                         "send from more processes (--clients N)")
     for error in s.errors:
         lines.append(f"error: {error}")
     lines.append("=" * 52)

@@ -15,6 +15,17 @@ from services.cli.bench.workload import BenchRequest, arrival_offsets
 
 
 @dataclass(frozen=True)
+class Sent:
+    """What the sending event loops did: every request's record, the wall time from the start to the last end, and
+    each loop's busy share (its thread's CPU seconds over the wall seconds it sent for; one a --clients process):
+    near 1.0 the client's own loop delayed the tokens it timed, and the figures measure it as much as the server."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    loop_busy: list[float]
+
+
+@dataclass(frozen=True)
 class LoadShape:
     request_rate: float = float("inf")  # requests/s of a Poisson process; inf sends all at once
     max_concurrency: int | None = None  # requests in flight at most; None = no limit
@@ -22,19 +33,19 @@ class LoadShape:
 
 
 async def run_load(client, requests: list[BenchRequest], shape: LoadShape, options: SendOptions,
-                   progress=None) -> tuple[list[RequestRecord], float]:
-    """Every request of `requests` through `client` (services.cli.bench.clients), shaped by `shape`; returns the
-    records and the wall time from the start to the last end."""
+                   progress=None) -> Sent:
+    """Every request of `requests` through `client` (services.cli.bench.clients), shaped by `shape`."""
     offsets = arrival_offsets(len(requests), shape.request_rate, shape.seed)
     return await send_scheduled(client, requests, offsets, shape.max_concurrency, options, time.perf_counter(),
                                 progress)
 
 
 async def send_scheduled(client, requests: list[BenchRequest], offsets: list[float], max_concurrency: int | None,
-                         options: SendOptions, start: float, progress=None) -> tuple[list[RequestRecord], float]:
+                         options: SendOptions, start: float, progress=None) -> Sent:
     """Request i sent at `start` + offsets[i] (time.perf_counter: CLOCK_MONOTONIC, the same in every process of the
-    machine), at most `max_concurrency` in flight; returns the records and the wall time from `start` to the last
-    end. run_load's schedule, and each --clients process's share of it (spread.py)."""
+    machine), at most `max_concurrency` in flight; the duration is from `start` to the last end. run_load's
+    schedule, and each --clients process's share of it (spread.py)."""
+    cpu_at, called_at = time.thread_time(), time.perf_counter()  # this thread runs the loop that times every token
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(r.index, len(r.prompt_token_ids), r.max_tokens) for r in requests]
 
@@ -59,7 +70,10 @@ async def send_scheduled(client, requests: list[BenchRequest], offsets: list[flo
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(request, record)))
     await asyncio.gather(*tasks)
-    return records, time.perf_counter() - start
+    end = time.perf_counter()
+    sending = end - max(start, called_at)  # (waiting for `start` costs no CPU)
+    busy = (time.thread_time() - cpu_at) / sending if sending > 0 else 0.0
+    return Sent(records, end - start, [round(busy, 3)])
 
 
 async def list_models(target: str, metadata: tuple[tuple[str, str], ...] = ()) -> generation_pb2.ListModelsResponse:

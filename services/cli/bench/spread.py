@@ -16,8 +16,7 @@ import time
 
 from common import tls
 from services.cli.bench.clients import SendOptions, make_client
-from services.cli.bench.stats import RequestRecord
-from services.cli.bench.runner import send_scheduled
+from services.cli.bench.runner import Sent, send_scheduled
 from services.cli.bench.workload import BenchRequest, arrival_offsets
 
 _START_MARGIN_S = 0.2  # after every process is ready: the first arrival's offset from "now"
@@ -36,9 +35,9 @@ class ClientSpec:
 
 
 def run_spread(spec: ClientSpec, requests: list[BenchRequest], rate: float, seed: int, options: SendOptions,
-               clients: int) -> tuple[list[RequestRecord], float]:
-    """Every request through `clients` processes (see the module doc); the records in request order and the wall time
-    from the first send to the last end."""
+               clients: int) -> Sent:
+    """Every request through `clients` processes (see the module doc): the records in request order, the wall time
+    from the first send to the last end, and each process's loop busy share."""
     offsets = arrival_offsets(len(requests), rate, seed)
     context = multiprocessing.get_context("spawn")  # never fork a process whose gRPC is running
     ready = context.Barrier(clients + 1)
@@ -51,21 +50,21 @@ def run_spread(spec: ClientSpec, requests: list[BenchRequest], rate: float, seed
         process.start()
     try:
         ready.wait(timeout=120)  # every client has its channel
-        records = _collect(results, processes)
+        shares = _collect(results, processes)
     finally:
         for process in processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    records.sort(key=lambda r: r.index)
+    records = sorted((record for share in shares for record in share.records), key=lambda r: r.index)
     sent = [r for r in records if r.start]
     duration = max(r.end for r in sent) - min(r.start for r in sent) if sent else 0.0
-    return records, duration
+    return Sent(records, duration, [busy for share in shares for busy in share.loop_busy])
 
 
-def _collect(results, processes: list) -> list[RequestRecord]:
-    """Every process's records; a process that died without handing them back is an error, not a wait."""
-    shares: list[list[RequestRecord]] = []
+def _collect(results, processes: list) -> list[Sent]:
+    """Every process's share; a process that died without handing it back is an error, not a wait."""
+    shares: list[Sent] = []
     while len(shares) < len(processes):
         try:
             shares.append(results.get(timeout=1))
@@ -73,7 +72,7 @@ def _collect(results, processes: list) -> list[RequestRecord]:
             dead = [p for p in processes if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"a bench client process ended with code {dead[0].exitcode}") from None
-    return [record for share in shares for record in share]
+    return shares
 
 
 def _client_main(spec: ClientSpec, requests: list[BenchRequest], offsets: list[float], options: SendOptions,
@@ -83,12 +82,11 @@ def _client_main(spec: ClientSpec, requests: list[BenchRequest], offsets: list[f
 
 
 async def _send_share(spec: ClientSpec, requests: list[BenchRequest], offsets: list[float], options: SendOptions,
-                      ready) -> list[RequestRecord]:
+                      ready) -> Sent:
     client = make_client(spec.api, spec.router, spec.http, spec.max_concurrency, api_key=spec.api_key)
     try:
         await asyncio.to_thread(ready.wait, 120)
         start = time.perf_counter() + _START_MARGIN_S  # CLOCK_MONOTONIC: the same in every process
-        records, _ = await send_scheduled(client, requests, offsets, spec.max_concurrency, options, start)
+        return await send_scheduled(client, requests, offsets, spec.max_concurrency, options, start)
     finally:
         await client.close()
-    return records

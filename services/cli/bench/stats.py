@@ -23,6 +23,8 @@ import numpy as np
 PERCENTILES = (50, 90, 99)
 FIRST_TOKEN_PARTS = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms")
 AFTER_FIRST_TOKEN_PARTS = ("kv_handoff_ms", "first_decode_step_ms")
+# A sending event loop this busy (of a core) timed its tokens late: its own queue sits in every TTFT and gap it took.
+CLIENT_LOOP_SATURATED = 0.85
 
 
 @dataclass
@@ -111,12 +113,16 @@ class Summary:
     e2e: Distribution
     errors: list[str]
     ttft_breakdown: dict[str, Distribution] | None = None  # by part, and "other_ms"; None: the API reports none
+    # each sending event loop's busy share (CPU / wall of its thread; one a --clients process): CLIENT_LOOP_SATURATED
+    # or more, that client's loop delayed the tokens it timed
+    client_loop_busy: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: SloLimits) -> Summary:
+def summarize(records: list[RequestRecord], duration_s: float, slo: SloLimits,
+              client_loop_busy: list[float] | None = None) -> Summary:
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
@@ -135,6 +141,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SloLimits) -
         e2e=Distribution.of([r.e2e for r in done]),
         errors=sorted({r.error or "no tokens returned" for r in failed}),
         ttft_breakdown=summarize_breakdown(done),
+        client_loop_busy=list(client_loop_busy or []),
     )
 
 
