@@ -34,7 +34,7 @@ def format_table(summary: Summary, title: str) -> str:
         busiest = max(s.client_loop_busy)
         several = len(s.client_loop_busy) > 1
         label = f"Client loop busy (cores{f', max of {len(s.client_loop_busy)}' if several else ''}):"
-        lines.append(f"{label:<40}{busiest:>12.2f}")
+        lines.append(f"{label:<40}{busiest:>12.3f}")  # (a light load reads 0.00x: shown, not hidden)
         if busiest >= CLIENT_LOOP_SATURATED:
             lines.append(f"note: a client's event loop kept {busiest:.2f} of a core busy: it delayed what it timed; "
                          "send from more processes (--clients N)")
