@@ -145,8 +145,8 @@ def report(mode: str, summary: dict, used: dict[str, float], frames: list[str], 
         print(f"{'bench client' if role == 'bench' else role:>12}: {seconds:6.2f} CPU s, {per_token:5.0f} µs a token"
               f"{limit}")
     for busy in summary.get("client_loop_busy") or []:  # the sending loop alone, without the bench's start and summary
-        print(f"{'client loop':>12}: {busy:.2f} of a core while it sent, {busy * summary['duration_s'] / tokens * 1e6:5.0f} "
-              "µs a token")
+        per_token = busy * summary["duration_s"] / tokens * 1e6
+        print(f"{'client loop':>12}: {busy:.2f} of a core while it sent, {per_token:5.0f} µs a token")
     if frames:
         print("router's hottest frames (share of busy samples):\n  " + "\n  ".join(frames))
 
