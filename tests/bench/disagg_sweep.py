@@ -59,7 +59,11 @@ def start_router(model: Path, workers: list[ServiceProcess], mode: str, threshol
 
 def pull_totals(decode: ServiceProcess) -> tuple[float, float]:
     """(seconds, count) of every KV pull decode has made, over all backends."""
-    samples = scrape(decode)
+    return pull_sums(scrape(decode))
+
+
+def pull_sums(samples: dict[str, float]) -> tuple[float, float]:
+    """(seconds, count) of the KV pulls in one scrape of a decode worker, over all backends."""
     total = [0.0, 0.0]
     for key, value in samples.items():
         for i, suffix in enumerate(("disagg_kv_pull_seconds_sum", "disagg_kv_pull_seconds_count")):

@@ -68,7 +68,7 @@ from services.cli.bench.workload import LengthDist  # noqa: E402
 from services.cli.bench.stats import CLIENT_LOOP_SATURATED  # noqa: E402
 from services.router.config import DECODE_STREAMS  # noqa: E402
 from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E402
-from tests.bench.disagg_sweep import pull_totals  # noqa: E402
+from tests.bench.disagg_sweep import pull_sums  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import SHAPES, shape_arg  # noqa: E402
 from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
 from tests.integration.observed import scrape  # noqa: E402
@@ -262,21 +262,45 @@ def point_prompts(rate: float, args: argparse.Namespace) -> int:
     return max(args.num_prompts, round(rate * args.point_s))
 
 
-def decisions(routers: list[ServiceProcess]) -> dict[str, float]:
+@dataclass
+class Reading:
+    """One side of a point, every process read once: its /metrics samples and its CPU seconds so far (the bench
+    clients', finished children of this process, as `bench`)."""
+
+    samples: dict[ServiceProcess, dict[str, float]]
+    cpu: dict[ServiceProcess | str, float]
+
+    @classmethod
+    def of(cls, processes: list[ServiceProcess]) -> "Reading":
+        return cls({p: scrape(p) for p in processes}, process_cpu(processes))
+
+    def of_role(self, role: str) -> dict[ServiceProcess, dict[str, float]]:
+        return {p: samples for p, samples in self.samples.items() if p.role == role}
+
+    def role_cpu(self) -> dict[str, float]:
+        return cpu_by_role(self.cpu)
+
+    def routers_cpu(self) -> dict[str, float]:
+        """Each router process's CPU seconds so far, by its name."""
+        return {p.name: s for p, s in self.cpu.items() if not isinstance(p, str) and p.role == "router"}
+
+
+def decisions(reading: Reading) -> dict[str, float]:
     """Where the routers placed prompts so far (reason and side → count), over every router."""
     totals: dict[str, float] = {}
-    for router in routers:
-        for key, value in scrape(router).items():
+    for samples in reading.of_role("router").values():
+        for key, value in samples.items():
             if key.startswith("disagg_routing_prefill_decisions_total{"):
                 label = key.split("{", 1)[1].rstrip("}")
                 totals[label] = totals.get(label, 0.0) + value
     return totals
 
 
-def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float]]) -> float | None:
-    after = [pull_totals(d) for d in decoders]
-    seconds = sum(a[0] - b[0] for a, b in zip(after, before))
-    count = sum(a[1] - b[1] for a, b in zip(after, before))
+def mean_pull_ms(after: Reading, before: Reading) -> float | None:
+    """Decode's mean KV pull during one point, over every decode worker."""
+    pulls = [(pull_sums(samples), pull_sums(before.samples[p])) for p, samples in after.of_role("decode").items()]
+    seconds = sum(a[0] - b[0] for a, b in pulls)
+    count = sum(a[1] - b[1] for a, b in pulls)
     return round(seconds / count * 1000, 3) if count else None
 
 
@@ -284,11 +308,10 @@ def mean_pull_ms(decoders: list[ServiceProcess], before: list[tuple[float, float
 WAITS = {"output_wait_ms": "disagg_engine_output_wait_seconds", "loop_lag_ms": "disagg_event_loop_lag_seconds"}
 
 
-def wait_totals(processes: list[ServiceProcess]) -> dict[str, dict[str, tuple[float, float]]]:
-    """WAITS key → role → (seconds, count) of its histogram so far, over the role's processes: one scrape each."""
+def wait_totals(reading: Reading) -> dict[str, dict[str, tuple[float, float]]]:
+    """WAITS key → role → (seconds, count) of its histogram so far, over the role's processes."""
     totals: dict[str, dict[str, tuple[float, float]]] = {key: {} for key in WAITS}
-    for process in processes:
-        samples = scrape(process)  # (model and role are dropped: the keys carry no labels)
+    for process, samples in reading.samples.items():  # (the scrape drops model and role: the keys carry no labels)
         for key, name in WAITS.items():
             waited = [samples.get(f"{name}_{suffix}", 0.0) for suffix in ("sum", "count")]
             if waited[1]:
@@ -314,23 +337,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def role_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
-    """role → CPU seconds so far, over the role's processes (the bench client's: `bench`)."""
+def process_cpu(processes: list[ServiceProcess]) -> dict[ServiceProcess | str, float]:
+    """Each process's CPU seconds so far, and the bench clients' (finished children of this process) as `bench`."""
+    cpu: dict[ServiceProcess | str, float] = {p: cpu_seconds(p.popen.pid) for p in processes}
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    totals = {"bench": children.ru_utime + children.ru_stime}
-    for process in processes:
-        totals[process.role] = totals.get(process.role, 0.0) + cpu_seconds(process.popen.pid)
+    cpu["bench"] = children.ru_utime + children.ru_stime
+    return cpu
+
+
+def cpu_by_role(cpu: dict[ServiceProcess | str, float]) -> dict[str, float]:
+    """role → CPU seconds, over the role's processes (the bench clients': `bench`)."""
+    totals: dict[str, float] = {}
+    for process, seconds in cpu.items():
+        role = process if isinstance(process, str) else process.role
+        totals[role] = totals.get(role, 0.0) + seconds
     return totals
+
+
+def role_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
+    """role → CPU seconds so far (tests/bench/router_cpu.py's reading, no metrics)."""
+    return cpu_by_role(process_cpu(processes))
 
 
 def replicas(rates: list[float], output_len: int, tok_s: float) -> int:
     """Processes of the measuring side (routers or bench clients) for the highest rate's output tokens/s."""
     return max(1, math.ceil(max(rates) * output_len / tok_s))
-
-
-def routers_cpu(processes: list[ServiceProcess]) -> dict[str, float]:
-    """Each router process's CPU seconds so far, by its name."""
-    return {p.name: cpu_seconds(p.popen.pid) for p in processes if p.role == "router"}
 
 
 def apparatus_bound(router_before: dict[str, float], router_after: dict[str, float], client_loops: list[float],
@@ -356,11 +387,10 @@ def cores_busy(after: dict[str, float], before: dict[str, float], seconds: float
     return {role: round((a - before.get(role, 0.0)) / seconds, 2) for role, a in after.items()}
 
 
-def gc_pauses(processes: list[ServiceProcess]) -> dict[str, list[float]]:
+def gc_pauses(reading: Reading) -> dict[str, list[float]]:
     """role → [oldest-generation collections, their seconds] so far, over the role's processes."""
     totals: dict[str, list[float]] = {}
-    for process in processes:
-        samples = scrape(process)
+    for process, samples in reading.samples.items():
         total = totals.setdefault(process.role, [0.0, 0.0])
         total[0] += samples.get('disagg_gc_pause_seconds_count{generation="2"}', 0.0)
         total[1] += samples.get('disagg_gc_pause_seconds_sum{generation="2"}', 0.0)
@@ -398,7 +428,6 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
     started = time.monotonic()
     workers, routers = start_layout(layout, model, args, chunk, streams)
     print(f"# {label}: up in {time.monotonic() - started:.0f}s", flush=True)
-    decoders = [w for w in workers if w.role == "decode"]
     first, windows = len(results), []
     try:
         # Warm-up, not timed: every kernel shape compiled and every graph captured. 16 requests left a chunked
@@ -408,32 +437,30 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             if time.monotonic() > deadline:
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
-            before, routed = [pull_totals(d) for d in decoders], decisions(routers)
-            paused = gc_pauses([*workers, *routers])
-            waits = wait_totals([*workers, *routers])
-            cpu_before, routers_before = role_cpu([*workers, *routers]), routers_cpu(routers)
+            before = Reading.of([*workers, *routers])
             started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
             windows.append((started_at, time.perf_counter()))
+            after = Reading.of([*workers, *routers])
             seconds = windows[-1][1] - started_at
-            busy = cores_busy(role_cpu([*workers, *routers]), cpu_before, seconds)
+            busy = cores_busy(after.role_cpu(), before.role_cpu(), seconds)
             loops = s.get("client_loop_busy") or []
-            bound = apparatus_bound(routers_before, routers_cpu(routers), loops, busy["bench"], args.bench_clients,
-                                    seconds)
-            routed_after = decisions(routers)
+            bound = apparatus_bound(before.routers_cpu(), after.routers_cpu(), loops, busy["bench"],
+                                    args.bench_clients, seconds)
+            routed, routed_after = decisions(before), decisions(after)
             point = {"layout": layout.name, "label": label, "chunk": chunk, "decode_streams": streams, "rate": rate,
                      "completed": s["completed"], "failed": s["failed"],
                      "achieved_req_s": round(s["request_throughput"], 2),
                      "output_tok_s": round(s["output_throughput"], 1),
                      "ttft_mean_ms": round(s["ttft"]["mean"], 1), "ttft_p90_ms": round(s["ttft"]["p90"], 1),
                      "tpot_mean_ms": round(s["tpot"]["mean"], 2), "itl_p99_ms": round(s["itl"]["p99"], 2),
-                     "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(decoders, before),
+                     "goodput_req_s": round(s["goodput"] or 0.0, 2), "kv_pull_mean_ms": mean_pull_ms(after, before),
                      "prefilled": {k: v - routed.get(k, 0) for k, v in routed_after.items() if v - routed.get(k, 0)},
                      "ttft_parts_ms": ttft_parts(s), "itl_split": s["itl_split"],
-                     "gc_pauses": gc_pause_delta(gc_pauses([*workers, *routers]), paused), "cores_busy": busy,
+                     "gc_pauses": gc_pause_delta(gc_pauses(after), gc_pauses(before)), "cores_busy": busy,
                      "client_loop_busy": loops,
-                     **{key: mean_ms_by_role(after, waits[key])
-                        for key, after in wait_totals([*workers, *routers]).items()}}
+                     **{key: mean_ms_by_role(totals, wait_totals(before)[key])
+                        for key, totals in wait_totals(after).items()}}
             point["meets_slo"] = meets(point, args)
             if bound:
                 point["apparatus_bound"] = bound

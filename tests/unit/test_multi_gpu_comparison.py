@@ -121,7 +121,40 @@ def test_a_points_waits_read_each_histogram_as_a_scrape_keys_it(monkeypatch):
     scraped = {"prefill": {f"{name}_sum": 0.5, f"{name}_count": 10.0, f'{name}_bucket{{le="0.001"}}': 3.0},
                "decode": {f"{name}_sum": 0.25, f"{name}_count": 50.0}}
     scraped["router"] = {"disagg_event_loop_lag_seconds_sum": 0.2, "disagg_event_loop_lag_seconds_count": 40.0}
-    processes = [argparse.Namespace(role=role) for role in ("prefill", "decode", "decode", "router")]
+    processes = [_Process(role) for role in ("prefill", "decode", "decode", "router")]
     monkeypatch.setattr(multi_gpu, "scrape", lambda process: scraped[process.role])
-    assert multi_gpu.wait_totals(processes) == {"output_wait_ms": {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)},
-                                                "loop_lag_ms": {"router": (0.2, 40.0)}}
+    monkeypatch.setattr(multi_gpu, "cpu_seconds", lambda pid: 1.0)
+    reading = multi_gpu.Reading.of(processes)  # one scrape of each process serves every figure of the point
+    assert multi_gpu.wait_totals(reading) == {"output_wait_ms": {"prefill": (0.5, 10.0), "decode": (0.5, 100.0)},
+                                              "loop_lag_ms": {"router": (0.2, 40.0)}}
+
+
+class _Process:
+    """A ServiceProcess as a point's reading sees it: a role, a pid, a name (two of one role stay two)."""
+
+    def __init__(self, role: str, pid: int = 0):
+        self.role, self.popen, self.name = role, argparse.Namespace(pid=pid), f"disagg-{role} (pid {pid})"
+
+
+def test_one_reading_a_side_gives_the_points_pulls_placements_pauses_and_cores(monkeypatch):
+    import tests.bench.multi_gpu as multi_gpu
+
+    decode_a, decode_b, router = _Process("decode", 1), _Process("decode", 2), _Process("router", 3)
+    pulls = "disagg_kv_pull_seconds_{}{{backend=\"cuda_ipc\"}}"
+    placed = 'disagg_routing_prefill_decisions_total{reason="long_uncached",where="remote"}'
+    paused = 'disagg_gc_pause_seconds_{}{{generation="2"}}'
+
+    def side(pull_s, pulls_n, placements, pauses, cpu):
+        samples = {decode_a: {pulls.format("sum"): pull_s, pulls.format("count"): pulls_n,
+                              paused.format("count"): pauses, paused.format("sum"): pauses * 0.01},
+                   decode_b: {pulls.format("sum"): pull_s, pulls.format("count"): pulls_n},
+                   router: {placed: placements}}
+        return multi_gpu.Reading(samples, {decode_a: cpu, decode_b: cpu, router: cpu, "bench": cpu})
+
+    before, after = side(1.0, 1000.0, 10.0, 2.0, 5.0), side(1.2, 1100.0, 60.0, 3.0, 8.0)
+    assert multi_gpu.mean_pull_ms(after, before) == 2.0  # 0.4 s over 200 pulls, both decode workers
+    assert multi_gpu.decisions(after) == {'reason="long_uncached",where="remote"': 60.0}
+    assert multi_gpu.gc_pause_delta(multi_gpu.gc_pauses(after), multi_gpu.gc_pauses(before))["decode"] == [1, 10.0]
+    assert multi_gpu.cores_busy(after.role_cpu(), before.role_cpu(), 3.0) == {"decode": 2.0, "router": 1.0,
+                                                                             "bench": 1.0}
+    assert after.routers_cpu() == {"disagg-router (pid 3)": 8.0}
