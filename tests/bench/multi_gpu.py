@@ -71,6 +71,7 @@ from tests.bench.decode_period_site.sitecustomize import read_steps  # noqa: E40
 from tests.bench.disagg_sweep import pull_sums  # noqa: E402
 from tests.bench.gpu_engine_vs_hf import SHAPES, shape_arg  # noqa: E402
 from tests.bench.gpu_kv_plane import model_dir  # noqa: E402
+from tests.cpu_time import TICKS_PER_S, cpu_ticks  # noqa: E402
 from tests.integration.observed import scrape  # noqa: E402
 from tests.integration.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
@@ -331,10 +332,8 @@ def mean_ms_by_role(after: dict[str, tuple[float, float]], before: dict[str, tup
 
 
 def cpu_seconds(pid: int) -> float:
-    """The process's user + system CPU seconds so far (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The process's user + system CPU seconds so far (all its threads)."""
+    return cpu_ticks(pid) / TICKS_PER_S
 
 
 def process_cpu(processes: list[ServiceProcess]) -> dict[ServiceProcess | str, float]:
