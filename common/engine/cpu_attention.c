@@ -52,9 +52,12 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return sum;
 }
 
-/* exp(x) for x <= 0 (scores less their maximum), vectorisable (cpu_bf16.h's exp2_clamped). */
+/* exp(x) for x <= 0 (scores less their maximum), vectorisable (cpu_bf16.h's exp2_clamped). The clamp is on the
+ * power of two, exp2_clamped's domain: x below -87.3 (-126 / log2(e)) would take the exponent's bits past zero and
+ * return a huge value of either sign, not ~0 (a long prompt's scores spread that far). */
 static inline float exp_nonpositive(float x) {
-    return exp2_clamped((x < -126.0f ? -126.0f : x) * 1.44269504088896341f);
+    float t = x * 1.44269504088896341f;
+    return exp2_clamped(t < -126.0f ? -126.0f : t);
 }
 
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the tokens [starts[b], seq_lens[b]) of sequence b,

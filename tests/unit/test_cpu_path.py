@@ -72,14 +72,16 @@ def test_bf16_attention_runs_in_float32_over_blocks_in_any_order():
 @pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler for the CPU attention kernel")
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_kernel_reads_the_blocks_as_the_gathered_path_does(monkeypatch, dtype, tolerance, window):
+@pytest.mark.parametrize("q_scale", [1.0, 40.0])
+def test_decode_kernel_reads_the_blocks_as_the_gathered_path_does(monkeypatch, dtype, tolerance, window, q_scale):
     """Three decodes of different lengths (one spanning a partly filled block), GQA, blocks out of order: the C kernel
-    on the cache's own blocks gives what gathering them and SDPA give, with and without a sliding window."""
+    on the cache's own blocks gives what gathering them and SDPA give, with and without a sliding window; also with
+    scores spread more than 87.3 below their maximum (exp of them past float32's exponent range: ~0, not garbage)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the kernel's case, whatever the test process has
     torch.manual_seed(2)
     hq, hkv, d = 8, 2, 32
     layout = BatchLayout(query_lens=[1, 1, 1], context_lens=[13, 4, 8], block_tables=[[6, 1, 4, 0], [2, 7], [5, 3, 9]])
-    q = torch.randn(3, hq, d, dtype=dtype)
+    q = (torch.randn(3, hq, d) * q_scale).to(dtype)
     k, v = torch.randn(3, hkv, d, dtype=dtype), torch.randn(3, hkv, d, dtype=dtype)
     cache = torch.randn(2, 10, 4, hkv, d, dtype=dtype)
 

@@ -25,12 +25,14 @@ pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C com
 
 
 def _kernel_and_torch(monkeypatch, layout: BatchLayout, heads: tuple[int, int, int], dtype: torch.dtype,
-                      window: int | None, kv: KvCacheFormat | None = None, block_size: int = 4):
+                      window: int | None, kv: KvCacheFormat | None = None, block_size: int = 4,
+                      q_scale: float = 1.0):
     """The step's attention output with the kernel, then with the torch path: the same q and cache, K/V of the
-    step's tokens written by the forward."""
+    step's tokens written by the forward. `q_scale` widens the scores' spread."""
     hq, hkv, d = heads
     tokens = sum(layout.query_lens)
     q, k, v = (torch.randn(tokens, h, d).to(dtype) for h in (hq, hkv, hkv))
+    q = (q.float() * q_scale).to(dtype)
     blocks = 1 + max(b for table in layout.block_tables for b in table)
     cache = torch.randn(2, blocks, block_size, hkv, d).to(kv.dtype if kv else dtype)
 
@@ -71,6 +73,17 @@ def test_a_long_context_is_read_in_several_passes(monkeypatch, one_thread, dtype
     torch.manual_seed(3)
     layout = BatchLayout(query_lens=[21], context_lens=[290], block_tables=[list(range(80, 0, -1))])
     mine, want = _kernel_and_torch(monkeypatch, layout, (9, 3, 64), dtype, window)
+    torch.testing.assert_close(mine, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_spread_past_the_exponent_range_stay_finite(monkeypatch, one_thread, dtype):
+    """Scores a row sees that lie more than 87.3 below its maximum (exp of them under float32's smallest normal, as a
+    long prompt's do in SmolLM2's deep layers) weigh ~0, not the garbage of an exponent taken past its range."""
+    torch.manual_seed(4)
+    layout = BatchLayout(query_lens=[106], context_lens=[256], block_tables=[list(range(30))])
+    mine, want = _kernel_and_torch(monkeypatch, layout, (9, 3, 64), dtype, None, block_size=16, q_scale=40.0)
+    assert torch.isfinite(mine).all()
     torch.testing.assert_close(mine, want, **TOLERANCE[dtype])
 
 

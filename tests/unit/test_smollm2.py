@@ -97,3 +97,16 @@ def test_disaggregated_handoff_matches_hf(engine, tokenizer, model_dir):
     while decode.has_unfinished_requests():
         tokens.extend(t for o in decode.step() for t in o.new_token_ids)
     assert tokens == hf_greedy(model_dir, prompt, 20)[0]
+
+
+def test_a_long_prompt_on_one_thread_matches_hf_greedy(model_dir, one_thread):
+    """`disagg up`'s CPU workers: one torch thread, so the C attention kernels run, a prompt in 128-token chunks. In
+    this one's last chunk, a deep layer's scores spread further below their maximum than float32's exponent reaches
+    (exp of them must weigh ~0): the tokens and logprobs are HF's, not a NaN's token 0."""
+    prompt = [100 + i % 300 for i in range(362)]
+    engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, enable_prefix_caching=False))
+    outs = _run(engine, "long", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=True))
+    ref_tokens, ref_logprobs = hf_greedy(model_dir, prompt, 4)
+    assert [t for o in outs for t in o.new_token_ids] == ref_tokens
+    logprobs = [lp.logprob for o in outs for lp in o.new_logprobs]
+    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-3
