@@ -25,6 +25,11 @@ class LayoutMismatch(DisaggError):
     """Exported KV does not fit the importer's cache (maps to FAILED_PRECONDITION)."""
 
 
+class HandoffMismatch(DisaggError):
+    """What one phase handed the next does not hold there (a first token the request's grammar refuses): a fault of
+    the serving side, never the client's (maps to INTERNAL)."""
+
+
 class FailedPrecondition(DisaggError):
     """The deployment cannot serve this kind of request (e.g. images without an encode worker)."""
 

@@ -13,7 +13,7 @@ import torch
 import xgrammar as xgr
 
 from common.engine import kernels
-from common.errors import InvalidRequest
+from common.errors import HandoffMismatch
 
 log = logging.getLogger(__name__)
 # Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them); "auto" is xgrammar's choice.
@@ -33,12 +33,13 @@ class GrammarState:
     def after(cls, compiled: xgr.CompiledGrammar, tokens: list[int],
               refused: frozenset[int] = frozenset()) -> GrammarState:
         """The state past `tokens` (a generation_only request's first token, sampled by the context phase under
-        the same grammar); InvalidRequest when the grammar does not allow them."""
+        the same grammar); HandoffMismatch when the grammar does not allow them: the context phase broke its rule,
+        which the client could not have caused."""
         state = cls(compiled, refused)
         for token in tokens:
             if not state.matcher.accept_token(token):
-                raise InvalidRequest(f"token {token} (the first token the context phase sampled) does not fit "
-                                     "the request's structured output")
+                raise HandoffMismatch(f"token {token} (the first token the context phase sampled) does not fit "
+                                      "the request's structured output")
         return state
 
     def allows(self, token: int) -> bool:

@@ -32,6 +32,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.HandoffMismatch, grpc.StatusCode.INTERNAL),
 ]
 
 

@@ -103,3 +103,79 @@ def test_smollm2_fills_a_schema_through_the_sdk_and_langchain(smollm2: Cluster):
                      max_tokens=80, max_retries=0)
     person = llm.with_structured_output(PERSON, method="json_schema").invoke("Alice is 30 years old. Who is she?")
     jsonschema.validate(person, PERSON)
+
+
+GRAMMAR_EBNF = 'root ::= "ab" [0-9] [0-9]?'
+TRIP = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "plan_trip", "description": "Plan a trip", "parameters": TRIP}}]
+# What each constraint kind adds to a chat request.
+SWEEP = {
+    "json_schema": {"response_format": _json_schema(BOUNDED)},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "regex": {"extra_body": {"guided_regex": "[A-Z]{3}-[0-9]{4}"}},
+    "choice": {"extra_body": {"guided_choice": ["yes", "no", "perhaps"]}},
+    "grammar": {"extra_body": {"guided_grammar": GRAMMAR_EBNF}},
+    "tools_required": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+    "tools_named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "plan_trip"}}},
+}
+
+
+def _choices(sdk: openai.OpenAI, model: str, stream: bool, **request) -> dict[int, tuple[str, str, list]]:
+    """Each choice's (finish_reason, content, [(name, arguments)] of its tool calls), whole or assembled from chunks."""
+    if not stream:
+        answer = sdk.chat.completions.create(model=model, **request)
+        return {c.index: (c.finish_reason, c.message.content or "",
+                          [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
+                for c in answer.choices}
+    parts: dict[int, list] = {}
+    for chunk in sdk.chat.completions.create(model=model, stream=True, **request):
+        for c in chunk.choices:
+            reason, text, calls = parts.setdefault(c.index, [None, "", {}])
+            parts[c.index][1] = text + (c.delta.content or "")
+            for call in c.delta.tool_calls or []:
+                name, arguments = calls.get(call.index, (None, ""))
+                calls[call.index] = (call.function.name or name, arguments + (call.function.arguments or ""))
+            parts[c.index][0] = c.finish_reason or reason
+    return {i: (reason, text, [calls[k] for k in sorted(calls)]) for i, (reason, text, calls) in parts.items()}
+
+
+def _check(kind: str, reason: str, text: str, calls: list) -> None:
+    where = (kind, reason, text, calls)
+    if kind.startswith("tools"):
+        (name, arguments), = calls
+        assert name == "plan_trip", where
+        jsonschema.validate(json.loads(arguments), TRIP)
+        return
+    if kind == "json_object":  # any object: a random model may still be writing one at max_tokens
+        assert text.startswith("{") and (reason == "length" or isinstance(json.loads(text), dict)), where
+        return
+    assert reason == "stop", where
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), BOUNDED)
+    elif kind == "regex":
+        assert re.fullmatch("[A-Z]{3}-[0-9]{4}", text), where
+    elif kind == "choice":
+        assert text in ("yes", "no", "perhaps"), where
+    else:
+        assert re.fullmatch("ab[0-9][0-9]?", text), where
+
+
+@pytest.mark.parametrize("kind", list(SWEEP))
+def test_every_constraint_holds_from_the_first_token_sampled_or_not_n_1_or_3_streamed_or_not(front_doors: Cluster,
+                                                                                             kind):
+    """prefill-decode (every prompt prefilled remotely: the first token is the prefill worker's) and aggregated
+    (prefilled where it decodes): every choice keeps to its constraint; a server fault would be a 5xx, a client
+    error a 4xx, and neither may come back."""
+    sdk = front_doors.sdk()
+    for temperature in (0.0, 0.8):
+        for n in (1, 3):
+            for stream in (False, True):
+                choices = _choices(sdk, front_doors.model, stream, n=n, temperature=temperature, seed=5,
+                                   max_tokens=60, messages=[{"role": "user", "content": "Answer, please."}],
+                                   **SWEEP[kind])
+                assert sorted(choices) == list(range(n))
+                for reason, text, calls in choices.values():
+                    _check(kind, reason, text, calls)
+    assert_no_leaks(front_doors.workers)

@@ -18,7 +18,7 @@ from common.engine.engine import LLMEngine
 from common.engine.grammar_mask import GrammarState
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.engine.structured import StructuredOutput
-from common.errors import InvalidRequest
+from common.errors import HandoffMismatch, InvalidRequest
 from tests.hf_reference import hf_model
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
@@ -230,7 +230,7 @@ def test_prefill_then_decode_follows_the_grammar_from_the_first_token(model):
     decode.add_request("d", prompt, structured, RequestType.GENERATION_ONLY, kv_import=kv, first_token=first)
     assert [first] + _run(decode)["d"][0] == aggregated
     assert decode.block_manager.num_free_blocks == 64
-    with pytest.raises(InvalidRequest, match="does not fit"):  # a first token the grammar never allows: "x" first
+    with pytest.raises(HandoffMismatch, match="does not fit"):  # a first token the grammar never allows: "x" first
         decode.add_request("bad", prompt, structured, RequestType.GENERATION_ONLY, kv_import=kv,
                            first_token=AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("x"))
     assert not decode.has_unfinished_requests()
@@ -309,3 +309,89 @@ def test_a_compile_past_its_time_limit_or_without_a_tokenizer_is_refused(model, 
     with pytest.raises(FailedPrecondition, match="structured output needs the model's tokenizer"):
         engine.add_request("r", PROMPTS[0], _greedy(StructuredOutput("regex", "a+")))
     assert not engine.has_unfinished_requests()
+
+
+# Each kind with a spec a random-weight model must finish within max_tokens.
+EVERY_KIND = {
+    "json_schema": StructuredOutput.json_schema({"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["ok", "n"],
+        "additionalProperties": False}),
+    "json_object": StructuredOutput("json_object"),
+    "regex": StructuredOutput("regex", REGEX),
+    "choice": StructuredOutput.choice(["yes", "no", "maybe not"]),
+    "grammar": StructuredOutput("grammar", 'root ::= "ab" [0-9] [0-9]?'),
+}
+
+
+def _fits(engine: LLMEngine, structured: StructuredOutput, tokens: list[int], finish: FinishReason | None) -> None:
+    """Every token taken by the grammar in order; a request that stopped (not cut by length) left it complete."""
+    state = GrammarState(engine.grammars.compile(structured), engine.grammars.refused)
+    for token in tokens:
+        assert state.matcher.accept_token(token), (structured.kind, tokens)
+    if finish is FinishReason.STOP:
+        assert state.matcher.is_terminated(), (structured.kind, tokens)
+
+
+@pytest.fixture(scope="module")
+def three_engines(model) -> tuple[LLMEngine, LLMEngine, LLMEngine]:
+    """An aggregated engine, a context phase's and a generation phase's, shared by the sweep below."""
+    return _engine(model), _engine(model), _engine(model)
+
+
+@pytest.mark.parametrize("kind", list(EVERY_KIND))
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_choice_s_first_token_is_drawn_under_its_grammar_wherever_it_is_drawn(three_engines, kind, n,
+                                                                                     temperature):
+    """Aggregated, and context_only → generation_only (each choice's first token from the context phase): the same
+    tokens (seeded), every one allowed by the grammar, from the first on; the context phase's pools end empty."""
+    structured = EVERY_KIND[kind]
+    sampling = SamplingParams(temperature=temperature, seed=7, n=n, max_tokens=24, structured=structured)
+    aggregated, prefill, decode = three_engines
+    aggregated.add_request("a", PROMPTS[1], sampling)
+    whole: dict[int, list[int]] = {}
+    finish: dict[int, FinishReason | None] = {}
+    while aggregated.has_unfinished_requests():
+        for out in aggregated.step():
+            whole.setdefault(out.index, []).extend(out.new_token_ids)
+            finish[out.index] = out.finish_reason
+    prefill.add_request("p", PROMPTS[1], sampling, RequestType.CONTEXT_ONLY)
+    outputs = []
+    while prefill.has_unfinished_requests():
+        outputs += prefill.step()
+    firsts = {o.index: o.new_token_ids[0] for o in outputs}
+    assert firsts == {i: t[0] for i, t in whole.items()}
+    for i in range(n):
+        _fits(prefill, structured, [firsts[i]], None)
+    ended = [i for i in range(n) if finish[i] is not None and len(whole[i]) == 1]  # the first token ended it
+    (session,) = [o.session_id for o in outputs if o.session_id]
+    kv = prefill.export_session(session)
+    prefill.release_session(session)
+    assert prefill.block_manager.num_free_blocks == 64
+    if ended:  # (a one-token answer: the router ends it without a decode worker)
+        return
+    decode.add_request("d", PROMPTS[1], sampling, RequestType.GENERATION_ONLY, kv_import=kv, first_token=firsts[0],
+                       more_first_tokens=[firsts[i] for i in range(1, n)], choices=list(range(n)))
+    rest: dict[int, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            rest.setdefault(out.index, []).extend(out.new_token_ids)
+            assert out.index not in finish or out.finish_reason in (None, finish[out.index])
+    for i in range(n):
+        assert [firsts[i]] + rest[i] == whole[i]
+        _fits(decode, structured, whole[i], finish[i])
+    assert decode.block_manager.num_free_blocks == 64
+
+
+def test_sampled_grammar_rows_keep_their_state_through_preemption(model):
+    """Three sampled regex requests in a pool too small for all of them: someone is preempted and recomputed, and
+    each still draws what it draws alone (seeded) and fits its grammar."""
+    structured = StructuredOutput("regex", "[a-z]{16,40}")
+    sampling = SamplingParams(temperature=0.8, seed=11, max_tokens=16, structured=structured)
+    alone = [_engine(model).generate([p], sampling)[0] for p in PROMPTS]
+    engine = _engine(model, num_kv_blocks=10, enable_prefix_caching=False, kv_growth_reserve=0)
+    assert engine.generate(PROMPTS, sampling) == alone
+    assert engine.num_preemptions > 0
+    for tokens in alone:
+        _fits(engine, structured, tokens, None)
+    assert engine.block_manager.num_free_blocks == 10
