@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.errors import InvalidConfig
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +34,10 @@ CPU_LONG_PREFILL_TOKENS = 128
 # 2048, 53.2 with 4096 and 56.0-56.2 with 8192 (tests/bench/multi_gpu.py --prefill-budget, 72 req/s offered).
 DEFAULT_STEP_TOKENS = 2048
 GPU_PREFILL_WORKER_STEP_TOKENS = 8192
+# The KV cache unless sized otherwise: on the CPU this many blocks; on a GPU what fits in this fraction of it, shared
+# by the workers on it (vLLM's default), each worker counting its own weights only (common/engine/kv_memory.py).
+CPU_KV_BLOCKS = 1024
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 def default_step_tokens(device: str, prefill_only: bool) -> int:
@@ -68,9 +75,12 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int | None = None
+    """KV cache blocks. None: CPU_KV_BLOCKS on the CPU; on CUDA, sized by memory (gpu_memory_utilization)."""
     gpu_memory_utilization: float | None = None
-    """CUDA only: size the KV cache from free GPU memory after loading the weights (replaces num_kv_blocks)."""
+    """CUDA only: the share of the GPU this worker's weights, activations and KV cache may take; the cache gets what
+    is left of it (kv_memory.py). None: DEFAULT_GPU_MEMORY_UTILIZATION unless num_kv_blocks is given. With both
+    given this applies (`kv_sizing`)."""
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
@@ -114,7 +124,8 @@ class EngineConfig:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"),
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two in [1, 128], got {self.block_size}"),
-            (self.num_kv_blocks >= 1, f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
             (self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
@@ -162,6 +173,25 @@ class EngineConfig:
             return self.long_prefill_token_threshold
         return self.max_num_batched_tokens if self.device.startswith("cuda") else CPU_LONG_PREFILL_TOKENS
 
+    @property
+    def memory_share(self) -> float | None:
+        """The share of the GPU the KV cache is sized from, or None where a block count sizes it."""
+        if not self.device.startswith("cuda"):
+            return None
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return DEFAULT_GPU_MEMORY_UTILIZATION if self.num_kv_blocks is None else None
+
+    def kv_sizing(self) -> str:
+        """One line: what sizes the KV cache (said at start, where both flags are given)."""
+        share = self.memory_share
+        if share is None:
+            return f"KV cache: {self.num_kv_blocks or CPU_KV_BLOCKS} blocks (--num-kv-blocks)"
+        if self.num_kv_blocks is not None:
+            return (f"KV cache sized by --gpu-memory-utilization {share:g}; --num-kv-blocks {self.num_kv_blocks} "
+                    "does not apply")
+        return f"KV cache sized by --gpu-memory-utilization {share:g}"
+
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
@@ -177,29 +207,21 @@ def resolve_max_model_len(config: EngineConfig, model_max_positions: int) -> int
     return config.max_model_len
 
 
-def kv_blocks_for_memory(utilization: float, free_bytes: int, total_bytes: int, block_bytes: int,
-                         reserve_bytes: int) -> int:
-    """KV blocks that fit in `utilization` of the device once what is already used (the weights) and a
-    reserve for one step's activations are taken out; InvalidConfig if not even one fits."""
-    budget = int(total_bytes * utilization) - (total_bytes - free_bytes) - reserve_bytes
-    blocks = budget // block_bytes
-    if blocks < 1:
-        raise InvalidConfig(
-            f"--gpu-memory-utilization {utilization}: {total_bytes - free_bytes} of {total_bytes} bytes are used "
-            f"after loading the weights and a step needs ~{reserve_bytes} more, which leaves no room for a KV "
-            f"block of {block_bytes} bytes; raise it or use a smaller --max-num-batched-tokens")
-    return blocks
-
-
 def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int) -> int:
-    """--num-kv-blocks, or with --gpu-memory-utilization what fits in the GPU once the weights are loaded
-    (call it after loading them), less a reserve for one step: its MLP activations and its logits."""
-    if config.gpu_memory_utilization is None:
-        return config.num_kv_blocks
+    """The block count, or on a GPU sized by memory (`memory_share`) what fits in the worker's share once its own
+    weights are loaded (call it after loading them), less a reserve for one step: its MLP activations and logits."""
+    share = config.memory_share
+    if share is None:
+        return config.num_kv_blocks or CPU_KV_BLOCKS
     import torch
 
-    free, total = torch.cuda.mem_get_info(torch.device(config.device))
+    from common.engine.kv_memory import kv_blocks_for_share, read_device_memory
+
     text = getattr(hf_config, "text_config", None) or hf_config
     reserve = (config.max_num_batched_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
                * config.torch_dtype.itemsize + config.max_num_seqs * text.vocab_size * 4)
-    return kv_blocks_for_memory(config.gpu_memory_utilization, free, total, block_bytes, reserve)
+    blocks, line = kv_blocks_for_share(share, read_device_memory(torch.device(config.device)), block_bytes, reserve)
+    if config.num_kv_blocks is not None:
+        log.warning("%s", config.kv_sizing())
+    log.info("%s", line)
+    return blocks

@@ -21,6 +21,7 @@ def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keye
                        for i, c in enumerate(children[1:plan.routers], start=1))
     workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)"
                         + (f"  on {placed[c.name].gpus_text()}" if placed[c.name].devices else "")
+                        + (f"; {c.note}" if c.note else "")
                         for c in children[plan.routers:])
     metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
     ca = plan.tls.ca if plan.tls.serves_tls else None

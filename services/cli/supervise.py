@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import channels
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
 
-_READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)")
+_READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)(?: \((.*)\))?")
 _METRICS_LINE = re.compile(r"disagg-[\w-]+ metrics on (http://\S+/metrics)")
 _STOP_GRACE_S = DEFAULT_DRAIN_TIMEOUT_S + 10.0  # SIGTERM drains a child (up to its --drain-timeout); then SIGKILL
 _FIRST_BACKOFF_S = 1.0
@@ -61,6 +61,7 @@ class Child:
     health_metadata: tuple[tuple[str, str], ...] = ()  # sent with its health checks (an API key, where it asks one)
     process: subprocess.Popen | None = None
     address: str | None = None
+    note: str = ""  # what its ready line says beside the address (how long it took; a worker's KV capacity)
     metrics_url: str | None = None  # as announced; its port is kept across restarts
     ready: threading.Event = field(default_factory=threading.Event)
     metrics_ready: threading.Event = field(default_factory=threading.Event)
@@ -100,7 +101,7 @@ class Child:
         """Take the addresses a child announces; True for such a line (it is not echoed)."""
         match = _READY_LINE.search(line)
         if match and not ready.is_set():
-            self.address = match.group(2)
+            self.address, self.note = match.group(2), match.group(3) or ""
             ready.set()
             if self.restarts:
                 log(f"{self.name} is back on {self.address} (restart {self.restarts})")

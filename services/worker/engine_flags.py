@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from common.engine.config import (CPU_LONG_PREFILL_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
+from common.engine.config import (CPU_KV_BLOCKS, CPU_LONG_PREFILL_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION,
+                                  DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
                                   GPU_MAX_NUM_SEQS, GPU_PREFILL_WORKER_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
                                   QUANTIZATIONS, EngineConfig, default_max_num_seqs, default_step_tokens)
 from common.engine.default_model import resolve_model
@@ -41,11 +42,13 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         choices=["float32", "float16", "bfloat16"])
     add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"))
     add("--block-size", type=int, default=16)
-    add("--num-kv-blocks", type=int, default=int(os.environ.get("DISAGG_NUM_KV_BLOCKS", 1024)),
-        help="KV cache blocks (ignored with --gpu-memory-utilization)")
+    add("--num-kv-blocks", type=int,
+        default=int(os.environ["DISAGG_NUM_KV_BLOCKS"]) if os.environ.get("DISAGG_NUM_KV_BLOCKS") else None,
+        help=f"KV cache blocks (default: {CPU_KV_BLOCKS} on the CPU; on CUDA sized by --gpu-memory-utilization, which "
+             "applies where both are given) (env DISAGG_NUM_KV_BLOCKS)")
     add("--gpu-memory-utilization", type=float, default=None,
-        help="CUDA only: size the KV cache to fill this fraction of the GPU's memory after the weights "
-             "are loaded (e.g. 0.9), instead of --num-kv-blocks")
+        help=f"CUDA: the share of the GPU this worker's weights, activations and KV cache take, counting only its own "
+             f"(default {DEFAULT_GPU_MEMORY_UTILIZATION}, which `disagg up` divides among the workers on a GPU)")
     add("--max-num-seqs", type=int, default=None,
         help=f"most requests a step runs (default: {DEFAULT_MAX_NUM_SEQS}; {GPU_MAX_NUM_SEQS} on CUDA, where a decode "
              "step costs about the same for many more rows)")

@@ -162,17 +162,29 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
                                 args.max_message_bytes, interceptors=[ParseRequests()])
     host = _advertised_host(args)
     state.endpoint = f"{host}:{server.port}"
+    started = time.monotonic()
     try:
         if await _load(spec, state, config, stop):
             settle_heap(state.metrics)  # before the first request: one collection over the start-up heap, then none
             await server.set_serving(True)
-            print(f"disagg-{state.role_name} serving on {state.endpoint}", flush=True)
+            note = await _ready_note(spec, state, time.monotonic() - started)
+            print(f"disagg-{state.role_name} serving on {state.endpoint} ({note})", flush=True)
             log.info("serving %s as worker %s", state.model_name, state.worker_id)
             await obs.start(args.host, host, server.port, meta=spec.registration_meta(state))
             state.spawn(spec.background(state, stop))
             await stop.wait()
     finally:
         await _shutdown(spec, server, state, obs, args.drain_timeout)
+
+
+async def _ready_note(spec: RoleSpec, state: WorkerState, load_s: float) -> str:
+    """What the ready line says beside the address: how long loading (and warming up) took, and the KV cache's
+    capacity in tokens where the role has one (`disagg up`'s summary shows it)."""
+    parts = [f"ready in {load_s:.1f} s"]
+    if state.kv_layout is not None:
+        load = await spec.load_report(state)
+        parts.append(f"KV cache {load.kv_blocks_total * state.kv_layout.block_size} tokens")
+    return "; ".join(parts)
 
 
 async def _load(spec: RoleSpec, state: WorkerState, config: Any, stop: asyncio.Event) -> bool:

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.tls import tls_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVING_LINE = re.compile(r"^disagg-(?P<role>[\w-]+) serving on (?P<address>\S+)$")
+SERVING_LINE = re.compile(r"^disagg-(?P<role>[\w-]+) serving on (?P<address>\S+)(?: \(.*\))?$")
 METRICS_LINE = re.compile(r"^disagg-[\w-]+ metrics on http://(?P<address>\S+)/metrics$")
 HTTP_LINE = re.compile(r"^disagg-router OpenAI-compatible HTTP on (?P<url>https?://\S+)/v1$")
 DEFAULT_START_TIMEOUT_S = 120.0
