@@ -179,7 +179,10 @@ def profile_step(engine: LLMEngine, batch: int) -> StepProfile:
             engine.step()
         sync(engine)
 
+    # Both kinds of graph off: a decode step replayed from a prefill graph (common/engine/prefill_graphs.py, on where
+    # it fits) would run no Python forward either, and record nothing.
     graphs, runner.graphs = runner.graphs, None
+    prefill_graphs, runner.prefill_graphs = runner.prefill_graphs, None
     try:
         SparseMoeBlock.forward = recorded
         engine.step()
@@ -189,7 +192,7 @@ def profile_step(engine: LLMEngine, batch: int) -> StepProfile:
     finally:
         SparseMoeBlock.forward = forward
         runner.__dict__.pop("run_step", None)
-        runner.graphs = graphs
+        runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
     while engine.has_unfinished_requests():
         engine.step()
     forward_ms = busy / forwards
@@ -197,6 +200,9 @@ def profile_step(engine: LLMEngine, batch: int) -> StepProfile:
     if not sparse:
         return StepProfile(forward_ms, 0.0, None, "")
     last = inputs[-sparse:]  # one forward's: the last one recorded
+    if len(last) < sparse:
+        raise RuntimeError(f"the recorded step ran {len(last)} of the model's {sparse} sparse blocks in Python; "
+                           "a graph replayed the rest")
 
     @torch.inference_mode()
     def blocks(repeats: int) -> None:
