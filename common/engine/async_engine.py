@@ -53,12 +53,20 @@ class AsyncLLMEngine:
         self._stopped = threading.Event()
         # Called on the event loop with how long a step's outputs waited for it (the worker's metric), if set.
         self.output_wait: Callable[[float], None] | None = None
+        self.warm_up_s: float | None = None  # how long from_config's warm-up took (None: none ran)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config))
+        """Load the engine and warm it up (common.engine.warm_up) before its loop starts."""
+        from common.engine.warm_up import warm_up
+
+        engine = LLMEngine(config)
+        seconds = warm_up(engine)
+        started = cls(engine)
+        started.warm_up_s = seconds
+        return started
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result (or raise its error)."""

@@ -1,0 +1,81 @@
+"""Requests a fresh engine runs before its worker says SERVING, so that the first real ones find warm what they take:
+on a GPU the Triton kernels of each prompt size (compiled and autotuned at their first launch), the sampler's
+paths, a grammar mask and xgrammar's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
+built at import), so none run there. Their KV leaves no trace: the prefix cache is emptied after them, so no worker
+ever reports (or serves) a block of theirs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from common.engine.structured import JSON_OBJECT, StructuredOutput
+
+log = logging.getLogger(__name__)
+
+PROMPT_TOKENS = (16, 128, 512, 2048, 8192)  # prompt (and chunk) sizes whose kernels a GPU builds at first use
+DECODE_BATCH = 32  # short prompts decoded together, sampled: the sampler's batched paths
+OUTPUT_TOKENS = 4
+
+
+def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
+    """Run the warm-up requests to the end and forget them; the seconds it took (None where none run: `full`
+    defaults to whether the engine runs on a GPU). A failure is logged, its requests aborted, and the engine serves
+    cold."""
+    if not (engine.runner.device.type == "cuda" if full is None else full):
+        return None
+    start = time.monotonic()
+    ids: list[str] = []
+    for request_id, prompt, sampling in _requests(engine):
+        try:
+            engine.add_request(request_id, prompt, sampling)
+            ids.append(request_id)
+        except Exception as exc:  # (a grammar compile past its time limit, say): the others still run
+            log.warning("warm-up request %s not run (%s: %s)", request_id, type(exc).__name__, exc)
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    except Exception as exc:  # a warm-up must not keep a worker from serving; the same fault would show in requests
+        log.warning("warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
+        for request_id in ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.block_manager.reset_prefix_cache()
+    engine.num_preemptions = 0
+    seconds = time.monotonic() - start
+    log.info("warm-up: %d requests in %.1f s", len(ids), seconds)
+    return seconds
+
+
+def _requests(engine: LLMEngine):
+    """(id, prompt, sampling) of each warm-up request: prompts of each size up to a step's budget (greedy), a batch
+    of short sampled ones with logprobs, and one under a grammar where the model has a tokenizer."""
+    cap = min(engine.config.max_num_batched_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
+              engine.block_manager.num_blocks * engine.config.block_size // 4)
+    greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    for n in sorted({n for n in PROMPT_TOKENS if n < cap} | {cap}):  # the step budget's own size too
+        yield f"warm-up-prompt-{n}", _prompt(engine, n, 0), greedy
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=OUTPUT_TOKENS, ignore_eos=True,
+                             logprobs=True, top_logprobs=2)
+    for i in range(min(DECODE_BATCH, engine.config.max_num_seqs)):
+        yield f"warm-up-batch-{i}", _prompt(engine, 8, i + 1), sampled
+    if _has_tokenizer(engine):
+        yield "warm-up-grammar", _prompt(engine, 8, 99), SamplingParams(
+            temperature=0, max_tokens=OUTPUT_TOKENS, structured=StructuredOutput(JSON_OBJECT))
+
+
+def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
+    """n ordinary token ids (none special to the model: no image placeholder, no end of text)."""
+    skip = {engine.image_token_id, *engine.eos_token_ids}
+    vocab = engine.vocab_size
+    ids = [(100 + 7919 * (i + 31 * seed)) % max(vocab - 100, 1) + min(100, vocab - 1) for i in range(n)]
+    return [t if t not in skip else min(100, vocab - 1) for t in ids]
+
+
+def _has_tokenizer(engine: LLMEngine) -> bool:
+    from common.tokenizer import load_tokenizer
+
+    return load_tokenizer(engine.config.model) is not None

@@ -1,0 +1,29 @@
+"""The warm-up a GPU engine runs before its worker says SERVING (common/engine/warm_up.py), run here on the CPU: every
+kind of request it sends runs to the end, and it leaves the engine as it found it (no request, every block free,
+nothing in the prefix cache, no preemption counted); on the CPU by default it runs nothing."""
+import shutil
+
+from common.engine.config import EngineConfig
+from common.engine.default_model import default_model_dir
+from common.engine.engine import LLMEngine
+from common.engine.request import SamplingParams
+from common.engine.warm_up import warm_up
+
+
+def test_the_warm_up_runs_every_kind_and_leaves_no_trace(tiny_llama, tmp_path):
+    model = shutil.copytree(tiny_llama, tmp_path / "with-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, model / name)
+    engine = LLMEngine(EngineConfig(model=str(model), block_size=4, num_kv_blocks=256, max_num_batched_tokens=160,
+                                    max_num_seqs=8))
+    assert warm_up(engine) is None  # the CPU's default: nothing to build
+    added = []
+    add = engine.add_request
+    engine.add_request = lambda request_id, *args, **kwargs: added.append(request_id) or add(request_id, *args,
+                                                                                                 **kwargs)
+    assert warm_up(engine, full=True) > 0
+    assert "warm-up-grammar" in added and "warm-up-prompt-160" in added and len(added) == 3 + 8 + 1, added  # 16, 128 and the budget
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.num_free_blocks == 256 and engine.kv_events.num_cached == 0
+    del engine.add_request
+    assert engine.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
