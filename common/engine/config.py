@@ -40,6 +40,16 @@ CPU_KV_BLOCKS = 1024
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
+def gpu_memory_share(device: str, gpu_memory_utilization: float | None, num_kv_blocks: int | None) -> float | None:
+    """The share of the GPU a KV cache is sized from (the flag, else DEFAULT_GPU_MEMORY_UTILIZATION on CUDA unless a
+    block count is given), or None where a block count sizes it (the CPU, or --num-kv-blocks alone)."""
+    if not device.startswith("cuda"):
+        return None
+    if gpu_memory_utilization is not None:
+        return gpu_memory_utilization
+    return DEFAULT_GPU_MEMORY_UTILIZATION if num_kv_blocks is None else None
+
+
 def default_step_tokens(device: str, prefill_only: bool) -> int:
     return GPU_PREFILL_WORKER_STEP_TOKENS if prefill_only and device.startswith("cuda") else DEFAULT_STEP_TOKENS
 
@@ -176,21 +186,12 @@ class EngineConfig:
     @property
     def memory_share(self) -> float | None:
         """The share of the GPU the KV cache is sized from, or None where a block count sizes it."""
-        if not self.device.startswith("cuda"):
-            return None
-        if self.gpu_memory_utilization is not None:
-            return self.gpu_memory_utilization
-        return DEFAULT_GPU_MEMORY_UTILIZATION if self.num_kv_blocks is None else None
+        return gpu_memory_share(self.device, self.gpu_memory_utilization, self.num_kv_blocks)
 
     def kv_sizing(self) -> str:
-        """One line: what sizes the KV cache (said at start, where both flags are given)."""
-        share = self.memory_share
-        if share is None:
-            return f"KV cache: {self.num_kv_blocks or CPU_KV_BLOCKS} blocks (--num-kv-blocks)"
-        if self.num_kv_blocks is not None:
-            return (f"KV cache sized by --gpu-memory-utilization {share:g}; --num-kv-blocks {self.num_kv_blocks} "
-                    "does not apply")
-        return f"KV cache sized by --gpu-memory-utilization {share:g}"
+        """The line said at start where both --num-kv-blocks and --gpu-memory-utilization are given: which applies."""
+        return (f"KV cache sized by --gpu-memory-utilization {self.memory_share:g}; --num-kv-blocks "
+                f"{self.num_kv_blocks} does not apply")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

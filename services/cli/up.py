@@ -32,7 +32,7 @@ import time
 from common import tls
 from common.tls import TlsConfig
 from common.cpu_cores import can_pin, usable_cores
-from common.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from common.engine.config import gpu_memory_share
 from common.engine.default_model import model_label
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
@@ -73,7 +73,7 @@ class Plan:
     workers: tuple[WorkerPlacement, ...]
     tp: dict[str, int]  # each role's tensor-parallel size
     max_local_prefill_tokens: int
-    gpu_memory_utilization: float | None  # the GPUs' share for the workers (memory_utilization); each gets memory_share
+    gpu_memory_utilization: float | None  # each GPU's share for its workers together; each gets memory_share of it
     cpu: CpuLayout | None = None  # --device cpu: each worker's model cores (None: pinning off)
     why: str = ""  # why this layout, where up chose it (the summary says it)
     tls: TlsConfig = TlsConfig()  # every process's (the flags, else DISAGG_TLS_*)
@@ -329,18 +329,9 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
                  else SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS)
     chose = args.prefill is not None or args.decode is not None
     why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
-    return Plan(model_label(args.model), "", workers, tp_sizes(args), local, memory_utilization(args),
+    return Plan(model_label(args.model), "", workers, tp_sizes(args), local,
+                gpu_memory_share(args.device, args.gpu_memory_utilization, args.num_kv_blocks),
                 cpu_plan(args, list(workers), cores), why, routers=args.routers)
-
-
-def memory_utilization(args: argparse.Namespace) -> float | None:
-    """The share of each GPU its workers take together: the user's, else on CUDA the engine's default unless
-    --num-kv-blocks sizes the caches instead (None: they do)."""
-    if args.gpu_memory_utilization is not None:
-        return args.gpu_memory_utilization
-    if on_cuda(args.device) and args.num_kv_blocks is None:
-        return DEFAULT_GPU_MEMORY_UTILIZATION
-    return None
 
 
 def routers_ports(args: argparse.Namespace) -> dict[str, int]:

@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.integration.processes import free_port
 
 
 def ttft_ms(url: str, prompt: str) -> float:
@@ -42,7 +37,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("up_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    http = _free_port()
+    http = free_port()
     started = time.monotonic()
     up = subprocess.Popen([sys.executable, "-u", "-m", "services", "up", "--router-port", "0", "--http-port", str(http),
                            *[a for a in args.up_args if a != "--"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ import pytest
 from tests.integration.front_doors import Cluster
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.test_kserve import needs_tritonclient, run_tritonclient
+from tests.integration.test_tool_calls import TOOLS, TRIP
 
 # Every string bounded: a random-weight model must still close the object within max_tokens.
 BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -106,10 +107,7 @@ def test_smollm2_fills_a_schema_through_the_sdk_and_langchain(smollm2: Cluster):
 
 
 GRAMMAR_EBNF = 'root ::= "ab" [0-9] [0-9]?'
-TRIP = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "plan_trip", "description": "Plan a trip", "parameters": TRIP}}]
+PLAN_TRIP = TOOLS[:1]  # plan_trip alone: a required call must be that one
 # What each constraint kind adds to a chat request.
 SWEEP = {
     "json_schema": {"response_format": _json_schema(BOUNDED)},
@@ -117,8 +115,8 @@ SWEEP = {
     "regex": {"extra_body": {"guided_regex": "[A-Z]{3}-[0-9]{4}"}},
     "choice": {"extra_body": {"guided_choice": ["yes", "no", "perhaps"]}},
     "grammar": {"extra_body": {"guided_grammar": GRAMMAR_EBNF}},
-    "tools_required": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
-    "tools_named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "plan_trip"}}},
+    "tools_required": {"tools": PLAN_TRIP, "tool_choice": "required", "parallel_tool_calls": False},
+    "tools_named": {"tools": PLAN_TRIP, "tool_choice": {"type": "function", "function": {"name": "plan_trip"}}},
 }
 
 
