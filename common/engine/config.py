@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 # --engine's choices → "module:class" under common.engine that common.engine.start loads (one line per engine).
 ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
+# Grammar libraries for structured output → "module:class" under common.engine (common.engine.grammar_backend's
+# GrammarBackend); --structured-output-backend picks one, or "auto" one per grammar (common.engine.grammar_choice).
+GRAMMAR_BACKENDS = {"xgrammar": "grammar_xgrammar:XgrammarBackend", "guidance": "grammar_guidance:GuidanceBackend"}
+STRUCTURED_OUTPUT_BACKENDS = ("auto", *GRAMMAR_BACKENDS)
 # --load-format's choices: the model directory's safetensors, or random weights made from its config.json alone.
 LOAD_FORMATS = ("auto", "dummy")
 # --quantization's and --kv-cache-dtype's choices (common/engine/quantization).
@@ -129,6 +133,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """What the KV cache stores: "auto", the model's dtype; "fp8", float8_e4m3fn with a scale of 1.0 (half the
     bytes of bf16 in memory and in every handoff)."""
+    structured_output_backend: str = "auto"
+    """Which grammar library compiles structured output: "xgrammar", "guidance" (llguidance), or "auto", one per
+    grammar by common.engine.grammar_choice's rule. A grammar the one picked refuses is tried on the other."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -161,6 +168,9 @@ class EngineConfig:
              f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"),
             (self.engine == "torch" or (self.quantization is None and self.kv_cache_dtype == "auto"),
              "--quantization and --kv-cache-dtype fp8 are our engine's; run them with --engine torch"),
+            (self.structured_output_backend in STRUCTURED_OUTPUT_BACKENDS,
+             f"--structured-output-backend must be one of {list(STRUCTURED_OUTPUT_BACKENDS)}, got "
+             f"{self.structured_output_backend!r}"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

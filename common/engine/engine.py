@@ -8,7 +8,7 @@ import time
 from common.engine.block_manager import BlockManager
 from common.engine.config import EngineConfig, resolve_max_model_len
 from common.engine.grammar import Grammars
-from common.engine.grammar_mask import GrammarState
+from common.engine.grammar_backend import CompiledGrammar
 from common.engine.model_runner import ModelRunner, StepLaunch
 from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
@@ -41,7 +41,8 @@ class LLMEngine:
         facts = load_model_facts(config.model)
         self.eos_token_ids = facts.eos_token_ids
         self.image_token_id = facts.image_token_id
-        self.grammars = Grammars(config.model, self.vocab_size, self.eos_token_ids)  # structured output's
+        self.grammars = Grammars(config.model, self.vocab_size, self.eos_token_ids,  # structured output's
+                                 config.structured_output_backend)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
@@ -71,7 +72,7 @@ class LLMEngine:
         images: list[ImageEmbedding] | None = None,
         more_first_tokens: list[int] | None = None,
         choices: list[int] | None = None,
-        grammar: object | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """n > 1 (sampling.n, or `choices`, the choice indices this engine runs, leader first): one request per
         choice; generation_only takes each choice's first token (`first_token`, then `more_first_tokens`)."""
@@ -102,7 +103,7 @@ class LLMEngine:
                          for i, t in zip(choices[1:], firsts)]
         if grammar is not None:  # each choice its own state, past its first token if it has one
             for member in (request, *request.forks):
-                member.grammar = GrammarState.after(grammar, member.output_token_ids, self.grammars.refused)
+                member.grammar = grammar.after(member.output_token_ids)
         if isinstance(kv_import, PlacedKv):  # already in our blocks: the request takes them over
             request.block_table = kv_import.adopt() or []
             if not request.block_table:

@@ -1,61 +1,14 @@
-"""Each structured request's place in its grammar, and the token masks it puts on a batch's logits.
-
-A request's GrammarState advances with every token appended to it (the first token a context phase sampled
-included), and never goes back: a preempted request keeps its tokens and so its state, and recomputing its KV
-changes neither. Only rows with a grammar are masked; the others share the batch untouched.
+"""The token masks a batch's grammar rows put on its logits, whichever backend each row's grammar is of
+(common.engine.grammar_backend): each backend fills its rows into one bitmask, and one kernel masks them all. Only
+rows with a grammar are masked; the others share the batch untouched.
 """
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 import xgrammar as xgr
 
 from common.engine import kernels
-from common.errors import HandoffMismatch
-
-log = logging.getLogger(__name__)
-# Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them); "auto" is xgrammar's choice.
-# DISAGG_GRAMMAR_FILL_THREADS=N sets it (the structured_output bench compares).
-FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")) or "auto"
-
-
-class GrammarState:
-    """One request's xgrammar GrammarMatcher. Once the grammar is complete its mask allows only stop tokens (EOS),
-    and accepting one ends it."""
-
-    def __init__(self, compiled: xgr.CompiledGrammar, refused: frozenset[int] = frozenset()):
-        self.matcher = xgr.GrammarMatcher(compiled)
-        self._refused = refused  # tokens no grammar takes, refused without asking xgrammar (Grammars.refused)
-
-    @classmethod
-    def after(cls, compiled: xgr.CompiledGrammar, tokens: list[int],
-              refused: frozenset[int] = frozenset()) -> GrammarState:
-        """The state past `tokens` (a generation_only request's first token, sampled by the context phase under
-        the same grammar); HandoffMismatch when the grammar does not allow them: the context phase broke its rule,
-        which the client could not have caused."""
-        state = cls(compiled, refused)
-        for token in tokens:
-            if not state.matcher.accept_token(token):
-                raise HandoffMismatch(f"token {token} (the first token the context phase sampled) does not fit "
-                                      "the request's structured output")
-        return state
-
-    def allows(self, token: int) -> bool:
-        """Whether the grammar takes `token` next; its state stays as it was."""
-        if token in self._refused or not self.matcher.accept_token(token):
-            return False
-        self.matcher.rollback(1)
-        return True
-
-    def ends_with(self, token: int) -> bool:
-        """Advance over a sampled token: True when the grammar is done (it took its stop token), or could not take
-        `token` (never, as the mask allowed it; the request then ends rather than leave its grammar)."""
-        if not self.matcher.accept_token(token):
-            log.warning("the grammar refused sampled token %d; the request ends", token)
-            return True
-        return self.matcher.is_terminated()
+from common.engine.grammar_backend import BatchFill, GrammarState
 
 
 class GrammarMasks:
@@ -65,8 +18,8 @@ class GrammarMasks:
     grammar rows, so the others stay as they are."""
 
     def __init__(self) -> None:
-        self._matcher = xgr.BatchGrammarMatcher(FILL_THREADS)
-        self._host: torch.Tensor | None = None  # [rows, words] int32, xgrammar's bitmask
+        self._fills: dict[type[BatchFill], BatchFill] = {}  # each backend's, made at its first row
+        self._host: torch.Tensor | None = None  # [rows, words] int32, the bitmask every backend fills
         self._host_rows: torch.Tensor | None = None  # [rows] int32: which batch rows the bitmask fills
         self._device: torch.Tensor | None = None
         self._device_rows: torch.Tensor | None = None
@@ -105,7 +58,7 @@ class GrammarMasks:
         if self._uploaded is not None:  # (done already, in the engine's order of steps)
             self._uploaded.synchronize()
         host, host_rows = self._host[:batch], self._host_rows[: len(rows)]
-        self._matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], host, rows)
+        self.fill(grammars, host)
         if logits.device.type != "cuda":
             xgr.apply_token_bitmask_inplace(logits, host, vocab_size=vocab, indices=rows)
             return
@@ -115,9 +68,22 @@ class GrammarMasks:
         indices.copy_(host_rows, non_blocking=True)
         self._uploaded = torch.cuda.Event()
         self._uploaded.record()
-        # xgrammar's kernel is triton's; where triton is not installed (a CPU image's xgrammar), its torch one.
+        # xgrammar's kernel masks every backend's rows (one layout); it is triton's, or where triton is not installed
+        # (a CPU image's xgrammar) its torch one.
         backend = "triton" if kernels.HAS_TRITON else "torch_native"
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices, backend=backend)
+
+    def fill(self, grammars: list[GrammarState | None], bitmask: torch.Tensor) -> None:
+        """Write each grammar row's next-token mask into its row of `bitmask` (host, int32 [len(grammars), words]),
+        each backend its own rows."""
+        by_fill: dict[type[BatchFill], list[int]] = {}
+        for i, grammar in enumerate(grammars):
+            if grammar is not None:
+                by_fill.setdefault(grammar.fill_class, []).append(i)
+        for fill_class, rows in by_fill.items():
+            if fill_class not in self._fills:
+                self._fills[fill_class] = fill_class()
+            self._fills[fill_class].fill([grammars[i] for i in rows], bitmask, rows)
 
     def _reserve(self, batch: int, words: int, device: torch.device) -> None:
         if (self._host is not None and self._host.shape[0] >= batch and self._host.shape[1] == words

@@ -25,7 +25,7 @@ from common.engine.quantization.kv_cache import KvCacheFormat
 from common.kv.words import as_words
 from common.engine.shared_cache import SharedKvCache
 from common.engine.tp_ranks import FollowerRanks
-from common.engine.grammar_mask import GrammarState
+from common.engine.grammar_backend import GrammarState
 from common.engine.host_upload import upload
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler, logprobs_on_device, with_logprobs

@@ -10,7 +10,7 @@ from common.engine.structured import StructuredOutput
 from common.errors import InvalidRequest
 
 if TYPE_CHECKING:  # torch lives there; the router builds SamplingParams without it
-    from common.engine.grammar_mask import GrammarState
+    from common.engine.grammar_backend import GrammarState
     from common.engine.multimodal import MultiModalInputs
     from common.kv.session import KvSession
 

@@ -54,9 +54,9 @@ def _check_schema(spec: str) -> None:
     _check_types(schema, "")
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                 "unevaluatedProperties", "unevaluatedItems")
 
 
@@ -69,11 +69,11 @@ def _check_types(node: Any, where: str) -> None:
     if any(not isinstance(n, str) or n not in _JSON_TYPES for n in names):
         raise InvalidRequest(f"json_schema at '{where or '/'}': type must be one of {', '.join(sorted(_JSON_TYPES))} "
                              f"(or a list of them), got {json.dumps(kind)}")
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
             for name, sub in node[key].items():
                 _check_types(sub, f"{where}/{key}/{name}")
-    for key in _SCHEMA_LISTS + _SCHEMA_ONES:
+    for key in SCHEMA_LISTS + SCHEMA_ONES:
         subs = node.get(key)
         for i, sub in enumerate(subs if isinstance(subs, list) else [subs]):
             _check_types(sub, f"{where}/{key}" + (f"/{i}" if isinstance(subs, list) else ""))
