@@ -11,7 +11,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from common.engine.grammar_backend import (BatchFill, CompiledGrammar, GrammarBackend, GrammarRefused,
@@ -67,8 +66,11 @@ class GuidanceFill(BatchFill):
         self._executor = llguidance.LLExecutor(None if FILL_THREADS == "auto" else FILL_THREADS)
 
     def fill(self, states: list[GuidanceState], bitmask: torch.Tensor, rows: list[int]) -> None:
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(s.matcher, row) for s, row in zip(states, rows)], bitmask)
+        # (llguidance.torch's fill_next_token_bitmask_par, whose module compiles a kernel with torch.compile at import)
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        batch, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, row) for s, row in zip(states, rows)],
+                                               bitmask.data_ptr(), words * 4, batch)
 
 
 class GuidanceState(GrammarState):

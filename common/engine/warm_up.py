@@ -1,6 +1,6 @@
 """Requests a fresh engine runs before its worker says SERVING, so that the first real ones find warm what they take:
 on a GPU the Triton kernels of each prompt size (compiled and autotuned at their first launch), the sampler's
-paths, a grammar mask and xgrammar's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
+paths, a grammar mask and each grammar backend's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
 built at import), so none run there. Their KV leaves no trace: the prefix cache is emptied after them, so no worker
 ever reports (or serves) a block of theirs.
 """
@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 PROMPT_TOKENS = (16, 128, 512, 2048, 8192)  # prompt (and chunk) sizes whose kernels a GPU builds at first use
 DECODE_BATCH = 32  # short prompts decoded together, sampled: the sampler's batched paths
 OUTPUT_TOKENS = 4
+BOUNDED_STRING = {"type": "string", "maxLength": 8}  # common.engine.grammar_choice sends it to llguidance
 
 
 def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
@@ -55,7 +56,8 @@ def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
 
 def _requests(engine: LLMEngine):
     """(id, prompt, sampling) of each warm-up request: prompts of each size up to a step's budget (greedy), a batch
-    of short sampled ones with logprobs, and one under a grammar."""
+    of short sampled ones with logprobs, and two under a grammar: JSON mode, and a bounded string, which `auto` gives
+    the other backend (--structured-output-backend: each request on its backend, or both on the one named)."""
     cap = min(engine.config.max_num_batched_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
               engine.block_manager.num_blocks * engine.config.block_size // 4)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -66,8 +68,9 @@ def _requests(engine: LLMEngine):
     for i in range(min(DECODE_BATCH, engine.config.max_num_seqs)):
         yield f"warm-up-batch-{i}", _prompt(engine, 8, i + 1), sampled
     # (a model without tokenizer files refuses it: FailedPrecondition, which warm_up passes over)
-    yield "warm-up-grammar", _prompt(engine, 8, 99), SamplingParams(
-        temperature=0, max_tokens=OUTPUT_TOKENS, structured=StructuredOutput(JSON_OBJECT))
+    for i, structured in enumerate((StructuredOutput(JSON_OBJECT), StructuredOutput.json_schema(BOUNDED_STRING))):
+        yield f"warm-up-grammar-{i}", _prompt(engine, 8, 99 + i), SamplingParams(
+            temperature=0, max_tokens=OUTPUT_TOKENS, structured=structured)
 
 
 def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:

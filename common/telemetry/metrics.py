@@ -67,6 +67,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_engine_output_wait_seconds": ("histogram", "How long a step's outputs waited for this worker's event loop "
                                           "(the engine thread handed them over → the loop took them): the loop busy, "
                                           "or the engine thread holding the GIL.", ()),
+    "disagg_grammar_compile_seconds": ("histogram", "Duration of one structured-output grammar compile that succeeded "
+                                       "(a cache hit included), by grammar backend.", ("backend",)),
+    "disagg_grammar_compiles_total": ("counter", "Structured-output grammar compiles by grammar backend and outcome "
+                                      "(compiled; refused: tried on the other backend, or a 400 where both refuse; "
+                                      "timeout: past the limit, a 400).", ("backend", "outcome")),
     "disagg_gc_pause_seconds": ("histogram", "Duration of one cyclic garbage collection in this process, by "
                                 "generation: every thread waits for it (start-up objects are frozen out of it).",
                                 ("generation",)),
@@ -75,7 +80,8 @@ _BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_ttft
             "disagg_inter_token_latency_seconds": _ITL_BUCKETS,
             "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,
             "disagg_encode_latency_seconds": _LATENCY_BUCKETS, "disagg_gc_pause_seconds": _PULL_BUCKETS,
-            "disagg_engine_output_wait_seconds": _PULL_BUCKETS, "disagg_event_loop_lag_seconds": _PULL_BUCKETS}
+            "disagg_engine_output_wait_seconds": _PULL_BUCKETS, "disagg_event_loop_lag_seconds": _PULL_BUCKETS,
+            "disagg_grammar_compile_seconds": _PULL_BUCKETS}
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
@@ -134,3 +140,10 @@ def observe_engine_load(metrics: Metrics, load) -> None:
     if load.preemptions > metrics._preemptions_seen:
         metrics.get("disagg_preemptions_total").inc(load.preemptions - metrics._preemptions_seen)
         metrics._preemptions_seen = load.preemptions
+
+
+def observe_grammar_compile(metrics: Metrics, backend: str, outcome: str, seconds: float) -> None:
+    """One grammar compile (common.engine.grammar.Grammars.observe)."""
+    metrics.get("disagg_grammar_compiles_total", backend=backend, outcome=outcome).inc()
+    if outcome == "compiled":
+        metrics.get("disagg_grammar_compile_seconds", backend=backend).observe(seconds)

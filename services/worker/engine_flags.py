@@ -13,7 +13,8 @@ from typing import Any
 from common.engine.config import (CPU_KV_BLOCKS, CPU_LONG_PREFILL_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION,
                                   DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
                                   GPU_MAX_NUM_SEQS, GPU_PREFILL_WORKER_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
-                                  QUANTIZATIONS, EngineConfig, default_max_num_seqs, default_step_tokens)
+                                  QUANTIZATIONS, STRUCTURED_OUTPUT_BACKENDS, EngineConfig, default_max_num_seqs,
+                                  default_step_tokens)
 from common.engine.default_model import resolve_model
 from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_specs, read_json, read_yaml
 
@@ -86,6 +87,12 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
         help="auto: the KV cache holds --dtype; fp8: float8_e4m3fn, scale 1.0 (half the bytes of bf16 held and "
              "handed off; a worker of another KV dtype refuses its sessions)")
+    add("--structured-output-backend", default=os.environ.get("DISAGG_STRUCTURED_OUTPUT_BACKEND", "auto"),
+        choices=list(STRUCTURED_OUTPUT_BACKENDS),
+        help="the grammar library of structured output and forced tool calls: xgrammar, guidance (llguidance), or "
+             "auto: llguidance for JSON schemas with length-bounded strings, patterns or large array bounds, "
+             "xgrammar for the rest; a grammar one refuses is tried on the other (env "
+             "DISAGG_STRUCTURED_OUTPUT_BACKEND)")
 
 
 def _engine_actions() -> list[argparse.Action]:
@@ -125,6 +132,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format, dummy_seed=args.dummy_seed,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        structured_output_backend=args.structured_output_backend,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from common.errors import DisaggError, Unavailable
 from common.kv.backends import PREFERENCE, known_backends, parse_backends
 from common.kv.layout import KvLayout
 from common.kv.paths import KvPath, open_path
-from common.telemetry.metrics import Metrics, observe_engine_load
+from common.telemetry.metrics import Metrics, observe_engine_load, observe_grammar_compile
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.kit.convert import kv_event_to_proto
 from services.worker.engine_flags import add_engine_args, effective_engine_json, engine_config_from_args
@@ -201,6 +202,7 @@ class EngineRole:
         state.closers.append(state.kv_path.close)
         if hasattr(engine, "output_wait") and state.metrics is not None:  # our engine's bridge (not trtllm's)
             engine.output_wait = state.metrics.get("disagg_engine_output_wait_seconds").observe
+            engine.engine.grammars.observe = functools.partial(observe_grammar_compile, state.metrics)
         state.engine = engine
         state.tensor_source = state.kv_path
 

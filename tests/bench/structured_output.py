@@ -2,14 +2,16 @@
 the same process on the same engine, rounds alternating which goes first.
 
     python -m tests.bench.structured_output [--requests 8] [--output-tokens 64] [--rounds 3] [--device cpu]
-        [--model DIR [--load-format dummy]] [--dtype bfloat16]
+        [--model DIR [--load-format dummy]] [--dtype bfloat16] [--backend auto,xgrammar,guidance]
 
 The default SmolLM2-135M-Instruct (or `--model`: its shape with random weights where `--load-format dummy`),
 greedy, `--requests` chat prompts at once. Each schema asks for an array of at
 least 200 strings, so no constrained request can end before --output-tokens; the unconstrained ones ignore EOS: every
 run generates the same number of tokens in batches of the same size, and the difference is the grammar's work (its
 masks filled, copied and applied each step; on a GPU, with async scheduling, whatever of it the next step's forward
-does not hide).
+does not hide). `--backend` names the --structured-output-backend settings to compare (each schema runs under each,
+in one engine whose grammar compiler is switched between runs); first it prints each setting's compile time for
+each schema (a compiler of its own, its tokenizer tables built beforehand, cache cold) and the backend that compiled it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
+from common.engine.grammar import Grammars
 from common.engine.request import SamplingParams
 from common.engine.structured import StructuredOutput
 from common.tokenizer import Tokenizer
@@ -57,7 +60,20 @@ class Run:
                 f"max {decode[-1]:.2f})")
 
 
-def timed(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams) -> Run:
+def compile_times(engine: LLMEngine, backends: list[str]) -> None:
+    for backend in backends:
+        grammars = Grammars(engine.config.model, engine.vocab_size, engine.eos_token_ids, backend)
+        grammars.compile(StructuredOutput("regex", "x"))  # its tokenizer tables
+        for name, schema in SCHEMAS.items():
+            start = time.perf_counter()
+            compiled = grammars.compile(StructuredOutput.json_schema(schema))
+            print(f"compile {name} under {backend}: {(time.perf_counter() - start) * 1e3:.1f} ms on "
+                  f"{compiled.backend}", flush=True)
+        grammars.close()
+
+
+def timed(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams, backend: str) -> Run:
+    engine.grammars.backend = backend
     adding = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, sampling)
@@ -86,27 +102,35 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model", default=None, help="a model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--backend", default="auto",
+                        help="comma-separated --structured-output-backend settings to compare (auto, xgrammar, guidance)")
     args = parser.parse_args()
+    backends = args.backend.split(",")
     model = args.model or str(default_model_dir())
     tokenizer = Tokenizer.from_model_dir(model)
     engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                                     num_kv_blocks=512, max_num_seqs=args.requests))
+    compile_times(engine, backends)
     prompts = make_prompts(tokenizer, args.requests)
     plain = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
-    runs_of = {"unconstrained": plain}
+    runs_of = {"unconstrained": (plain, backends[0])}
     for name, schema in SCHEMAS.items():
-        runs_of[name] = SamplingParams(temperature=0, max_tokens=args.output_tokens,
-                                       structured=StructuredOutput.json_schema(schema))
-        engine.generate(prompts[:2], dataclasses.replace(runs_of[name], max_tokens=4))  # its compile
+        for backend in backends:
+            label = name if len(backends) == 1 else f"{name} [{backend}]"
+            runs_of[label] = (SamplingParams(temperature=0, max_tokens=args.output_tokens,
+                                             structured=StructuredOutput.json_schema(schema)), backend)
+            engine.grammars.backend = backend
+            engine.generate(prompts[:2], dataclasses.replace(runs_of[label][0], max_tokens=4))  # its compile
     engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    ratios: dict[str, dict[str, list[float]]] = {name: {"tok_s": [], "step_tok_s": []} for name in SCHEMAS}
+    held_names = [name for name in runs_of if name != "unconstrained"]
+    ratios: dict[str, dict[str, list[float]]] = {name: {"tok_s": [], "step_tok_s": []} for name in held_names}
     for round_ in range(args.rounds):
         order = list(runs_of.items())
-        runs = {name: timed(engine, prompts, sampling) for name, sampling in (order if round_ % 2 == 0 else order[::-1])}
+        runs = {name: timed(engine, prompts, *run) for name, run in (order if round_ % 2 == 0 else order[::-1])}
         free = runs["unconstrained"]
         line = [f"round {round_ + 1}: output tok/s (by the median decode step) unconstrained {free.tok_s:.1f} "
                 f"({free.step_tok_s:.1f})"]
-        for name in SCHEMAS:
+        for name in held_names:
             held = runs[name]
             assert all(len(o) == args.output_tokens for o in held.outputs), "a constrained request ended early"
             assert tokenizer.decode(held.outputs[0]).startswith('["'), tokenizer.decode(held.outputs[0])
@@ -119,10 +143,10 @@ def main() -> None:
             print(f"  {name}: {run.where()}", flush=True)
     print(f"\n{args.requests} requests x {args.output_tokens} tokens on {args.device} ({args.dtype}), median of "
           f"{args.rounds} rounds, constrained / unconstrained output tok/s (by the median decode step):")
-    for name in SCHEMAS:
+    for name in held_names:
         print(f"  {name}: {statistics.median(ratios[name]['tok_s']):.3f}x "
               f"({statistics.median(ratios[name]['step_tok_s']):.3f}x)")
-    print(f"a constrained output begins: {json.dumps(tokenizer.decode(runs['strings'].outputs[0])[:60])}")
+    print(f"a constrained output begins: {json.dumps(tokenizer.decode(runs[held_names[0]].outputs[0])[:60])}")
     engine.close()
 
 
