@@ -65,9 +65,10 @@ def make_front_door_model(directory: Path) -> str:
     return str(make_text_model(directory, max_position_embeddings=CONTEXT))
 
 
-def run_cluster(model: str, mode: str) -> Iterator[Cluster]:
+def run_cluster(model: str, mode: str, *flags: str) -> Iterator[Cluster]:
+    """`disagg up` of `model` in `mode`, with `flags` besides."""
     http_port = free_port()  # `disagg up --http-port 0` turns HTTP off, so a free port is chosen here
-    up = Up("--model", model, "--router-port", "0", "--http-port", str(http_port), *ENGINE, *MODES[mode])
+    up = Up("--model", model, "--router-port", "0", "--http-port", str(http_port), *ENGINE, *MODES[mode], *flags)
     try:
         router = up.wait()
         up.wait_line("A process that dies is restarted", 10)  # the banner's last line: it is all there

@@ -1,17 +1,21 @@
 """Structured output through `disagg up`, prefill→decode and aggregated, with clients none of us wrote: the openai
 SDK's response_format and vLLM's guided_* extras, LangChain's with_structured_output, KServe's sampling_parameters.
-The output validates against its schema (the `jsonschema` package); a schema xgrammar cannot compile is a 400 naming
-it, and the next request is served."""
+The output validates against its schema (the `jsonschema` package); a schema neither grammar backend can compile is a
+400 naming it, and the next request is served. The clusters run `--structured-output-backend auto`; one more,
+prefill→decode with `guidance`, runs the SDK and LangChain checks and the constraint sweep again on llguidance (and
+its forced tool calls, structural tags, on xgrammar, the fallback), which its workers' metrics confirm."""
 from __future__ import annotations
 
 import json
 import re
+import urllib.request
+from typing import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from tests.integration.front_doors import Cluster
+from tests.integration.front_doors import Cluster, run_cluster
 from tests.integration.leaks import assert_no_leaks
 from tests.integration.test_kserve import needs_tritonclient, run_tritonclient
 from tests.integration.test_tool_calls import TOOLS, TRIP
@@ -177,3 +181,52 @@ def test_every_constraint_holds_from_the_first_token_sampled_or_not_n_1_or_3_str
                 for reason, text, calls in choices.values():
                     _check(kind, reason, text, calls)
     assert_no_leaks(front_doors.workers)
+
+
+@pytest.fixture(scope="module")
+def guidance_doors(front_door_model) -> Iterator[Cluster]:
+    """`disagg up --structured-output-backend guidance`, prefill→decode (the first token from the prefill worker)."""
+    yield from run_cluster(front_door_model, "prefill-decode", "--structured-output-backend", "guidance")
+
+
+@pytest.mark.parametrize("check", [test_json_schema_output_validates_in_every_mode,
+                                   test_guided_extras_and_sampling_keep_to_the_grammar,
+                                   test_an_uncompilable_schema_is_a_400_and_the_next_request_is_served],
+                         ids=lambda check: check.__name__.removeprefix("test_"))
+def test_the_sdk_s_structured_output_holds_on_guidance(guidance_doors: Cluster, check):
+    check(guidance_doors)
+
+
+def test_langchain_s_structured_output_and_forced_tools_hold_on_guidance(guidance_doors: Cluster):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=guidance_doors.model, base_url=f"{guidance_doors.http}/v1", api_key="unused",
+                     temperature=0, max_tokens=60, max_retries=0)
+    colour = {"title": "Colour", "description": "A colour, picked.", **BOUNDED}
+    jsonschema.validate(llm.with_structured_output(colour, method="json_schema").invoke("Pick a colour."), BOUNDED)
+    asked = llm.bind_tools(PLAN_TRIP, tool_choice="required").invoke("Plan a trip for me.")
+    (call,) = asked.tool_calls
+    assert call["name"] == "plan_trip", asked
+    jsonschema.validate(call["args"], TRIP)
+
+
+def test_every_constraint_holds_from_the_first_token_on_guidance(guidance_doors: Cluster):
+    """The sweep's kinds, each sampled with n 3 and greedy streamed, prefilled remotely; then the workers' metrics:
+    llguidance compiled the grammars, xgrammar the forced calls' structural tags, and none was refused."""
+    sdk = guidance_doors.sdk()
+    for kind in SWEEP:
+        for temperature, n, stream in ((0.8, 3, False), (0.0, 1, True)):
+            choices = _choices(sdk, guidance_doors.model, stream, n=n, temperature=temperature, seed=5,
+                               max_tokens=60, messages=[{"role": "user", "content": "Answer, please."}], **SWEEP[kind])
+            assert sorted(choices) == list(range(n))
+            for reason, text, calls in choices.values():
+                _check(kind, reason, text, calls)
+    compiles = {}
+    for name, url in guidance_doors.up.metrics_urls().items():
+        if name.startswith(("prefill", "decode")):
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            for backend, outcome, value in re.findall(
+                    r'^disagg_grammar_compiles_total\{.*?backend="(\w+)".*?outcome="(\w+)".*?\} (\S+)$', text, re.M):
+                compiles[backend, outcome] = compiles.get((backend, outcome), 0) + float(value)
+    assert compiles.get(("guidance", "compiled"), 0) > 0 and compiles.get(("xgrammar", "compiled"), 0) > 0, compiles
+    assert_no_leaks(guidance_doors.workers)
