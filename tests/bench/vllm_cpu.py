@@ -71,6 +71,8 @@ class Server:
     def start(self, logs: Path, timeout_s: float) -> float:
         """Start it and wait until /v1/models answers; returns the seconds that took."""
         self.log = logs / f"{self.name}.log"
+        if _answers(self.url):  # another server (one a killed run left behind) would be measured instead
+            raise RuntimeError(f"{self.url} answers before {self.name} started; stop what listens on port {self.port}")
         started = time.monotonic()
         self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env={**os.environ, **self.env},
                                         stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,12 +80,8 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log}:\n"
                                    + "".join(self.log.read_text().splitlines(True)[-15:]))
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
-                    if response.status == 200:
-                        return time.monotonic() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if _answers(self.url):
+                return time.monotonic() - started
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} did not answer /v1/models within {timeout_s:.0f}s; see {self.log}")
@@ -97,6 +95,19 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a killed job) raises SystemExit, so a bench's `finally` stops the server it started."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def servers(args: argparse.Namespace, model: Path) -> list[Server]:
@@ -171,6 +182,7 @@ def main() -> int:
               "or pass --only-ours", file=sys.stderr)
         return 2
     model = default_model_dir()
+    stop_on_sigterm()
     order = servers(args, model)
     results: dict = {s.name: {str(c): [] for c in concurrencies} for s in order}
     ready: dict[str, list[float]] = {s.name: [] for s in order}

@@ -98,6 +98,17 @@ def test_completion_stream_without_include_usage_has_no_usage():
     assert all("usage" not in c and c["object"] == "text_completion" for c in events[:-1])
 
 
+def test_a_completion_streams_an_event_a_token_even_while_its_text_is_held_back():
+    # Token 9 ends a partial character (its text comes with token 10): it still gets an event, as vLLM's server
+    # sends, so a client timing events sees one a token. A chat stream says nothing until it has text.
+    held = [TextDelta((7,), "Hello"), TextDelta((9,), ""), TextDelta((10,), " é"), Finished(FinishReason.LENGTH, USAGE)]
+    events, _ = sse(FakeCore(held), "/v1/completions", {"prompt": "The sea", "stream": True})
+    assert [c["choices"][0]["text"] for c in events[:-1]] == ["Hello", "", " é", ""]
+    events, _ = sse(FakeCore(held), "/v1/chat/completions", {**CHAT, "stream": True})
+    assert [c["choices"][0]["delta"] for c in events[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": "Hello"}, {"content": " é"}, {}]
+
+
 @pytest.mark.parametrize("prompt, expected", [
     ("The sea", {"prompt": "The sea", "token_ids": None}),
     ([5, 6, 7], {"prompt": None, "token_ids": (5, 6, 7)}),

@@ -105,8 +105,12 @@ class Shapes:
         text, logprobs = delta.text, delta.logprobs
         if self._echo and delta.prompt_token_ids:
             text, logprobs = self._echoed(delta) + text, self._echoed_logprobs(delta) + logprobs
-        if not (fields if self.chat else text) and not logprobs:
+        if self.chat and not fields and not logprobs:
             return None  # tokens whose text is still held back (a partial character, stop string, tag or call)
+        if not self.chat and not text and not logprobs and not delta.token_ids:
+            return None
+        # A completion streams an event a token, its text "" while held back (a partial character, a stop string),
+        # as vLLM's does: a client timing events (vLLM's bench, aiperf) then sees the token cadence.
         body = {"delta": fields} if self.chat else {"text": text}
         extra = self._prompt_logprobs_json(delta)
         return self._chunk({**body, "logprobs": self._logprobs(logprobs, state), **extra}, delta.index)
