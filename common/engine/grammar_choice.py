@@ -14,11 +14,11 @@ _BOUNDED_STRING = ("maxLength", "minLength", "pattern")
 def prefers_guidance(structured: StructuredOutput) -> bool:
     """The one rule of `auto`: a JSON schema with a string bounded in length (maxLength, minLength) or by a
     `pattern`, or an array bound (minItems, maxItems) of MANY_ITEMS or more, goes to llguidance; every other grammar
-    stays on xgrammar. xgrammar expands each position of a bounded string and each bounded repetition into states
-    whose masks it checks token by token: on one H200 (issue #56's structured_output bench, 3B shape) strings under
-    maxLength 24 ran at 0.526x the unconstrained tok/s against 0.989x for plain strings; the CPU compile and fill
-    times of both libraries for these shapes are in docs/benchmarks/structured_output_backends.md. Elsewhere
-    xgrammar fills as fast or faster (its cached masks), and only it has structural tags."""
+    stays on xgrammar, which alone has structural tags. What sets it: issue #56's structured_output bench on one H200
+    (3B shape, xgrammar 0.2.8), where strings under maxLength 24 ran at 0.526x the unconstrained tok/s against 0.989x
+    for plain strings, xgrammar filling each position of a bounded string token by token (mlc-ai/xgrammar#852); and
+    llguidance compiling every such schema faster. Both libraries' compile and fill times on the CPU are in
+    docs/benchmarks/structured_output_backends.md."""
     if structured.kind != JSON_SCHEMA:
         return False
     return _bounded(json.loads(structured.spec))

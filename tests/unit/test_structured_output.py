@@ -356,8 +356,11 @@ STRUCTURAL_TAG = json.dumps({"type": "structural_tag", "format": {"type": "const
 ])
 def test_a_spec_one_backend_refuses_compiles_on_the_other(model, backend_set, structured, compiled_by):
     engine = _engine(model, backend_set)
+    seen = []  # what the worker's metrics count (Grammars.observe): backend and outcome of each compile
+    engine.grammars.observe = lambda backend, outcome, seconds: seen.append((backend, outcome))
     structured = StructuredOutput(*structured)
     assert engine.grammars.compile(structured).backend == compiled_by
+    assert seen[-1] == (compiled_by, "compiled") and seen[:-1] in ([], [("xgrammar", "refused")])
     tokens = engine.generate([PROMPTS[0]], _greedy(structured))[0]
     _fits(engine, structured, tokens, FinishReason.STOP)
 
