@@ -66,7 +66,8 @@ class GuidanceFill(BatchFill):
         self._executor = llguidance.LLExecutor(None if FILL_THREADS == "auto" else FILL_THREADS)
 
     def fill(self, states: list[GuidanceState], bitmask: torch.Tensor, rows: list[int]) -> None:
-        # (llguidance.torch's fill_next_token_bitmask_par, whose module compiles a kernel with torch.compile at import)
+        # llguidance.torch's fill_next_token_bitmask_par, without importing that module (its torch.compile kernel
+        # costs seconds at import)
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
         batch, words = bitmask.shape
         self._executor.unsafe_compute_mask_ptr([(s.matcher, row) for s, row in zip(states, rows)],
