@@ -101,7 +101,7 @@ def servers(args: argparse.Namespace) -> list[Server]:
           "--load-format", args.load_format, "--http-port", str(args.port + 1), "--router-port", "0",
           "--metrics-port-base", "-1"]
     ours = [Server(f"disagg {flags}".strip(), [*up, *flags.split()], {}, args.port + 1) for flags in args.ours_args]
-    return ([] if args.only_ours else [vllm]) + ours
+    return ours if args.only_ours else ours + [vllm] if args.ours_first else [vllm, *ours]
 
 
 def decode_roofline(model: Path, dtype: str) -> tuple[float, float]:
@@ -167,6 +167,8 @@ def main() -> int:
                    help="`disagg up` flags beside the defaults; repeat it to compare (default: one, the defaults)")
     p.add_argument("--vllm-args", default="", help="vLLM server flags beside --model, --dtype, --load-format")
     p.add_argument("--only-ours", action="store_true")
+    p.add_argument("--ours-first", action="store_true", help="start ours before vLLM")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up requests before the workloads")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--port", type=int, default=8200, help="vLLM's HTTP port; ours takes the next one")
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -186,8 +188,9 @@ def main() -> int:
             try:
                 ready[server.name] = server.start(Path(tmp), args.start_timeout)
                 print(f"{server.name}: answering after {ready[server.name]:.0f} s", flush=True)
-                warm = Workload.parse(WARMUP)
-                bench(server, warm, warm.prompts(0), args, Path(tmp))
+                if not args.no_warmup:
+                    warm = Workload.parse(WARMUP)
+                    bench(server, warm, warm.prompts(0), args, Path(tmp))
                 for w in workloads:
                     results[server.name][w.name] = bench(server, w, w.prompts(args.seconds), args, Path(tmp))
                     r = results[server.name][w.name]
