@@ -27,8 +27,7 @@ def _function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
 
 @cache
 def kernel():
-    """The compiled decode kernel's function, or None where it cannot be built (no C compiler, or
-    DISAGG_CPU_KERNELS=0)."""
+    """The compiled decode kernel's function, or None where it cannot be built (no C compiler)."""
     return _function("paged_decode_attention", [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                      + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float])
 

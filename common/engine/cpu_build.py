@@ -1,7 +1,6 @@
 """The CPU's C kernels (cpu_attention.c, cpu_ops.c): each source built once per machine with the system C compiler
-into the cache root (~/.cache/disagg/kernels) and loaded with ctypes. Where no compiler works (or
-DISAGG_CPU_KERNELS=0), `library` is None and the torch path runs instead (the same answer, slower: README "The CPU
-path")."""
+into the cache root (~/.cache/disagg/kernels) and loaded with ctypes. Where no compiler works, `library` is None and
+the torch path runs instead (the same answer, slower)."""
 from __future__ import annotations
 
 import ctypes
@@ -50,7 +49,7 @@ def _build(compiler: str, source: Path) -> Path:
 def library(source: str) -> ctypes.CDLL | None:
     """The built library of `source` (a C file beside this one), or None where it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if os.environ.get("DISAGG_CPU_KERNELS", "1") == "0" or compiler is None:
+    if compiler is None:
         return None
     try:
         return ctypes.CDLL(str(_build(compiler, HERE / source)))

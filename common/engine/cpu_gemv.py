@@ -31,7 +31,7 @@ _held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # inpu
 @cache
 def _lib() -> ctypes.CDLL | None:
     cores = parse_cores(os.environ.get(HELPER_CORES_ENV, ""))
-    if not cores or os.environ.get("DISAGG_CPU_GEMV", "1") == "0":  # (=0: oneDNN's GEMV alone, for an A/B)
+    if not cores:
         return None
     built = library("cpu_gemv.c")
     if built is None or not built.gemv_available():

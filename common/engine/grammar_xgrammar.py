@@ -17,9 +17,9 @@ from common.engine.structured import (CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA,
 CACHE_BYTES = 256 * 1024 * 1024
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _XGRAMMAR_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-# Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them); "auto" is xgrammar's choice.
-# DISAGG_GRAMMAR_FILL_THREADS=N sets it (the structured_output bench compares).
-FILL_THREADS: int | str = int(os.environ.get("DISAGG_GRAMMAR_FILL_THREADS", "0")) or "auto"
+# Threads filling a batch's masks (xgrammar's batch matcher splits the rows over them): xgrammar's own choice, which
+# a bench may replace in-process before the first fill.
+FILL_THREADS: int | str = "auto"
 
 
 def _choice_ebnf(spec: str) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import threading
 from functools import lru_cache
 from typing import Sequence
@@ -36,8 +35,6 @@ from common.kv.blocks import pinned_ids, runs
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the pointers (unified addressing)
 _PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
-# DISAGG_PEER_COPY picks one way for every peer copy of the process (the bench's and a debugging user's knob).
-PREFERRED = os.environ.get("DISAGG_PEER_COPY", "auto")
 MAX_COPY_ENGINE_RUNS = 8  # past this many 2-D copies the host's calls and the engines' setup cost more than a kernel
 _enabled: set[tuple[int, int]] = set()
 _enabled_lock = threading.Lock()
@@ -97,7 +94,7 @@ def can_reach(device: torch.device, peer: torch.device) -> bool:
 class PeerBlockCopier:
     """dst[:, :, dst_ids] = src[:, :, src_ids] between caches on two GPUs, by `on` (see the module doc)."""
 
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, on: str = PREFERRED):
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, on: str = "auto"):
         if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:] or src.dtype != dst.dtype:
             raise ValueError(f"caches {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype} hold "
                              "different blocks")
