@@ -104,7 +104,7 @@ def add_tls_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("TLS (off unless set; env DISAGG_TLS_*)")
     g.add_argument("--tls-cert", default=None, help="certificate chain (PEM) this process presents")
     g.add_argument("--tls-key", default=None, help="private key (PEM) of --tls-cert")
-    g.add_argument("--tls-ca", default=None, help="CA bundle (PEM) that verifies the other processes")
+    g.add_argument("--tls-ca", default=None, help="CA bundle (PEM) that verifies the others")
     g.add_argument("--tls-client-auth", action="store_true", default=None,
                    help="servers require client certificates signed by --tls-ca (mutual TLS)")
 

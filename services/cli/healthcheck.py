@@ -2,8 +2,8 @@
 SERVING (and, with --http, the router's OpenAI-compatible front door answers 200 on /health).
 
 For container health checks (docker compose `healthcheck`); the address defaults to this container's
-own port from DISAGG_GRPC_PORT. Plaintext, or TLS when DISAGG_TLS_CA or --tls-ca is set (common.tls); the HTTP check
-is HTTPS where this container serves TLS (DISAGG_TLS_CERT). The router's API key (DISAGG_API_KEY,
+own port from DISAGG_GRPC_PORT (which sets its server's --port). Plaintext, or TLS when DISAGG_TLS_CA or --tls-ca
+is set (common.tls); the HTTP check is HTTPS where this container serves TLS (DISAGG_TLS_CERT). The router's API key (DISAGG_API_KEY,
 DISAGG_API_KEY_FILE) goes with both, for a router whose health asks one.
 """
 from __future__ import annotations
@@ -18,11 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import channels, tls
 from services.kit.auth import client_key, grpc_metadata, http_headers
+from services.kit.ports import GRPC_PORT_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck", description=__doc__)
-    parser.add_argument("address", nargs="?", default=f"127.0.0.1:{os.environ.get('DISAGG_GRPC_PORT', '50051')}")
+    parser.add_argument("address", nargs="?", default=f"127.0.0.1:{os.environ.get(GRPC_PORT_ENV, '50051')}")
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--http", default=None,

@@ -27,7 +27,8 @@ from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 _READY_LINE = re.compile(r"disagg-(\w+) serving on (\S+)(?: \((.*)\))?")
 _METRICS_LINE = re.compile(r"disagg-[\w-]+ metrics on (http://\S+/metrics)")
-_STOP_GRACE_S = DEFAULT_DRAIN_TIMEOUT_S + 10.0  # SIGTERM drains a child (up to its --drain-timeout); then SIGKILL
+STOP_MARGIN_S = 10.0  # SIGTERM drains a child (up to its --drain-timeout); this long more, then SIGKILL
+_STOP_GRACE_S = DEFAULT_DRAIN_TIMEOUT_S + STOP_MARGIN_S
 _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 30.0
 _STABLE_S = 60.0  # a child that ran this long starts its back-off afresh

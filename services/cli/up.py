@@ -37,26 +37,18 @@ from common.engine.default_model import model_label
 from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from services.worker.engine_file import read_json
-from services.worker.engine_flags import add_engine_args, apply_engine_config, engine_argv, engine_config_from_args
-from services.router import policies, reasoning_parsers, tool_parsers
-from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from services.worker.engine_flags import apply_engine_config, engine_argv, engine_config_from_args
+from services.router.config import routing_argv
 from services.cli import banner
 from services.cli.cpu_layout import CpuLayout, cpu_layout
 from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
-                                    parse_gpus, place, shares_gpus)
+                                    place, shares_gpus)
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
-from services.cli.supervise import Child, log, stop_all, wait_ready
-from services.kit.auth import KEY_ENV, add_api_key_args, api_keys_from_args, grpc_metadata, keys_from_args
+from services.cli.supervise import STOP_MARGIN_S, Child, log, stop_all, wait_ready
+from services.cli.up_flags import (ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS,
+                                   build_parser)
+from services.kit.auth import KEY_ENV, api_keys_from_args, grpc_metadata, keys_from_args
 
-# `disagg up --device cuda` with its workers sharing a GPU (one GPU, or --share-gpus). There, a remote prefill
-# pays (issue #24's targets against aggregated: ≥ 0.9× output tok/s, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better) from
-# about this prompt length on: the crossover tests/bench/disagg_sweep.py measured (README, "When disaggregation pays").
-ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
-# Every worker on GPUs of its own: every prompt remote. tests/bench/multi_gpu.py on 2 H200s (input 512-2048, output
-# 128, Poisson 16-40 req/s): prompts of up to 1024 tokens prefilled on the decode GPU (with a 16k-token prefill queue
-# limit) raised decode's ITL p99 from 5.9-11 ms to 25-31 ms, past the 15 ms SLO at every rate, and TTFT p90 too;
-# the decode GPU's batch pays for every local prefill, and the prefill GPU had room.
-SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS = 0
 # Why `disagg up --device cpu` splits by default, even on two cores: there, prefill and decode on a core each (the
 # router beside them) served more than one aggregated worker on a core with the router on the other
 # (tests/bench/vllm_cpu.py, README "The CPU path").
@@ -167,24 +159,20 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
         overrides.update(device=worker.device,
                          gpu_memory_utilization=memory_share(plan.gpu_memory_utilization, worker))
     engine = engine_argv(role_args(args, worker.role), **overrides)
-    return ["--host", args.host, "--log-level", args.log_level, *engine,
-            "--metrics-port", str(metrics_port)]
+    return ["--host", args.host, "--port", "0", "--drain-timeout", str(args.drain_timeout), "--log-level",
+            args.log_level, *engine, "--metrics-port", str(metrics_port)]
 
 
 def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int,
                 index: int = 0) -> list[str]:
     port, http_port = router_ports(args, index)
     flags = ["--host", args.host, "--port", str(port), "--http-port", str(http_port),
-             "--model", args.model or "default", "--decode-workers", addresses["decode"], "--policy", args.policy,
-             "--min-remote-prefill-tokens", str(args.min_remote_prefill_tokens),
-             "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens),
-             "--max-prefill-queue-tokens", str(args.max_prefill_queue_tokens), "--log-level", args.log_level,
-             "--metrics-port", str(metrics_port)]
+             "--model", args.model or "default", "--decode-workers", addresses["decode"],
+             "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens), "--log-level", args.log_level,
+             "--metrics-port", str(metrics_port), *routing_argv(args)]
     keys = (["--api-key-file", os.path.abspath(args.api_key_file)] if args.api_key_file else [])
     keys += ["--api-key-protects-health"] if args.api_key_protects_health else []
-    parsers = [f"--{flag}={value}" for flag, value in (("tool-call-parser", args.tool_call_parser),
-                                                      ("reasoning-parser", args.reasoning_parser)) if value]
-    return flags + keys + parsers + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
+    return flags + keys + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
 
 
 def router_env(args: argparse.Namespace) -> dict[str, str]:
@@ -245,60 +233,7 @@ def _ignore_more_interrupts() -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="disagg up", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--router-port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
-                        help=f"the router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; 0 turns it off)")
-    parser.add_argument("--prefill", type=int, default=None,
-                        help="prefill workers (0: aggregated on decode; default 1)")
-    parser.add_argument("--decode", type=int, default=None,
-                        help="decode workers (default 1; on CUDA with neither count given: one per GPU left after "
-                             "the prefill worker's)")
-    parser.add_argument("--gpus", type=_gpus, default=None,
-                        help="CUDA: GPU indices to lay workers out on in order, prefill first, each worker taking "
-                             "its tensor-parallel size of consecutive GPUs (default: every visible GPU; "
-                             "--device cuda:K: K)")
-    parser.add_argument("--share-gpus", action="store_true",
-                        help="CUDA: more GPU ranks than GPUs go round-robin, several workers on a GPU, each with the "
-                             "--gpu-memory-utilization divided by the workers on its GPU")
-    parser.add_argument("--routers", type=int, default=1,
-                        help="router replicas over the same workers, on --router-port, +1, ... (and --http-port, "
-                             "+1, ...): one router's event loop streams about 7 000 tokens/s (tests/bench/multi_gpu.py "
-                             "on 4 H200s), so a host that generates more needs more; clients spread over them "
-                             "(disagg bench --router a,b)")
-    parser.add_argument("--policy", default="round_robin", choices=policies.names())
-    parser.add_argument("--tool-call-parser", default=None, choices=tool_parsers.names(),
-                        help="the router's reader of tool calls in chat answers (default: the model's template's)")
-    parser.add_argument("--reasoning-parser", default=None, choices=reasoning_parsers.names(),
-                        help="the router's reader of <think> reasoning in chat answers (default: none)")
-    parser.add_argument("--min-remote-prefill-tokens", type=int, default=0)
-    parser.add_argument("--max-local-prefill-tokens", type=int, default=None,
-                        help="prompts with at most this many uncached tokens prefill on the decode worker (default: "
-                             f"{ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} where workers share a GPU, "
-                             f"{SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS} on GPUs of their own; 0 on the CPU)")
-    parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
-                        help="prefill tokens queued on a prefill worker before prompts stay on decode (0: no limit)")
-    parser.add_argument("--metrics-port-base", type=int, default=0,
-                        help="Prometheus /metrics ports: router on N, then prefill-0.., decode-0.. on N+1, ... "
-                             "(default 0: free ports; -1 turns metrics off); each kept across restarts")
-    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds each process may take to start")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--no-cpu-pinning", action="store_true",
-                        help="CPU: leave every thread where the OS puts it, with torch's own thread count (default: "
-                             "each worker's model on cores of its own, one torch thread a core, the router and the "
-                             "rest on a core left over)")
-    for role in ("prefill", "decode"):
-        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
-                            help=f"{role} workers' tensor-parallel size (default: --tensor-parallel-size); prefill "
-                                 "and decode may differ: a session moves with every KV head")
-        parser.add_argument(f"--{role}-engine-overrides", metavar="JSON", default=None,
-                            help=f"{role} workers' engine flags over --engine-config and --engine-overrides, e.g. "
-                                 "'{\"max-num-seqs\": 128}' (under the flags given)")
-    add_engine_args(parser)
-    add_api_key_args(parser)
-    tls.add_tls_args(parser)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if (args.decode is not None and args.decode < 1) or (args.prefill is not None and args.prefill < 0):
         parser.error("--decode must be >= 1 and --prefill >= 0")
@@ -309,13 +244,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except InvalidConfig as exc:
         parser.exit(2, f"disagg up: error: {exc}\n")
     return args
-
-
-def _gpus(text: str) -> tuple[int, ...]:
-    try:
-        return parse_gpus(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple[int, ...] | None = None) -> Plan:
@@ -408,4 +336,4 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _ignore_more_interrupts()
-        stop_all(children)
+        stop_all(children, args.drain_timeout + STOP_MARGIN_S)

@@ -99,7 +99,7 @@ def add_api_key_args(parser: argparse.ArgumentParser) -> None:
     """The server's flags (the router's, and `disagg up`'s, which hands them to its router)."""
     g = parser.add_argument_group(f"API keys (off unless set; env {KEY_ENV}, {KEY_FILE_ENV})")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="clients must send 'Authorization: Bearer KEY' (repeatable: any of the keys)")
+                   help="clients send 'Bearer KEY' (repeatable)")
     g.add_argument("--api-key-file", default=None, metavar="PATH", help="a file of keys, one a line")
     g.add_argument("--api-key-protects-health", action="store_true",
                    help="health and readiness (HTTP /health, grpc.health.v1, KServe ServerLive/Ready), /metrics "

@@ -13,6 +13,7 @@ import socket
 from common.errors import InvalidConfig
 
 IN_USE = "is already in use (another process holds it)"
+GRPC_PORT_ENV = "DISAGG_GRPC_PORT"  # every server's --port; a container's healthcheck dials it
 
 
 class PortTaken(InvalidConfig):

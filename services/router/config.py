@@ -10,6 +10,7 @@ from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
 from services.kit.auth import ApiKeys, add_api_key_args, api_keys_from_args
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
+from services.kit.ports import GRPC_PORT_ENV
 from services.router import policies, reasoning_parsers, tool_parsers
 
 DEFAULT_PORT = 50051
@@ -86,8 +87,8 @@ class RouterConfig:
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("DISAGG_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("DISAGG_ROUTER_PORT", DEFAULT_PORT)),
-                        help="0 picks a free port (env DISAGG_ROUTER_PORT)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get(GRPC_PORT_ENV, DEFAULT_PORT)),
+                        help=f"0 picks a free port (env {GRPC_PORT_ENV})")
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", DEFAULT_HTTP_PORT)),
                         help=f"OpenAI-compatible HTTP (/v1/chat/completions, ...; default {DEFAULT_HTTP_PORT}); "
                              "0 turns it off (env DISAGG_HTTP_PORT)")
@@ -100,11 +101,19 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="host:port,... of decode workers (env DISAGG_DECODE_WORKERS)")
     parser.add_argument("--encode-workers", default=None,
                         help="host:port,... of encode workers, for requests with images (env DISAGG_ENCODE_WORKERS)")
-    parser.add_argument("--policy", choices=policies.names(), default="round_robin")
-    parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
-                        help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
     parser.add_argument("--max-local-prefill-tokens", type=int, default=0,
                         help="prompts with at most this many tokens uncached on the decode worker prefill there")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_routing_args(parser)
+    add_api_key_args(parser)
+
+
+def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The router's routing and serving flags: `disagg up` takes them too and passes them on (routing_argv)."""
+    parser.add_argument("--policy", choices=policies.names(), default="round_robin", metavar="NAME",
+                        help="%(choices)s (default %(default)s)")
+    parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
+                        help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,
                         help="prefill tokens queued on a prefill worker at which new prompts prefill on the decode "
                              "worker instead, while it has room (0: no limit)")
@@ -125,13 +134,23 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-streams", choices=DECODE_STREAMS, default="shared",
                         help="'shared': one DecodeMany stream per decode worker carries every request there (a "
                              "message per engine step); 'per-request': a Decode stream per request")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--tool-call-parser", choices=tool_parsers.names(), default=None,
-                        help="how tool calls are read out of chat answers (default: the one the model's chat "
-                             "template writes; hermes for a template without tools)")
-    parser.add_argument("--reasoning-parser", choices=reasoning_parsers.names(), default=None,
-                        help="read <think> reasoning out of chat answers into reasoning_content (default: none)")
-    add_api_key_args(parser)
+    # By default the format the model's chat template writes its calls in (hermes for a template without tools).
+    parser.add_argument("--tool-call-parser", choices=tool_parsers.names(), default=None, metavar="NAME",
+                        help="tool calls in chat answers: %(choices)s (default: the template's)")
+    parser.add_argument("--reasoning-parser", choices=reasoning_parsers.names(), default=None, metavar="NAME",
+                        help="<think> into reasoning_content: %(choices)s (default: off)")
+
+
+def routing_argv(args: argparse.Namespace) -> list[str]:
+    """add_routing_args's flags as a router command line, with the values of `args` (unset ones left out)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_routing_args(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest)
+        if value is not None:
+            out.append(f"{action.option_strings[-1]}={value}")
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

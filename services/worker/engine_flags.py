@@ -20,14 +20,12 @@ from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_s
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine", "every engine flag may also come from --engine-config / "
-                                  "--engine-overrides, under the flags given here")
+    g = parser.add_argument_group("engine", "each also from --engine-config (keys: flags without --), "
+                                  "--engine-overrides")
     g.add_argument("--engine-config", default=os.environ.get("DISAGG_ENGINE_CONFIG") or None, metavar="FILE.yaml",
-                   help="a YAML file of engine flags (keys: the flag names without --), under the flags given here "
-                        "(env DISAGG_ENGINE_CONFIG)")
+                   help="YAML of flags (env DISAGG_ENGINE_CONFIG)")
     g.add_argument("--engine-overrides", default=os.environ.get("DISAGG_ENGINE_OVERRIDES") or None, metavar="JSON",
-                   help="a JSON object of engine flags over --engine-config's, under the flags given here "
-                        "(env DISAGG_ENGINE_OVERRIDES)")
+                   help="JSON over it (env DISAGG_ENGINE_OVERRIDES)")
     _add_engine_flags(g)
 
 
@@ -37,22 +35,22 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--engine", default=os.environ.get("DISAGG_ENGINE", "torch"), choices=list(ENGINES),
         help="torch (ours, runs everywhere) or trtllm (TensorRT-LLM's LLM API, needs NVIDIA's TensorRT-LLM "
              "image; unverified on hardware) (env DISAGG_ENGINE)")
-    add("--model", default=os.environ.get("DISAGG_MODEL"),
-        help="Hugging Face model directory, or 'default' for SmolLM2-135M-Instruct (env DISAGG_MODEL)")
+    add("--model", default=os.environ.get("DISAGG_MODEL"), metavar="DIR",
+        help="HF model dir, or 'default' (env DISAGG_MODEL)")
     add("--dtype", default=os.environ.get("DISAGG_DTYPE", "float32"),
-        choices=["float32", "float16", "bfloat16"])
-    add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"))
+        choices=["float32", "float16", "bfloat16"], metavar="DTYPE",
+        help="%(choices)s (env DISAGG_DTYPE)")
+    add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"), help="cpu, cuda or cuda:N (env DISAGG_DEVICE)")
     add("--block-size", type=int, default=16)
-    add("--num-kv-blocks", type=int,
+    add("--num-kv-blocks", type=int, metavar="N",
         default=int(os.environ["DISAGG_NUM_KV_BLOCKS"]) if os.environ.get("DISAGG_NUM_KV_BLOCKS") else None,
-        help=f"KV cache blocks (default: {CPU_KV_BLOCKS} on the CPU; on CUDA sized by --gpu-memory-utilization, which "
-             "applies where both are given) (env DISAGG_NUM_KV_BLOCKS)")
-    add("--gpu-memory-utilization", type=float, default=None,
-        help=f"CUDA: the share of the GPU this worker's weights, activations and KV cache take, counting only its own "
-             f"(default {DEFAULT_GPU_MEMORY_UTILIZATION}, which `disagg up` divides among the workers on a GPU)")
-    add("--max-num-seqs", type=int, default=None,
-        help=f"most requests a step runs (default: {DEFAULT_MAX_NUM_SEQS}; {GPU_MAX_NUM_SEQS} on CUDA, where a decode "
-             "step costs about the same for many more rows)")
+        help=f"KV blocks, CPU {CPU_KV_BLOCKS} (env DISAGG_NUM_KV_BLOCKS)")
+    # up divides a GPU's share among the workers on it: each counts only its own weights, activations and KV cache.
+    add("--gpu-memory-utilization", type=float, default=None, metavar="F",
+        help=f"CUDA: the GPU's share to use (default {DEFAULT_GPU_MEMORY_UTILIZATION})")
+    # CUDA runs more rows a step: a decode step there costs about the same for many more.
+    add("--max-num-seqs", type=int, default=None, metavar="N",
+        help=f"most requests a step (default {DEFAULT_MAX_NUM_SEQS}; CUDA {GPU_MAX_NUM_SEQS})")
     add("--max-num-batched-tokens", type=int, default=None,
         help=f"most tokens a step computes (default: {DEFAULT_STEP_TOKENS}; {GPU_PREFILL_WORKER_STEP_TOKENS} on a prefill "
              "worker on CUDA, which has no decode rows to hold up and runs bigger steps faster)")
@@ -70,10 +68,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         help="GPU: run every step eagerly, without CUDA graphs (decode steps, and prompt and mixed steps in pieces)")
     add("--no-async-scheduling", action=GivenSwitch,
         help="GPU: read each decode step's tokens before launching the next (default: launch ahead)")
-    add("--tensor-parallel-size", type=int,
+    add("--tensor-parallel-size", type=int, metavar="N",
         default=int(os.environ.get("DISAGG_TENSOR_PARALLEL_SIZE", 1)),
-        help="shard the model over this many ranks, one process each (must divide its attention and "
-             "KV heads; --device cpu, over gloo) (env DISAGG_TENSOR_PARALLEL_SIZE)")
+        help="model shards (env DISAGG_TENSOR_PARALLEL_SIZE)")
     add("--session-ttl", type=float, default=float(os.environ.get("DISAGG_SESSION_TTL", 60.0)),
         help="seconds an exported KV session waits for its pull")
     add("--load-format", default="auto", choices=list(LOAD_FORMATS),

@@ -30,7 +30,7 @@ from common.tls import configure as configure_tls
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
 from common.heap import settle_heap
 from services.kit.observability import Observability, add_observability_args
-from services.kit.ports import PortTaken
+from services.kit.ports import GRPC_PORT_ENV, PortTaken
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
 from services.kit.wire import ParseRequests
 from services.worker.service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
@@ -130,7 +130,8 @@ def _leave_tensor_parallel(code: int) -> int:
 def _add_process_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    g.add_argument("--port", type=int, default=int(os.environ.get(GRPC_PORT_ENV, 0)),
+                   help=f"port to bind; 0 picks a free one (env {GRPC_PORT_ENV})")
     g.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
                    help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)

@@ -114,6 +114,8 @@ def _worker_flags(args: argparse.Namespace, settled, worker) -> argparse.Namespa
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--drain-timeout", type=float)
     parser.add_argument("--log-level")
     parser.add_argument("--metrics-port", type=int)
     return parser.parse_args(argv)
