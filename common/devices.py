@@ -69,9 +69,8 @@ def graph_capture(graph: torch.cuda.CUDAGraph, device: torch.device,
     """Capture into `graph` on `device`'s capture stream. Only this thread's CUDA calls may break the capture
     ("thread_local"): in torch's default mode ("global") any other thread's call that is unsafe during a capture
     invalidates it, and other threads do call CUDA meanwhile: the NCCL teardown a closed TP engine leaves running in
-    the background (the third TP engine built in one process failed its capture, "operation failed due to a
-    previous error during capture", tests/gpu/test_tensor_parallel_gpu.py on 4 x H200), a KV puller checking cuda_ipc
-    as a worker starts. The cyclic GC is off meanwhile, so that no collection on this thread frees CUDA objects
+    the background (a later TP engine built in the same process then fails its capture, "operation failed due to a
+    previous error during capture"), a KV puller checking cuda_ipc as a worker starts. The cyclic GC is off meanwhile, so that no collection on this thread frees CUDA objects
     (events, streams, communicators) mid-capture."""
     with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
                                               capture_error_mode=CAPTURE_ERROR_MODE):

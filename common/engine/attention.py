@@ -8,13 +8,11 @@ block `block_table[p // block_size]`, offset `p % block_size`.
 request's blocks and calls scaled_dot_product_attention. A GPU kernel implements the same
 two methods (`prepare`, `forward`) and is chosen in model_runner.make_attention_backend.
 
-On the CPU it is also the serving path, so its choices are measured ones (one core of an AMD EPYC, SmolLM2-135M's
-9 query / 3 KV heads of 64, per layer): decodes read the blocks in place with a C kernel (cpu_attention.py; eight
-decodes of 150 tokens 141 us, one 23 us), and so do prefill chunks, over their cached context and themselves (a
-128-token prompt about 445 against 650 us with the gather and SDPA); where they are not built, blocks are gathered
-whole with `index_select` on the block ids rather than indexed by table (7 against 25 us for one sequence of 150
-tokens, 29 against 170 for eight); and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in
-bf16: eight decodes of 150 tokens 279 against 1343 us with the gather, a prefill of 128 tokens 576 against 645).
+On the CPU it is also the serving path, so each choice is the faster way: decodes read the blocks in place with a C
+kernel (cpu_attention.py), and so do prefill chunks, over their cached context and themselves (no gather, no SDPA
+call); where they are not built, blocks are gathered whole with `index_select` on the block ids, several times
+faster than indexing by table; and bf16/fp16 attention runs in float32 (torch's CPU flash kernel is slower in bf16,
+most of all for decodes).
 An FP8 cache (quantization/kv_cache.py) is read the same ways: by the C kernel, each byte's value from a table, or
 gathered and dequantised to the compute dtype.
 """

@@ -323,9 +323,8 @@ class DecodeTuning:
 class PrefillTuning:
     """Launch shape of the prefill kernel (tests/gpu/sweep_prefill_attention.py measures the choices)."""
 
-    # The best on an H200 for every shape the sweep runs (a 8192-token step of 1365-token prompts 254 TFLOP/s,
-    # one 2048-token prompt 273, a 512-token chunk after 1536 cached tokens 196; the kernel's loop split and exp2
-    # took the engine's 1024-token prefill from 12.55 to 11.02 ms).
+    # The sweep's best on a Hopper GPU for every shape it runs: long packed steps, one long prompt, and a chunk
+    # after a cached prefix.
     block_m: int = 64  # query tokens of one sequence per program (the host's tiles)
     block_n: int = 64  # keys per loop iteration
     num_warps: int = 4

@@ -24,18 +24,14 @@ LOAD_FORMATS = ("auto", "dummy")
 # --quantization's and --kv-cache-dtype's choices (common/engine/quantization).
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
-# A CPU prefill chunk of this many tokens runs in a few tenths of a second (SmolLM2-135M on one core: 0.23 s bf16,
-# 0.42 s float32 at 384 tokens of context), so a request arriving behind a long prompt gets its first token within
-# about a second. Measured (README "The CPU path"): a 512-token prompt prefills at 630 tok/s bf16 / 321 float32 in
-# chunks of 128 against 591 / 296 in 64 and 482 / 236 in 32 (256: as fast, twice the stall; 512: slower); serving
-# 128-token prompts on 2 cores, 128 against 64: TTFT 204 against 229 ms at concurrency 1 (prefill and decode a core
-# each), and aggregated 139 against 115 output tok/s at concurrency 8.
+# A CPU prefill chunk of this many tokens runs in a few tenths of a second on one core (the default model), so a
+# request arriving behind a long prompt gets its first token within about a second. Smaller chunks prefill slower
+# (each step re-reads the weights for fewer tokens) and serve a lower TTFT and output rate; 256 prefills no faster
+# and holds the others up twice as long; 512 is slower.
 CPU_LONG_PREFILL_TOKENS = 128
 # A step's token budget (--max-num-batched-tokens) unless set. A prefill worker on a GPU has no decode rows whose
-# inter-token latency a long step would hold up, and bigger steps run its GEMMs nearer the peak: on an H200, random
-# Llama-3.2-3B shape, prompts of uniform 512-2048 tokens queued at once, 76 000 prompt tok/s at 2048 and 84 500 at
-# 4096 (tests/bench/gpu_prefill.py --stream 128); served 1P1D on 2 H200s the prefill GPU saturated at 48.9 req/s with
-# 2048, 53.2 with 4096 and 56.0-56.2 with 8192 (tests/bench/multi_gpu.py --prefill-budget, 72 req/s offered).
+# inter-token latency a long step would hold up, and bigger steps run its GEMMs nearer the peak: a served prefill
+# GPU takes about 15 % more requests a second with 8192 than with 2048 (tests/bench/multi_gpu.py --prefill-budget).
 DEFAULT_STEP_TOKENS = 2048
 GPU_PREFILL_WORKER_STEP_TOKENS = 8192
 # The KV cache unless sized otherwise: on the CPU this many blocks; on a GPU what fits in this fraction of it, shared
@@ -59,8 +55,8 @@ def default_step_tokens(device: str, prefill_only: bool) -> int:
 
 
 # Requests a step runs at most (--max-num-seqs) unless set. A GPU decode step is bound by reading the weights, so more
-# rows cost little: on 2 H200s, 1P1D (tests/bench/multi_gpu.py) at 48 / 56 / 64 req/s needs 31-41 requests running on
-# its decode worker, and with 32 their first decode step waited 20 / 44 / 93 ms mean for a slot; with 128, 10-11 ms.
+# rows cost little, and a decode GPU serving a prefill GPU at its full rate runs more than 32 requests at once: with
+# 32 slots new requests queue for one (tens of ms more to their first decode step), with 128 they do not.
 DEFAULT_MAX_NUM_SEQS = 32
 GPU_MAX_NUM_SEQS = 128
 

@@ -3,9 +3,8 @@ prefill worker's core idles while the decode worker steps, and a one-row GEMV is
 bandwidth. Sharing its rows with a thread there (DISAGG_HELPER_CORES, which `disagg up` sets; SCHED_IDLE, so the
 prefill worker and the router preempt it) reads the weights through two cores.
 
-Measured in-process on this 2-core AMD EPYC (avx512_bf16), SmolLM2-135M's 211 one-row GEMMs of a forward (30
-layers and the tied LM head, 269 MB): oneDNN on one core 19.1-19.4 ms, this kernel on one core 22.7, shared with
-the idle second core 11.9-13.1. The kernel accumulates in float32 with the CPU's bf16 dot products as oneDNN does,
+On one core this kernel is a little slower than oneDNN's; shared with an idle second core, a forward's one-row GEMMs
+take about two thirds of oneDNN's time. The kernel accumulates in float32 with the CPU's bf16 dot products as oneDNN does,
 rows rounded to bf16 once: the same values up to the order of the sums. Only bf16 on one torch thread (a worker on a
 core of its own) with a helper core named; float32 keeps MKL, the arithmetic of the Hugging Face reference.
 """
@@ -20,9 +19,9 @@ import torch
 from common.cpu_cores import HELPER_CORES_ENV, parse_cores
 from common.engine.cpu_build import library
 
-# Input rows shared so (the kernel takes up to 8, cpu_gemv.c's MAX_M). One: at concurrency 8 (8 rows) it measured no
-# better than oneDNN alone (ITL 39.4-39.6 against 37.8-39.6 ms) and TTFT worse (575-601 against 433-447 ms): the
-# prefill worker's core is busy then, and the prefill's own borrowed-core GEMMs (cpu_helper) meet this helper there.
+# Input rows shared so (the kernel takes up to 8, cpu_gemv.c's MAX_M). One: with 8 rows the prefill worker's core is
+# busy, sharing gains no inter-token latency and costs TTFT, as the prefill's own borrowed-core GEMMs (cpu_helper)
+# meet this helper there.
 MAX_ROWS = 1
 WAIT_US = 50  # longest the engine waits for a chunk the helper holds (a chunk takes ~5 us) before computing it itself
 _held: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # inputs the helper may still read

@@ -14,11 +14,10 @@ _BOUNDED_STRING = ("maxLength", "minLength", "pattern")
 def prefers_guidance(structured: StructuredOutput) -> bool:
     """The one rule of `auto`: a JSON schema with a string bounded in length (maxLength, minLength) or by a
     `pattern`, or an array bound (minItems, maxItems) of MANY_ITEMS or more, goes to llguidance; every other grammar
-    stays on xgrammar, which alone has structural tags. What sets it: issue #56's structured_output bench on one H200
-    (3B shape, xgrammar 0.2.8), where strings under maxLength 24 ran at 0.526x the unconstrained tok/s against 0.989x
-    for plain strings, xgrammar filling each position of a bounded string token by token (mlc-ai/xgrammar#852); and
-    llguidance compiling every such schema faster. Both libraries' compile and fill times on the CPU are in
-    docs/benchmarks/structured_output_backends.md."""
+    stays on xgrammar, which alone has structural tags. Why: xgrammar fills each position of a bounded string token by
+    token (mlc-ai/xgrammar#852), so a schema of short bounded strings generates at about half the unconstrained rate
+    there while plain strings run at nearly the full one, and llguidance compiles every such schema faster. The
+    figures of both libraries are in docs/benchmarks/."""
     if structured.kind != JSON_SCHEMA:
         return False
     return _bounded(json.loads(structured.spec))

@@ -17,8 +17,8 @@ from common.errors import InvalidConfig
 log = logging.getLogger(__name__)
 
 # The CUDA context, its kernel modules and the libraries' handles live outside torch's allocator; where NVML cannot
-# read this process's own use, this much is counted for them (an H200's context with cuBLAS and Triton's modules
-# loaded takes about 0.5-0.8 GiB).
+# read this process's own use, this much is counted for them (a context with cuBLAS and Triton's modules loaded
+# takes under 1 GiB).
 NON_TORCH_ALLOWANCE_BYTES = 1 << 30
 # Of what the device has free when the cache is made, this much stays free: CUDA graphs captured afterwards, and
 # the allocator's fragmentation.

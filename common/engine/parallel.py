@@ -32,7 +32,7 @@ _leaving: list[threading.Thread] = []
 def teardowns_finished(timeout_s: float) -> bool:
     """Whether the NCCL teardowns `leave` left running have finished, waiting `timeout_s` at most for them. A process
     must not finalise while one runs: ProcessGroupNCCL.shutdown in a thread at interpreter exit aborts ("terminate
-    called without an active exception", exit -6: a TP=2 prefill worker on 2x H100, whose follower had gone)."""
+    called without an active exception", exit -6, as a TP worker whose follower has gone exits)."""
     deadline = time.monotonic() + timeout_s
     for thread in _leaving:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -83,10 +83,9 @@ class TensorParallel:
 
     def leave(self, timeout_s: float = 2.0) -> None:
         """Start tearing down an NCCL communicator while its peers are alive (every rank calls this as the engine
-        closes). Left to outlive its peers, its watchdog meets their exit later, and a process that built one TP
-        engine after another hung building the third (tests/gpu/test_tensor_parallel_gpu.py, twice on 2x H100;
-        with this, every test there passes). ProcessGroupNCCL.shutdown did not return within 10 s on H100s
-        (torch 2.11), yet starting it is what matters: it runs in a daemon thread, waited for `timeout_s` at
+        closes). Left to outlive its peers, its watchdog meets their exit later, and a process that builds one TP
+        engine after another hangs building a later one (tests/gpu/test_tensor_parallel_gpu.py).
+        ProcessGroupNCCL.shutdown may take many seconds to return, yet starting it is what matters: it runs in a daemon thread, waited for `timeout_s` at
         most, and is left to finish in the background; a worker's exit asks teardowns_finished first."""
         shutdown = getattr(self.group, "shutdown", None)
         if self.size == 1 or shutdown is None or not isinstance(self.group, getattr(dist, "ProcessGroupNCCL", ())):

@@ -1,12 +1,10 @@
 """CUDA graphs for the steps decode graphs do not take (prompt chunks, mixed steps): the whole forward, attention
 included, per token-count bucket.
 
-Eagerly, a step is ~10 launches a layer from Python. On the 4 x H200 machine's host that made a 512-token prefill
-of the Llama-3.2-3B shape 12-23 ms (3.8 ms of FLOPs at the measured matmul rate). Graphs cut at every attention
-(attention eager between captured pieces) took it to 7.0 ms, but a mixed step still paid two Triton launches and a
-replay a layer from Python: on an H100, 64 decode rows at 1400 tokens beside a 256-token chunk took 12.7-13.3 ms of
-wall for 10.4-10.5 ms of kernels, and on a decode worker that also streams tokens the host's share grew to p99 steps
-of 25-30 ms (README, "Disaggregation on a multi-GPU host").
+Eagerly, a step is ~10 launches a layer from Python, and a 3B model's 512-token prefill takes several times its
+FLOPs' time: the host, not the GPU, sets the pace. Graphs cut at every attention (attention eager between captured
+pieces) halve that, but a mixed step still pays two Triton launches and a replay a layer from Python, a fifth of
+its wall time over its kernels' on an idle host, and more on a decode worker whose host also streams tokens.
 
 So attention is captured too, at a launch shape fixed per bucket (`attention_triton.StaticShape`): the prefill
 kernel's programs take the step's query tiles in turn (their count is read on the device), the decode kernel runs

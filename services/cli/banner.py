@@ -67,8 +67,8 @@ def router_note(plan: "Plan") -> str:
     gpus = {d for w in plan.workers for d in w.devices}
     if plan.routers > 1 or len(gpus) < 2:
         return ""
-    return (f"One router: its event loop relays about 7 000 output tokens/s, which {len(gpus)} GPUs can outrun (two "
-            "H100s served 7 000-7 600 through one); --routers N starts replicas, spread clients over them\n")
+    return (f"One router: its event loop relays about 7 000 output tokens/s, which {len(gpus)} GPUs can outrun; "
+            "--routers N starts replicas, spread clients over them\n")
 
 
 def sharing(workers: tuple[WorkerPlacement, ...], utilization: float | None) -> str:

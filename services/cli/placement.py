@@ -68,9 +68,9 @@ def check_gpus(gpus: Sequence[int], visible: int) -> None:
 
 def default_counts(num_gpus: int, tp: Mapping[str, int]) -> dict[str, int]:
     """The layout a CUDA host gets when the user names no counts: half its GPUs prefill (at least one worker), the
-    rest decode (at least one: on one GPU the two share it). Measured on 4 H200s with prompts of 512-2048 tokens and
-    128 out (tests/bench/multi_gpu.py, README): 2P2D met the SLO to 144 req/s where one prefill GPU stops near 56
-    (1P3D); outputs much longer than the prompts want more decode workers (--prefill 1 --decode 3)."""
+    rest decode (at least one: on one GPU the two share it). With prompts longer than the outputs, one prefill GPU
+    caps the request rate well before three decode GPUs fill, so the split is even; outputs much longer than the
+    prompts want more decode workers (--prefill 1 --decode 3)."""
     prefill = max(1, num_gpus // 2 // tp["prefill"])
     return {"prefill": prefill, "decode": max(1, (num_gpus - prefill * tp["prefill"]) // tp["decode"])}
 

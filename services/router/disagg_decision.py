@@ -79,12 +79,11 @@ class DecodeLoad:
     @property
     def has_room(self) -> bool:
         """No prompt to compute in its engine, a free batch slot and no prompt of ours prefilling there: a local
-        prefill starts at once and has the worker's step budget beside its decode rows to itself. One at a time: on
-        2 H200s (tests/bench/multi_gpu.py, 1P1D+q sending every prompt of up to 1024 tokens there) local prefills
-        piled up on the decode GPU in chunks beside its decodes, and TTFT p90 was 655-1002 ms from 32 req/s.
-        Handoffs waiting to join its next step do not count: they bring their KV, and under load one arrives every
-        few ms (2P2D+q on 4 H200s, counting them, refused 408 of 435 overflowing prompts at 176 req/s). A worker
-        that does not report its prompt tokens has room only with nothing waiting."""
+        prefill starts at once and has the worker's step budget beside its decode rows to itself. One at a time:
+        local prefills admitted while others still run pile up in chunks beside the decodes, and their TTFT grows
+        with the pile. Handoffs waiting to join its next step do not count: they bring their KV, and under load one
+        arrives every few ms, so counting them would refuse nearly every prompt that overflows the prefill queue.
+        A worker that does not report its prompt tokens has room only with nothing waiting."""
         idle = (self.prompt_tokens_to_compute == 0 if self.prompt_tokens_to_compute is not None
                 else self.waiting_requests == 0)
         return (idle and self.prefilling_tokens == 0

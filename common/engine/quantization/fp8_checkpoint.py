@@ -164,10 +164,9 @@ class Fp8Weights:
 
 def holds_fp8(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 in memory on `device` (Fp8Linear), or are dequantised once at load. The CPU
-    dequantises them: torch converts float8 there at ~6 ns an element on one core of this AMD EPYC (a [1536, 576]
-    weight: 5.8 ms to float32, against 87 us for the bf16 GEMV that reads it), so dequantising on every call made a
-    SmolLM2-135M decode step 18x slower (tests/bench/fp8.py); dequantised once, it runs as bf16 does, in
-    bf16's memory. A GPU converts at its memory's speed: it keeps them FP8."""
+    dequantises them: torch converts float8 there element by element, taking far longer than the bf16 GEMV that
+    reads the weight, so dequantising on every call makes a decode step many times slower (tests/bench/fp8.py);
+    dequantised once, it runs as bf16 does, in bf16's memory. A GPU converts at its memory's speed: it keeps them FP8."""
     return device.type != "cpu"
 
 

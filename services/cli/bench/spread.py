@@ -1,8 +1,7 @@
 """`disagg bench --clients N`: one workload's arrivals sent by N client processes, so the client is not the limit.
 
-One Python client times every token on one event loop: about 90–110 µs a token here (tests/bench/router_cpu.py's
-"bench client"), so near 10 000 tokens/s it becomes the slowest part of the measurement (4 × H200 with two routers
-streamed 10 150). Each process sends the requests i with i mod N == k at the same offsets from a common start as one
+One Python client times every token on one event loop, about 100 µs a token, so near 10 000 tokens/s it becomes the
+slowest part of the measurement. Each process sends the requests i with i mod N == k at the same offsets from a common start as one
 client would (the same Poisson schedule), times them with the system-wide monotonic clock, and hands its records
 back; the summary is over all of them. --max-concurrency is split over the processes.
 """

@@ -10,14 +10,12 @@ Three ways, one interface (PeerBlockCopier, shaped like block_copy.BlockCopier):
   and a launch on ours is refused ("Pointer argument (at 0) cannot be accessed from Triton"); our own cache is
   an ordinary peer allocation, which a launch on theirs reaches. It takes the exporter's SMs for the copy's
   half millisecond, at the data plane's high stream priority.
-tests/bench/kv_peer_copy.py measures them (4× H200, NVLink, a 1500-token Llama-3.2-3B session, 172.5 MB; one
-contiguous peer copy of those bytes 0.492 ms = 350 GB/s): consecutive blocks — copy engines 0.487 ms, kernel on
-ours 0.527, on theirs 0.510; shuffled blocks — copy engines 1.266 ms (94 runs), kernel on ours 0.510, on theirs
-0.508; the torch path (gather, copy, scatter) 1.12–1.16 ms. Reads from ours leave the exporter's SMs to its
-prefills; copy engines leave both GPUs' SMs alone. Under load (2 H200s, 1P1D, Poisson 16-40 req/s) copy engines
-alone pulled in 1.5-1.8 ms on average: a reused pool's sessions are scattered, and each run is a 2-D copy.
-The block pools now hand out runs of consecutive ids (common.engine.block_manager), so a session is a few runs on
-both sides: 2.5 a pull on average against 48 in plain LRU order in tests/bench/block_runs.py's 1P1D churn.
+Why `auto` chooses so (tests/bench/kv_peer_copy.py measures the three): over consecutive blocks the copy engines
+match one contiguous peer copy of the session's bytes and the kernels come close; over scattered blocks each run is a
+2-D copy of its own, and the copy engines take more than twice the kernels' time, which stays the same. The torch
+path (gather, copy, scatter) takes about twice either. Copy engines leave both GPUs' SMs alone. The block pools hand
+out runs of consecutive ids (common.engine.block_manager), so a session is a few runs on both sides
+(tests/bench/block_runs.py counts them), and MAX_COPY_ENGINE_RUNS bounds where copy engines still win.
 Peer access between the two GPUs must be on for all three: enable_peer_access (the caches may be another
 process's, mapped through CUDA IPC).
 """
