@@ -26,7 +26,7 @@ def bind_thread(device: str | torch.device | None) -> None:
 
 # A GPU worker's host-side tensor work (a step's small index and copy tensors) gains nothing from an OpenMP pool a
 # core wide, and several workers on a many-core host, each with one (64 threads apiece on a 4-GPU host), took the
-# engine threads' cores: decode steps of 16-20 ms among 5-6 ms ones, ITL p99 19.5 against 10.5 ms at one rate (README).
+# engine threads' cores: decode steps of 16-20 ms among 5-6 ms ones, ITL p99 19.5 against 10.5 ms at one rate (docs/benchmarks/vllm_cpu.md).
 GPU_HOST_THREADS = 4
 
 

@@ -1,6 +1,6 @@
 """The CPU's paged attention kernels (cpu_attention.c: decode, and prefill chunks over their cached context), built
 and loaded by cpu_build.py. Where they cannot be built, `kernel()` is None and TorchPagedAttention gathers the blocks
-and calls SDPA instead (the same answer, slower: README "The CPU path")."""
+and calls SDPA instead (the same answer, slower: docs/benchmarks/vllm_cpu.md)."""
 from __future__ import annotations
 
 import ctypes

@@ -11,9 +11,9 @@ the engine's half took (then computed again by the engine, the helper's answer d
 not take, the engine runs GEMMs whole for BACKOFF_S, so a busy core costs a split every 50 ms at most.
 
 Why not a second OpenMP thread: a barrier waits for its slowest thread, and a thread on a core the decode worker is
-using waits a scheduler slice at each one (README "The CPU path": 940 ms against 24 for one forward's GEMMs).
+using waits a scheduler slice at each one (docs/benchmarks/vllm_cpu.md: 940 ms against 24 for one forward's GEMMs).
 Measured (SmolLM2-135M bf16, a 128-token prompt, the engine in-process on core 0, the helper on core 1): the prefill
-step 174 -> 132 ms with core 1 idle; README has the serving figures.
+step 174 -> 132 ms with core 1 idle; docs/benchmarks/vllm_cpu.md has the serving figures.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The defaults are the default model's recommended sampling, so the first answer a user sees reads
 well: SmolLM2's model card recommends temperature 0.2 and top_p 0.9, and a repetition penalty of 1.1
-keeps the 135M model from repeating one phrase until max_tokens (greedy does, on the README's haiku).
+keeps the 135M model from repeating one phrase until max_tokens (greedy does, on the quickstart's haiku).
 Greedy decoding (what Hugging Face's `generate` does by default) is `--greedy` or `--temperature 0`.
 """
 from __future__ import annotations
