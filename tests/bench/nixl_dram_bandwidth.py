@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.kv.transports.nixl.plane import NixlImporter, nixl_unavailable_reason  # noqa: E402
-from tests.unit.test_nixl_plane import ExporterProcess, fill_cache  # noqa: E402
+from tests.integration.test_nixl_plane import ExporterProcess, fill_cache  # noqa: E402
 
 
 def median_seconds(step: Callable[[], None], repeats: int, device: str) -> float:

@@ -5,6 +5,7 @@ A failed test's report gets the log of every process it used (as "<name> log" se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -114,6 +115,16 @@ def smollm2(request) -> Iterator[Cluster]:
     from common.engine.default_model import default_model_dir
 
     yield from run_cluster(str(default_model_dir()), request.param)
+
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test here starts processes, so every one is `slow`: `-m "not slow"` is the in-process tests alone."""
+    for item in items:
+        if item.path.is_relative_to(_HERE):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(hookwrapper=True)

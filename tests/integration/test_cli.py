@@ -183,8 +183,10 @@ def test_up_refuses_a_tensor_parallel_size_the_model_cannot_split_in_one_line(ti
 
 
 def _up(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services", "up", *flags], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
+    """`disagg up *flags` with HTTP off unless flags name --http-port: its default, 8000, may be taken on a shared
+    machine, and that check comes first."""
+    return subprocess.run([sys.executable, "-m", "services", "up", "--http-port", "0", *flags], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture
@@ -307,7 +309,7 @@ def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(bus
 
 
 def test_up_prefills_short_prompts_locally_where_workers_share_a_gpu_and_sends_every_prompt_remote_on_the_cpu():
-    """Where workers share a GPU: the measured crossover (README, "When disaggregation pays"); on GPUs of their own
+    """Where workers share a GPU: the measured crossover (docs/benchmarks/disagg_one_gpu.md); on GPUs of their own
     the multi-GPU bench's value."""
     assert plan(parse_args(["--device", "cuda"]), visible_gpus=1).max_local_prefill_tokens \
         == ONE_GPU_MAX_LOCAL_PREFILL_TOKENS == 1536

@@ -77,7 +77,7 @@ def _read_line(port: int, timeout_s: float = 60.0) -> bytes:
 @pytest.mark.slow
 def test_a_router_process_serves_a_front_door_from_a_module_named_in_the_environment():
     grpc_port, listener_port = free_port(), free_port()
-    env = {frontends.MODULES_ENV: "tests.unit.test_frontend_registry", LISTENER_PORT_ENV: str(listener_port)}
+    env = {frontends.MODULES_ENV: "tests.integration.test_frontend_registry", LISTENER_PORT_ENV: str(listener_port)}
     router = ServiceProcess.spawn("router", "--model", "default", "--host", "127.0.0.1", "--port", str(grpc_port),
                                   env=env)  # no workers: it serves its doors, never SERVING
     try:

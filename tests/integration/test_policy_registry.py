@@ -50,7 +50,7 @@ class LastByEndpoint:
 
 
 policies.register("last_by_endpoint", LastByEndpoint)
-policies.register("last_by_endpoint_lazy", "tests.unit.test_policy_registry:LastByEndpoint")
+policies.register("last_by_endpoint_lazy", "tests.integration.test_policy_registry:LastByEndpoint")
 
 
 class _Pool:
@@ -138,7 +138,7 @@ def test_the_handoff_charges_the_prefill_worker_only_what_the_policy_predicts_un
 
 
 def test_a_router_process_takes_a_policy_from_a_module_named_in_the_environment():
-    env = {**os.environ, policies.MODULES_ENV: "tests.unit.test_policy_registry"}
+    env = {**os.environ, policies.MODULES_ENV: "tests.integration.test_policy_registry"}
     result = subprocess.run([sys.executable, "-m", "services.router", "--help"], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=60)
     assert "last_by_endpoint" in result.stdout, result.stdout + result.stderr
