@@ -68,6 +68,7 @@ def test_greedy_with_image_matches_hf_generate(llava_dir, vision, chunk):
     assert tokens == expected
 
 
+@pytest.mark.slow  # a follower rank is a process
 def test_an_image_request_at_tp2_matches_hf_generate(llava_dir, vision):
     """Rank 0 sends the image rows with the step; every rank splices them into its (vocab-parallel, all-reduced)
     embeddings. 49,153 vocabulary rows: the second rank's share is padded."""

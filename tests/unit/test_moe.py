@@ -110,17 +110,30 @@ def test_expert_shards_reassemble_into_the_checkpoint():
     assert torch.equal(torch.cat([s["layers.0.mlp.experts.down_proj"] for s in shards], dim=-1), down)
 
 
+class _EnginesByTp(dict):
+    """{tp size: engine}, each started on first use: the TP=1 tests start no follower rank."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def __missing__(self, tp: int) -> LLMEngine:
+        self[tp] = LLMEngine(EngineConfig(model=self.path, tensor_parallel_size=tp, block_size=4, num_kv_blocks=64,
+                                          long_prefill_token_threshold=8))
+        return self[tp]
+
+
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def moe_engines(request, tiny_model_dirs):
     """(model dir, {tp size: engine}) at TP 1 and 2, prompts over 8 tokens prefilled in chunks."""
     path = tiny_model_dirs[request.param]
-    engines = {tp: LLMEngine(EngineConfig(model=path, tensor_parallel_size=tp, block_size=4, num_kv_blocks=64,
-                                          long_prefill_token_threshold=8)) for tp in (1, 2)}
+    engines = _EnginesByTp(path)
     yield path, engines
     for engine in engines.values():
         engine.close()
 
 
+@pytest.mark.slow  # a follower rank is a process
 def test_tp2_with_chunked_prefill_equals_hf(moe_engines):
     path, engines = moe_engines
     prompts = _prompts([5, 23])
@@ -128,7 +141,8 @@ def test_tp2_with_chunked_prefill_equals_hf(moe_engines):
     assert engines[2].block_manager.num_free_blocks == 64
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+                                                    pytest.param(1, 2, marks=pytest.mark.slow)])  # slow: a rank process
 def test_a_session_prefilled_at_one_tp_size_decodes_at_another(moe_engines, prefill_tp, decode_tp):
     path, engines = moe_engines
     prompt = _prompts([19], seed=5)[0]

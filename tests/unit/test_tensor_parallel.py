@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo, one process per rank): greedy output at TP=2 and TP=4 equals TP=1 and
 Hugging Face for every family whose heads divide, in aggregated and prefill→decode modes; a session exported
-at one TP size is imported at another; cancels free every block; sizes that do not divide are refused by name."""
+at one TP size is imported at another; cancels free every block; sizes that do not divide are refused by name.
+The tests that start ranks are slow: a follower rank is a process."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,7 @@ def mha_engines(mha_model):
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TP2_FAMILIES)
 def test_tp2_greedy_equals_tp1_and_hf(tiny_model_dirs, family):
     path = tiny_model_dirs[family]
@@ -60,6 +62,7 @@ def test_tp2_greedy_equals_tp1_and_hf(tiny_model_dirs, family):
     assert got == [hf_greedy(path, p, 10)[0] for p in prompts]
 
 
+@pytest.mark.slow
 def test_tp4_with_biases_greedy_equals_tp1_and_hf(mha_model, mha_engines):
     prompts = _prompts([7, 19], seed=3)
     got = mha_engines[4].generate(prompts, GREEDY)
@@ -67,6 +70,7 @@ def test_tp4_with_biases_greedy_equals_tp1_and_hf(mha_model, mha_engines):
     assert got == [hf_greedy(mha_model, p, 10)[0] for p in prompts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 4), (4, 2)])
 def test_a_session_exported_at_one_tp_size_decodes_at_another(mha_engines, prefill_tp, decode_tp):
     prompt = _prompts([19], seed=5)[0]
@@ -79,6 +83,7 @@ def test_a_session_exported_at_one_tp_size_decodes_at_another(mha_engines, prefi
     assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == 64
 
 
+@pytest.mark.slow
 def test_an_abort_mid_generation_frees_every_block_and_the_ranks_keep_serving(mha_model, mha_engines):
     """On the module's shared TP=2 engine (starting one costs a follower process): the tests after it use it too."""
     engine = mha_engines[2]
@@ -92,6 +97,7 @@ def test_an_abort_mid_generation_frees_every_block_and_the_ranks_keep_serving(mh
     assert engine.generate(prompts[:1], GREEDY) == [hf_greedy(mha_model, prompts[0], 10)[0]]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_at_tp1_and_tp2(mha_engines):
     sampling = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
     got = mha_engines[2].generate(_prompts([12]), sampling)
@@ -165,6 +171,7 @@ def async_tp2(tiny_model_dirs) -> LLMEngine:
     engine.close()
 
 
+@pytest.mark.slow
 def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(async_tp2, tiny_model_dirs):
     """Async scheduling at TP=2: a step launched ahead names only the rows (its tokens are still on rank 0's
     device); each follower feeds the greedy tokens of its own copy of the logits, so the output stays exact."""
@@ -180,6 +187,7 @@ def test_steps_launched_ahead_feed_each_ranks_own_greedy_tokens(async_tp2, tiny_
     assert got == [hf_greedy(path, p, 10)[0] for p in prompts]
 
 
+@pytest.mark.slow
 def test_a_handed_off_request_joins_a_step_launched_ahead_on_every_rank(async_tp2, tiny_model_dirs):
     """At TP=2 a request that joins a step launched ahead (its KV placed in our blocks, its first token known on the
     host) reaches the followers as that step's input_ids, after their own greedy tokens: the output stays exact."""
