@@ -68,6 +68,15 @@ class AsyncLLMEngine:
         started.warm_up_s = seconds
         return started
 
+    @property
+    def grammar_compiles(self) -> Callable[[str, str, float], None] | None:
+        """Called with (backend, outcome, seconds) after each grammar compile (the worker's metrics), if set."""
+        return self.engine.grammars.observe
+
+    @grammar_compiles.setter
+    def grammar_compiles(self, observer: Callable[[str, str, float], None] | None) -> None:
+        self.engine.grammars.observe = observer
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result (or raise its error)."""
         future: concurrent.futures.Future = concurrent.futures.Future()

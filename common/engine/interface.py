@@ -17,7 +17,7 @@ How a context's KV reaches the generation side follows from what the engine can 
 
 Besides this module, a service may import the plain types it speaks in (request, config, multimodal,
 stopping, default_model, structured) and one more seam, common.engine.image_encoder (the encode worker's engine:
-images → embeddings); tests/unit/test_engine_interface.py walks the imports of every service module.
+images → embeddings); tests/integration/test_engine_interface.py walks the imports of every service module.
 """
 from __future__ import annotations
 

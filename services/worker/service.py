@@ -202,7 +202,7 @@ class EngineRole:
         state.closers.append(state.kv_path.close)
         if hasattr(engine, "output_wait") and state.metrics is not None:  # our engine's bridge (not trtllm's)
             engine.output_wait = state.metrics.get("disagg_engine_output_wait_seconds").observe
-            engine.engine.grammars.observe = functools.partial(observe_grammar_compile, state.metrics)
+            engine.grammar_compiles = functools.partial(observe_grammar_compile, state.metrics)
         state.engine = engine
         state.tensor_source = state.kv_path
 
