@@ -78,8 +78,8 @@ from tests.integration.processes import REPO_ROOT, ServiceProcess, start_service
 STEP_SITE = Path(__file__).resolve().parent / "decode_period_site"
 # What one process of the measuring side streams while it stays well inside its one event loop
 # (docs/benchmarks/multi_gpu.md: one router streams about 7 000 tokens/s with a Decode stream per request and 11 000
-# with shared streams at a whole core; two bench clients timing 7 000 tok/s between them used 0.86-0.92 of a core each
-# on an H100 host, start-up and gRPC's threads included (their sending loops alone: ~30 µs a token on the 2-core
+# with shared streams at a whole core; two bench clients timing 7 000 tok/s between them used 0.86-0.92 of a core each,
+# start-up and gRPC's threads included (their sending loops alone: ~30 µs a token on the 2-core
 # machine, tests/bench/router_cpu.py), so one client per 3 000 tok/s keeps well clear). --routers 0 / --bench-clients
 # 0 start enough of each.
 ROUTER_TOK_S = 5000

@@ -30,7 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +68,6 @@ class Workload:
 
 
 def model_id(url: str) -> str:
-    import urllib.request
-
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
 
@@ -104,28 +102,15 @@ def servers(args: argparse.Namespace) -> list[Server]:
     return ours if args.only_ours else ours + [vllm] if args.ours_first else [vllm, *ours]
 
 
-def decode_roofline(model: Path, dtype: str) -> tuple[float, float]:
-    """(weight bytes, HBM bytes/s): the bytes one decode step reads at least, and the device's copy bandwidth."""
+def decode_roofline(model: Path) -> tuple[float, float]:
+    """(weight bytes, HBM bytes/s): the bf16 bytes one decode step reads at least, and the device's copy bandwidth."""
     import torch
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model)
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
+    from tests.bench.gpu_engine_vs_hf import hbm_bandwidth, model_figures, shape_config
 
-        meta = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
-    weights = sum(p.numel() * p.element_size() for p in meta.parameters())  # a tied head counted once
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    bandwidth = 10 * 2 * src.numel() * 4 / (time.perf_counter() - start)
-    del src, dst
-    torch.cuda.empty_cache()
+    weights, _ = model_figures(shape_config(str(model)))
+    bandwidth = hbm_bandwidth()
+    torch.cuda.empty_cache()  # the copy's buffers: the servers size their KV caches from what is free
     return weights, bandwidth
 
 
@@ -179,7 +164,7 @@ def main() -> int:
     workloads = [Workload.parse(w) for w in args.workloads.split(",")]
     args.model = args.model.resolve()  # (transformers reads a relative path as a hub name)
     stop_on_sigterm()
-    weights, bandwidth = decode_roofline(args.model, args.dtype)
+    weights, bandwidth = decode_roofline(args.model)
     order = servers(args)
     results: dict = {s.name: {} for s in order}
     ready: dict[str, float] = {}

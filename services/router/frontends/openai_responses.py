@@ -105,12 +105,11 @@ class Shapes:
         text, logprobs = delta.text, delta.logprobs
         if self._echo and delta.prompt_token_ids:
             text, logprobs = self._echoed(delta) + text, self._echoed_logprobs(delta) + logprobs
-        if self.chat and not fields and not logprobs:
-            return None  # tokens whose text is still held back (a partial character, stop string, tag or call)
-        if not self.chat and not text and not logprobs and not delta.token_ids:
-            return None
         # A completion streams an event a token, its text "" while held back (a partial character, a stop string),
-        # as vLLM's does: a client timing events (vLLM's bench, aiperf) then sees the token cadence.
+        # as vLLM's does: a client timing events (vLLM's bench, aiperf) then sees the token cadence. A chat chunk
+        # waits for something to say (text held back by a partial character, stop string, tag or call).
+        if not (fields if self.chat else text or delta.token_ids) and not logprobs:
+            return None
         body = {"delta": fields} if self.chat else {"text": text}
         extra = self._prompt_logprobs_json(delta)
         return self._chunk({**body, "logprobs": self._logprobs(logprobs, state), **extra}, delta.index)
