@@ -7,8 +7,8 @@ Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-m
 them for that role's workers alone (below its flags given).
 With --device cuda the workers are laid out on the GPUs in order
 (--gpus, default all visible; prefill first, each worker its tensor-parallel size of consecutive GPUs; more
-ranks than GPUs needs --share-gpus), and with no --prefill/--decode the layout follows the GPUs: 1 prefill and
-a decode worker per other GPU (one GPU: the two share it). With --device cpu each worker's model runs on cores of
+ranks than GPUs needs --share-gpus), and with no --prefill/--decode the layout follows the GPUs: half of them
+prefill, the rest decode (one GPU: the two share it). With --device cpu each worker's model runs on cores of
 its own, a torch thread a core, and the router and the workers' other threads on a core left over where there is
 one (services/cli/cpu_layout.py; --no-cpu-pinning turns it off). Each child's log lines are echoed with its name;
 a child that dies is restarted on its port with a back-off, so the cluster keeps serving. Each child serves
@@ -100,7 +100,7 @@ def tp_sizes(args: argparse.Namespace) -> dict[str, int]:
 def layout(args: argparse.Namespace, visible_gpus: int | None = None) -> list[WorkerPlacement]:
     """Every worker and its GPUs. On CUDA: --gpus (default: every GPU this process sees, torch.cuda.device_count()
     unless `visible_gpus` is given; --device cuda:K alone: K), and with neither --prefill nor --decode the default
-    layout (1 prefill, a decode worker per other GPU; on one GPU they share it)."""
+    layout (placement.default_counts: half the GPUs prefill, the rest decode; on one GPU they share it)."""
     tp = tp_sizes(args)
     chosen = args.prefill is not None or args.decode is not None
     counts = {role: 1 if getattr(args, role) is None else getattr(args, role) for role in ("prefill", "decode")}
