@@ -23,7 +23,7 @@ COVERED_ELSEWHERE = {
     "cd deploy/compose": ("deploy/compose/docker-compose.yml", "services:"),
     "docker compose up --build -d --wait": ("tests/**/test_compose_docker.py", '"--wait"'),
     "docker compose up -d --scale decode=2": ("tests/**/test_compose_docker.py", '"--scale", "decode=2"'),
-    "docker compose down": ("deploy/compose/offline-up.sh", "down"),
+    "docker compose down": ("tests/**/test_compose_docker.py", '"down", "--remove-orphans"'),
 }
 RUN_BY_TEST_README = ("curl ", "grpcurl ")  # tests/integration/test_readme.py runs these, and every python block
 
