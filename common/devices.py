@@ -24,9 +24,10 @@ def bind_thread(device: str | torch.device | None) -> None:
         torch.cuda.set_device(device.index or 0)
 
 
-# A GPU worker's host-side tensor work (a step's small index and copy tensors) gains nothing from an OpenMP pool a
-# core wide, and several workers on a many-core host, each with one (64 threads apiece on a 4-GPU host), took the
-# engine threads' cores: decode steps of 16-20 ms among 5-6 ms ones, ITL p99 19.5 against 10.5 ms at one rate (docs/benchmarks/vllm_cpu.md).
+# A GPU worker's host-side tensor work (a step's small index and copy tensors) gains nothing from an OpenMP pool a core
+# wide, and several workers on a many-core host, each with one (64 threads apiece on a 4-GPU host), took the engine
+# threads' cores: decode steps of 16-20 ms among 5-6 ms ones, ITL p99 19.5 against 10.5 ms at one rate
+# (docs/benchmarks/multi_gpu.md).
 GPU_HOST_THREADS = 4
 
 
@@ -68,10 +69,10 @@ def graph_capture(graph: torch.cuda.CUDAGraph, device: torch.device,
                   pool: tuple[int, int] | None = None) -> Iterator[None]:
     """Capture into `graph` on `device`'s capture stream. Only this thread's CUDA calls may break the capture
     ("thread_local"): in torch's default mode ("global") any other thread's call that is unsafe during a capture
-    invalidates it, and other threads do call CUDA meanwhile: the NCCL teardown a closed TP engine leaves running in
-    the background (a later TP engine built in the same process then fails its capture, "operation failed due to a
-    previous error during capture"), a KV puller checking cuda_ipc as a worker starts. The cyclic GC is off meanwhile, so that no collection on this thread frees CUDA objects
-    (events, streams, communicators) mid-capture."""
+    invalidates it, and other threads do call CUDA meanwhile: the NCCL teardown a closed TP engine leaves running in the
+    background (a later TP engine built in the same process then fails its capture, "operation failed due to a previous
+    error during capture"), a KV puller checking cuda_ipc as a worker starts. The cyclic GC is off meanwhile, so that no
+    collection on this thread frees CUDA objects (events, streams, communicators) mid-capture."""
     with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
                                               capture_error_mode=CAPTURE_ERROR_MODE):
         yield

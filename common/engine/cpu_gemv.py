@@ -4,10 +4,9 @@ bandwidth. Sharing its rows with a thread there (DISAGG_HELPER_CORES, which `dis
 prefill worker and the router preempt it) reads the weights through two cores.
 
 On one core this kernel is a little slower than oneDNN's; shared with an idle second core, a forward's one-row GEMMs
-take about two thirds of oneDNN's time. The kernel accumulates in float32 with the CPU's bf16 dot products as oneDNN does,
-rows rounded to bf16 once: the same values up to the order of the sums. Only bf16 on one torch thread (a worker on a
-core of its own) with a helper core named; float32 keeps MKL, the arithmetic of the Hugging Face reference.
-"""
+take about two thirds of oneDNN's time. The kernel accumulates in float32 with the CPU's bf16 dot products as oneDNN
+does, rows rounded to bf16 once: the same values up to the order of the sums. Only bf16 on one torch thread (a worker on
+a core of its own) with a helper core named; float32 keeps MKL, the arithmetic of the Hugging Face reference."""
 from __future__ import annotations
 
 import ctypes

@@ -33,7 +33,8 @@ def strict(schema: Any) -> Any:
         return schema
     node = dict(schema)
     types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
-    if ("object" in types or "properties" in node) and not {"additionalProperties", "unevaluatedProperties"} & set(node):
+    said = {"additionalProperties", "unevaluatedProperties"} & set(node)
+    if ("object" in types or "properties" in node) and not said:
         node["additionalProperties"] = False
     if "prefixItems" in node and not {"items", "unevaluatedItems"} & set(node):
         node["items"] = False

@@ -39,7 +39,8 @@ class GrammarMasks:
         allows. Such a token is the masked argmax too (the mask only lowers other logits to -inf; ties keep the first
         index either way), so a row where the model keeps to its grammar by itself needs no fill: on the CPU, where
         nothing overlaps a fill, that saves its time. (Not on a GPU, where the fill overlaps the forward and the check
-        would wait for the logits, and costs more than the slow fills it skips where the grammar refuses most argmaxes.)"""
+        would wait for the logits, and costs more than the slow fills it skips where the grammar refuses most argmaxes.)
+        """
         argmax = logits.argmax(dim=-1).tolist()
         return [None if g is not None and checked and g.allows(token) else g
                 for g, checked, token in zip(grammars, greedy, argmax)]

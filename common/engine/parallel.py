@@ -83,10 +83,10 @@ class TensorParallel:
 
     def leave(self, timeout_s: float = 2.0) -> None:
         """Start tearing down an NCCL communicator while its peers are alive (every rank calls this as the engine
-        closes). Left to outlive its peers, its watchdog meets their exit later, and a process that builds one TP
-        engine after another hangs building a later one (tests/gpu/test_tensor_parallel_gpu.py).
-        ProcessGroupNCCL.shutdown may take many seconds to return, yet starting it is what matters: it runs in a daemon thread, waited for `timeout_s` at
-        most, and is left to finish in the background; a worker's exit asks teardowns_finished first."""
+        closes). Left to outlive its peers, its watchdog meets their exit later, and a process that builds one TP engine
+        after another hangs building a later one (tests/gpu/test_tensor_parallel_gpu.py). ProcessGroupNCCL.shutdown may
+        take many seconds to return, yet starting it is what matters: it runs in a daemon thread, waited for `timeout_s`
+        at most, and is left to finish in the background; a worker's exit asks teardowns_finished first."""
         shutdown = getattr(self.group, "shutdown", None)
         if self.size == 1 or shutdown is None or not isinstance(self.group, getattr(dist, "ProcessGroupNCCL", ())):
             return

@@ -1,9 +1,8 @@
-"""Requests a fresh engine runs before its worker says SERVING, so that the first real ones find warm what they take:
-on a GPU the Triton kernels of each prompt size (compiled and autotuned at their first launch), the sampler's
-paths, a grammar mask and each grammar backend's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
-built at import), so none run there. Their KV leaves no trace: the prefix cache is emptied after them, so no worker
-ever reports (or serves) a block of theirs.
-"""
+"""Requests a fresh engine runs before its worker says SERVING, so that the first real ones find warm what they take: on
+a GPU the Triton kernels of each prompt size (compiled and autotuned at their first launch), the sampler's paths, a
+grammar mask and each grammar backend's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
+built at import), so none run there. Their KV leaves no trace: the prefix cache is emptied after them, so no worker ever
+reports (or serves) a block of theirs."""
 from __future__ import annotations
 
 import logging

@@ -1,11 +1,10 @@
 """`python -m services.cli.healthcheck [HOST:PORT] [--http PORT|URL]`: exit 0 when the server's grpc.health.v1 says
 SERVING (and, with --http, the router's OpenAI-compatible front door answers 200 on /health).
 
-For container health checks (docker compose `healthcheck`); the address defaults to this container's
-own port from DISAGG_GRPC_PORT (which sets its server's --port). Plaintext, or TLS when DISAGG_TLS_CA or --tls-ca
-is set (common.tls); the HTTP check is HTTPS where this container serves TLS (DISAGG_TLS_CERT). The router's API key (DISAGG_API_KEY,
-DISAGG_API_KEY_FILE) goes with both, for a router whose health asks one.
-"""
+For container health checks (docker compose `healthcheck`); the address defaults to this container's own port from
+DISAGG_GRPC_PORT (which sets its server's --port). Plaintext, or TLS when DISAGG_TLS_CA or --tls-ca is set (common.tls);
+the HTTP check is HTTPS where this container serves TLS (DISAGG_TLS_CERT). The router's API key (DISAGG_API_KEY,
+DISAGG_API_KEY_FILE) goes with both, for a router whose health asks one."""
 from __future__ import annotations
 
 import argparse

@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--backend", default="auto",
-                        help="comma-separated --structured-output-backend settings to compare (auto, xgrammar, guidance)")
+                        help="--structured-output-backend settings to compare, comma-separated (auto, xgrammar, "
+                             "guidance)")
     args = parser.parse_args()
     backends = args.backend.split(",")
     model = args.model or str(default_model_dir())

@@ -33,7 +33,8 @@ def test_mkdocs_build_strict_passes(tmp_path, monkeypatch):
     from mkdocs.commands.build import build
     from mkdocs.config import load_config
 
-    build(load_config(str(REPO_ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"), strict=True))  # Abort on a warning
+    # strict: a warning (a broken link, a missing anchor, a page out of the nav) aborts the build
+    build(load_config(str(REPO_ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"), strict=True))
     assert (tmp_path / "site" / "index.html").is_file()
 
 

@@ -101,7 +101,8 @@ def test_completion_stream_without_include_usage_has_no_usage():
 def test_a_completion_streams_an_event_a_token_even_while_its_text_is_held_back():
     # Token 9 ends a partial character (its text comes with token 10): it still gets an event, as vLLM's server
     # sends, so a client timing events sees one a token. A chat stream says nothing until it has text.
-    held = [TextDelta((7,), "Hello"), TextDelta((9,), ""), TextDelta((10,), " é"), Finished(FinishReason.LENGTH, USAGE)]
+    held = [TextDelta((7,), "Hello"), TextDelta((9,), ""), TextDelta((10,), " é"),
+            Finished(FinishReason.LENGTH, USAGE)]
     events, _ = sse(FakeCore(held), "/v1/completions", {"prompt": "The sea", "stream": True})
     assert [c["choices"][0]["text"] for c in events[:-1]] == ["Hello", "", " é", ""]
     events, _ = sse(FakeCore(held), "/v1/chat/completions", {**CHAT, "stream": True})

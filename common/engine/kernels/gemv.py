@@ -150,7 +150,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
             scale: torch.Tensor | None = None) -> bool:
     """One row on CUDA, K a multiple of the tile's chunk, and this kernel measured no slower than cuBLAS with
     its separate prologue kernel (with `scale`, an FP8 weight: than what Fp8Linear runs, its FP8 GEMM with the
-    activations' quantisation, or the dequantised weight where that GEMM does not take the shape), for this shape (measured once, outside any CUDA-graph capture)."""
+    activations' quantisation, or the dequantised weight where that GEMM does not take the shape), for this shape
+    (measured once, outside any CUDA-graph capture)."""
     config = config_for(*weight.shape)
     if not fits(x, weight, config):
         return False
@@ -195,7 +196,8 @@ def compare(weight: torch.Tensor, bias: torch.Tensor | None, prologue: str | Non
 
 
 def weight_copies(weight: torch.Tensor, l2_bytes: int = 128 << 20) -> list[torch.Tensor]:
-    """The weight and enough copies that cycling through them never finds one in the L2 (the default: more than a GPU's L2 holds)."""
+    """The weight and enough copies that cycling through them never finds one in the L2 (the default: more than a GPU's
+    L2 holds)."""
     n = min(16, max(1, math.ceil(l2_bytes / (weight.numel() * weight.element_size()))))
     return [weight] + [weight.clone() for _ in range(n - 1)]
 

@@ -1,10 +1,9 @@
 """`disagg bench --clients N`: one workload's arrivals sent by N client processes, so the client is not the limit.
 
 One Python client times every token on one event loop, about 100 µs a token, so near 10 000 tokens/s it becomes the
-slowest part of the measurement. Each process sends the requests i with i mod N == k at the same offsets from a common start as one
-client would (the same Poisson schedule), times them with the system-wide monotonic clock, and hands its records
-back; the summary is over all of them. --max-concurrency is split over the processes.
-"""
+slowest part of the measurement. Each process sends the requests i with i mod N == k at the same offsets from a common
+start as one client would (the same Poisson schedule), times them with the system-wide monotonic clock, and hands its
+records back; the summary is over all of them. --max-concurrency is split over the processes."""
 from __future__ import annotations
 
 import asyncio
