@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -18,6 +19,7 @@ from services.router import frontends, policies
 from services.router.kv_index import KvIndex
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
+from services.router.warm_up import warm_up
 from services.router.workers import WorkerPool
 from services.kit.grpc_auth import api_key_interceptors
 from common.heap import settle_heap
@@ -51,7 +53,8 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
         socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
     banners = [listener.banner(advertised) for listener in listeners]
-    health = asyncio.create_task(_track_health(server, orchestrator, f"{advertised}:{server.port}", banners))
+    health = asyncio.create_task(_track_health(server, orchestrator, f"{advertised}:{server.port}", banners,
+                                               lambda: warm_up(pool, preparer, config)))
     try:
         if obs is not None:
             await obs.start(config.host, advertised, server.port)
@@ -105,12 +108,17 @@ async def _start_listeners(doors: list[frontends.FrontDoor], orchestrator: Orche
     return listeners
 
 
-async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: str, banners: list[str]) -> None:
-    """SERVING while every discovered worker has been heard from and a decode worker is ready."""
+async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: str, banners: list[str],
+                        warm: Callable[[], Awaitable[float]]) -> None:
+    """SERVING while every discovered worker has been heard from and a decode worker is ready; the first time,
+    only once `warm`'s requests (warm_up.py) have run."""
     serving: bool | None = None
     announced = False
     while True:
         ready = orchestrator.ready()
+        if ready and not announced:
+            await warm()
+            ready = orchestrator.ready()
         if ready != serving:
             await server.set_serving(ready)
             log.info("health: %s", "SERVING" if ready else "NOT_SERVING")

@@ -1,0 +1,68 @@
+"""Requests a router runs through its own core before it says SERVING, so that the first client request finds warm
+what every request takes beyond the engine (which warms itself, common/engine/warm_up.py): the tokenizer and chat
+template, the Python of the request path on both sides of each worker's gRPC stream, and a KV handoff from each
+prefill worker. Measured on a fresh `disagg up`, that path made the first request's TTFT two to five times a warm
+one's (tests/gpu/first_request.py).
+
+They are short (a few tokens, below a KV block, so no worker caches or reports a block of theirs), count in no
+router metric, and a failure is logged, never kept from serving: the same fault would show in the first request."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from common.discovery import Role
+from common.engine.request import SamplingParams
+from services.router.generation import ChatMessage, GenerationRequest
+from services.router.orchestrator import Orchestrator
+from services.router.prepare import RequestPreparer
+from services.router.workers import WorkerPool
+from services.router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+PROMPT = "Hi"
+OUTPUT_TOKENS = 2
+TIMEOUT_MS = 30_000  # each request's deadline: a worker that does not answer in this is left to the first request
+
+
+async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig) -> float:
+    """Run the warm-up requests; the seconds they took. Through a core of their own (round robin over the workers,
+    no metrics): one aggregated request a decode worker, then, with prefill workers, one with a remote prefill a
+    worker of the larger role, so every prefill worker hands off and every decode worker takes a handoff."""
+    start = time.monotonic()
+    decode, prefill = len(pool.ready(Role.DECODE)), len(pool.ready(Role.PREFILL))
+    local = _core(pool, preparer, config, remote=False)
+    remote = _core(pool, preparer, config, remote=True)
+    chat = GenerationRequest("warm-up-chat", messages=(ChatMessage("user", PROMPT),))
+    try:
+        await asyncio.to_thread(preparer.prepare, chat, local.served_model())  # the chat template, compiled
+        for i in range(decode):
+            await _run(local, f"warm-up-local-{i}")
+        for i in range(max(decode, prefill) if prefill else 0):
+            await _run(remote, f"warm-up-remote-{i}")
+    except Exception as exc:  # noqa: BLE001 (a worker's RpcError too): serving goes on, cold
+        log.warning("router warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
+    finally:
+        await local.close()
+        await remote.close()
+    seconds = time.monotonic() - start
+    log.info("warm-up: %d decode and %d prefill workers in %.2f s", decode, prefill, seconds)
+    return seconds
+
+
+def _core(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig, remote: bool) -> Orchestrator:
+    """A core over the router's pool whose placement sends every prompt to a prefill worker (`remote`) or keeps
+    it on the decode worker."""
+    placement = dict(min_remote_prefill_tokens=0, max_local_prefill_tokens=0, max_prefill_queue_tokens=0) if remote \
+        else dict(min_remote_prefill_tokens=2 ** 31 - 1)
+    return Orchestrator(pool, preparer, dataclasses.replace(config, policy="round_robin", **placement))
+
+
+async def _run(core: Orchestrator, request_id: str) -> None:
+    request = GenerationRequest(request_id, prompt=PROMPT, timeout_ms=TIMEOUT_MS, params=SamplingParams(
+        temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True))
+    async for _ in core.stream(request):
+        pass
