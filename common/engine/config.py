@@ -29,13 +29,11 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # (each step re-reads the weights for fewer tokens) and serve a lower TTFT and output rate; 256 prefills no faster
 # and holds the others up twice as long; 512 is slower.
 CPU_LONG_PREFILL_TOKENS = 128
-# A step's token budget (--max-num-batched-tokens) unless set. On the CPU a step of 2048 tokens is already seconds.
-# On a GPU the budget decides how many prompts that arrive together prefill in one step: with 8192 a wave of eight
-# 1024-token prompts is one step, and the running decodes stall once; with 2048 it is four, and every row admitted
-# in the first one decodes through the next three, which sets the inter-token p99. Bigger steps also run the prefill
-# GEMMs nearer the peak (docs/benchmarks/vllm_gpu.md, docs/benchmarks/multi_gpu.md). vLLM picks 8192 on such GPUs.
+# A step's token budget (--max-num-batched-tokens) unless set. A prefill worker on a GPU has no decode rows whose
+# inter-token latency a long step would hold up, and bigger steps run its GEMMs nearer the peak: a served prefill
+# GPU takes about 15 % more requests a second with 8192 than with 2048 (tests/bench/multi_gpu.py --prefill-budget).
 DEFAULT_STEP_TOKENS = 2048
-GPU_STEP_TOKENS = 8192
+GPU_PREFILL_WORKER_STEP_TOKENS = 8192
 # The KV cache unless sized otherwise: on the CPU this many blocks; on a GPU what fits in this fraction of it, shared
 # by the workers on it (vLLM's default), each worker counting its own weights only (common/engine/kv_memory.py).
 CPU_KV_BLOCKS = 1024
@@ -52,8 +50,8 @@ def gpu_memory_share(device: str, gpu_memory_utilization: float | None, num_kv_b
     return DEFAULT_GPU_MEMORY_UTILIZATION if num_kv_blocks is None else None
 
 
-def default_step_tokens(device: str) -> int:
-    return GPU_STEP_TOKENS if device.startswith("cuda") else DEFAULT_STEP_TOKENS
+def default_step_tokens(device: str, prefill_only: bool) -> int:
+    return GPU_PREFILL_WORKER_STEP_TOKENS if prefill_only and device.startswith("cuda") else DEFAULT_STEP_TOKENS
 
 
 # Requests a step runs at most (--max-num-seqs) unless set. A GPU decode step is bound by reading the weights, so more
