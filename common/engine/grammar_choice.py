@@ -8,19 +8,17 @@ from common.engine.structured import JSON_SCHEMA, SCHEMA_LISTS, SCHEMA_MAPS, SCH
 
 # An array bound from which a schema goes to llguidance (docs/benchmarks/structured_output_backends.md).
 MANY_ITEMS = 16
-_BOUNDED_STRING = ("maxLength", "minLength", "pattern")
 
 
 def prefers_guidance(structured: StructuredOutput) -> bool:
-    """The one rule of `auto`: a JSON schema with a string bounded in length (maxLength, minLength) or by a
-    `pattern`, or an array bound (minItems, maxItems) of MANY_ITEMS or more, goes to llguidance; every other grammar
-    stays on xgrammar, which alone has structural tags. Why: xgrammar fills each position of a bounded string token by
-    token (mlc-ai/xgrammar#852), so a schema of short bounded strings generates at about half the unconstrained rate
-    there while plain strings run at nearly the full one, and llguidance compiles every such schema faster. The
-    figures of both libraries are in docs/benchmarks/."""
+    """The one rule of `auto`: a JSON schema with an array bound (minItems, maxItems) of MANY_ITEMS or more goes to
+    llguidance, which compiles and fills it faster; every other grammar stays on xgrammar, which alone has
+    structural tags. Bounded strings stay there too: xgrammar from 0.2.9 fills their masks at the full rate on a GPU
+    while llguidance's, though faster than 0.2.8's (mlc-ai/xgrammar#852), cost a third of the output rate; a
+    `pattern` fills faster on xgrammar as well. The figures are in docs/benchmarks/structured_output_backends.md."""
     if structured.kind != JSON_SCHEMA:
         return False
-    return _bounded(json.loads(structured.spec))
+    return _large_array(json.loads(structured.spec))
 
 
 def backend_order(setting: str, structured: StructuredOutput) -> tuple[str, str]:
@@ -29,14 +27,12 @@ def backend_order(setting: str, structured: StructuredOutput) -> tuple[str, str]
     return (first, "xgrammar" if first == "guidance" else "guidance")
 
 
-def _bounded(node: Any) -> bool:
+def _large_array(node: Any) -> bool:
     if not isinstance(node, dict):
         return False
-    if any(key in node for key in _BOUNDED_STRING):
-        return True
     if any(isinstance(node.get(key), int) and node[key] >= MANY_ITEMS for key in ("minItems", "maxItems")):
         return True
     subs = [sub for key in SCHEMA_MAPS if isinstance(node.get(key), dict) for sub in node[key].values()]
     for key in SCHEMA_LISTS + SCHEMA_ONES:
         subs += node[key] if isinstance(node.get(key), list) else [node.get(key)]
-    return any(_bounded(sub) for sub in subs)
+    return any(_large_array(sub) for sub in subs)

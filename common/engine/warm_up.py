@@ -16,9 +16,12 @@ from common.errors import FailedPrecondition
 log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = (16, 128, 512, 2048, 8192)  # prompt (and chunk) sizes whose kernels a GPU builds at first use
+# Triton compiles a kernel once for integer arguments divisible by 16 and again for the rest: each size above runs
+# one token short too, or the first prompt of an odd length compiles in its request (tens of ms of its TTFT).
+ODD_BY = 1
 DECODE_BATCH = 32  # short prompts decoded together, sampled: the sampler's batched paths
 OUTPUT_TOKENS = 4
-BOUNDED_STRING = {"type": "string", "maxLength": 8}  # common.engine.grammar_choice sends it to llguidance
+LARGE_ARRAY = {"type": "array", "items": {"type": "integer"}, "maxItems": 16}  # grammar_choice: to llguidance
 
 
 def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
@@ -54,20 +57,22 @@ def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
 
 
 def _requests(engine: LLMEngine):
-    """(id, prompt, sampling) of each warm-up request: prompts of each size up to a step's budget (greedy), a batch
-    of short sampled ones with logprobs, and two under a grammar: JSON mode, and a bounded string, which `auto` gives
+    """(id, prompt, sampling) of each warm-up request: prompts of each size up to a step's budget and one token
+    shorter (greedy), a batch of short sampled ones with logprobs, and two under a grammar: JSON mode, and a large
+    array, which `auto` gives
     the other backend (--structured-output-backend: each request on its backend, or both on the one named)."""
     cap = min(engine.config.max_num_batched_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
               engine.block_manager.num_blocks * engine.config.block_size // 4)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    for n in sorted({n for n in PROMPT_TOKENS if n < cap} | {cap}):  # the step budget's own size too
+    sizes = {n for n in PROMPT_TOKENS if n < cap} | {cap}  # the step budget's own size too
+    for n in sorted(sizes | {n - ODD_BY for n in sizes if n > ODD_BY}):
         yield f"warm-up-prompt-{n}", _prompt(engine, n, 0), greedy
     sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=OUTPUT_TOKENS, ignore_eos=True,
                              logprobs=True, top_logprobs=2)
     for i in range(min(DECODE_BATCH, engine.config.max_num_seqs)):
         yield f"warm-up-batch-{i}", _prompt(engine, 8, i + 1), sampled
     # (a model without tokenizer files refuses it: FailedPrecondition, which warm_up passes over)
-    for i, structured in enumerate((StructuredOutput(JSON_OBJECT), StructuredOutput.json_schema(BOUNDED_STRING))):
+    for i, structured in enumerate((StructuredOutput(JSON_OBJECT), StructuredOutput.json_schema(LARGE_ARRAY))):
         yield f"warm-up-grammar-{i}", _prompt(engine, 8, 99 + i), SamplingParams(
             temperature=0, max_tokens=OUTPUT_TOKENS, structured=structured)
 

@@ -169,9 +169,10 @@ def test_constrained_and_unconstrained_requests_share_a_batch(model, backend):
 
 
 def test_rows_of_both_backends_and_an_unconstrained_row_share_a_batch(model):
-    """`auto`: a schema with a bounded string goes to llguidance, a regex to xgrammar; in one batch with a plain row,
-    each draws what it draws alone, and the grammar rows match HF's greedy under their own library's mask."""
-    bounded = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}, "required": ["name"]}
+    """`auto`: a schema with a large array bound goes to llguidance, a regex to xgrammar; in one batch with a plain
+    row, each draws what it draws alone, and the grammar rows match HF's greedy under their own library's mask."""
+    bounded = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"},
+                                                        "maxItems": 16}}, "required": ["ids"]}
     samplings = {"guidance": _greedy(StructuredOutput.json_schema(bounded)),
                  "xgrammar": _greedy(StructuredOutput("regex", REGEX)), "plain": _greedy(None, ignore_eos=True)}
     engine = _engine(model, "auto")
@@ -508,12 +509,13 @@ def test_sampled_grammar_rows_keep_their_state_through_preemption(model, backend
     ({"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "integer"}}}, "xgrammar"),
     ({"type": "array", "items": {"type": "string"}, "minItems": 3}, "xgrammar"),
     ({"type": "object", "properties": {"pattern": {"type": "string"}}}, "xgrammar"),  # a property's name, not a bound
-    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 24}}}, "guidance"),
-    ({"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 2}, {"type": "null"}]}}, "guidance"),
-    ({"$defs": {"id": {"type": "string", "pattern": "^[a-z]+$"}}, "$ref": "#/$defs/id"}, "guidance"),
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 24}}}, "xgrammar"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 2}, {"type": "null"}]}}, "xgrammar"),
+    ({"$defs": {"id": {"type": "string", "pattern": "^[a-z]+$"}}, "$ref": "#/$defs/id"}, "xgrammar"),
     ({"type": "array", "items": {"type": "integer"}, "maxItems": 64}, "guidance"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 16}}}, "guidance"),
 ])
-def test_auto_sends_bounded_strings_and_large_arrays_to_guidance(schema, first):
+def test_auto_sends_large_arrays_to_guidance_and_the_rest_to_xgrammar(schema, first):
     from common.engine.grammar_choice import backend_order
 
     structured = StructuredOutput.json_schema(schema)
