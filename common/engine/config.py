@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # --engine's choices → "module:class" under common.engine that common.engine.start loads (one line per engine).
 ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
 # Grammar libraries for structured output → "module:class" under common.engine (common.engine.grammar_backend's
-# GrammarBackend); --structured-output-backend picks one, or "auto" one per grammar (common.engine.grammar_choice).
+# GrammarBackend); --structured-output-backend picks the first to try, "auto" common.engine.grammar_choice's.
 GRAMMAR_BACKENDS = {"xgrammar": "grammar_xgrammar:XgrammarBackend", "guidance": "grammar_guidance:GuidanceBackend"}
 STRUCTURED_OUTPUT_BACKENDS = ("auto", *GRAMMAR_BACKENDS)
 # --load-format's choices: the model directory's safetensors, or random weights made from its config.json alone.
@@ -130,8 +130,8 @@ class EngineConfig:
     """What the KV cache stores: "auto", the model's dtype; "fp8", float8_e4m3fn with a scale of 1.0 (half the
     bytes of bf16 in memory and in every handoff)."""
     structured_output_backend: str = "auto"
-    """Which grammar library compiles structured output: "xgrammar", "guidance" (llguidance), or "auto", one per
-    grammar by common.engine.grammar_choice's rule. A grammar the one picked refuses is tried on the other."""
+    """Which grammar library compiles structured output first: "xgrammar", "guidance" (llguidance), or "auto"
+    (common.engine.grammar_choice: xgrammar). A grammar the first refuses is tried on the other."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -64,14 +64,14 @@ class Grammars:
             raise self._too_slow(structured, trying) from None
 
     def _too_slow(self, structured: StructuredOutput, trying: list[str]) -> InvalidRequest:
-        on = trying[-1] if trying else backend_order(self.backend, structured)[0]
+        on = trying[-1] if trying else backend_order(self.backend)[0]
         self._observe(on, "timeout", self.timeout_s)
         return InvalidRequest(f"compiling the {structured.describe()} ({on}) took more than {self.timeout_s:g} s, "
                               "the limit; simplify it")
 
     def _compile(self, structured: StructuredOutput, trying: list[str]) -> CompiledGrammar:
         refusals = []
-        for name in backend_order(self.backend, structured):
+        for name in backend_order(self.backend):
             trying.append(name)
             start = time.perf_counter()
             try:

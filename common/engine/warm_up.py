@@ -21,7 +21,6 @@ PROMPT_TOKENS = (16, 128, 512, 2048, 8192)  # prompt (and chunk) sizes whose ker
 ODD_BY = 1
 DECODE_BATCH = 32  # short prompts decoded together, sampled: the sampler's batched paths
 OUTPUT_TOKENS = 4
-LARGE_ARRAY = {"type": "array", "items": {"type": "integer"}, "maxItems": 16}  # grammar_choice: to llguidance
 
 
 def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
@@ -58,9 +57,8 @@ def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
 
 def _requests(engine: LLMEngine):
     """(id, prompt, sampling) of each warm-up request: prompts of each size up to a step's budget and one token
-    shorter (greedy), a batch of short sampled ones with logprobs, and two under a grammar: JSON mode, and a large
-    array, which `auto` gives
-    the other backend (--structured-output-backend: each request on its backend, or both on the one named)."""
+    shorter (greedy), a batch of short sampled ones with logprobs, and one under a grammar (JSON mode) on the
+    backend --structured-output-backend puts first."""
     cap = min(engine.config.max_num_batched_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
               engine.block_manager.num_blocks * engine.config.block_size // 4)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -72,9 +70,8 @@ def _requests(engine: LLMEngine):
     for i in range(min(DECODE_BATCH, engine.config.max_num_seqs)):
         yield f"warm-up-batch-{i}", _prompt(engine, 8, i + 1), sampled
     # (a model without tokenizer files refuses it: FailedPrecondition, which warm_up passes over)
-    for i, structured in enumerate((StructuredOutput(JSON_OBJECT), StructuredOutput.json_schema(LARGE_ARRAY))):
-        yield f"warm-up-grammar-{i}", _prompt(engine, 8, 99 + i), SamplingParams(
-            temperature=0, max_tokens=OUTPUT_TOKENS, structured=structured)
+    yield "warm-up-grammar", _prompt(engine, 8, 99), SamplingParams(
+        temperature=0, max_tokens=OUTPUT_TOKENS, structured=StructuredOutput(JSON_OBJECT))
 
 
 def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:

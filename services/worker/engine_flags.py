@@ -87,8 +87,7 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--structured-output-backend", default=os.environ.get("DISAGG_STRUCTURED_OUTPUT_BACKEND", "auto"),
         choices=list(STRUCTURED_OUTPUT_BACKENDS),
         help="the grammar library of structured output and forced tool calls: xgrammar, guidance (llguidance), or "
-             "auto: llguidance for JSON schemas with large array bounds (minItems, maxItems), "
-             "xgrammar for the rest; a grammar one refuses is tried on the other (env "
+             "auto (xgrammar, the faster on a GPU); a grammar the first refuses is tried on the other (env "
              "DISAGG_STRUCTURED_OUTPUT_BACKEND)")
 
 

@@ -169,17 +169,21 @@ def test_constrained_and_unconstrained_requests_share_a_batch(model, backend):
 
 
 def test_rows_of_both_backends_and_an_unconstrained_row_share_a_batch(model):
-    """`auto`: a schema with a large array bound goes to llguidance, a regex to xgrammar; in one batch with a plain
-    row, each draws what it draws alone, and the grammar rows match HF's greedy under their own library's mask."""
-    bounded = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"},
-                                                        "maxItems": 16}}, "required": ["ids"]}
+    """A schema compiled by llguidance (a grammar xgrammar refused falls back there), a regex by xgrammar: in one
+    batch with a plain row, each draws what it draws alone, and the grammar rows match HF's greedy under their own
+    library's mask."""
+    bounded = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}, "required": ["name"]}
     samplings = {"guidance": _greedy(StructuredOutput.json_schema(bounded)),
                  "xgrammar": _greedy(StructuredOutput("regex", REGEX)), "plain": _greedy(None, ignore_eos=True)}
     engine = _engine(model, "auto")
-    assert {rid: engine.grammars.compile(s.structured).backend
-            for rid, s in samplings.items() if s.structured} == {"guidance": "guidance", "xgrammar": "xgrammar"}
-    alone = {rid: engine.generate([PROMPTS[1]], s)[0] for rid, s in samplings.items()}
+    alone = {}
+    for rid, sampling in samplings.items():  # each compiled (and cached) first on its own backend
+        engine.grammars.backend = "guidance" if rid == "guidance" else "xgrammar"
+        alone[rid] = engine.generate([PROMPTS[1]], sampling)[0]
+        if sampling.structured:
+            assert engine.grammars.compile(sampling.structured).backend == rid
     for rid, sampling in samplings.items():
+        engine.grammars.backend = "guidance" if rid == "guidance" else "xgrammar"
         engine.add_request(rid, PROMPTS[1], sampling)
     together = _run(engine)
     assert {rid: tokens for rid, (tokens, _) in together.items()} == alone
@@ -505,25 +509,12 @@ def test_sampled_grammar_rows_keep_their_state_through_preemption(model, backend
     assert engine.block_manager.num_free_blocks == 10
 
 
-@pytest.mark.parametrize("schema, first", [
-    ({"type": "object", "properties": {"a": {"type": "string"}, "n": {"type": "integer"}}}, "xgrammar"),
-    ({"type": "array", "items": {"type": "string"}, "minItems": 3}, "xgrammar"),
-    ({"type": "object", "properties": {"pattern": {"type": "string"}}}, "xgrammar"),  # a property's name, not a bound
-    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 24}}}, "xgrammar"),
-    ({"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 2}, {"type": "null"}]}}, "xgrammar"),
-    ({"$defs": {"id": {"type": "string", "pattern": "^[a-z]+$"}}, "$ref": "#/$defs/id"}, "xgrammar"),
-    ({"type": "array", "items": {"type": "integer"}, "maxItems": 64}, "guidance"),
-    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 16}}}, "guidance"),
-])
-def test_auto_sends_large_arrays_to_guidance_and_the_rest_to_xgrammar(schema, first):
+def test_auto_tries_xgrammar_first_and_a_named_backend_before_the_other():
     from common.engine.grammar_choice import backend_order
 
-    structured = StructuredOutput.json_schema(schema)
-    assert backend_order("auto", structured) == (first, {"xgrammar": "guidance", "guidance": "xgrammar"}[first])
-    assert backend_order("xgrammar", structured) == ("xgrammar", "guidance")
-    assert backend_order("guidance", structured) == ("guidance", "xgrammar")
-    for kind, spec in (("regex", REGEX), ("json_object", ""), ("choice", '["a"]'), ("grammar", 'root ::= "a"')):
-        assert backend_order("auto", StructuredOutput(kind, spec))[0] == "xgrammar"
+    assert backend_order("auto") == ("xgrammar", "guidance")
+    assert backend_order("xgrammar") == ("xgrammar", "guidance")
+    assert backend_order("guidance") == ("guidance", "xgrammar")
 
 
 def test_a_tool_call_forced_by_its_grammar_is_a_valid_call_on_either_backend(model, backend):
