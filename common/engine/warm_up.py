@@ -1,10 +1,11 @@
 """Requests a fresh engine runs before its worker says SERVING, so that the first real ones find warm what they take: on
 a GPU the Triton kernels of each prompt size (compiled and autotuned at their first launch), the sampler's paths, a
-grammar mask and each grammar backend's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
+grammar mask and its backend's tokenizer tables. The CPU has nothing of the kind to build (its C kernels are
 built at import), so none run there. Their KV leaves no trace: the prefix cache is emptied after them, so no worker ever
 reports (or serves) a block of theirs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -19,59 +20,84 @@ PROMPT_TOKENS = (16, 128, 512, 2048, 8192)  # prompt (and chunk) sizes whose ker
 # Triton compiles a kernel once for integer arguments divisible by 16 and again for the rest: each size above runs
 # one token short too, or the first prompt of an odd length compiles in its request (tens of ms of its TTFT).
 ODD_BY = 1
-DECODE_BATCH = 32  # short prompts decoded together, sampled: the sampler's batched paths
+DECODE_BATCH = 32  # short prompts decoded together: the sampler's batched paths
+# Each way a request can be sampled, as changes to a greedy request: the sampler's paths, each run alone once.
+SAMPLING_WAYS: dict[str, dict] = {
+    "greedy-logprob": dict(logprobs=True),
+    "greedy-top-1": dict(logprobs=True, top_logprobs=1),
+    "greedy-top-5": dict(logprobs=True, top_logprobs=5),
+    "prompt-logprobs": dict(prompt_logprobs=1),
+    "sampled": dict(temperature=0.7),
+    "sampled-top-2": dict(temperature=1.0, top_p=0.9, top_k=50, logprobs=True, top_logprobs=2),
+    "min-p-seeded": dict(temperature=0.8, min_p=0.05, seed=7),
+    "penalties": dict(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    "logit-bias": dict(logit_bias=((0, 5.0),)),
+    "n-2": dict(temperature=0.8, n=2),
+}
 OUTPUT_TOKENS = 4
 
 
 def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
-    """Run the warm-up requests to the end and forget them; the seconds it took (None where none run: `full`
-    defaults to whether the engine runs on a GPU). A failure is logged, its requests aborted, and the engine serves
-    cold."""
+    """Run the warm-up requests to the end, wave by wave, and forget them; the seconds it took (None where none run:
+    `full` defaults to whether the engine runs on a GPU). A failure is logged, its requests aborted, and the engine
+    serves cold."""
     if not (engine.runner.device.type == "cuda" if full is None else full):
         return None
     start = time.monotonic()
-    ids: list[str] = []
-    for request_id, prompt, sampling in _requests(engine):
-        try:
-            engine.add_request(request_id, prompt, sampling)
-            ids.append(request_id)
-        except FailedPrecondition as exc:  # structured output without a tokenizer: nothing to warm
-            log.info("warm-up request %s not run: %s", request_id, exc)
-        except Exception as exc:  # (a grammar compile past its time limit, say): the others still run
-            log.warning("warm-up request %s not run (%s: %s)", request_id, type(exc).__name__, exc)
+    count = 0
     try:
-        while engine.has_unfinished_requests():
-            engine.step()
+        for wave in _waves(engine):
+            count += _run_wave(engine, wave)
     except Exception as exc:  # a warm-up must not keep a worker from serving; the same fault would show in requests
         log.warning("warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
-        for request_id in ids:
+        for request_id in list(engine.requests):
             engine.abort_request(request_id)
         while engine.has_unfinished_requests():
             engine.step()
     engine.block_manager.reset_prefix_cache()
     engine.num_preemptions = 0
     seconds = time.monotonic() - start
-    log.info("warm-up: %d requests in %.1f s", len(ids), seconds)
+    log.info("warm-up: %d requests in %.1f s", count, seconds)
     return seconds
 
 
-def _requests(engine: LLMEngine):
-    """(id, prompt, sampling) of each warm-up request: prompts of each size up to a step's budget and one token
-    shorter (greedy), a batch of short sampled ones with logprobs, and one under a grammar (JSON mode) on the
-    backend --structured-output-backend puts first."""
+def _run_wave(engine: LLMEngine, wave: list[tuple[str, list[int], SamplingParams]]) -> int:
+    """Add the wave's requests and step until they are done; how many were added."""
+    added = 0
+    for request_id, prompt, sampling in wave:
+        try:
+            engine.add_request(request_id, prompt, sampling)
+            added += 1
+        except FailedPrecondition as exc:  # structured output without a tokenizer: nothing to warm
+            log.info("warm-up request %s not run: %s", request_id, exc)
+        except Exception as exc:  # (a grammar compile past its time limit, say): the others still run
+            log.warning("warm-up request %s not run (%s: %s)", request_id, type(exc).__name__, exc)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return added
+
+
+def _waves(engine: LLMEngine):
+    """Lists of (id, prompt, sampling), each run to its end before the next: each prompt size alone (up to a step's
+    budget, and one token shorter), greedy; each way of sampling alone (CUDA loads a kernel at its first launch, and
+    torch picks kernels by shape: a greedy row with one top logprob is not a sampled row with two), then all of them
+    in one batch with more sampled rows, the sampler's batched paths; and one request under a grammar (JSON mode) on
+    the backend --structured-output-backend puts first."""
     cap = min(engine.config.max_num_batched_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
               engine.block_manager.num_blocks * engine.config.block_size // 4)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     sizes = {n for n in PROMPT_TOKENS if n < cap} | {cap}  # the step budget's own size too
     for n in sorted(sizes | {n - ODD_BY for n in sizes if n > ODD_BY}):
-        yield f"warm-up-prompt-{n}", _prompt(engine, n, 0), greedy
-    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=OUTPUT_TOKENS, ignore_eos=True,
-                             logprobs=True, top_logprobs=2)
-    for i in range(min(DECODE_BATCH, engine.config.max_num_seqs)):
-        yield f"warm-up-batch-{i}", _prompt(engine, 8, i + 1), sampled
-    # (a model without tokenizer files refuses it: FailedPrecondition, which warm_up passes over)
-    yield "warm-up-grammar", _prompt(engine, 8, 99), SamplingParams(
-        temperature=0, max_tokens=OUTPUT_TOKENS, structured=StructuredOutput(JSON_OBJECT))
+        yield [(f"warm-up-prompt-{n}", _prompt(engine, n, 0), greedy)]
+    ways = {name: dataclasses.replace(greedy, **changes) for name, changes in SAMPLING_WAYS.items()}
+    for i, (name, sampling) in enumerate(ways.items()):
+        yield [(f"warm-up-{name}", _prompt(engine, 8, i + 1), sampling)]
+    rows = min(DECODE_BATCH, engine.config.max_num_seqs)
+    batch = [*ways.values(), *[ways["sampled-top-2"]] * max(rows - len(ways), 0)][:rows]
+    yield [(f"warm-up-batch-{i}", _prompt(engine, 8, 50 + i), sampling) for i, sampling in enumerate(batch)]
+    # (a model without tokenizer files refuses it: FailedPrecondition, which _run_wave passes over)
+    yield [("warm-up-grammar", _prompt(engine, 8, 99), dataclasses.replace(
+        greedy, ignore_eos=False, structured=StructuredOutput(JSON_OBJECT)))]
 
 
 def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:

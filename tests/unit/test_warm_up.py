@@ -7,7 +7,7 @@ from common.engine.config import EngineConfig
 from common.engine.default_model import default_model_dir
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.engine.warm_up import warm_up
+from common.engine.warm_up import SAMPLING_WAYS, warm_up
 
 
 def test_the_warm_up_runs_every_kind_and_leaves_no_trace(tiny_llama, tmp_path):
@@ -23,9 +23,10 @@ def test_the_warm_up_runs_every_kind_and_leaves_no_trace(tiny_llama, tmp_path):
                                                                                                  **kwargs)
     assert warm_up(engine, full=True) > 0
     assert {"warm-up-grammar", "warm-up-prompt-160", "warm-up-prompt-159"} <= set(added), added
+    assert {f"warm-up-{way}" for way in SAMPLING_WAYS} <= set(added), added  # each way of sampling alone
     # prompts of 16, 128 and the budget, each also one token short (an odd size: Triton's other specialisation);
-    # the batch; one under a grammar
-    assert len(added) == 2 * 3 + 8 + 1, added
+    # each way of sampling alone, then a batch of max_num_seqs of them; one under a grammar
+    assert len(added) == 2 * 3 + len(SAMPLING_WAYS) + 8 + 1, added
     assert not engine.has_unfinished_requests() and not engine.requests
     assert engine.block_manager.num_free_blocks == 256 and engine.kv_events.num_cached == 0
     del engine.add_request
