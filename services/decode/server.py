@@ -1,5 +1,5 @@
 """Decoder servicer: one request per bidirectional stream (Decode), or many tagged on one (DecodeMany,
-shared_stream.py), each run by `begin`.
+decode_many.py), each run by `begin`.
 
 With a KvSessionRef the worker checks the layout, pulls the prompt's KV from the exporter's
 TensorStore, releases the session and generates from the first token (GENERATION_ONLY);
@@ -34,7 +34,7 @@ from common.kv.transfer import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import request_type_from_proto, sampling_from_proto
 from services.decode.progress import Progress, join_delta
-from services.decode.shared_stream import SharedStream
+from services.decode.decode_many import DecodeManyStream
 from common.telemetry import tracing
 from services.kit.serving import abort_with
 from services.worker.service import WorkerState
@@ -150,7 +150,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
 
     async def DecodeMany(self, request_iterator: AsyncIterator[worker_pb2.DecodeManyRequest],
                          context: grpc.aio.ServicerContext):
-        async for response in SharedStream(self.state, self.begin).serve(request_iterator, context):
+        async for response in DecodeManyStream(self.state, self.begin).serve(request_iterator, context):
             yield response
 
     async def begin(self, start: worker_pb2.DecodeStart, time_left_s: float | None,

@@ -20,7 +20,7 @@ class Tokens:
 
 
 @dataclass(frozen=True)
-class KvTransfer:
+class KvHandoff:
     """How the KV of a handoff came to the decode worker, for the client's Usage."""
 
     backend: str  # "" when the worker did not say
@@ -49,4 +49,4 @@ class DecodeFinished:
     choices: tuple[tuple[int, FinishReason, int | None], ...] = ()  # n > 1: (index, reason, stop token id) each
 
 
-DecodeEvent = Union[Tokens, KvTransfer, CachedTokens, WorkerTimings, DecodeFinished]
+DecodeEvent = Union[Tokens, KvHandoff, CachedTokens, WorkerTimings, DecodeFinished]

@@ -24,11 +24,11 @@ from common.kv.backends import name_of
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
 from services.kit.convert import sampling_to_proto, worker_stop_conditions
-from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvTransfer, Tokens,
+from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvHandoff, Tokens,
                                            WorkerTimings)
+from services.router.decode_mux import MuxedDecodeCall
 from services.router.generation import FinishReason
 from services.router.prepare import PreparedRequest
-from services.router.shared_decode import SharedDecodeCall
 from services.router.workers import WorkerClient, WorkerPool
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP, common_pb2.
 
 
 # A request's Decode: its own stream, or its part of the worker's shared DecodeMany stream.
-DecodeCall = Union[grpc.aio.StreamStreamCall, SharedDecodeCall]
+DecodeCall = Union[grpc.aio.StreamStreamCall, MuxedDecodeCall]
 # Picks a ready decode worker other than those given; None when there is none.
 PickDecode = Callable[[set[WorkerClient]], Awaitable[WorkerClient | None]]
 
@@ -77,7 +77,7 @@ class DecodeStream:
             "disagg.worker": worker.endpoint, "disagg.kv_handoff": handoff})
         with trace.use_span(span, end_on_exit=False):  # the call's client span (and the worker's) hang under it
             timeout_s = flight.deadline.remaining_s()
-            call = (worker.shared_decode.request(timeout_s) if self._shared_streams
+            call = (worker.decode_mux.request(timeout_s) if self._shared_streams
                     else worker.decoder.Decode(timeout=timeout_s))
         delivered_before = flight.sent.completion_tokens
         # This worker's timings are the TTFT breakdown's: it runs the prompt, or it continues a KV handoff
@@ -191,7 +191,7 @@ def _usage(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[De
         events.append(CachedTokens(usage.cached_prompt_tokens))
     else:  # how the KV came to decode, for the client's Finished.usage
         backend = name_of(usage.kv_transfer_backend) if usage.kv_transfer_backend else ""
-        events.append(KvTransfer(backend, usage.kv_transfer_bytes, usage.kv_transfer_ms))
+        events.append(KvHandoff(backend, usage.kv_transfer_bytes, usage.kv_transfer_ms))
     return events
 
 

@@ -16,12 +16,12 @@ import grpc
 from common.pb.disagg.v1 import common_pb2
 from services.kit.serving import status_of
 from services.router.deadline import Deadline
-from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvTransfer, Tokens,
+from services.router.decode_events import (CachedTokens, DecodeEvent, DecodeFinished, KvHandoff, Tokens,
                                            WorkerTimings)
+from services.router.encode_prefill import ExportedSession, PrefillReady, Releaser, first_token_ends
 from services.router.generation import Event, Finished, FinishReason, GenerationRequest
-from services.router.handoff import ExportedSession, PrefillReady, Releaser, first_token_ends
 from services.router.prepare import PreparedRequest
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 
 
 class _Cancelled(Exception):
@@ -149,7 +149,7 @@ class Flight:
                 return [delta] if delta is not None else []
             case DecodeFinished(reason, stop_token_id, choices):
                 return sent.finish(reason, stop_token_id, choices)
-            case KvTransfer(backend, num_bytes, ms):
+            case KvHandoff(backend, num_bytes, ms):
                 sent.kv_transfer = (backend, num_bytes, ms)
             case CachedTokens(count):
                 sent.cached_prompt_tokens = count

@@ -2,7 +2,7 @@
 with the KV session (rerouted when its decode worker is lost), or aggregated on a decode worker.
 
 The request's state is its Flight (flight.py), which front doors iterate (Core.stream); the unary calls and every
-release rule are the handoff's (handoff.py); the Decode stream and where it goes next are decode_stream.py's.
+release rule are encode_prefill.py's; the Decode stream and where it goes next are decode_stream.py's.
 A worker call awaited or streamed by the loop is cancelled when the flight is closed or cancelled, and what a worker
 stored for the request (a KV session, embeddings) and no other worker took over is released when the loop ends.
 """
@@ -26,13 +26,13 @@ from services.router.deadline import Deadline
 from services.router.decode_stream import (DecodeInterrupted, DecodeRoute, DecodeStream, aggregated_start,
                                            continuation_start, handoff_start)
 from services.router.disagg_decision import DisaggConfig, PrefillPlacement
+from services.router.encode_prefill import EncodePrefill, PrefillReady
 from services.router.flight import Flight
 from services.router import policies
-from services.router.handoff import Handoff, PrefillReady
 from services.router.loop_lag import LoopLagProbe
 from services.router.generation import Event, GenerationRequest, ServedModel
 from services.router.prepare import PreparedRequest, RequestPreparer
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 from services.router.workers import WorkerClient, WorkerPool
 from services.kit.serving import status_of
 
@@ -55,7 +55,7 @@ class Orchestrator:
         self._placement = PrefillPlacement(
             DisaggConfig(config.min_remote_prefill_tokens, config.max_local_prefill_tokens,
                          config.max_prefill_queue_tokens), prefill_policy, metrics)
-        self._handoff = Handoff(pool, prefill_policy, config.policy, metrics)
+        self._encode_prefill = EncodePrefill(pool, prefill_policy, config.policy, metrics)
         self._decode = DecodeStream(pool, lambda refused: self._pick(Role.DECODE, exclude=refused),
                                     config.migration_limit, shared_streams=config.decode_streams == "shared")
         # One thread: HF tokenizers are not meant to be driven from several threads at once.
@@ -154,7 +154,7 @@ class Orchestrator:
                                        f"{flight.deadline.budget_ms} ms after {flight.sent.completion_tokens} tokens "
                                        "were delivered") from None
             finally:
-                flight.release(self._handoff.releaser)
+                flight.release(self._encode_prefill.releaser)
 
     @staticmethod
     def _after_prefill(flight: Flight, ready: PrefillReady, req: PreparedRequest) -> worker_pb2.DecodeStart:
@@ -179,7 +179,7 @@ class Orchestrator:
     async def _prefill(self, flight: Flight, prefill: WorkerClient) -> PrefillReady | None:
         """Prefill's answer, or None when its worker is unreachable (the request runs aggregated)."""
         flight.sent.dispatched()
-        return await self._handoff.prefill(prefill, flight.prepared, flight.deadline, flight.embeddings)
+        return await self._encode_prefill.prefill(prefill, flight.prepared, flight.deadline, flight.embeddings)
 
     def _response(self, request_id: str) -> ResponseBuilder:
         return ResponseBuilder(request_id, self._preparer.tokenizer, metrics=self._metrics)
@@ -213,7 +213,7 @@ class Orchestrator:
         refused: set[WorkerClient] = set()
         while (encoder := await self._pick(Role.ENCODE, exclude=refused)) is not None:
             try:
-                return await self._handoff.encode(encoder, req, deadline)
+                return await self._encode_prefill.encode(encoder, req, deadline)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise

@@ -16,7 +16,7 @@ from common.discovery import Discovery, Role
 from common.errors import Unavailable
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.router.kv_index import KvIndex
-from services.router.shared_decode import SharedDecodeStream
+from services.router.decode_mux import DecodeMux
 from services.router.generation import ServedModel
 from services.kit.serving import channel_options
 
@@ -53,14 +53,14 @@ class WorkerClient:
     prefiller: worker_pb2_grpc.PrefillerStub = field(init=False)
     decoder: worker_pb2_grpc.DecoderStub = field(init=False)
     encoder: worker_pb2_grpc.EncoderStub = field(init=False)
-    shared_decode: SharedDecodeStream = field(init=False)  # Decoder.DecodeMany, opened on first use
+    decode_mux: DecodeMux = field(init=False)  # Decoder.DecodeMany, opened on first use
 
     def __post_init__(self) -> None:
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
         self.prefiller = worker_pb2_grpc.PrefillerStub(self.channel)
         self.decoder = worker_pb2_grpc.DecoderStub(self.channel)
         self.encoder = worker_pb2_grpc.EncoderStub(self.channel)
-        self.shared_decode = SharedDecodeStream(self.decoder, self.endpoint)
+        self.decode_mux = DecodeMux(self.decoder, self.endpoint)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     @property
@@ -167,7 +167,7 @@ class WorkerPool:
         if self.kv_index is not None:
             await self.kv_index.close()
         for client in (c for clients in self._clients.values() for c in clients.values()):
-            client.shared_decode.close()
+            client.decode_mux.close()
         await asyncio.gather(*(ch.close() for ch in self._channels), return_exceptions=True)
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:

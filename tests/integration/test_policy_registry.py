@@ -1,6 +1,6 @@
 """A routing policy is its own module plus one registry line: this test registers one (from here, touching no router
 file) and the router takes it by name — the --policy flag (router and `disagg up`), the KV-event subscriptions it
-asks for, the workers it picks, and the cached tokens it predicts for the prefill placement and the handoff."""
+asks for, the workers it picks, and the cached tokens it predicts for the prefill placement and the prefill call."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +20,7 @@ from services.router import policies
 from services.router.config import RouterConfig, add_router_args
 from services.router.deadline import Deadline
 from services.router.disagg_decision import DisaggConfig, PrefillPlacement
-from services.router.handoff import Handoff
+from services.router.encode_prefill import EncodePrefill
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import PreparedRequest
 from services.router.server import worker_pool
@@ -116,9 +116,9 @@ def test_the_prefill_placement_counts_what_the_policy_predicts_as_cached():
     assert asyncio.run(remote(13)) is True
 
 
-def test_the_handoff_charges_the_prefill_worker_only_what_the_policy_predicts_uncached():
+def test_the_prefill_call_charges_the_prefill_worker_only_what_the_policy_predicts_uncached():
     policy = LastByEndpoint(Role.PREFILL, policies.PolicyContext())
-    handoff = Handoff(pool=None, prefill_policy=policy, policy_name="last_by_endpoint")
+    calls = EncodePrefill(pool=None, prefill_policy=policy, policy_name="last_by_endpoint")
     request = PreparedRequest("r", "r-1", prompt=list(range(12)), max_model_len=64, params=SamplingParams())
     charged: list[int] = []
 
@@ -130,7 +130,7 @@ def test_the_handoff_charges_the_prefill_worker_only_what_the_policy_predicts_un
             return worker_pb2.PrefillResponse(first_token=3)
 
         worker.prefiller = SimpleNamespace(Prefill=call)
-        ready = await handoff.prefill(worker, request, Deadline.of(0, None))
+        ready = await calls.prefill(worker, request, Deadline.of(0, None))
         return ready.first_token, worker.pending_prefill_tokens
 
     assert asyncio.run(prefill()) == (3, 0)

@@ -26,7 +26,7 @@ from common.kv.transfer import release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import WORKER_ENV
 from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
-from tests.integration.worker_client import (DecodeStream, SharedDecodeStream, WorkerClient, assert_pool_full, is_idle,
+from tests.integration.worker_client import (DecodeManyClient, DecodeStream, WorkerClient, assert_pool_full, is_idle,
                                             split)
 
 PROMPT = list(range(3, 22))  # 19 tokens: four full blocks of 4 and a partial one
@@ -416,7 +416,7 @@ def test_many_requests_on_one_stream_give_decode_s_tokens_in_fewer_messages(pref
     # its KV growth reserve runs them one after another (one of 19 + 400 would claim the whole pool).
     side_by_side = dict(temperature=0, max_tokens=20)
     expected = split(decode.decoder.Decode(iter([decode_start(None, **side_by_side)]), timeout=60))[0]
-    shared = SharedDecodeStream(decode)
+    shared = DecodeManyClient(decode)
     tags = set(range(1, 7))
     try:
         for tag in tags:  # aggregated and handoff requests side by side
@@ -436,7 +436,7 @@ def test_many_requests_on_one_stream_give_decode_s_tokens_in_fewer_messages(pref
 
 
 def test_a_cancel_or_a_refusal_ends_one_request_and_spares_the_others(prefill, decode):
-    shared = SharedDecodeStream(decode)
+    shared = DecodeManyClient(decode)
     try:
         shared.send(1, decode_start(run_prefill(prefill, **LONG), **LONG))
         shared.send(2, decode_start(None, **LONG))
@@ -459,7 +459,7 @@ def test_a_cancel_or_a_refusal_ends_one_request_and_spares_the_others(prefill, d
 
 
 def test_a_stream_the_client_cancels_frees_every_request_on_it(prefill, decode):
-    shared = SharedDecodeStream(decode)
+    shared = DecodeManyClient(decode)
     shared.send(1, decode_start(run_prefill(prefill, **LONG), **LONG))
     shared.send(2, decode_start(None, **LONG))
     producing: set[int] = set()
@@ -474,7 +474,7 @@ def test_a_stream_the_client_cancels_frees_every_request_on_it(prefill, decode):
 
 
 def test_a_tag_started_twice_is_a_broken_stream(decode):
-    shared = SharedDecodeStream(decode)
+    shared = DecodeManyClient(decode)
     shared.send(1, decode_start(None, **LONG))
     shared.send(1, decode_start(None, **LONG))
     shared.close()
@@ -484,7 +484,7 @@ def test_a_tag_started_twice_is_a_broken_stream(decode):
 
 
 def test_an_empty_prompt_is_refused_on_its_tag(decode):
-    shared = SharedDecodeStream(decode)
+    shared = DecodeManyClient(decode)
     try:
         shared.send(5, decode_start(None, prompt=[], **GREEDY))
         shared.read_until_ended({5})

@@ -76,7 +76,7 @@ class DecodeStream:
         self._outgoing.put(None)
 
 
-class SharedDecodeStream:
+class DecodeManyClient:
     """A DecodeMany call whose client side stays open (many tagged requests on one stream); entries read back
     grouped by tag."""
 

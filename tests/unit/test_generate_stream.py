@@ -10,7 +10,7 @@ from services.router.deadline import Deadline
 from services.router.flight import Flight
 from services.router.frontends.grpc_stream import Multiplexer
 from services.router.generation import GenerationRequest, ServedModel, TextDelta
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 
 
 class HangingCore:

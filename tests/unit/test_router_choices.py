@@ -10,7 +10,7 @@ from services.router.decode_stream import aggregated_start, handoff_start
 from services.router.frontends.grpc_convert import delta_to_proto, finished_to_proto, request_from_proto
 from services.router.generation import Finished, FinishReason, ServedModel, TextDelta
 from services.router.prepare import RequestPreparer
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 
 MODEL = ServedModel(name="m", max_model_len=512)
 

@@ -11,10 +11,10 @@ from common.errors import Unavailable
 from common.pb.disagg.v1 import common_pb2
 from common.telemetry.metrics import Metrics
 from services.router.deadline import Deadline
-from services.router.decode_events import CachedTokens, DecodeFinished, KvTransfer, Tokens, WorkerTimings
+from services.router.decode_events import CachedTokens, DecodeFinished, KvHandoff, Tokens, WorkerTimings
 from services.router.flight import Flight
 from services.router.generation import Finished, FinishReason, GenerationRequest, TextDelta, Usage
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 
 
 class Loop:
@@ -147,7 +147,7 @@ def test_cancel_after_the_finished_event_changes_nothing():
 
 def test_decode_events_become_the_client_events_and_usage():
     flight, _ = _flight(Loop())
-    assert flight.apply(CachedTokens(3)) == [] and flight.apply(KvTransfer("shm", 4096, 1.5)) == []
+    assert flight.apply(CachedTokens(3)) == [] and flight.apply(KvHandoff("shm", 4096, 1.5)) == []
     assert flight.apply(WorkerTimings(common_pb2.TtftBreakdown(kv_handoff_ms=2.0))) == []
     (delta,) = flight.apply(Tokens([7, 8]))
     assert delta.token_ids == (7, 8)

@@ -5,17 +5,17 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from common.pb.disagg.v1 import common_pb2
 from common.telemetry.metrics import Metrics
-from services.router import streaming
+from services.router import responses
 from services.router.frontends.grpc_convert import usage_to_proto
 from services.router.frontends.openai_responses import usage_json
 from services.router.generation import FinishReason
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 
 PARTS = ("router_queue", "prefill_queue", "prefill_compute", "kv_handoff", "first_decode_step")
 
 
 class Clock:
-    """Stands in for the time module in streaming.py: perf_counter reads `now`."""
+    """Stands in for the time module in responses.py: perf_counter reads `now`."""
 
     def __init__(self, now: float):
         self.now = now
@@ -27,7 +27,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     clock = Clock(100.0)
-    monkeypatch.setattr(streaming, "time", clock)
+    monkeypatch.setattr(responses, "time", clock)
     return clock
 
 

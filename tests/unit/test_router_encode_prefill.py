@@ -1,4 +1,4 @@
-"""The router's handoff when the client leaves while a Prefill or Encode call runs: the call is let answer (not
+"""The router's Encode and Prefill calls when the client leaves while one runs: the call is let answer (not
 cancelled), what its answer names is released, and a call that fails afterwards leaves no error behind for
 nobody to read ("Task exception was never retrieved … NOT_FOUND: embedding handle … expired", seen in a run)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from services.router.deadline import Deadline
-from services.router.handoff import Handoff
+from services.router.encode_prefill import EncodePrefill
 
 EXPIRED = grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                "embedding handle h1 is unknown, released or expired")
@@ -67,14 +67,14 @@ async def _leave_during(stage: str, outcome) -> tuple[_Pool, list[dict]]:
     errors: list[dict] = []
     loop.set_exception_handler(lambda _, context: errors.append(context))
     pool = _Pool()
-    handoff = Handoff(pool, None, "round_robin")
+    calls = EncodePrefill(pool, None, "round_robin")
     pool.released = []
-    handoff.releaser.session = lambda ref: pool.released.append(ref.session_id)
-    handoff.releaser.embeddings = lambda refs: pool.released.extend(ref.handle for ref in refs)
+    calls.releaser.session = lambda ref: pool.released.append(ref.session_id)
+    calls.releaser.embeddings = lambda refs: pool.released.extend(ref.handle for ref in refs)
     worker, deadline = _Worker(_Call(outcome, 0.1)), Deadline.of(0, None)
     request = asyncio.ensure_future(
-        handoff._prefill_call(worker, None, worker_pb2.PrefillRequest(), deadline) if stage == "prefill"
-        else handoff.encode(worker, _Images(), deadline))
+        calls._prefill_call(worker, None, worker_pb2.PrefillRequest(), deadline) if stage == "prefill"
+        else calls.encode(worker, _Images(), deadline))
     await asyncio.sleep(0.02)
     request.cancel()  # the client left
     await asyncio.gather(request, return_exceptions=True)

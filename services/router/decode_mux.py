@@ -4,7 +4,7 @@ there, each request looking like its own Decode call.
 gRPC's cost is per message (a read's callback, a write's completion through the poller): with a stream per
 request the router reads one message per request per engine step. Here the worker sends what all requests made
 while its last write was under way as one message, and the router writes starts and cancels in batches too.
-DecodeStream drives a SharedDecodeCall as it drives a Decode call (write, iterate, cancel), so the request's
+DecodeStream drives a MuxedDecodeCall as it drives a Decode call (write, iterate, cancel), so the request's
 logic (refusal, migration, stop strings, cancels) is the same on both.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-class SharedDecodeStream:
+class DecodeMux:
     """One DecodeMany stream to one decode worker, opened on first use and again after it breaks."""
 
     def __init__(self, stub: worker_pb2_grpc.DecoderStub, endpoint: str):
@@ -34,7 +34,7 @@ class SharedDecodeStream:
         self._tags = itertools.count(1)  # never reused: a late entry for an old tag is simply dropped
         self._stream: _Open | None = None
 
-    def request(self, timeout_s: float | None) -> SharedDecodeCall:
+    def request(self, timeout_s: float | None) -> MuxedDecodeCall:
         """A request on the stream, with its deadline; nothing is sent until its first write (the start)."""
         if self._stream is None or self._stream.broken:
             self._stream = _Open(self._stub, self._endpoint)
@@ -51,7 +51,7 @@ class _Open:
     def __init__(self, stub: worker_pb2_grpc.DecoderStub, endpoint: str):
         self.endpoint = endpoint
         self.broken = False
-        self.calls: dict[int, SharedDecodeCall] = {}
+        self.calls: dict[int, MuxedDecodeCall] = {}
         self._outgoing: list[worker_pb2.TaggedDecodeClientMessage] = []
         self._wake = asyncio.Event()
         # The stream outlives the request that opened it: no request's trace or cancellation may reach it.
@@ -61,8 +61,8 @@ class _Open:
         self._writer = loop.create_task(self._write_all(), context=context.copy())
         self._reader = loop.create_task(self._read_all(), context=context.copy())
 
-    def register(self, tag: int, timeout_s: float | None) -> SharedDecodeCall:
-        call = self.calls[tag] = SharedDecodeCall(self, tag, timeout_s)
+    def register(self, tag: int, timeout_s: float | None) -> MuxedDecodeCall:
+        call = self.calls[tag] = MuxedDecodeCall(self, tag, timeout_s)
         return call
 
     def send(self, message: worker_pb2.TaggedDecodeClientMessage) -> None:
@@ -109,7 +109,7 @@ class _Open:
             call.deliver(error)
 
 
-class SharedDecodeCall:
+class MuxedDecodeCall:
     """One request on a shared stream, with the parts of a Decode call that DecodeStream uses."""
 
     def __init__(self, stream: _Open, tag: int, timeout_s: float | None):
@@ -141,7 +141,7 @@ class SharedDecodeCall:
                 tagged.timeout_s = max(self._deadline - asyncio.get_running_loop().time(), 0.0)
         self._stream.send(tagged)
 
-    def __aiter__(self) -> SharedDecodeCall:
+    def __aiter__(self) -> MuxedDecodeCall:
         return self
 
     async def __anext__(self) -> worker_pb2.DecodeServerMessage:

@@ -1,4 +1,4 @@
-"""The router's side of Decoder.DecodeMany (services/router/shared_decode.py) against an in-process worker whose
+"""The router's side of Decoder.DecodeMany (services/router/decode_mux.py) against an in-process worker whose
 answers each test scripts: a request looks like its own Decode call (its messages, then the end of iteration or its
 status as an AioRpcError), the router's deadline cancels on the worker, a broken stream is UNAVAILABLE for every
 request on it and the next request opens a new one. The real worker's side: tests/integration/test_workers.py."""
@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.router.shared_decode import SharedDecodeStream
+from services.router.decode_mux import DecodeMux
 from tests.loopback_grpc import loopback_server
 
 Script = Callable[[worker_pb2.TaggedDecodeClientMessage, "ScriptedWorker"], list[worker_pb2.TaggedDecodeServerMessage]]
@@ -75,7 +75,7 @@ def run(script: Script, body) -> ScriptedWorker:
         worker = ScriptedWorker(script)
         async with loopback_server(partial(worker_pb2_grpc.add_DecoderServicer_to_server, worker)) as (_, address):
             async with grpc.aio.insecure_channel(address) as channel:
-                stream = SharedDecodeStream(worker_pb2_grpc.DecoderStub(channel), address)
+                stream = DecodeMux(worker_pb2_grpc.DecoderStub(channel), address)
                 try:
                     await body(stream, worker)
                 finally:
@@ -101,7 +101,7 @@ def answer_each_start(tagged, worker) -> list:
 
 
 def test_requests_share_one_stream_and_each_reads_as_its_own_call():
-    async def body(stream: SharedDecodeStream, worker: ScriptedWorker) -> None:
+    async def body(stream: DecodeMux, worker: ScriptedWorker) -> None:
         calls = [stream.request(10.0) for _ in range(3)]
         for i, call in enumerate(calls):
             await call.write(start(f"r{i}"))
@@ -123,7 +123,7 @@ def test_a_request_ended_with_a_status_raises_it_and_spares_the_others():
             return [end(tagged.tag, grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch: bf16 against float32")]
         return answer_each_start(tagged, worker)
 
-    async def body(stream: SharedDecodeStream, worker: ScriptedWorker) -> None:
+    async def body(stream: DecodeMux, worker: ScriptedWorker) -> None:
         bad, good = stream.request(None), stream.request(None)
         await bad.write(start("bad"))
         await good.write(start("good"))
@@ -137,7 +137,7 @@ def test_a_request_ended_with_a_status_raises_it_and_spares_the_others():
 
 
 def test_the_routers_deadline_cancels_the_request_on_the_worker():
-    async def body(stream: SharedDecodeStream, worker: ScriptedWorker) -> None:
+    async def body(stream: DecodeMux, worker: ScriptedWorker) -> None:
         call = stream.request(0.3)
         await call.write(start("slow"))  # the worker never answers it
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -154,7 +154,7 @@ def test_the_routers_deadline_cancels_the_request_on_the_worker():
 
 
 def test_a_broken_stream_is_unavailable_for_each_request_and_the_next_opens_another():
-    async def body(stream: SharedDecodeStream, worker: ScriptedWorker) -> None:
+    async def body(stream: DecodeMux, worker: ScriptedWorker) -> None:
         calls = [stream.request(None), stream.request(None)]
         for call in calls:
             await call.write(start("waits"))
@@ -176,7 +176,7 @@ def test_a_broken_stream_is_unavailable_for_each_request_and_the_next_opens_anot
 
 
 def test_a_cancel_mid_stream_reaches_the_worker_once_and_stops_the_reading():
-    async def body(stream: SharedDecodeStream, worker: ScriptedWorker) -> None:
+    async def body(stream: DecodeMux, worker: ScriptedWorker) -> None:
         call = stream.request(None)
         await call.write(start("long"))
         first = await anext(aiter(call))

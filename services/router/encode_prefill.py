@@ -115,7 +115,7 @@ class PrefillReady:
         return [self.first_logprob(), *self.response.more_first_tokens]
 
 
-class Handoff:
+class EncodePrefill:
     """Encode and Prefill calls: unary, each freeing what it stored when its caller goes away."""
 
     def __init__(self, pool: WorkerPool, prefill_policy: Policy, policy_name: str, metrics: Metrics | None = None):

@@ -40,7 +40,7 @@ class _Request:
     cancelled: bool = False  # a cancel came before it was admitted
 
 
-class SharedStream:
+class DecodeManyStream:
     def __init__(self, state: WorkerState, begin: Begin):
         self._state = state
         self._begin = begin

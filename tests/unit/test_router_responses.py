@@ -6,7 +6,7 @@ from common.pb.disagg.v1 import common_pb2, generation_pb2
 from services.router.frontends.grpc_convert import finished_to_proto, request_from_proto
 from services.router.generation import Finished, FinishReason, ServedModel, TextDelta
 from services.router.prepare import RequestPreparer
-from services.router.streaming import ResponseBuilder
+from services.router.responses import ResponseBuilder
 
 MODEL = ServedModel(name="m", max_model_len=512)
 
