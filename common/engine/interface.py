@@ -10,7 +10,7 @@ How a context's KV reaches the generation side follows from what the engine can 
 - a `KvSessionHost` (our engine) exposes its paged cache (`kv_blocks`) and pins a session's blocks
   (`lease_session` / `end_lease`); our KV data plane (TensorStore and the transports of common.kv.transport) serves
   them and the decode side pulls them (KvPuller) into its `kv_import`.
-- an `OwnKvTransfer` (TensorRT-LLM) moves KV itself, through the transport it names (`kv_transport`, registered in
+- an `OwnKvTransport` (TensorRT-LLM) moves KV itself, through the transport it names (`kv_transport`, registered in
   common.kv.transport: "trtllm", its cache transceiver): the context side's `session_attributes` go into the
   KvSessionRef (its DisaggregatedParams), and the generation side turns them back into its `kv_import` with
   `kv_import_from_attributes`.
@@ -124,7 +124,7 @@ class Engine(Protocol):
     async def release_all_sessions(self) -> int: ...
 
     async def session_attributes(self, session_id: str) -> dict[str, str]:
-        """Context side: what the generation side needs to import the session through the engine's own transfer,
+        """Context side: what the generation side needs to import the session through the engine's own transport,
         as KvSessionRef.attributes (TensorRT-LLM: "trtllm.*", its DisaggregatedParams); {} for a KvSessionHost,
         whose KV data plane's exporter adds its own. NotFound / SessionExpired as `session`."""
 
@@ -157,7 +157,7 @@ class KvSessionHost(Protocol):
 
 
 @runtime_checkable
-class OwnKvTransfer(Protocol):
+class OwnKvTransport(Protocol):
     """An engine that moves KV itself (TensorRT-LLM's cache transceiver): its generation side rebuilds a
     kv_import from the context side's session attributes."""
 

@@ -8,7 +8,7 @@ pure mappings below are tested (against a recorded signature list, tests/unit/tr
   context's DisaggregatedParams (first_gen_tokens, ctx_request_id, opaque_state, ...) become the
   session's `KvSessionRef.attributes` ("trtllm.*", opaque_state base64), with TRANSFER_BACKEND_TRTLLM.
 - generation_only takes those attributes back (`kv_import_from_attributes` → `TrtLlmHandoff`, as `kv_import`):
-  the transceiver moves the KV (the `trtllm` transport, common.kv.transports.trtllm): it is an `OwnKvTransfer`,
+  the transceiver moves the KV (the `trtllm` transport, common.kv.transports.trtllm): it is an `OwnKvTransport`,
   not a `KvSessionHost` (it has no kv_cache or leases for our data plane).
 - Its KV cache events are re-keyed to our chained block hashes (common.kv.block_hash), so the
   router's KV index works unchanged.

@@ -3,7 +3,7 @@
 - the vocabulary (VOCABULARY): what a paged cache, its blocks, their layout and epochs, a session and the transports'
   errors are. The engine (common.engine) imports from common.kv only these, and they import nothing else of ours.
 - the transports (common.kv.transport: the protocol and the registry; one package each under common.kv.transports)
-  and the data plane they share (transfer, pull, sharing, probe, gather, ...).
+  and the data plane they share (wire, offer, pull, sharing, probe, gather, ...).
 - the seam (common.kv.paths.KvPath): the only thing a worker's services call, exporter and importer.
 """
 
@@ -11,7 +11,7 @@ VOCABULARY = (
     "common.kv.block_hash",  # a block's prefix-cache hash
     "common.kv.blocks",  # KvBlocks (an engine's cache and pool), block ids read out of a cache
     "common.kv.chunks",  # dtypes on the wire, tensors as bytes and chunks
-    "common.kv.errors",  # BackendUnavailable: a transport that cannot serve a pair of workers
+    "common.kv.errors",  # TransportUnavailable: a transport that cannot serve a pair of workers
     "common.kv.events",  # the prefix cache's stored / removed events
     "common.kv.fence",  # BlockEpochs: the fence of one-sided reads
     "common.kv.host",  # which running host a process is on

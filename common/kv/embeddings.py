@@ -19,7 +19,7 @@ import torch
 from common.engine.multimodal import ImageEmbedding
 from common.errors import InvalidRequest, LayoutMismatch, ResourceExhausted, SessionExpired
 from common.kv.chunks import ChunkAssembler, dtype_name
-from common.kv.transfer import release_quietly
+from common.kv.wire import release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def check_ref(ref: common_pb2.EmbeddingRef) -> None:
 
 async def pull_embedding(channel: grpc.aio.Channel, ref: common_pb2.EmbeddingRef,
                          timeout_s: float | None = None) -> ImageEmbedding:
-    """Pull one embedding (does not release it) over a channel from common.kv.transfer.ChannelCache;
+    """Pull one embedding (does not release it) over a channel from common.kv.wire.ChannelCache;
     the header must describe what the ref says."""
     check_ref(ref)
     assembler = ChunkAssembler()

@@ -4,5 +4,5 @@ from __future__ import annotations
 from common.errors import FailedPrecondition
 
 
-class BackendUnavailable(FailedPrecondition):
+class TransportUnavailable(FailedPrecondition):
     """This transport cannot move KV between these two workers; the importer tries the next one."""

@@ -10,12 +10,12 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
 
 from common.kv.chunks import dtype_name, torch_dtype
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.shards import KvShards
 from common.pb.disagg.v1 import worker_pb2
 
 
-class CudaIpcUnavailable(BackendUnavailable):
+class CudaIpcUnavailable(TransportUnavailable):
     """This pair of processes cannot share GPU memory (no GPU, another host or container, no peer access)."""
 
 

@@ -1,5 +1,5 @@
 """The KV seam: a worker's KvPath, the only thing its services call to move KV, picked once per worker by what its
-engine can do. An engine that moves KV itself (an OwnKvTransfer) gets the EngineTransport it names, from the
+engine can do. An engine that moves KV itself (an OwnKvTransport) gets the EngineTransport it names, from the
 registry (common.kv.transport); one that hosts KV sessions (a KvSessionHost) gets our data plane (DataPlane)."""
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from typing import Sequence
 
 import grpc
 
-from common.engine.interface import Engine, KvImport, KvSessionHost, OwnKvTransfer
+from common.engine.interface import Engine, KvImport, KvSessionHost, OwnKvTransport
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound, Unavailable
 from common.kv import gather, transport
 from common.kv.chunks import tensor_to_bytes
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.layout import KvLayout
 from common.kv.probe import PROBE_HANDLE
 from common.kv.pull import KvPuller
 from common.kv.session import KvSession
 from common.kv.sharing import KvCacheExporter
-from common.kv.transfer import ChannelCache, PulledKv, Releases, kv_header, session_ref
+from common.kv.wire import ChannelCache, PulledKv, Releases, kv_header, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry.metrics import Metrics
 
@@ -65,11 +65,11 @@ class KvPath(ABC):
     @abstractmethod
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
         """TensorStore.Pull: a session's blocks (or `block_ids`, some of them) as a header and raw bytes; NotFound /
-        BackendUnavailable saying why not."""
+        TransportUnavailable saying why not."""
 
     @abstractmethod
     def share(self, name: str) -> worker_pb2.KvCacheShare:
-        """TensorStore.OpenKvCache's answer for transport `name`; BackendUnavailable with the reason."""
+        """TensorStore.OpenKvCache's answer for transport `name`; TransportUnavailable with the reason."""
 
     async def release(self, handle: str) -> bool:
         """TensorStore.Release: free a session's blocks; False when it was unknown, expired or released already."""
@@ -132,7 +132,7 @@ class DataPlane(KvPath):
     def __init__(self, engine_name: str, accepted: tuple[str, ...], exporter: KvCacheExporter | None = None, *,
                  engine: Engine | None = None, layout: KvLayout | None = None, metrics: Metrics | None = None):
         super().__init__(engine, engine_name, layout)
-        self.accepted = accepted  # --kv-transfer-backends
+        self.accepted = accepted  # --kv-transports
         self.exporter = exporter  # a prefill worker's: its cache and shares
         self.metrics = metrics
         self._making_puller: asyncio.Future[KvPuller] | None = None
@@ -146,7 +146,7 @@ class DataPlane(KvPath):
 
     async def ref_fields(self, session_id: str) -> tuple[int, dict[str, str]]:
         exporter = self._exporter(session_id)  # its attributes, without a trip to the engine's thread
-        return exporter.best_backend, exporter.attributes()
+        return exporter.best_transport, exporter.attributes()
 
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
         """Pulled sessions are only leased by the engine (their blocks stay pinned through a release or the TTL until
@@ -179,7 +179,7 @@ class DataPlane(KvPath):
 
     def share(self, name: str) -> worker_pb2.KvCacheShare:
         if self.exporter is None:
-            raise BackendUnavailable("this worker exports no KV cache")
+            raise TransportUnavailable("this worker exports no KV cache")
         return self.exporter.share(name)
 
     def check_ref(self, ref: common_pb2.KvSessionRef) -> None:
@@ -212,13 +212,13 @@ class DataPlane(KvPath):
         return await asyncio.to_thread(KvPuller, self.channels, device, self.accepted, self._count_fallback, blocks,
                                        self._record_probe, releases=self.releases)
 
-    def _record_probe(self, peer: str, backend: str, gbps: float) -> None:
+    def _record_probe(self, peer: str, transport: str, gbps: float) -> None:
         if self.metrics is not None:
-            self.metrics.get("disagg_kv_probe_gbps", peer=peer, backend=backend).set(gbps)
+            self.metrics.get("disagg_kv_probe_gbps", peer=peer, backend=transport).set(gbps)
 
-    def _count_fallback(self, backend: str, reason: str) -> None:
+    def _count_fallback(self, transport: str, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.get("disagg_kv_pull_fallbacks_total", backend=backend).inc()
+            self.metrics.get("disagg_kv_pull_fallbacks_total", backend=transport).inc()
 
     async def close(self) -> None:
         if self._making_puller is not None:
@@ -231,7 +231,7 @@ class DataPlane(KvPath):
 
 
 class EngineTransport(KvPath):
-    """A transport its engine drives itself, named by an OwnKvTransfer engine (`kv_transport`). Nothing goes through
+    """A transport its engine drives itself, named by an OwnKvTransport engine (`kv_transport`). Nothing goes through
     TensorStore.Pull: the exporter's ref carries the engine's own handoff (Engine.session_attributes) and no block
     ids; the importer's engine rebuilds its kv_import from them (kv_import_from_attributes) and fetches the KV.
     Refs name it by its own TransferBackend (its row's `number`, common.kv.transport)."""
@@ -239,7 +239,7 @@ class EngineTransport(KvPath):
     name: str  # its row's; one registered from outside also declares its TransferBackend `number`
     driven_by_engine = True
 
-    def __init__(self, engine: OwnKvTransfer, engine_name: str, layout: KvLayout | None = None) -> None:
+    def __init__(self, engine: OwnKvTransport, engine_name: str, layout: KvLayout | None = None) -> None:
         super().__init__(engine, engine_name, layout)
 
     def carries(self, transfer_backend: int) -> bool:
@@ -252,11 +252,11 @@ class EngineTransport(KvPath):
         return transport.number_of(self.name), await self.engine.session_attributes(session_id)
 
     async def export(self, handle: str, block_ids: Sequence[int]) -> tuple[worker_pb2.TensorHeader, memoryview]:
-        raise BackendUnavailable(f"the KV of session {handle} moves through this worker's engine ({self.name}), "
+        raise TransportUnavailable(f"the KV of session {handle} moves through this worker's engine ({self.name}), "
                                  "not TensorStore.Pull")
 
     def share(self, name: str) -> worker_pb2.KvCacheShare:
-        raise BackendUnavailable("this worker exports no KV cache")
+        raise TransportUnavailable("this worker exports no KV cache")
 
     def check_ref(self, ref: common_pb2.KvSessionRef) -> None:
         if not ref.session_id or not ref.endpoint:
@@ -276,7 +276,7 @@ def check_pullable(ref: common_pb2.KvSessionRef) -> None:
         name = common_pb2.TransferBackend.Name(ref.transfer_backend) if ref.transfer_backend in \
             common_pb2.TransferBackend.values() else str(ref.transfer_backend)
         pulled = ", ".join(map(common_pb2.TransferBackend.Name, transport.pulled_numbers()))
-        raise InvalidRequest(f"transfer backend {name} is not supported here; this worker pulls over {pulled}")
+        raise InvalidRequest(f"KV transport {name} is not supported here; this worker pulls over {pulled}")
     if not ref.session_id or not ref.endpoint:
         raise InvalidRequest("the KV session ref needs a session_id and an endpoint")
     num_blocks = -(-ref.num_tokens // ref.block_size) if ref.block_size else -1
@@ -290,7 +290,7 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
     """The worker's KvPath; a data plane exporter (`exports`: prefill) shares its engine's cache with importers."""
     facts = await engine.facts()
     name, layout = facts.name, facts.kv_layout
-    if isinstance(engine, OwnKvTransfer):
+    if isinstance(engine, OwnKvTransport):
         return transport.engine_transport(engine.kv_transport, engine, name, layout)
     if not isinstance(engine, KvSessionHost):
         raise InvalidConfig(f"--engine {name} neither hosts KV sessions for the KV data plane nor moves KV itself")
@@ -300,8 +300,8 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
         exporter = KvCacheExporter(blocks.cache, accepted, worker_id, blocks.count_reuse)
     else:  # an importer: what its transports' first pulls would otherwise do (cuda_ipc: compile its copy kernel)
         cache = (await engine.kv_blocks()).cache
-        for backend in accepted:
-            await asyncio.to_thread(transport.class_of(backend).prepare_import, cache)
+        for accepted_name in accepted:
+            await asyncio.to_thread(transport.class_of(accepted_name).prepare_import, cache)
     plane = DataPlane(name, accepted, exporter, engine=engine, layout=layout, metrics=metrics)
     if exporter is None:
         plane.start_puller()  # in the background from now, not at the first pull

@@ -1,12 +1,12 @@
 """The transport self-check: the first time a decode worker meets an exporter, it pulls a few blocks through
 every transport the exporter offers and this worker can use, logs the GB/s of each, and reports them
-(`disagg_kv_probe_gbps{peer,backend}`). A backend that fails here is marked broken for that peer at once,
-with a WARNING that gives the reason and names the backend pulls fall back to, and counted in
-`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so. A backend whose
+(`disagg_kv_probe_gbps{peer,backend}`, the label naming the transport). A transport that fails here is marked broken for that peer at once,
+with a WARNING that gives the reason and names the transport pulls fall back to, and counted in
+`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so. A transport whose
 first use starts what then keeps running (`nixl`: its agents and the exporter's progress thread) is tried only when
-no better backend worked: where pulls will not use it, it never starts.
+no better transport worked: where pulls will not use it, it never starts.
 
-A probe reads no session: one-sided backends read the first blocks of the exporter's cache into scratch
+A probe reads no session: one-sided transports read the first blocks of the exporter's cache into scratch
 memory; two-sided ones pull the handle PROBE_HANDLE, which the exporter answers with blocks of zeros
 (common.kv.paths.DataPlane.export) without touching its engine. Nothing is held, so nothing is released.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 import grpc
 from opentelemetry import context as otel_context
 
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.fence import EPOCH_ATTRIBUTE
 from common.kv.transport import Importer, KvTransport
 from common.pb.disagg.v1 import common_pb2
@@ -63,8 +63,8 @@ class SelfCheck:
 
     def __init__(self, puller: Negotiator, on_result: Callable[[str, str, float], None] | None = None):
         self.puller = puller
-        self.on_result = on_result  # (peer, backend, GB/s; 0 when it failed)
-        self.results: dict[str, dict[str, float]] = {}  # peer → backend → GB/s
+        self.on_result = on_result  # (peer, transport, GB/s; 0 when it failed)
+        self.results: dict[str, dict[str, float]] = {}  # peer → transport → GB/s
         self._tasks: dict[str, asyncio.Task] = {}
 
     def start(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
@@ -83,32 +83,32 @@ class SelfCheck:
 
     async def _probe_all(self, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef) -> None:
         probe, results, untried = probe_ref(ref), {}, []
-        for backend in self.puller.candidates(ref):
-            candidate = self.puller.transports.get(backend)
+        for transport in self.puller.candidates(ref):
+            candidate = self.puller.transports.get(transport)
             if candidate is None:  # found unusable here since the list was made
                 continue
             if candidate.starts_on_first_use and any(results.values()):
-                untried.append(backend)  # a better backend works: pulls will not start this one
+                untried.append(transport)  # a better transport works: pulls will not start this one
                 continue
-            if not await self.puller.usable(backend):
+            if not await self.puller.usable(transport):
                 continue
             try:
-                results[backend] = await self._gbps(channel, probe, backend)
-            except (BackendUnavailable, grpc.aio.AioRpcError, OSError, RuntimeError) as exc:
-                results[backend] = 0.0
+                results[transport] = await self._gbps(channel, probe, transport)
+            except (TransportUnavailable, grpc.aio.AioRpcError, OSError, RuntimeError) as exc:
+                results[transport] = 0.0
                 reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                self.puller.fall_back(ref.endpoint, backend, f"the self-check pull failed: {reason}")
+                self.puller.fall_back(ref.endpoint, transport, f"the self-check pull failed: {reason}")
         self.results[ref.endpoint] = results
         log.info("KV transfer self-check with %s (%d blocks): %s%s", ref.endpoint, PROBE_BLOCKS,
                  ", ".join(f"{b} {gbps:.2f} GB/s" if gbps else f"{b} failed" for b, gbps in results.items()),
-                 f"; not tried (a better backend works): {', '.join(untried)}" if untried else "")
+                 f"; not tried (a better transport works): {', '.join(untried)}" if untried else "")
         working = [b for b, gbps in results.items() if gbps]
         if working and working[0] != next(iter(results)):
             log.warning("KV pulls from %s fall back to %s (%.2f GB/s in the self-check): %s failed there",
                         ref.endpoint, working[0], results[working[0]], ", ".join(b for b in results if not results[b]))
-        for backend, gbps in results.items():
+        for transport, gbps in results.items():
             if self.on_result is not None:
-                self.on_result(ref.endpoint, backend, gbps)
+                self.on_result(ref.endpoint, transport, gbps)
 
     async def _gbps(self, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef, name: str) -> float:
         start = time.perf_counter()

@@ -2,10 +2,10 @@
 
 For each KvSessionRef the puller tries the exporter's offered transports (best first, common.kv.transport) that
 this worker accepts, can run here, and that apply to the ref; `grpc` always works and comes last. A transport that
-cannot serve a peer (BackendUnavailable: no shared GPU, another container, NIXL missing) is logged once per peer
+cannot serve a peer (TransportUnavailable: no shared GPU, another container, NIXL missing) is logged once per peer
 with the reason, counted, skipped for that peer for a while, and the next one is tried; the session is still
 pinned then, so nothing is lost. Each transport pulls the session and releases it through the importer's Releases
-(common.kv.transfer), which send every Release it owes.
+(common.kv.wire), which send every Release it owes.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from typing import Callable
 import torch
 
 from common.kv import transport
-from common.kv.backends import offered
 from common.kv.blocks import KvBlocks
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
+from common.kv.offer import offered
 from common.kv.probe import SelfCheck
-from common.kv.transfer import ChannelCache, PulledKv, Releases
+from common.kv.wire import ChannelCache, PulledKv, Releases
 from common.pb.disagg.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class KvPuller:
             if reason is None:
                 usable[name] = candidate
             else:
-                log.info("KV transfer backend %s not used by this worker: %s", name, reason)
+                log.info("KV transport %s not used by this worker: %s", name, reason)
         usable.setdefault(transport.FALLBACK, transport.create(transport.FALLBACK))
         return usable
 
@@ -73,7 +73,7 @@ class KvPuller:
             reason = await asyncio.shield(check)
             self._first_use_checks.pop(name, None)  # answered: later pulls ask `transports` alone
             if reason is not None and self.transports.pop(name, None) is not None:
-                log.info("KV transfer backend %s not used by this worker: %s", name, reason)
+                log.info("KV transport %s not used by this worker: %s", name, reason)
         return name in self.transports
 
     def candidates(self, ref: common_pb2.KvSessionRef) -> list[str]:
@@ -103,7 +103,7 @@ class KvPuller:
             try:
                 pulled = await self.transports[name].pull(self, channel, ref, timeout_s)
                 return pulled._replace(transfer_backend=transport.number_of(name))
-            except BackendUnavailable as exc:
+            except TransportUnavailable as exc:
                 self.fall_back(ref.endpoint, name, str(exc))
         raise AssertionError("grpc is always a candidate and never unavailable")
 
@@ -111,7 +111,7 @@ class KvPuller:
         first = (endpoint, name) not in self._broken
         self._broken[(endpoint, name)] = time.monotonic()
         if first:
-            log.warning("KV transfer backend %s unavailable with %s: %s; falling back to the next backend",
+            log.warning("KV transport %s unavailable with %s: %s; falling back to the next transport",
                         name, endpoint, reason)
         if self.on_fallback is not None:
             self.on_fallback(name, reason)

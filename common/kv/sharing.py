@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 
 from common.kv import fence, host, transport
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.layout import KvLayout
+from common.kv.offer import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE
 from common.kv.probe import PROBE_BLOCKS
 from common.kv.shards import KvShards
 from common.pb.disagg.v1 import worker_pb2
@@ -41,7 +41,7 @@ def _offerable(allowed: tuple[str, ...], kv_cache: torch.Tensor | KvShards) -> d
         if reason is None:
             offered[name] = candidate
         elif name != transport.FALLBACK:
-            log.info("KV transfer backend %s not offered: %s", name, reason)
+            log.info("KV transport %s not offered: %s", name, reason)
     offered.setdefault(transport.FALLBACK, transport.create(transport.FALLBACK))
     return offered
 
@@ -66,10 +66,10 @@ class KvCacheExporter:
             self.epochs = fence.BlockEpochs.create(kv_cache.shape[2])
             count_reuse(self.epochs)
             self._attributes[fence.EPOCHS_ATTRIBUTE] = str(self.epochs.path)
-        log.info("KV transfer backends offered: %s (cache %s)", ",".join(self.offered), self.kv_cache_id)
+        log.info("KV transports offered: %s (cache %s)", ",".join(self.offered), self.kv_cache_id)
 
     @property
-    def best_backend(self) -> int:
+    def best_transport(self) -> int:
         """The TransferBackend a ref names its best transport by (UNSPECIFIED for one the enum lacks)."""
         return transport.number_of(self.offered[0])
 
@@ -78,11 +78,11 @@ class KvCacheExporter:
         return dict(self._attributes)
 
     def share(self, name: str) -> worker_pb2.KvCacheShare:
-        """The cache shared through a one-sided transport (made once); BackendUnavailable with the reason otherwise."""
+        """The cache shared through a one-sided transport (made once); TransportUnavailable with the reason otherwise."""
         if name not in self.transports:
             reason = (_unavailable_reason(transport.create(name), self.kv_cache) if name in transport.names()
                       else "no such transport")
-            raise BackendUnavailable(f"this worker does not offer {name}: {reason or 'not in --kv-transfer-backends'}")
+            raise TransportUnavailable(f"this worker does not offer {name}: {reason or 'not in --kv-transports'}")
         with self._lock:
             if name not in self._shares:
                 self._shares[name] = self.transports[name].share(self.kv_cache, self.kv_cache_id)

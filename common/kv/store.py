@@ -10,8 +10,8 @@ import grpc
 
 from common.kv import host
 from common.kv.chunks import chunk_size
-from common.kv.transfer import HEADER_ROOM, PulledKv
 from common.kv.transports import grpc_pull, shm
+from common.kv.wire import HEADER_ROOM, PulledKv
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from common.errors import InvalidConfig
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:  # the router reads names and numbers here without torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the router reads names and numbers here without torch
 
     from common.kv.blocks import KvBlocks
     from common.kv.shards import KvShards
-    from common.kv.transfer import PulledKv, Releases
+    from common.kv.wire import PulledKv, Releases
 
 MODULES_ENV = "DISAGG_KV_TRANSPORT_MODULES"
 FALLBACK = "grpc"
@@ -54,7 +54,7 @@ class KvTransport(ABC):
     fences_reads: bool = False  # its reads need the exporter's block epochs (common.kv.fence)
     reads_sharded_caches: bool = True  # it can export a tensor-parallel cache on several GPUs (common.kv.shards)
     # Its first use starts what then runs until the worker stops (NIXL's agents, the exporter's progress thread): the
-    # self-check (common.kv.probe) tries it only when no better backend works, so that it starts only where used.
+    # self-check (common.kv.probe) tries it only when no better transport works, so that it starts only where used.
     starts_on_first_use: bool = False
 
     def unavailable_reason(self, device: torch.device) -> str | None:
@@ -72,7 +72,7 @@ class KvTransport(ABC):
 
     def share(self, kv_cache: torch.Tensor, kv_cache_id: str) -> worker_pb2.KvCacheShare:
         """The exporter's side of a one-sided transport: its cache, shared once for every importer."""
-        raise BackendUnavailable(f"{self.name} shares no cache: its importers pull through TensorStore.Pull")
+        raise TransportUnavailable(f"{self.name} shares no cache: its importers pull through TensorStore.Pull")
 
     @classmethod
     def prepare_import(cls, cache: torch.Tensor | KvShards) -> None:
@@ -83,7 +83,7 @@ class KvTransport(ABC):
     async def pull(self, puller: Importer, channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef,
                    timeout_s: float | None) -> "PulledKv":
         """The importer's side: the session's blocks on the puller's device, the session released.
-        BackendUnavailable (the session still pinned) when it cannot serve this exporter."""
+        TransportUnavailable (the session still pinned) when it cannot serve this exporter."""
 
     @abstractmethod
     async def probe(self, puller: Importer, channel: grpc.aio.Channel, probe: common_pb2.KvSessionRef) -> int:
@@ -95,7 +95,7 @@ class KvTransport(ABC):
 
 @dataclass(frozen=True)
 class Registration:
-    """A transport's row in the registry: its name (--kv-transfer-backends), the TransferBackend refs and usage name
+    """A transport's row in the registry: its name (--kv-transports), the TransferBackend refs and usage name
     it by (UNSPECIFIED for one the enum lacks), and its class, or "module:Class" imported on first use."""
 
     name: str
@@ -139,7 +139,7 @@ def unregister(name: str) -> None:
 
 
 def names() -> tuple[str, ...]:
-    """The data plane's transports, best first, grpc last (what --kv-transfer-backends chooses from)."""
+    """The data plane's transports, best first, grpc last (what --kv-transports chooses from)."""
     _load_modules()
     data_plane = [row.name for row in _rows.values() if not row.driven_by_engine and row.name != FALLBACK]
     return (*data_plane, FALLBACK)

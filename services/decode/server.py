@@ -30,7 +30,7 @@ from common.errors import InvalidRequest, NotFound, Unavailable
 from common.kv.embeddings import pull_and_release_embeddings
 from common.kv.layout import KvExport, KvLayout, PlacedKv, layout_of
 from common.kv.paths import KvPath
-from common.kv.transfer import ChannelCache
+from common.kv.wire import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import request_type_from_proto, sampling_from_proto
 from services.decode.progress import Progress, join_delta
@@ -254,16 +254,16 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
         timeout_s = self.pull_timeout_s if time_left_s is None else min(self.pull_timeout_s, time_left_s)
         pulled = await self.state.kv_path.import_kv(ref, timeout_s)
         log.debug("pulled %d KV bytes of session %s through %s in %.2f ms", pulled.num_bytes, ref.session_id,
-                  pulled.backend, pulled.seconds * 1000)
+                  pulled.transport, pulled.seconds * 1000)
         span = trace.get_current_span()
         span.set_attribute("disagg.kv_pull.bytes", pulled.num_bytes)
         span.set_attribute("disagg.kv_pull.seconds", pulled.seconds)
-        span.set_attribute("disagg.kv_pull.backend", pulled.backend)
+        span.set_attribute("disagg.kv_pull.backend", pulled.transport)
         usage.kv_transfer_backend = pulled.transfer_backend
         usage.kv_transfer_bytes, usage.kv_transfer_ms = pulled.num_bytes, pulled.seconds * 1000
         if self.state.metrics is not None:
-            self.state.metrics.get("disagg_kv_pull_bytes_total", backend=pulled.backend).inc(pulled.num_bytes)
-            self.state.metrics.get("disagg_kv_pull_seconds", backend=pulled.backend).observe(pulled.seconds)
+            self.state.metrics.get("disagg_kv_pull_bytes_total", backend=pulled.transport).inc(pulled.num_bytes)
+            self.state.metrics.get("disagg_kv_pull_seconds", backend=pulled.transport).observe(pulled.seconds)
         return pulled.export
 
 

@@ -19,7 +19,7 @@ from common.engine.request import FinishReason, RequestOutput, RequestType, Samp
 from common.errors import InvalidRequest
 from common.engine.multimodal import ImageEmbedding
 from common.kv.embeddings import pull_and_release_embeddings
-from common.kv.transfer import ChannelCache
+from common.kv.wire import ChannelCache
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.kit.convert import logprob_to_proto, logprobs_to_proto, request_type_name, sampling_from_proto
 from services.kit.serving import abort_with, check_deliverable

@@ -20,7 +20,7 @@ import grpc
 from opentelemetry import trace
 
 from common.errors import Unavailable
-from common.kv.backends import name_of
+from common.kv.offer import name_of
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from common.telemetry import tracing
 from services.kit.convert import sampling_to_proto, worker_stop_conditions
@@ -190,8 +190,8 @@ def _usage(finished: common_pb2.Finished, handoff: bool, timed: bool) -> list[De
     if not handoff:
         events.append(CachedTokens(usage.cached_prompt_tokens))
     else:  # how the KV came to decode, for the client's Finished.usage
-        backend = name_of(usage.kv_transfer_backend) if usage.kv_transfer_backend else ""
-        events.append(KvHandoff(backend, usage.kv_transfer_bytes, usage.kv_transfer_ms))
+        transport = name_of(usage.kv_transfer_backend) if usage.kv_transfer_backend else ""
+        events.append(KvHandoff(transport, usage.kv_transfer_bytes, usage.kv_transfer_ms))
     return events
 
 

@@ -149,8 +149,8 @@ class Flight:
                 return [delta] if delta is not None else []
             case DecodeFinished(reason, stop_token_id, choices):
                 return sent.finish(reason, stop_token_id, choices)
-            case KvHandoff(backend, num_bytes, ms):
-                sent.kv_transfer = (backend, num_bytes, ms)
+            case KvHandoff(transport, num_bytes, ms):
+                sent.kv_transfer = (transport, num_bytes, ms)
             case CachedTokens(count):
                 sent.cached_prompt_tokens = count
             case WorkerTimings(breakdown):

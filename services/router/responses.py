@@ -53,7 +53,7 @@ class ResponseBuilder:
         self._prompt_logprobs: tuple[TokenLogprob, ...] = ()  # once they came, until every choice's first delta
         self._scoring = False  # max_tokens 0: the prompt's logprobs only, no token
         self.cached_prompt_tokens = 0
-        self.kv_transfer: tuple[str, int, float] = ("", 0, 0.0)  # backend, bytes, ms of the KV handoff
+        self.kv_transfer: tuple[str, int, float] = ("", 0, 0.0)  # transport, bytes, ms of the KV handoff
         self._dispatched_at: float | None = None  # the call that produced the first token was sent
         self._worker_parts: dict[str, float] = {}  # TtftBreakdown fields the workers measured
         self.prefilled_remotely = False  # a prefill worker ran the prompt (else the decode worker did)
@@ -222,10 +222,10 @@ class ResponseBuilder:
     def usage(self) -> Usage:
         now = time.perf_counter()
         ttft = (self._first_token_at - self._started) * 1000 if self._first_token_at is not None else 0.0
-        backend, nbytes, ms = self.kv_transfer
+        transport, nbytes, ms = self.kv_transfer
         return Usage(prompt_tokens=len(self._prompt), completion_tokens=self.completion_tokens,
                      cached_prompt_tokens=self.cached_prompt_tokens, ttft_ms=ttft,
-                     e2e_ms=(now - self._started) * 1000, kv_transfer_backend=backend,
+                     e2e_ms=(now - self._started) * 1000, kv_transfer_backend=transport,
                      kv_transfer_bytes=nbytes, kv_transfer_ms=ms, ttft_breakdown=self.ttft_breakdown())
 
     def _report_breakdown(self, usage: Usage) -> None:

@@ -22,8 +22,8 @@ from common.engine.interface import Engine, EngineLoad
 from common.engine.request import SamplingParams
 from common.engine.start import start_engine
 from common.errors import DisaggError, Unavailable
-from common.kv.backends import PREFERENCE, known_backends, parse_backends
 from common.kv.layout import KvLayout
+from common.kv.offer import PREFERENCE, known_transports, parse_transports
 from common.kv.paths import KvPath, open_path
 from common.telemetry.metrics import Metrics, observe_engine_load, observe_grammar_compile
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
@@ -54,7 +54,7 @@ class WorkerState:
     metrics: Metrics | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-    kv_transfer_backends: tuple[str, ...] = PREFERENCE  # offered (prefill) or accepted (decode)
+    kv_transports: tuple[str, ...] = PREFERENCE  # offered (prefill) or accepted (decode)
     kv_path: KvPath | None = None  # how its sessions' KV moves (common.kv.paths), known once the engine is loaded
     engine_config_json: str = ""  # the effective engine settings (WorkerInfo.engine_config_json)
     _tasks: set[asyncio.Task] = field(default_factory=set)
@@ -171,22 +171,22 @@ class EngineRole:
 
     def add_args(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--kv-transfer-backends", default=os.environ.get("DISAGG_KV_TRANSFER_BACKENDS", "auto"),
-            help="KV transfer backends this worker offers (prefill) or accepts (decode), best first: "
-                 f"'auto' or a subset of {','.join(known_backends())} (grpc is always kept as the fallback)")
+            "--kv-transports", "--kv-transfer-backends", action=_NewFlagName, default=_kv_transports_from_env(),
+            help="KV transports this worker offers (prefill) or accepts (decode), best first: 'auto' or a subset of "
+                 f"{','.join(known_transports())} (grpc is always kept as the fallback; env DISAGG_KV_TRANSPORTS)")
         self.add_role_args(parser)
         add_engine_args(parser)
 
     def configure(self, args: argparse.Namespace) -> EngineConfig:
         # args hold --engine-config's and --engine-overrides' values after this too
         config = engine_config_from_args(args, prefill_only=self.role == worker_pb2.WORKER_ROLE_PREFILL)
-        args.kv_transfer_backends = parse_backends(args.kv_transfer_backends)
+        args.kv_transports = parse_transports(args.kv_transports)
         log.info("engine config: %s", effective_engine_json(args, config))
         return config
 
     def new_state(self, args: argparse.Namespace, config: EngineConfig, model_name: str) -> WorkerState:
         return WorkerState(self.role, model_name, args.max_message_bytes,
-                           kv_transfer_backends=args.kv_transfer_backends,
+                           kv_transports=args.kv_transports,
                            engine_config_json=effective_engine_json(args, config))
 
     def load(self, state: WorkerState, config: EngineConfig) -> Engine:
@@ -198,7 +198,7 @@ class EngineRole:
         sessions. The path is also what the TensorStore serves (its exporter's role)."""
         state.kv_layout = (await engine.facts()).kv_layout
         state.kv_path = await open_path(engine, state.role == worker_pb2.WORKER_ROLE_PREFILL,
-                                        state.kv_transfer_backends, state.worker_id, state.metrics)
+                                        state.kv_transports, state.worker_id, state.metrics)
         state.closers.append(state.kv_path.close)
         if hasattr(engine, "output_wait") and state.metrics is not None:  # our engine's bridge (not trtllm's)
             engine.output_wait = state.metrics.get("disagg_engine_output_wait_seconds").observe
@@ -246,6 +246,25 @@ class EngineRole:
         released = await state.engine.release_all_sessions()
         await asyncio.to_thread(state.engine.shutdown)
         return f"released {released} KV sessions"
+
+
+class _NewFlagName(argparse.Action):
+    """A flag whose first option string is its name; another one is its old name, kept working for one release
+    with a warning that names the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string != self.option_strings[0]:
+            log.warning("%s is deprecated: use %s", option_string, self.option_strings[0])
+        setattr(namespace, self.dest, values)
+
+
+def _kv_transports_from_env() -> str:
+    """DISAGG_KV_TRANSPORTS, else its old name DISAGG_KV_TRANSFER_BACKENDS (kept for one release, with a warning)."""
+    old = os.environ.get("DISAGG_KV_TRANSFER_BACKENDS")
+    if old is not None and "DISAGG_KV_TRANSPORTS" not in os.environ:
+        log.warning("DISAGG_KV_TRANSFER_BACKENDS is deprecated: use DISAGG_KV_TRANSPORTS")
+        return old
+    return os.environ.get("DISAGG_KV_TRANSPORTS", "auto")
 
 
 def _limits(config: EngineConfig) -> worker_pb2.WorkerLimits:

@@ -11,7 +11,7 @@ from typing import Protocol, Sequence
 import grpc
 
 from common.errors import InvalidRequest
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.paths import KvPath
 from common.kv.probe import PROBE_HANDLE
 from common.kv.store import answer_pull
@@ -94,7 +94,7 @@ class TensorStoreServicer(worker_pb2_grpc.TensorStoreServicer):
         source = await self._source(context)
         try:
             if not isinstance(source, KvPath):
-                raise BackendUnavailable("this worker's TensorStore holds embeddings, not a KV cache")
+                raise TransportUnavailable("this worker's TensorStore holds embeddings, not a KV cache")
             return await asyncio.to_thread(source.share, request.transport)
         except Exception as exc:
             await abort_with(context, exc)

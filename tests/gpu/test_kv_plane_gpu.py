@@ -24,18 +24,18 @@ from common.engine.engine import LLMEngine  # noqa: E402
 from common.kv.transports.nixl import nixl_unavailable_reason  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
 from common.pb.disagg.v1 import worker_pb2  # noqa: E402
-from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything, check_handoff,  # noqa: E402
+from tests.integration.kv_transport_cases import (transport_cluster, check_cancels_free_everything, check_handoff,  # noqa: E402
                                                 decode_start, prefill)
 from tests.integration.worker_client import assert_pool_full, split  # noqa: E402
 
 ENGINE_ARGS = ("--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64")
 PROMPT = list(range(3, 40))  # 37 tokens: ten blocks of 4, the last partial
-BACKENDS_HERE = ["cuda_ipc", *(["nixl"] if nixl_unavailable_reason() is None else []), "grpc"]
+TRANSPORTS_HERE = ["cuda_ipc", *(["nixl"] if nixl_unavailable_reason() is None else []), "grpc"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama) -> Iterator[dict]:
-    with backend_cluster(("--model", tiny_llama, *ENGINE_ARGS), BACKENDS_HERE) as cluster:
+    with transport_cluster(("--model", tiny_llama, *ENGINE_ARGS), TRANSPORTS_HERE) as cluster:
         yield cluster
 
 
@@ -44,19 +44,19 @@ def reference(tiny_llama) -> LLMEngine:
     return LLMEngine(EngineConfig(model=tiny_llama, device="cuda", block_size=4, num_kv_blocks=64))
 
 
-@pytest.mark.parametrize("backend", BACKENDS_HERE)
-def test_each_backend_on_the_gpu_hands_off_the_aggregated_tokens(cluster, reference, backend):
-    usage = check_handoff(cluster["prefill"], cluster[backend], reference, PROMPT, backend, max_tokens=24)
-    print(f"{backend}: {usage.kv_transfer_bytes} bytes in {usage.kv_transfer_ms:.3f} ms")
+@pytest.mark.parametrize("transport", TRANSPORTS_HERE)
+def test_each_transport_on_the_gpu_hands_off_the_aggregated_tokens(cluster, reference, transport):
+    usage = check_handoff(cluster["prefill"], cluster[transport], reference, PROMPT, transport, max_tokens=24)
+    print(f"{transport}: {usage.kv_transfer_bytes} bytes in {usage.kv_transfer_ms:.3f} ms")
 
 
 def test_cuda_ipc_is_chosen_when_both_workers_share_the_gpu(cluster, reference):
     check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, "cuda_ipc")
 
 
-@pytest.mark.parametrize("backend", BACKENDS_HERE)
-def test_cancels_on_the_gpu_free_every_block_on_both_workers(cluster, backend):
-    check_cancels_free_everything(cluster["prefill"], cluster[backend], PROMPT)
+@pytest.mark.parametrize("transport", TRANSPORTS_HERE)
+def test_cancels_on_the_gpu_free_every_block_on_both_workers(cluster, transport):
+    check_cancels_free_everything(cluster["prefill"], cluster[transport], PROMPT)
 
 
 def test_a_cuda_ipc_read_of_reused_blocks_is_recomputed_never_served(cluster, reference):

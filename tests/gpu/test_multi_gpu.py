@@ -19,7 +19,7 @@ from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
 from tests.hf_reference import hf_greedy  # noqa: E402
-from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything,  # noqa: E402
+from tests.integration.kv_transport_cases import (transport_cluster, check_cancels_free_everything,  # noqa: E402
                                                 check_handoff)
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -31,8 +31,8 @@ PROMPT = list(range(3, 70))  # 67 tokens: 17 blocks of 4, the last partial
 def cluster(tiny_llama) -> Iterator[dict]:
     """prefill on cuda:0 ("prefill"); decode on the last GPU accepting only cuda_ipc ("cuda_ipc")."""
     common = ("--model", tiny_llama, "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8")
-    decode_last = ("decode", (*common, "--device", LAST, "--kv-transfer-backends", "cuda_ipc"))
-    with backend_cluster((*common, "--device", "cuda:0"), [], [decode_last]) as cluster:
+    decode_last = ("decode", (*common, "--device", LAST, "--kv-transports", "cuda_ipc"))
+    with transport_cluster((*common, "--device", "cuda:0"), [], [decode_last]) as cluster:
         yield cluster
 
 

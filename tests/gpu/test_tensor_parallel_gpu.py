@@ -24,7 +24,7 @@ from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
 from common.kv.shards import KvShards  # noqa: E402
 from tests.hf_reference import hf_greedy  # noqa: E402
-from tests.integration.kv_backend_cases import (backend_cluster, check_cancels_free_everything,  # noqa: E402
+from tests.integration.kv_transport_cases import (transport_cluster, check_cancels_free_everything,  # noqa: E402
                                                 check_handoff)
 from tests.unit.test_kv_handoff import _decode, _prefill  # noqa: E402
 
@@ -95,8 +95,8 @@ def cluster(tiny_llama) -> Iterator[dict]:
     ("extra0") and decode TP=2 on GPUs 0-1 over cuda_ipc ("extra1")."""
     args = ("--model", tiny_llama, "--device", "cuda", "--block-size", "4", "--num-kv-blocks", "64",
             "--max-num-seqs", "8")
-    extra = [("prefill", (*args, *TP2)), ("decode", (*args, *TP2, "--kv-transfer-backends", "cuda_ipc"))]
-    with backend_cluster(args, ["cuda_ipc"], extra) as cluster:
+    extra = [("prefill", (*args, *TP2)), ("decode", (*args, *TP2, "--kv-transports", "cuda_ipc"))]
+    with transport_cluster(args, ["cuda_ipc"], extra) as cluster:
         yield cluster
 
 

@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 
 from tests.integration.front_doors import MODES, Cluster, make_front_door_model, run_cluster
-from tests.integration.kv_backend_cases import backend_cluster, cpu_backends
+from tests.integration.kv_transport_cases import transport_cluster, cpu_transports
 from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
 from tests.integration.test_router import make_text_model
@@ -38,25 +38,25 @@ def tiny_worker_args(tiny_llama) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def worker_pair(kv_workers) -> WorkerPair:
-    """A float32 tiny-llama prefill and decode (tiny_worker_args, every CPU KV backend): kv_workers' "prefill" and
-    "decode_any", which the KV backend tests also use, and which their tests and these leave with every pool full."""
+    """A float32 tiny-llama prefill and decode (tiny_worker_args, every CPU KV transport): kv_workers' "prefill" and
+    "decode_any", which the KV transport tests also use, and which their tests and these leave with every pool full."""
     return WorkerPair(kv_workers["prefill_process"], kv_workers["decode_any_process"])
 
 
 @pytest.fixture(scope="session")
 def kv_workers(tiny_llama) -> Iterator[dict]:
-    """kv_backend_cases.backend_cluster of float32 tiny-llama workers for every CPU backend here, a prefill that
+    """kv_transport_cases.transport_cluster of float32 tiny-llama workers for every CPU transport here, a prefill that
     offers shm,grpc only ("prefill_no_nixl") and, where NIXL runs, a prefill and a nixl decode that only the test of
     a cancel during a worker's first NIXL use uses ("nixl_first_use_prefill", "nixl_first_use_decode"): the KV
-    backend, tensor-parallel, worker and shm tests share it (the last two through worker_pair), and each of their
+    transport, tensor-parallel, worker and shm tests share it (the last two through worker_pair), and each of their
     tests leaves every pool full."""
     args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
-    extra = [("prefill", (*args, "--kv-transfer-backends", "shm,grpc"))]
-    if "nixl" in cpu_backends():
-        extra += [("prefill", args), ("decode", (*args, "--kv-transfer-backends", "nixl"))]
-    with backend_cluster(args, list(cpu_backends()), extra, env=WORKER_ENV) as cluster:
+    extra = [("prefill", (*args, "--kv-transports", "shm,grpc"))]
+    if "nixl" in cpu_transports():
+        extra += [("prefill", args), ("decode", (*args, "--kv-transports", "nixl"))]
+    with transport_cluster(args, list(cpu_transports()), extra, env=WORKER_ENV) as cluster:
         first_use = {"nixl_first_use_prefill": cluster["extra1"], "nixl_first_use_decode": cluster["extra2"]} \
-            if "nixl" in cpu_backends() else {}
+            if "nixl" in cpu_transports() else {}
         yield {**cluster, "prefill_no_nixl": cluster["extra0"], **first_use}
 
 

@@ -10,9 +10,9 @@ import torch
 from common.kv import gather, transport
 from common.kv.chunks import dtype_name
 from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv, release_quietly
 from common.kv.transports.grpc_pull import pull_chunks
 from common.kv.transports.one_sided import open_share
+from common.kv.wire import PulledKv, release_quietly
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 NAME = "fake"
@@ -31,7 +31,7 @@ class FakeTransport(transport.KvTransport):
                    timeout_s: float | None) -> PulledKv:
         try:
             pulled = await self._pull(puller.device, channel, ref, timeout_s)
-        except transport.BackendUnavailable:
+        except transport.TransportUnavailable:
             raise  # the session stays pinned for the next transport
         except BaseException:
             await release_quietly(channel, ref.session_id)
@@ -46,7 +46,7 @@ class FakeTransport(transport.KvTransport):
                     timeout_s: float | None) -> PulledKv:
         share = await open_share(channel, ref, NAME)
         if share.transport != NAME or share.payload != NAME.encode():
-            raise transport.BackendUnavailable(f"the exporter shared {share.transport!r}, not the fake transport")
+            raise transport.TransportUnavailable(f"the exporter shared {share.transport!r}, not the fake transport")
         pulled = await pull_chunks(channel, ref, max_chunk_bytes=int(share.attributes["chunk_bytes"]),
                                    timeout_s=timeout_s)
         blocks = await gather.to_device(pulled.export.blocks, device)

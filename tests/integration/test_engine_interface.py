@@ -15,7 +15,7 @@ import pytest
 
 from common.engine.async_engine import AsyncLLMEngine
 from common.engine.config import EngineConfig
-from common.engine.interface import Engine, EngineRequest, KvSessionHost, OwnKvTransfer
+from common.engine.interface import Engine, EngineRequest, KvSessionHost, OwnKvTransport
 from common.engine.request import RequestType, SamplingParams
 from common.engine.start import start_engine
 from common.errors import NotFound
@@ -141,7 +141,7 @@ def test_our_engine_hands_kv_to_the_data_plane_and_refuses_an_engine_handoff(tin
 
     try:
         facts, attributes = asyncio.run(run())
-        assert isinstance(engine, KvSessionHost) and not isinstance(engine, OwnKvTransfer)
+        assert isinstance(engine, KvSessionHost) and not isinstance(engine, OwnKvTransport)
     finally:
         engine.shutdown()
     assert (facts.name, attributes) == ("torch", {})
@@ -150,7 +150,7 @@ def test_our_engine_hands_kv_to_the_data_plane_and_refuses_an_engine_handoff(tin
 def test_the_tensorrt_llm_engine_implements_every_method_of_the_interface():
     from common.engine.trtllm import TrtLlmEngine  # importable without TensorRT-LLM: it loads lazily
 
-    protocols = _methods(Engine, OwnKvTransfer)
+    protocols = _methods(Engine, OwnKvTransport)
     for name, wanted in protocols.items():
         theirs = getattr(TrtLlmEngine, name, None)
         assert callable(theirs), name

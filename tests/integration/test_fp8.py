@@ -47,8 +47,8 @@ from common.pb.disagg.v1 import common_pb2
 from common.kv.chunks import tensor_from_bytes, tensor_to_bytes
 from common.kv.layout import KvExport, layout_of
 from common.kv.shards import KvShards
-from common.kv.transfer import session_ref
 from common.kv.transports.cuda_ipc.block_copy import copy_blocks_reference
+from common.kv.wire import session_ref
 
 FP8 = torch.float8_e4m3fn
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

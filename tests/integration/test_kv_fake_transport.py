@@ -11,10 +11,10 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.kv import transport
-from common.kv.backends import parse_backends
+from common.kv.offer import parse_transports
 from common.pb.disagg.v1 import common_pb2
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
-from tests.integration.kv_backend_cases import backend_cluster, check_cancels_free_everything, check_handoff
+from tests.integration.kv_transport_cases import transport_cluster, check_cancels_free_everything, check_handoff
 from tests.integration.observed import scrape, wait_for
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
@@ -34,12 +34,12 @@ def fake() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, fake) -> Iterator[dict]:
-    """kv_backend_cases.backend_cluster with the fake loaded in every worker, a decode accepting only the fake
+    """kv_transport_cases.transport_cluster with the fake loaded in every worker, a decode accepting only the fake
     (client "fake"), and a prefill offering only the fake ("prefill_fake_only")."""
     args = ("--model", tiny_llama, *TINY_ENGINE_ARGS)
-    extra = [("prefill", (*args, "--kv-transfer-backends", fake))]
+    extra = [("prefill", (*args, "--kv-transports", fake))]
     env = {**WORKER_ENV, transport.MODULES_ENV: FAKE_MODULE}
-    with backend_cluster(args, [fake], extra, env=env) as cluster:
+    with transport_cluster(args, [fake], extra, env=env) as cluster:
         yield {**cluster, "prefill_fake_only": cluster["extra0"]}
 
 
@@ -50,7 +50,7 @@ def reference(tiny_llama) -> LLMEngine:
 
 def test_a_registered_transport_is_known_by_name_ahead_of_grpc(fake):
     assert transport.names()[-2:] == (fake, "grpc")
-    assert parse_backends(fake) == (fake, "grpc")
+    assert parse_transports(fake) == (fake, "grpc")
     assert transport.number_of(fake) == common_pb2.TRANSFER_BACKEND_UNSPECIFIED
 
 

@@ -10,8 +10,8 @@ import torch
 
 from common.kv import host, shm_files
 from common.kv.store import pull_kv
-from common.kv.transfer import release_session
 from common.kv.transports.shm import files
+from common.kv.wire import release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from tests.integration.worker_client import WorkerClient, assert_pool_full
 
@@ -50,7 +50,7 @@ def test_same_host_pull_goes_through_shm_and_equals_the_grpc_stream(prefill):
         return fast, stream, (await release_session(ref.endpoint, ref.session_id)).released
 
     fast, stream, released = asyncio.run(pull_both())
-    assert (fast.backend, stream.backend) == ("shm", "grpc")
+    assert (fast.transport, stream.transport) == ("shm", "grpc")
     assert fast.num_bytes == stream.num_bytes == fast.export.layout.block_bytes() * 10
     assert torch.equal(fast.export.blocks.view(torch.uint8), stream.export.blocks.view(torch.uint8))
     assert released and _leftover_files() <= before  # the importer deleted its file

@@ -16,10 +16,10 @@ import torch
 
 from common.errors import InvalidConfig
 from common.kv import transport
-from common.kv.backends import OFFERED_ATTRIBUTE, parse_backends
+from common.kv.offer import OFFERED_ATTRIBUTE, parse_transports
 from common.kv.pull import KvPuller
 from common.kv.sharing import KvCacheExporter
-from common.kv.transfer import ChannelCache
+from common.kv.wire import ChannelCache
 from common.pb.disagg.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,14 +53,14 @@ def test_an_unknown_transport_is_refused_with_the_known_ones_and_built_ins_stay(
 
 def test_a_registered_transport_is_offered_with_its_generic_share_and_negotiated(fake):
     chunk_bytes, fake = fake.CHUNK_BYTES, fake.NAME
-    assert parse_backends(f"{fake},grpc") == (fake, "grpc")
-    exporter = KvCacheExporter(torch.zeros(2, 2, 8, 4, 1, 4), parse_backends(f"{fake},grpc"), "w1")
+    assert parse_transports(f"{fake},grpc") == (fake, "grpc")
+    exporter = KvCacheExporter(torch.zeros(2, 2, 8, 4, 1, 4), parse_transports(f"{fake},grpc"), "w1")
     assert exporter.offered == [fake, "grpc"]
-    assert exporter.best_backend == common_pb2.TRANSFER_BACKEND_UNSPECIFIED
+    assert exporter.best_transport == common_pb2.TRANSFER_BACKEND_UNSPECIFIED
     share = exporter.share(fake)
     assert (share.transport, dict(share.attributes), share.kv_cache_id) == \
         (fake, {"chunk_bytes": str(chunk_bytes)}, exporter.kv_cache_id)
-    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"), self_check=False)
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_transports("auto"), self_check=False)
     ref = common_pb2.KvSessionRef(session_id="s", endpoint="127.0.0.1:1", attributes=exporter.attributes())
     assert ref.attributes[OFFERED_ATTRIBUTE] == f"{fake},grpc"
     assert puller.candidates(ref) == [fake, "grpc"]
@@ -112,10 +112,10 @@ def test_a_transport_that_starts_on_first_use_is_checked_only_then_and_off_the_e
         with caplog.at_level(logging.INFO, logger="common.kv.pull"):
             first, second, third, loop_thread = asyncio.run(use_thrice())
         assert (first, second, third) == (False, False, False)
-        assert caplog.text.count("KV transfer backend agent-like not used") == 1
+        assert caplog.text.count("KV transport agent-like not used") == 1
         assert len(_StartsOnFirstUse.checked_on) == 1 and _StartsOnFirstUse.checked_on[0] is not loop_thread
         assert tuple(puller.transports) == ("grpc",)
-        assert "KV transfer backend agent-like not used by this worker: no agent library here" in caplog.text
+        assert "KV transport agent-like not used by this worker: no agent library here" in caplog.text
         assert asyncio.run(puller.usable("grpc"))
     finally:
         transport.unregister(_StartsOnFirstUse.name)

@@ -19,7 +19,7 @@ from common.pb.disagg.v1 import worker_pb2
 from common.tokenizer import Tokenizer
 from tests.hf_reference import hf_greedy
 from tests.integration.conftest import TINY_ENGINE_ARGS, WORKER_ENV
-from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff, connected_workers
+from tests.integration.kv_transport_cases import check_cancels_free_everything, check_handoff, connected_workers
 from tests.integration.processes import REPO_ROOT
 from tests.integration.test_router import make_text_model
 from tests.integration.test_up import Up, _child_pids, _cmdline

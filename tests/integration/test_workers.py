@@ -20,9 +20,9 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
-from common.kv.backends import BACKENDS
+from common.kv.offer import DATA_PLANE_NUMBERS
 from common.kv.store import pull_kv
-from common.kv.transfer import release_session
+from common.kv.wire import release_session
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import WORKER_ENV
 from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
@@ -116,7 +116,7 @@ def test_prefill_then_decode_matches_the_in_process_engine(prefill, decode, refe
     ref = prefilled.session
     assert (ref.num_tokens, len(ref.block_ids), ref.dtype, ref.first_token) == (19, 5, "float32", expected[0])
     offered = ref.attributes["transfer_backends"].split(",")  # the exporter's best backend first, grpc last
-    assert ref.transfer_backend == BACKENDS[offered[0]] and offered[-1] == "grpc"
+    assert ref.transfer_backend == DATA_PLANE_NUMBERS[offered[0]] and offered[-1] == "grpc"
     assert ref.expires_at_unix_ms > time.time() * 1000
     tokens, finished = split(decode.decoder.Decode(iter([decode_start(prefilled, **sampling)]), timeout=30))
     assert [prefilled.first_token, *tokens] == expected

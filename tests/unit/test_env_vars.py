@@ -22,7 +22,8 @@ ENV = {  # name -> (kind, what: the flag it is the default of, the path it names
     "DISAGG_STRUCTURED_OUTPUT_BACKEND": (FLAG, "--structured-output-backend"),
     "DISAGG_ENGINE_CONFIG": (FLAG, "--engine-config"),
     "DISAGG_ENGINE_OVERRIDES": (FLAG, "--engine-overrides"),
-    "DISAGG_KV_TRANSFER_BACKENDS": (FLAG, "--kv-transfer-backends"),
+    "DISAGG_KV_TRANSPORTS": (FLAG, "--kv-transports"),
+    "DISAGG_KV_TRANSFER_BACKENDS": (FLAG, "--kv-transfer-backends"),  # the old names, deprecated for one release
     "DISAGG_HOST": (FLAG, "--host"),
     "DISAGG_GRPC_PORT": (FLAG, "--port"),  # every server's; a container's healthcheck dials it
     "DISAGG_HTTP_PORT": (FLAG, "--http-port"),

@@ -18,12 +18,12 @@ from common.engine.engine import LLMEngine
 from common.engine.request import Request, RequestType, SamplingParams
 from common.errors import InvalidRequest
 from common.kv import fence
-from common.kv.transports.cuda_ipc import direct
-from common.kv.transports.cuda_ipc.block_copy import BlockCopier, compile_for, copy_blocks, copy_blocks_reference
 from common.kv.fence import EPOCH_ATTRIBUTE, BlockEpochs, StaleKv
 from common.kv.layout import layout_of
-from common.kv.transfer import session_ref
 from common.kv.transports import one_sided
+from common.kv.transports.cuda_ipc import direct
+from common.kv.transports.cuda_ipc.block_copy import BlockCopier, compile_for, copy_blocks, copy_blocks_reference
+from common.kv.wire import session_ref
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(10, 27))  # 17 tokens: 5 blocks of 4

@@ -19,9 +19,9 @@ from common.engine.request import RequestType, SamplingParams
 from common.errors import NotFound
 from common.kv import gather, host
 from common.kv.sharing import KvCacheExporter
-from common.kv.transfer import release_session, session_ref
 from common.kv.transports.grpc_pull import pull_chunks
 from common.kv.transports.shm import pull_shm
+from common.kv.wire import release_session, session_ref
 from tests.loopback_grpc import loopback_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -175,8 +175,8 @@ def test_tensor_store_serves_grpc_and_shm_pulls_and_releases_while_the_engine_th
     async def scenario() -> dict[str, bool]:
         session_id = await _session(engine, "p", PROMPT)
         facts, cache = await engine.facts(), await engine.kv_cache()
-        backends = ("shm", "grpc") if host.host_id() else ("grpc",)
-        source = DataPlane("torch", backends, KvCacheExporter(cache, backends), engine=engine, layout=facts.kv_layout)
+        transports = ("shm", "grpc") if host.host_id() else ("grpc",)
+        source = DataPlane("torch", transports, KvCacheExporter(cache, transports), engine=engine, layout=facts.kv_layout)
         async with loopback_server(partial(add_tensor_store, TensorStoreServicer(_Holder(source)))) as (_, address):
             ref = session_ref(facts.kv_layout, engine.engine.sessions.get(session_id), address)
             expected = engine.engine.export_session(session_id).blocks

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.engine.interface import KvBlocks, KvSessionHost, OwnKvTransfer
+from common.engine.interface import KvBlocks, KvSessionHost, OwnKvTransport
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest, NotFound
 from common.kv import transport
-from common.kv.backends import OFFERED_ATTRIBUTE, parse_backends
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
+from common.kv.offer import OFFERED_ATTRIBUTE, parse_transports
 from common.kv.paths import DataPlane, EngineTransport, open_path
 from common.kv.transports.trtllm import TrtLlmTransport
 from common.pb.disagg.v1 import common_pb2
@@ -31,8 +31,8 @@ class _Facts:
         return SimpleNamespace(name=self.name, kv_layout=None, kv_device=torch.device("cpu"))
 
 
-class _OwnTransferEngine(_Facts):
-    """An OwnKvTransfer: its handoff is the ref's attributes, and it remembers what it was asked."""
+class _OwnTransportEngine(_Facts):
+    """An OwnKvTransport: its handoff is the ref's attributes, and it remembers what it was asked."""
 
     def __init__(self, kv_transport: str = "trtllm", name: str = "trtllm"):
         super().__init__(name)
@@ -91,9 +91,9 @@ def _ref(session_id: str, transfer_backend: int, **fields) -> common_pb2.KvSessi
 
 
 def test_an_engine_that_moves_kv_itself_gets_the_trtllm_transport_from_the_registry():
-    engine = _OwnTransferEngine()
-    assert isinstance(engine, OwnKvTransfer) and not isinstance(engine, KvSessionHost)
-    path = asyncio.run(open_path(engine, True, parse_backends("auto"), "w1"))
+    engine = _OwnTransportEngine()
+    assert isinstance(engine, OwnKvTransport) and not isinstance(engine, KvSessionHost)
+    path = asyncio.run(open_path(engine, True, parse_transports("auto"), "w1"))
     assert isinstance(path, TrtLlmTransport) and path.engine is engine and path.engine_name == "trtllm"
     assert path.transfer_backends() == [common_pb2.TRANSFER_BACKEND_TRTLLM]
     assert asyncio.run(path.ref_fields("s1")) == (common_pb2.TRANSFER_BACKEND_TRTLLM, {"trtllm.first_gen_tokens": "7"})
@@ -101,9 +101,9 @@ def test_an_engine_that_moves_kv_itself_gets_the_trtllm_transport_from_the_regis
     ref = _ref("s1", common_pb2.TRANSFER_BACKEND_TRTLLM, attributes={"trtllm.first_gen_tokens": "7"})
     path.check(ref)
     assert path.handoff(ref) == ("handoff", {"trtllm.first_gen_tokens": "7"})  # the engine fetches the KV itself
-    with pytest.raises(BackendUnavailable, match=r"moves through this worker's engine \(trtllm\), not TensorStore"):
+    with pytest.raises(TransportUnavailable, match=r"moves through this worker's engine \(trtllm\), not TensorStore"):
         asyncio.run(path.export("s1", []))
-    with pytest.raises(BackendUnavailable, match="exports no KV cache"):
+    with pytest.raises(TransportUnavailable, match="exports no KV cache"):
         path.share("cuda_ipc")
     with pytest.raises(InvalidRequest, match="session_id and an endpoint"):
         path.check(common_pb2.KvSessionRef(session_id="s1", transfer_backend=common_pb2.TRANSFER_BACKEND_TRTLLM))
@@ -111,20 +111,20 @@ def test_an_engine_that_moves_kv_itself_gets_the_trtllm_transport_from_the_regis
 
 def test_a_kv_session_host_gets_the_data_plane_sharing_its_cache_only_where_it_exports():
     engine = _SessionHostEngine()
-    assert isinstance(engine, KvSessionHost) and not isinstance(engine, OwnKvTransfer)
+    assert isinstance(engine, KvSessionHost) and not isinstance(engine, OwnKvTransport)
     exporter_path = asyncio.run(open_path(engine, True, ("shm", "grpc"), "w1"))
     importer_path = asyncio.run(open_path(engine, False, ("grpc",), "w2"))
     try:
         assert isinstance(exporter_path, DataPlane) and exporter_path.exporter.kv_cache is engine.cache
         offered = exporter_path.exporter.offered
         assert exporter_path.transfer_backends() == [transport.number_of(n) for n in offered]
-        backend, attributes = asyncio.run(exporter_path.ref_fields("s1"))
-        assert backend == exporter_path.exporter.best_backend and attributes[OFFERED_ATTRIBUTE] == ",".join(offered)
+        number, attributes = asyncio.run(exporter_path.ref_fields("s1"))
+        assert number == exporter_path.exporter.best_transport and attributes[OFFERED_ATTRIBUTE] == ",".join(offered)
         assert isinstance(importer_path, DataPlane) and importer_path.exporter is None
         assert importer_path.transfer_backends() == [common_pb2.TRANSFER_BACKEND_GRPC]
         with pytest.raises(NotFound, match="exports no KV sessions"):
             asyncio.run(importer_path.export("s1", []))
-        with pytest.raises(BackendUnavailable, match="exports no KV cache"):
+        with pytest.raises(TransportUnavailable, match="exports no KV cache"):
             importer_path.share("grpc")
         ref = _ref("s1", common_pb2.TRANSFER_BACKEND_GRPC, num_tokens=5, block_size=4, block_ids=[3, 4])
         importer_path.check(ref)
@@ -140,12 +140,12 @@ def test_an_engine_with_neither_capability_is_refused_by_name():
         asyncio.run(open_path(_Facts("mystery"), False, ("grpc",), "w1"))
 
 
-@pytest.mark.parametrize("backend", [common_pb2.TRANSFER_BACKEND_GRPC, common_pb2.TRANSFER_BACKEND_CUDA_IPC])
-def test_a_data_plane_ref_at_a_trtllm_worker_is_failed_precondition_naming_both_sides(backend):
-    path = asyncio.run(open_path(_OwnTransferEngine(), False, ("grpc",), "w1"))
+@pytest.mark.parametrize("number", [common_pb2.TRANSFER_BACKEND_GRPC, common_pb2.TRANSFER_BACKEND_CUDA_IPC])
+def test_a_data_plane_ref_at_a_trtllm_worker_is_failed_precondition_naming_both_sides(number):
+    path = asyncio.run(open_path(_OwnTransportEngine(), False, ("grpc",), "w1"))
     with pytest.raises(FailedPrecondition) as refused:
-        path.check(_ref("s3", backend))
-    name = common_pb2.TransferBackend.Name(backend)
+        path.check(_ref("s3", number))
+    name = common_pb2.TransferBackend.Name(number)
     assert str(refused.value) == (
         f"KV session s3 was exported with transfer_backend {name}, to be moved over the KV data plane (TensorStore: "
         "cuda_ipc, shm, nixl, grpc), but this decode worker runs --engine trtllm, which imports KV only through "
@@ -154,13 +154,13 @@ def test_a_data_plane_ref_at_a_trtllm_worker_is_failed_precondition_naming_both_
 
 
 def test_an_engine_transport_registered_from_outside_is_picked_for_the_engine_naming_it(echo):
-    engine = _OwnTransferEngine(kv_transport="echo", name="echo-engine")
+    engine = _OwnTransportEngine(kv_transport="echo", name="echo-engine")
     path = asyncio.run(open_path(engine, True, ("grpc",), "w1"))
     assert isinstance(path, echo) and path.transfer_backends() == [ECHO_NUMBER]
     assert transport.number_of("echo") == ECHO_NUMBER
     assert transport.names() == ("cuda_ipc", "shm", "nixl", "grpc")  # not a data plane choice
-    with pytest.raises(InvalidConfig, match="unknown backend"):
-        parse_backends("echo")
+    with pytest.raises(InvalidConfig, match="unknown transport"):
+        parse_transports("echo")
     with pytest.raises(FailedPrecondition) as refused:  # its ref at a data plane worker
         DataPlane("torch", ("grpc",)).check(_ref("s4", ECHO_NUMBER))
     assert "transfer_backend 99, to be moved through the echo engine's own link" in str(refused.value)

@@ -1,4 +1,4 @@
-"""The KV data plane's pieces that need no second process: export leases, backend offers and choice."""
+"""The KV data plane's pieces that need no second process: export leases, transport offers and choice."""
 import asyncio
 import time
 
@@ -11,12 +11,12 @@ from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
 from common.kv import gather, host, transport
 from common.kv.blocks import block_runs, gather_blocks
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_backends
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
+from common.kv.offer import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_transports
 from common.kv.probe import PROBE_BLOCKS, PROBE_HANDLE
 from common.kv.pull import KvPuller
 from common.kv.sharing import KvCacheExporter
-from common.kv.transfer import ChannelCache
+from common.kv.wire import ChannelCache
 from common.pb.disagg.v1 import common_pb2
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -73,21 +73,21 @@ def test_gather_to_host_equals_index_select(engine):
     engine.end_lease(session_id)
 
 
-def test_backend_lists_keep_preference_order_and_grpc():
-    assert parse_backends("auto") == ("cuda_ipc", "shm", "nixl", "grpc")
-    assert parse_backends("grpc,shm") == ("shm", "grpc")
-    assert parse_backends("cuda_ipc") == ("cuda_ipc", "grpc")
-    with pytest.raises(InvalidConfig, match="unknown backend.*'rdma'"):
-        parse_backends("rdma,grpc")
+def test_transport_lists_keep_preference_order_and_grpc():
+    assert parse_transports("auto") == ("cuda_ipc", "shm", "nixl", "grpc")
+    assert parse_transports("grpc,shm") == ("shm", "grpc")
+    assert parse_transports("cuda_ipc") == ("cuda_ipc", "grpc")
+    with pytest.raises(InvalidConfig, match="unknown transport.*'rdma'"):
+        parse_transports("rdma,grpc")
 
 
 def test_a_cpu_exporter_offers_no_cuda_ipc_and_says_what_it_offers(engine):
-    exporter = KvCacheExporter(engine.kv_cache, parse_backends("cuda_ipc,shm,grpc"), "w1")
+    exporter = KvCacheExporter(engine.kv_cache, parse_transports("cuda_ipc,shm,grpc"), "w1")
     assert exporter.offered == (["shm", "grpc"] if host.host_id() else ["grpc"])
     attributes = exporter.attributes()
     assert attributes[OFFERED_ATTRIBUTE] == ",".join(exporter.offered)
     assert attributes[KV_CACHE_ID_ATTRIBUTE].startswith("w1-")
-    with pytest.raises(BackendUnavailable, match="does not offer cuda_ipc: the KV cache is in host memory"):
+    with pytest.raises(TransportUnavailable, match="does not offer cuda_ipc: the KV cache is in host memory"):
         exporter.share("cuda_ipc")
 
 
@@ -96,22 +96,22 @@ def _ref(offer: str, **attributes) -> common_pb2.KvSessionRef:
                                    attributes={OFFERED_ATTRIBUTE: offer, **attributes})
 
 
-def test_the_importer_takes_offered_backends_it_can_use_with_grpc_last():
-    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"))
+def test_the_importer_takes_offered_transports_it_can_use_with_grpc_last():
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_transports("auto"))
     here = {host.HOST_ID_ATTRIBUTE: host.host_id()}
     # No GPU here: cuda_ipc is never tried; shm only for an exporter on this host.
     assert puller.candidates(_ref("cuda_ipc,shm,grpc", **here, cuda_device_uuid="GPU-x")) == \
         (["shm", "grpc"] if host.host_id() else ["grpc"])
     assert puller.candidates(_ref("shm,grpc", host_id="another-host")) == ["grpc"]
     assert puller.candidates(_ref("grpc")) == ["grpc"]
-    grpc_only = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("grpc"))
+    grpc_only = KvPuller(ChannelCache(), torch.device("cpu"), parse_transports("grpc"))
     assert grpc_only.candidates(_ref("shm,grpc", **here)) == ["grpc"]
 
 
-def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(caplog):
+def test_a_transport_that_failed_for_a_peer_is_skipped_logged_once_and_counted(caplog):
     failures = []
-    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"),
-                      on_fallback=lambda backend, reason: failures.append(backend))
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_transports("auto"),
+                      on_fallback=lambda transport, reason: failures.append(transport))
     ref = _ref("shm,grpc", host_id=host.host_id())
     if not host.host_id():
         pytest.skip("no /dev/shm host id here")
@@ -119,7 +119,7 @@ def test_a_backend_that_failed_for_a_peer_is_skipped_logged_once_and_counted(cap
         puller.fall_back(ref.endpoint, "shm", "the exporter cannot open the file")
     assert puller.candidates(ref) == ["grpc"]
     assert failures == ["shm", "shm"]
-    warnings = [r for r in caplog.records if "KV transfer backend shm unavailable" in r.getMessage()]
+    warnings = [r for r in caplog.records if "KV transport shm unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "cannot open the file" in warnings[0].getMessage()
 
 
@@ -167,18 +167,18 @@ def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_
     assert asyncio.run(scenario()) == 0
 
 
-def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_is_skipped(caplog, monkeypatch):
+def test_a_transport_failing_its_self_check_is_a_warning_naming_the_fallback_and_is_skipped(caplog, monkeypatch):
     if not host.host_id():
         pytest.skip("no /dev/shm host id here")
     figures, failures = [], []
-    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"),
-                      on_fallback=lambda backend, reason: failures.append(backend),
-                      on_probe=lambda peer, backend, gbps: figures.append((backend, gbps)))
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_transports("auto"),
+                      on_fallback=lambda transport, reason: failures.append(transport),
+                      on_probe=lambda peer, transport, gbps: figures.append((transport, gbps)))
 
-    async def pull_gbps(channel, probe, backend):
+    async def pull_gbps(channel, probe, transport):
         assert probe.session_id == PROBE_HANDLE and list(probe.block_ids) == list(range(PROBE_BLOCKS))
-        if backend == "shm":
-            raise BackendUnavailable("the exporter cannot open the file")
+        if transport == "shm":
+            raise TransportUnavailable("the exporter cannot open the file")
         return 1.5
 
     monkeypatch.setattr(puller.self_check, "_gbps", pull_gbps)
@@ -197,19 +197,19 @@ def test_a_backend_failing_its_self_check_is_a_warning_naming_the_fallback_and_i
     ("shm,nixl,grpc", {"shm"}, ["shm", "nixl", "grpc"]),
     ("nixl,grpc", set(), ["nixl", "grpc"]),  # nixl is what pulls will take: tried
 ])
-def test_the_self_check_tries_nixl_only_where_no_better_backend_works(monkeypatch, offer, failing, tried):
+def test_the_self_check_tries_nixl_only_where_no_better_transport_works(monkeypatch, offer, failing, tried):
     """NIXL's agents (and the exporter's progress thread) start on first use and then keep running; the self-check
-    must not start them where pulls go over a better backend."""
+    must not start them where pulls go over a better transport."""
     if not host.host_id():
         pytest.skip("no /dev/shm host id here")
-    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_backends("auto"))
+    puller = KvPuller(ChannelCache(), torch.device("cpu"), parse_transports("auto"))
     puller.transports.setdefault("nixl", transport.create("nixl"))  # made without starting anything, NIXL or not
     probed = []
 
-    async def pull_gbps(channel, probe, backend):
-        probed.append(backend)
-        if backend in failing:
-            raise BackendUnavailable("broken here")
+    async def pull_gbps(channel, probe, transport):
+        probed.append(transport)
+        if transport in failing:
+            raise TransportUnavailable("broken here")
         return 1.0
 
     monkeypatch.setattr(puller.self_check, "_gbps", pull_gbps)

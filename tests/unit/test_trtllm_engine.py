@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.engine.config import EngineConfig
-from common.engine.interface import EngineFacts, EngineRequest, KvSessionHost, OwnKvTransfer
+from common.engine.interface import EngineFacts, EngineRequest, KvSessionHost, OwnKvTransport
 from common.engine.request import FinishReason, RequestType, SamplingParams
 from common.engine.trtllm import OPAQUE_STATE, TrtLlmEngine, TrtLlmHandoff
 from common.errors import NotFound
@@ -81,7 +81,7 @@ def test_context_only_pins_a_session_whose_attributes_carry_the_context_params(e
     with pytest.raises(NotFound):
         asyncio.run(engine.session(session.session_id))
     # the transceiver moves the KV: no cache or leases for our data plane
-    assert isinstance(engine, OwnKvTransfer) and not isinstance(engine, KvSessionHost)
+    assert isinstance(engine, OwnKvTransport) and not isinstance(engine, KvSessionHost)
 
 
 def test_generation_only_sends_the_handoff_and_streams_only_new_tokens(engine):

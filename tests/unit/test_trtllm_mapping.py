@@ -17,8 +17,8 @@ from common.engine.trtllm import (KV_TRANSPORT, OPAQUE_STATE, KvEventTranslator,
                                   disaggregated_kwargs, llm_kwargs, load_from_stats, sampling_kwargs)
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
 from common.kv import transport
-from common.kv.backends import ENGINE_TRANSFERS
 from common.kv.block_hash import hash_blocks
+from common.kv.offer import ENGINE_DRIVEN_NUMBERS
 from common.kv.paths import DataPlane
 from common.pb.disagg.v1 import common_pb2
 from services.worker.engine_flags import add_engine_args, engine_argv
@@ -92,7 +92,7 @@ def test_the_trtllm_engine_turns_a_refs_attributes_into_its_generation_only_impo
 def test_data_plane_refs_and_trtllm_refs_go_to_their_own_engines_only(backend):
     data_plane = DataPlane("torch", ("grpc",))
     trtllm = transport.engine_transport(KV_TRANSPORT, None, "trtllm")
-    assert ENGINE_TRANSFERS == {KV_TRANSPORT: common_pb2.TRANSFER_BACKEND_TRTLLM}
+    assert ENGINE_DRIVEN_NUMBERS == {KV_TRANSPORT: common_pb2.TRANSFER_BACKEND_TRTLLM}
     assert data_plane.carries(backend) and not data_plane.carries(common_pb2.TRANSFER_BACKEND_TRTLLM)
     assert trtllm.carries(common_pb2.TRANSFER_BACKEND_TRTLLM) and not trtllm.carries(backend)
     trtllm.check(common_pb2.KvSessionRef(session_id="s", endpoint="h:1",

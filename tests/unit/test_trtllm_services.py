@@ -22,8 +22,8 @@ from common.engine.config import EngineConfig
 from common.engine.interface import Engine, EngineFacts
 from common.engine.start import start_engine
 from common.engine.trtllm import ATTRIBUTE_PREFIX, KV_TRANSPORT, OPAQUE_STATE, TrtLlmEngine
-from common.kv.backends import ENGINE_TRANSFERS
 from common.kv.layout import KvLayout
+from common.kv.offer import ENGINE_DRIVEN_NUMBERS
 from common.kv.paths import DataPlane
 from common.kv.transports.trtllm import TrtLlmTransport
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -178,7 +178,7 @@ def test_the_trtllm_prefill_ref_carries_the_context_params_and_no_kv_data_plane_
     state, prefilled, info, pulled, pinned = asyncio.run(run())
     ref = prefilled.session
     assert prefilled.first_token == FIRST and isinstance(state.kv_path, TrtLlmTransport)  # from the registry
-    assert ref.transfer_backend == common_pb2.TRANSFER_BACKEND_TRTLLM == ENGINE_TRANSFERS[KV_TRANSPORT]
+    assert ref.transfer_backend == common_pb2.TRANSFER_BACKEND_TRTLLM == ENGINE_DRIVEN_NUMBERS[KV_TRANSPORT]
     assert ref.attributes[f"{ATTRIBUTE_PREFIX}first_gen_tokens"] == str(FIRST)
     assert ref.attributes[f"{ATTRIBUTE_PREFIX}ctx_request_id"] == "17" and OPAQUE_STATE in ref.attributes
     assert "transfer_backends" not in ref.attributes  # no data-plane offer

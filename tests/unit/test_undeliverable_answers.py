@@ -19,7 +19,7 @@ from PIL import Image
 from common.engine.config import EngineConfig
 from common.engine.start import start_engine
 from common.kv.embeddings import EmbeddingTable
-from common.kv.transfer import ChannelCache
+from common.kv.wire import ChannelCache
 from common.media import MediaConfig
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 from services.encode.server import EncoderServicer, EncodeState

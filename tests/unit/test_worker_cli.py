@@ -2,8 +2,12 @@
 `disagg <role>: error: ...`, exit status 2, no usage block (the one worker shell parses for all three)."""
 from __future__ import annotations
 
+import argparse
+import logging
+
 import pytest
 
+from services.decode.__main__ import SPEC as DECODE_SPEC
 from services.decode.__main__ import main as decode_main
 from services.encode.__main__ import main as encode_main
 from services.prefill.__main__ import main as prefill_main
@@ -37,3 +41,21 @@ def test_flag_errors_are_one_line_without_the_usage_block(role, argv, message, c
     err = _error_of(role, argv, capsys)
     assert err.startswith(f"disagg {role}: error: ") and message in err and err.count("\n") == 1, err
     assert "usage:" not in err
+
+
+def test_the_old_names_of_kv_transports_still_work_and_warn(monkeypatch, caplog):
+    """--kv-transfer-backends and DISAGG_KV_TRANSFER_BACKENDS, kept for one release: each sets --kv-transports and
+    logs a warning naming the new name; the new names win."""
+    def parsed(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        DECODE_SPEC.add_args(parser)
+        return parser.parse_args(argv).kv_transports
+
+    with caplog.at_level(logging.WARNING):
+        assert parsed("--kv-transfer-backends", "shm") == "shm"
+        assert "--kv-transfer-backends is deprecated: use --kv-transports" in caplog.text
+        monkeypatch.setenv("DISAGG_KV_TRANSFER_BACKENDS", "grpc")
+        assert parsed() == "grpc"
+        assert "DISAGG_KV_TRANSFER_BACKENDS is deprecated: use DISAGG_KV_TRANSPORTS" in caplog.text
+        monkeypatch.setenv("DISAGG_KV_TRANSPORTS", "shm")
+        assert parsed() == "shm" and parsed("--kv-transports", "cuda_ipc") == "cuda_ipc"

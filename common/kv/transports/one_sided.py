@@ -12,12 +12,12 @@ import grpc
 import torch
 
 from common.errors import LayoutMismatch, NotFound
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.fence import BlockEpochs, fence_of
 from common.kv.layout import KvExport, layout_of
-from common.kv.transfer import PulledKv
+from common.kv.offer import KV_CACHE_ID_ATTRIBUTE
 from common.kv.transport import Importer
+from common.kv.wire import PulledKv
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -27,7 +27,7 @@ async def open_share(channel: grpc.aio.Channel, ref: common_pb2.KvSessionRef, na
         share = await worker_pb2_grpc.TensorStoreStub(channel).OpenKvCache(request, timeout=10.0)
     except grpc.aio.AioRpcError as exc:
         if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-            raise BackendUnavailable(f"the exporter refused to share its cache: {exc.details()}") from None
+            raise TransportUnavailable(f"the exporter refused to share its cache: {exc.details()}") from None
         raise
     check_share(share, ref)
     return share
@@ -44,7 +44,7 @@ async def read_one_sided(puller: Importer, channel: grpc.aio.Channel, ref: commo
         read_s = time.perf_counter() - start
         if expected is not None:
             epochs.check(list(ref.block_ids), expected, f"KV session {ref.session_id} at {ref.endpoint}")
-    except BackendUnavailable:
+    except TransportUnavailable:
         raise
     except BaseException:
         await puller.releases.now(ref)

@@ -9,10 +9,10 @@ import grpc
 import torch
 
 from common.kv import gather
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.layout import KvExport
-from common.kv.transfer import PulledKv
 from common.kv.transport import Importer
+from common.kv.wire import PulledKv
 from common.pb.disagg.v1 import common_pb2
 
 # grpc_pull.pull_chunks or shm.pull_shm: (channel, ref, timeout_s=, allocate=) → the session's blocks.
@@ -28,7 +28,7 @@ async def pull_two_sided(puller: Importer, channel: grpc.aio.Channel, ref: commo
     try:
         pulled = await pull(channel, ref, timeout_s=timeout_s, allocate=_pinned(puller))
         blocks = await gather.to_device(pulled.export.blocks, puller.device)
-    except BackendUnavailable:
+    except TransportUnavailable:
         raise  # the session stays pinned for the next transport
     except BaseException:
         await puller.releases.now(ref)

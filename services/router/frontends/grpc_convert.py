@@ -1,7 +1,7 @@
 """disagg.v1 protobuf ↔ the router core's plain types (services/router/generation.py), for the gRPC front door."""
 from __future__ import annotations
 
-from common.kv.backends import BACKENDS, ENGINE_TRANSFERS
+from common.kv.offer import DATA_PLANE_NUMBERS, ENGINE_DRIVEN_NUMBERS
 from common.pb.disagg.v1 import common_pb2, generation_pb2
 from services.kit.convert import sampling_from_proto
 from services.router.generation import (ChatMessage, Event, Finished, FinishReason, GenerationRequest, ImageInput,
@@ -12,7 +12,7 @@ _FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
                    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
                    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
                    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR}
-_BACKEND_NUMBERS = {**BACKENDS, **ENGINE_TRANSFERS}
+_BACKEND_NUMBERS = {**DATA_PLANE_NUMBERS, **ENGINE_DRIVEN_NUMBERS}
 
 
 def request_from_proto(request: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:

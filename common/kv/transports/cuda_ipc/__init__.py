@@ -15,17 +15,17 @@ import torch
 from opentelemetry import trace
 
 from common.kv import gather, host
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.fence import EPOCHS_ATTRIBUTE, fence_of
 from common.kv.ipc_share import device_uuid, local_index_of, share_cache
 from common.kv.layout import layout_of
+from common.kv.offer import KV_CACHE_ID_ATTRIBUTE
 from common.kv.shards import KvShards
-from common.kv.transfer import PulledKv
 from common.kv.transport import Importer, KvTransport
 from common.kv.transports.cuda_ipc import direct
 from common.kv.transports.cuda_ipc.block_copy import BlockCopier, compile_for
 from common.kv.transports.cuda_ipc.mapping import CudaIpcMappings, MappedCache
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
+from common.kv.wire import PulledKv
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 

@@ -9,9 +9,9 @@ import grpc
 import torch
 
 from common.kv.chunks import ChunkAssembler, encoded_chunks, parse_chunk
-from common.kv.transfer import PulledKv, kv_from_pull, open_channel
 from common.kv.transport import Importer, KvTransport
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
+from common.kv.wire import PulledKv, kv_from_pull, open_channel
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 

@@ -11,13 +11,13 @@ import torch
 
 from common.errors import Unavailable
 from common.kv import host
-from common.kv.backends import KV_CACHE_ID_ATTRIBUTE
 from common.kv.chunks import dtype_name, torch_dtype
 from common.kv.fence import EPOCHS_ATTRIBUTE, BlockEpochs, open_peer_table
 from common.kv.layout import layout_of
-from common.kv.transfer import PulledKv
+from common.kv.offer import KV_CACHE_ID_ATTRIBUTE
 from common.kv.transport import Importer, KvTransport
 from common.kv.transports.one_sided import check_block_ids, open_share, read_one_sided
+from common.kv.wire import PulledKv
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 

@@ -14,10 +14,10 @@ import torch
 from common.errors import InvalidRequest
 from common.kv import host
 from common.kv.chunks import tensor_from_bytes, torch_dtype
-from common.kv.transfer import PulledKv, kv_from_pull, open_channel
 from common.kv.transport import Importer, KvTransport
 from common.kv.transports.shm import files
 from common.kv.transports.two_sided import probe_two_sided, pull_two_sided
+from common.kv.wire import PulledKv, kv_from_pull, open_channel
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 

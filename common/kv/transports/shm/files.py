@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Iterator
 
 from common.errors import InvalidRequest
-from common.kv.errors import BackendUnavailable
+from common.kv.errors import TransportUnavailable
 from common.kv.shm_files import new_file, named_file
 
 PREFIX = "disagg-kv-"
 
 
-class ShmUnavailable(BackendUnavailable):
+class ShmUnavailable(TransportUnavailable):
     """The exporter cannot open the importer's file: not the same host (or /dev/shm) after all."""
 
 

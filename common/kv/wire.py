@@ -37,9 +37,9 @@ class PulledKv(NamedTuple):
     export: KvExport | PlacedKv  # PlacedKv: already in the importing engine's blocks (a cuda_ipc import)
     num_bytes: int
     seconds: float
-    backend: str = "grpc"  # how the bytes came: its transport's name
-    read_seconds: float = 0.0  # one-sided backends: the read alone, before the release that confirms it
-    transfer_backend: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # `backend`'s number, for Usage (the puller's)
+    transport: str = "grpc"  # how the bytes came: its transport's name
+    read_seconds: float = 0.0  # one-sided transports: the read alone, before the release that confirms it
+    transfer_backend: int = common_pb2.TRANSFER_BACKEND_UNSPECIFIED  # `transport`'s number, for Usage (the puller's)
 
 
 def kv_header(layout: KvLayout, block_ids: Sequence[int], blocks: torch.Tensor) -> worker_pb2.TensorHeader:
@@ -53,7 +53,7 @@ def session_ref(layout: KvLayout, session: KvSession, endpoint: str,
                 transfer_backend: int = common_pb2.TRANSFER_BACKEND_GRPC,
                 attributes: dict[str, str] | None = None) -> common_pb2.KvSessionRef:
     """The handoff metadata of a pinned session, served by the TensorStore at `endpoint`; `attributes`
-    carry the exporter's offer of backends (common.kv.sharing.KvCacheExporter.attributes)."""
+    carry the exporter's offer of transports (common.kv.sharing.KvCacheExporter.attributes)."""
     if attributes is None:  # an importer on this host may pull through shm
         attributes = {host.HOST_ID_ATTRIBUTE: host.host_id()}
     if session.epoch is not None:  # the fence of one-sided reads (common.kv.fence)

@@ -1,11 +1,11 @@
-"""KV transfer backends (the transports of common.kv.transport, by name): the flag that narrows them, the
-TransferBackend numbers of the built-in ones (torch-free, for the router), and the session-ref attributes
+"""Which KV transports (common.kv.transport, by name) a worker offers or accepts: --kv-transports, which narrows
+them, the TransferBackend numbers of the built-in ones (torch-free, for the router), and the session-ref attributes
 through which an exporter offers them and an importer picks one.
 
 Best first: `cuda_ipc` (same host, GPU memory read GPU-side), `shm` (same host, through /dev/shm),
 `nixl` (one-sided reads by descriptor, any host NIXL reaches: the cross-host fast path on RDMA
 fabrics; over plain TCP it measured slower than `shm` and `grpc`, so same-host `shm` comes first),
-`grpc` (TensorStore.Pull chunks: any host, always works). A worker's `--kv-transfer-backends` narrows what it offers (prefill) or accepts
+`grpc` (TensorStore.Pull chunks: any host, always works). A worker's `--kv-transports` narrows what it offers (prefill) or accepts
 (decode); `grpc` is always kept as the last resort.
 
 All of these are the KV *data plane*: our TensorStore moves the bytes of an engine's paged cache. An engine may
@@ -21,29 +21,29 @@ from common.pb.disagg.v1 import common_pb2
 
 # The built-in transports' numbers, from their rows (common.kv.transport.BUILT_IN): the data plane's, and those an
 # engine drives (no TensorStore pull).
-BACKENDS = {row.name: row.number for row in transport.BUILT_IN if not row.driven_by_engine}
-PREFERENCE = tuple(BACKENDS)
-NAMES = {number: name for name, number in BACKENDS.items()}
-ENGINE_TRANSFERS = {row.name: row.number for row in transport.BUILT_IN if row.driven_by_engine}
+DATA_PLANE_NUMBERS = {row.name: row.number for row in transport.BUILT_IN if not row.driven_by_engine}
+PREFERENCE = tuple(DATA_PLANE_NUMBERS)
+NAMES = {number: name for name, number in DATA_PLANE_NUMBERS.items()}
+ENGINE_DRIVEN_NUMBERS = {row.name: row.number for row in transport.BUILT_IN if row.driven_by_engine}
 # Session-ref attributes.
 OFFERED_ATTRIBUTE = "transfer_backends"  # what the exporter offers, best first, comma separated
 KV_CACHE_ID_ATTRIBUTE = "kv_cache_id"  # which cache allocation the session's block ids index
 
 
-def known_backends() -> tuple[str, ...]:
+def known_transports() -> tuple[str, ...]:
     """The data plane's transports, built-in or registered, best first, grpc last."""
     return transport.names()
 
 
-def parse_backends(text: str) -> tuple[str, ...]:
-    """`auto` (every backend) or a comma-separated subset, kept in preference order, grpc always included."""
+def parse_transports(text: str) -> tuple[str, ...]:
+    """`auto` (every transport) or a comma-separated subset, kept in preference order, grpc always included."""
     known = transport.names()
     if text.strip() in ("", "auto"):
         return known
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise InvalidConfig(f"--kv-transfer-backends: unknown backend(s) {unknown}; choose from {list(known)} "
+        raise InvalidConfig(f"--kv-transports: unknown transport(s) {unknown}; choose from {list(known)} "
                             "or 'auto'")
     return tuple(n for n in known if n in names or n == transport.FALLBACK)
 
@@ -53,7 +53,7 @@ def name_of(number: int) -> str:
 
 
 def offered(attributes, transfer_backend: int) -> list[str]:
-    """What an exporter offers for a session: its list attribute, else the ref's one backend, else grpc."""
+    """What an exporter offers for a session: its list attribute, else the ref's one transport, else grpc."""
     known = transport.names()
     listed = [n for n in attributes.get(OFFERED_ATTRIBUTE, "").split(",") if n in known]
     if listed:

@@ -1,4 +1,4 @@
-"""Every KV transfer backend this machine can run, between real prefill and decode processes on CPU:
+"""Every KV transport this machine can run, between real prefill and decode processes on CPU:
 nixl (over DRAM, when NIXL runs here), shm and grpc; and a fallback when an offer cannot be served.
 cuda_ipc needs a GPU: tests/gpu/test_kv_plane_gpu.py runs the same checks there."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
 from common.kv import host
 from common.kv.transports.nixl import nixl_unavailable_reason
-from tests.integration.kv_backend_cases import check_cancels_free_everything, check_handoff, cpu_backends
+from tests.integration.kv_transport_cases import check_cancels_free_everything, check_handoff, cpu_transports
 from tests.integration.observed import scrape, wait_for
 from tests.integration.worker_client import assert_pool_full
 
 PROMPT = list(range(3, 22))  # 19 tokens: five blocks of 4
-BACKENDS_HERE = list(cpu_backends())  # in the order of preference
+TRANSPORTS_HERE = list(cpu_transports())  # in the order of preference
 
 
 @pytest.fixture
@@ -28,14 +28,14 @@ def reference(tiny_llama) -> LLMEngine:
     return LLMEngine(EngineConfig(model=tiny_llama, block_size=4, num_kv_blocks=64))
 
 
-@pytest.mark.parametrize("backend", BACKENDS_HERE)
-def test_each_backend_hands_off_the_aggregated_tokens(cluster, reference, backend):
-    check_handoff(cluster["prefill"], cluster[backend], reference, PROMPT, backend)
+@pytest.mark.parametrize("transport", TRANSPORTS_HERE)
+def test_each_transport_hands_off_the_aggregated_tokens(cluster, reference, transport):
+    check_handoff(cluster["prefill"], cluster[transport], reference, PROMPT, transport)
 
 
-@pytest.mark.parametrize("backend", BACKENDS_HERE)
-def test_cancels_free_every_block_on_both_workers(cluster, backend):
-    check_cancels_free_everything(cluster["prefill"], cluster[backend], PROMPT)
+@pytest.mark.parametrize("transport", TRANSPORTS_HERE)
+def test_cancels_free_every_block_on_both_workers(cluster, transport):
+    check_cancels_free_everything(cluster["prefill"], cluster[transport], PROMPT)
 
 
 @pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
@@ -49,37 +49,37 @@ def test_a_cancel_during_a_workers_first_nixl_use_frees_every_block(cluster):
     check_cancels_free_everything(cluster["nixl_first_use_prefill"], decode, PROMPT)
 
 
-def test_the_decode_worker_takes_the_best_backend_offered(cluster, reference):
-    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, BACKENDS_HERE[0])
+def test_the_decode_worker_takes_the_best_transport_offered(cluster, reference):
+    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, TRANSPORTS_HERE[0])
 
 
 @pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
 def test_an_offer_the_exporter_cannot_serve_falls_back_logged_once_and_counted(cluster, reference):
     """A ref offering nixl from a worker that does not serve it (a stale or foreign offer): decode's
-    OpenKvCache is refused, the pull goes through the next backend, and the fallback is not silent."""
+    OpenKvCache is refused, the pull goes through the next transport, and the fallback is not silent."""
     decode = cluster["decode_any_process"]
     for _ in range(2):
         check_handoff(cluster["prefill_no_nixl"], cluster["decode_any"], reference, PROMPT,
                       "shm" if host.host_id() else "grpc", offer="nixl,shm,grpc")
     log = decode.log()
-    assert log.count("KV transfer backend nixl unavailable") == 1, log
+    assert log.count("KV transport nixl unavailable") == 1, log
     assert "does not offer nixl" in log
     assert scrape(decode)['disagg_kv_pull_fallbacks_total{backend="nixl"}'] >= 1
 
 
-def test_the_first_pull_from_a_peer_self_checks_every_backend_and_reports_its_gbps(cluster, reference):
-    """The self-check (common.kv.probe): one small pull through each backend the exporter offers, its GB/s exported
+def test_the_first_pull_from_a_peer_self_checks_every_transport_and_reports_its_gbps(cluster, reference):
+    """The self-check (common.kv.probe): one small pull through each transport the exporter offers, its GB/s exported
     as disagg_kv_probe_gbps{peer,backend} (and logged); the exporter holds nothing afterwards. nixl, which would
-    start agents and a progress thread, only where no better backend works."""
-    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, BACKENDS_HERE[0])
+    start agents and a progress thread, only where no better transport works."""
+    check_handoff(cluster["prefill"], cluster["decode_any"], reference, PROMPT, TRANSPORTS_HERE[0])
     decode, peer = cluster["decode_any_process"], cluster["prefill_process"].address
-    tried = [b for b in BACKENDS_HERE if b != "nixl" or b == BACKENDS_HERE[0]]
-    keys = [f'disagg_kv_probe_gbps{{backend="{backend}",peer="{peer}"}}' for backend in BACKENDS_HERE]
+    tried = [b for b in TRANSPORTS_HERE if b != "nixl" or b == TRANSPORTS_HERE[0]]
+    keys = [f'disagg_kv_probe_gbps{{backend="{transport}",peer="{peer}"}}' for transport in TRANSPORTS_HERE]
 
     def figures() -> dict[str, float] | None:
         found = scrape(decode)
-        return found if all(key in found for key, b in zip(keys, BACKENDS_HERE) if b in tried) else None
-    samples = wait_for(figures, 30, "a self-check figure for every backend tried")
-    assert {b: samples.get(key, 0) > 0 for key, b in zip(keys, BACKENDS_HERE)} == \
-        {b: b in tried for b in BACKENDS_HERE}, samples
+        return found if all(key in found for key, b in zip(keys, TRANSPORTS_HERE) if b in tried) else None
+    samples = wait_for(figures, 30, "a self-check figure for every transport tried")
+    assert {b: samples.get(key, 0) > 0 for key, b in zip(keys, TRANSPORTS_HERE)} == \
+        {b: b in tried for b in TRANSPORTS_HERE}, samples
     assert_pool_full(cluster["prefill"])

@@ -5,9 +5,9 @@ import torch
 from common.errors import InvalidRequest, LayoutMismatch
 from common.kv.chunks import MAX_CHUNK_BYTES, assemble, chunk_size, chunk_tensor, tensor_to_bytes
 from common.kv.layout import KvLayout
-from common.kv.session import KvSession
 from common.kv.paths import check_pullable
-from common.kv.transfer import kv_from_pull, kv_header, session_ref
+from common.kv.session import KvSession
+from common.kv.wire import kv_from_pull, kv_header, session_ref
 from common.pb.disagg.v1 import common_pb2, worker_pb2
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", fingerprint="f00d")
