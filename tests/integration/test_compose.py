@@ -14,6 +14,7 @@ from typing import Iterator
 
 import grpc
 import pytest
+import yaml
 
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -27,6 +28,7 @@ from tests.integration.test_router import make_text_model
 COMPOSE_DIR = REPO_ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 INFRA = {"consul", "jaeger", "prometheus"}  # images we do not build; stood in for below
+NO_STAND_IN = {"grafana"}  # an image we do not build and nothing here stands in for: stand-ins.yml leaves it off
 MAX_TOKENS = 6
 
 
@@ -183,7 +185,32 @@ def test_stand_ins_override_puts_the_stand_in_image_in_place_of_each_infrastruct
         assert services[name]["command"][3] == name
     assert services["prometheus"]["volumes"][0]["target"] == services["prometheus"]["command"][4]
     plain = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]
-    assert {n: s for n, s in services.items() if n not in INFRA} == {n: s for n, s in plain.items() if n not in INFRA}
+    others = INFRA | NO_STAND_IN
+    assert {n: s for n, s in services.items() if n not in others} == {n: s for n, s in plain.items() if n not in others}
+    assert "profiles" not in plain["grafana"] and services["grafana"]["profiles"] == ["grafana"]
+    started = json.loads(_compose(*stand_ins, "config", "--format", "json", env={"COMPOSE_PROFILES": "cpu"}).stdout)
+    assert "grafana" not in started["services"] and "prometheus" in started["services"]
+
+
+def test_prometheus_loads_the_alert_rules_and_grafana_its_provisioning_read_only():
+    services = json.loads(_compose("config", "--format", "json").stdout)["services"]
+    mounts = {v["target"]: v for v in services["prometheus"]["volumes"]}
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    assert Path(mounts["/etc/prometheus/alerts.yml"]["source"]) == REPO_ROOT / "deploy/prometheus/alerts.yml"
+    grafana = services["grafana"]
+    mounts = {v["target"]: v for v in grafana["volumes"]}
+    assert all(m["read_only"] for m in mounts.values())
+    assert Path(mounts["/etc/grafana/provisioning"]["source"]) == REPO_ROOT / "deploy/grafana/provisioning"
+    [provider] = yaml.safe_load((REPO_ROOT / "deploy/grafana/provisioning/dashboards/disagg.yml").read_text())[
+        "providers"]
+    assert Path(mounts[provider["options"]["path"]]["source"]) == REPO_ROOT / "deploy/grafana/dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (REPO_ROOT / "deploy/grafana/dashboards" / Path(home).relative_to(provider["options"]["path"])).is_file()
+    [source] = yaml.safe_load((REPO_ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"]
+    assert source["url"] == f"http://prometheus:{services['prometheus']['ports'][0]['target']}"
+    assert [p["target"] for p in grafana["ports"]] == [3000] and "prometheus" in grafana["depends_on"]
 
 
 @pytest.fixture
@@ -242,7 +269,7 @@ def test_compose_services_run_as_local_processes_and_answer(tmp_path, stand_ins)
     assert rendered.returncode == 0, rendered.stderr
     services = {name: s for name, s in json.loads(rendered.stdout)["services"].items() if "build" in s}
     assert set(services) == {"router", "prefill", "decode"}
-    assert set(json.loads(rendered.stdout)["services"]) - set(services) == INFRA
+    assert set(json.loads(rendered.stdout)["services"]) - set(services) == INFRA | NO_STAND_IN
     published = [(int(p["published"]), p["target"]) for p in services["router"]["ports"]]
     # no NAT here: the process listens on the published ports (gRPC, then OpenAI HTTP, checked by the healthcheck)
     assert published == [(router_port, router_port), (http_port, http_port)]
