@@ -47,7 +47,7 @@ class EngineFacts:
     name: str = "torch"
 
 
-class EngineHandoff(Protocol):
+class EngineKvImport(Protocol):
     """A context phase's state for an engine that moves KV itself (TensorRT-LLM: its DisaggregatedParams)."""
 
     def attributes(self) -> dict[str, str]:
@@ -55,8 +55,8 @@ class EngineHandoff(Protocol):
 
 
 # EngineRequest.kv_import: KV pulled over our data plane (into a tensor, or straight into the engine's blocks), or an
-# engine's own handoff.
-KvImport = Union[KvExport, PlacedKv, EngineHandoff]
+# engine's own import state (EngineKvImport).
+KvImport = Union[KvExport, PlacedKv, EngineKvImport]
 
 
 @dataclass

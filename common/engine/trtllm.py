@@ -7,7 +7,7 @@ pure mappings below are tested (against a recorded signature list, tests/unit/tr
 - context_only runs the prompt; TensorRT-LLM keeps its KV for its own cache transceiver, and the
   context's DisaggregatedParams (first_gen_tokens, ctx_request_id, opaque_state, ...) become the
   session's `KvSessionRef.attributes` ("trtllm.*", opaque_state base64), with TRANSFER_BACKEND_TRTLLM.
-- generation_only takes those attributes back (`kv_import_from_attributes` → `TrtLlmHandoff`, as `kv_import`):
+- generation_only takes those attributes back (`kv_import_from_attributes` → `TrtLlmDisaggParams`, as `kv_import`):
   the transceiver moves the KV (the `trtllm` transport, common.kv.transports.trtllm): it is an `OwnKvTransport`,
   not a `KvSessionHost` (it has no kv_cache or leases for our data plane).
 - Its KV cache events are re-keyed to our chained block hashes (common.kv.block_hash), so the
@@ -102,7 +102,7 @@ def sampling_kwargs(sampling: SamplingParams, max_new_tokens: int) -> dict[str, 
 
 
 @dataclass(frozen=True)
-class TrtLlmHandoff:
+class TrtLlmDisaggParams:
     """The context phase's DisaggregatedParams, as they travel in KvSessionRef.attributes."""
 
     first_gen_tokens: tuple[int, ...]
@@ -117,7 +117,7 @@ class TrtLlmHandoff:
     _LISTS = ("first_gen_tokens", "draft_tokens")
 
     @classmethod
-    def from_params(cls, params: Any) -> "TrtLlmHandoff":
+    def from_params(cls, params: Any) -> "TrtLlmDisaggParams":
         """From a tensorrt_llm DisaggregatedParams (a context_only output's)."""
         if params is None or not getattr(params, "first_gen_tokens", None):
             raise FailedPrecondition("TensorRT-LLM finished a context_only request without DisaggregatedParams "
@@ -142,7 +142,7 @@ class TrtLlmHandoff:
         return out
 
     @classmethod
-    def from_attributes(cls, attributes: Mapping[str, str]) -> "TrtLlmHandoff":
+    def from_attributes(cls, attributes: Mapping[str, str]) -> "TrtLlmDisaggParams":
         values: dict[str, Any] = {}
         try:
             for name in cls.__dataclass_fields__:
@@ -156,7 +156,7 @@ class TrtLlmHandoff:
                 else:
                     values[name] = int(raw) if name in cls._INTS else raw
         except ValueError as exc:
-            raise InvalidRequest(f"malformed TensorRT-LLM handoff attribute: {exc}") from exc
+            raise InvalidRequest(f"malformed TensorRT-LLM DisaggregatedParams attribute: {exc}") from exc
         if not values.get("first_gen_tokens"):
             raise InvalidRequest(f"a TensorRT-LLM KV session ref needs {ATTRIBUTE_PREFIX}first_gen_tokens")
         return cls(**values)
@@ -168,16 +168,16 @@ class TrtLlmHandoff:
         return {"request_type": RequestType.GENERATION_ONLY.value, **kwargs}
 
 
-def disaggregated_kwargs(request_type: RequestType, handoff: TrtLlmHandoff | None) -> dict[str, Any] | None:
+def disaggregated_kwargs(request_type: RequestType, disagg_params: TrtLlmDisaggParams | None) -> dict[str, Any] | None:
     """DisaggregatedParams(**...) for a request of `request_type`; None for an aggregated one."""
     if request_type is RequestType.CONTEXT_AND_GENERATION:
         return None
     if request_type is RequestType.CONTEXT_ONLY:
         return {"request_type": RequestType.CONTEXT_ONLY.value}
-    if handoff is None:
+    if disagg_params is None:
         raise InvalidRequest("generation_only on --engine trtllm needs the context phase's DisaggregatedParams "
                              "(a KvSessionRef with transfer_backend TRTLLM), not pulled KV blocks")
-    return handoff.disaggregated_kwargs()
+    return disagg_params.disaggregated_kwargs()
 
 
 @dataclass
@@ -243,7 +243,7 @@ class TrtLlmEngine:
         self._trtllm, self._llm, self._facts = trtllm, llm, facts
         self._running: dict[str, Any] = {}  # request id → its tensorrt_llm RequestOutput (a live result)
         self._sessions = KvSessionTable(facts.config.session_ttl_s)
-        self._handoffs: dict[str, TrtLlmHandoff] = {}  # session id → what generation_only needs
+        self._disagg_params: dict[str, TrtLlmDisaggParams] = {}  # session id → what generation_only needs
         self._stats: Mapping[str, Any] | None = None
         self._events = KvEventLog(facts.kv_layout.block_size) if facts.config.enable_prefix_caching else None
         self._translator = KvEventTranslator(facts.kv_layout.block_size)
@@ -288,21 +288,21 @@ class TrtLlmEngine:
             raise FailedPrecondition("--engine trtllm serves text only here; run images on the torch engine")
         if request_id in self._running:
             raise InvalidRequest(f"request {request_id} is already running")
-        handoff = request.kv_import if isinstance(request.kv_import, TrtLlmHandoff) else None
+        disagg_params = request.kv_import if isinstance(request.kv_import, TrtLlmDisaggParams) else None
         first_token = request.first_token
-        if handoff is not None and first_token is not None and handoff.first_gen_tokens[:1] != (first_token,):
-            raise InvalidRequest(f"first token {first_token} differs from the handoff's {handoff.first_gen_tokens}")
-        params = self._request_params(prompt_token_ids, request.sampling, request_type, handoff)
+        if disagg_params is not None and first_token is not None and disagg_params.first_gen_tokens[:1] != (first_token,):
+            raise InvalidRequest(f"first token {first_token} differs from the context's DisaggregatedParams' {disagg_params.first_gen_tokens}")
+        params = self._request_params(prompt_token_ids, request.sampling, request_type, disagg_params)
         result = self._llm.generate_async(prompt_token_ids, sampling_params=params[0], disaggregated_params=params[1],
                                           streaming=request_type is not RequestType.CONTEXT_ONLY)
         self._running[request_id] = result
-        skip = len(handoff.first_gen_tokens) if handoff else 0  # the context phase already answered those
+        skip = len(disagg_params.first_gen_tokens) if disagg_params else 0  # the context phase already answered those
         sent, finished = 0, False
         try:
             async for out in result:
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
-                if skip and sent == 0 and tuple(tokens[:skip]) == handoff.first_gen_tokens:
+                if skip and sent == 0 and tuple(tokens[:skip]) == disagg_params.first_gen_tokens:
                     sent = skip
                 new, sent, finished = tokens[sent:], len(tokens), out.finished
                 yield self._output(request_id, prompt_token_ids, request_type, completion, new, tokens, finished)
@@ -312,12 +312,12 @@ class TrtLlmEngine:
                 result.abort()
 
     def _request_params(self, prompt: list[int], sampling: SamplingParams, request_type: RequestType,
-                        handoff: TrtLlmHandoff | None) -> tuple[Any, Any]:
+                        disagg_params: TrtLlmDisaggParams | None) -> tuple[Any, Any]:
         room = self._facts.max_model_len - len(prompt)
         if not prompt or room < 1:
             raise InvalidRequest(f"the prompt has {len(prompt)} tokens; it must have 1 to "
                                  f"{self._facts.max_model_len - 1}")
-        disagg = disaggregated_kwargs(request_type, handoff)
+        disagg = disaggregated_kwargs(request_type, disagg_params)
         return (self._trtllm.SamplingParams(**sampling_kwargs(sampling, room)),
                 self._trtllm.DisaggregatedParams(**disagg) if disagg is not None else None)
 
@@ -326,23 +326,23 @@ class TrtLlmEngine:
         reason = finish_reason(getattr(completion, "finish_reason", None)) if finished else None
         session_id = None
         if finished and request_type is RequestType.CONTEXT_ONLY and reason is not FinishReason.ABORT:
-            session_id = self._pin(request_id, prompt, TrtLlmHandoff.from_params(completion.disaggregated_params))
+            session_id = self._pin(request_id, prompt, TrtLlmDisaggParams.from_params(completion.disaggregated_params))
             reason = FinishReason.CONTEXT_DONE
         logprobs = [TokenLogprob(t, float(_top_value(lp, t)), []) for t, lp in
                     zip(new, (getattr(completion, "logprobs", None) or [])[-len(new):] if new else [])]
         return RequestOutput(request_id, new, logprobs, finished=finished, finish_reason=reason,
                              num_prompt_tokens=len(prompt), num_output_tokens=len(tokens), session_id=session_id)
 
-    # --- KV sessions: TensorRT-LLM's transceiver holds and moves the KV; we hold the handoff ---
+    # --- KV sessions: TensorRT-LLM's transceiver holds and moves the KV; we hold its DisaggregatedParams ---
 
-    def _pin(self, request_id: str, prompt: list[int], handoff: TrtLlmHandoff) -> str:
-        session = self._sessions.create(request_id, [], len(prompt), handoff.first_gen_tokens[0], [])
-        self._handoffs[session.session_id] = handoff
+    def _pin(self, request_id: str, prompt: list[int], disagg_params: TrtLlmDisaggParams) -> str:
+        session = self._sessions.create(request_id, [], len(prompt), disagg_params.first_gen_tokens[0], [])
+        self._disagg_params[session.session_id] = disagg_params
         return session.session_id
 
     def _expire(self) -> None:
         for session in self._sessions.pop_expired():
-            self._handoffs.pop(session.session_id, None)
+            self._disagg_params.pop(session.session_id, None)
 
     def _get(self, session_id: str) -> KvSession:
         self._expire()
@@ -354,17 +354,17 @@ class TrtLlmEngine:
     async def session_attributes(self, session_id: str) -> dict[str, str]:
         """KvSessionRef.attributes for this session (transfer_backend TRANSFER_BACKEND_TRTLLM)."""
         self._get(session_id)
-        return self._handoffs[session_id].attributes()
+        return self._disagg_params[session_id].attributes()
 
-    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> TrtLlmHandoff:
+    def kv_import_from_attributes(self, attributes: Mapping[str, str]) -> TrtLlmDisaggParams:
         """generation_only's DisaggregatedParams, from the ref a context_only worker made (session_attributes)."""
-        return TrtLlmHandoff.from_attributes(attributes)
+        return TrtLlmDisaggParams.from_attributes(attributes)
 
     async def release_session(self, session_id: str) -> bool:
-        """Forget the handoff. The LLM API has no call to free a finished context's KV: TensorRT-LLM frees it
+        """Forget its DisaggregatedParams. The LLM API has no call to free a finished context's KV: TensorRT-LLM frees it
         once transferred or after kv_transfer_timeout_ms (set to our session TTL)."""
         self._expire()
-        self._handoffs.pop(session_id, None)
+        self._disagg_params.pop(session_id, None)
         try:
             self._sessions.release(session_id)
         except NotFound:
@@ -378,7 +378,7 @@ class TrtLlmEngine:
     async def release_all_sessions(self) -> int:
         count = len(self._sessions.sessions)
         self._sessions.sessions.clear()
-        self._handoffs.clear()
+        self._disagg_params.clear()
         return count
 
     async def abort(self, request_id: str) -> bool:

@@ -29,7 +29,7 @@ class KvPath(ABC):
     - the exporter's (prefill): `ref` describes a pinned session for its importer; its TensorStore serves the
       session through `export` (Pull), `share` (OpenKvCache) and `release` (Release);
     - the importer's (decode): `check` a ref before taking it on, then `import_kv` its KV before a deadline (the
-      session released whatever happens), or `handoff` it to an engine that fetches the KV itself; a session it
+      session released whatever happens), or make from it the `engine_import` of an engine that fetches the KV itself; a session it
       owns but will not pull (refused, or fetched by its engine) it `give_back`s. Every Release it sends goes
       through its `releases`.
     Those of one worker share its engine, KV layout and channels to exporters."""
@@ -102,7 +102,7 @@ class KvPath(ABC):
     def check_ref(self, ref: common_pb2.KvSessionRef) -> None:
         """InvalidRequest for a ref of this way that it cannot use."""
 
-    def handoff(self, ref: common_pb2.KvSessionRef) -> KvImport | None:
+    def engine_import(self, ref: common_pb2.KvSessionRef) -> KvImport | None:
         """The engine's kv_import made from the ref alone, its engine then fetching the KV itself (the session is
         given back once the engine has answered); None: the KV is pulled (import_kv)."""
         return None
@@ -232,7 +232,7 @@ class DataPlane(KvPath):
 
 class EngineTransport(KvPath):
     """A transport its engine drives itself, named by an OwnKvTransport engine (`kv_transport`). Nothing goes through
-    TensorStore.Pull: the exporter's ref carries the engine's own handoff (Engine.session_attributes) and no block
+    TensorStore.Pull: the exporter's ref carries the engine's own import state (Engine.session_attributes) and no block
     ids; the importer's engine rebuilds its kv_import from them (kv_import_from_attributes) and fetches the KV.
     Refs name it by its own TransferBackend (its row's `number`, common.kv.transport)."""
 
@@ -262,12 +262,12 @@ class EngineTransport(KvPath):
         if not ref.session_id or not ref.endpoint:
             raise InvalidRequest("the KV session ref needs a session_id and an endpoint (its release goes there)")
 
-    def handoff(self, ref: common_pb2.KvSessionRef) -> KvImport:
+    def engine_import(self, ref: common_pb2.KvSessionRef) -> KvImport:
         return self.engine.kv_import_from_attributes(ref.attributes)
 
     async def import_kv(self, ref: common_pb2.KvSessionRef, timeout_s: float | None) -> PulledKv:
         raise FailedPrecondition(f"the KV of session {ref.session_id} is fetched by this worker's engine "
-                                 f"({self.name}) from its handoff, not pulled")
+                                 f"({self.name}) from the ref's attributes (engine_import), not pulled")
 
 
 def check_pullable(ref: common_pb2.KvSessionRef) -> None:

@@ -71,7 +71,7 @@ class _Plan:
     request_type: RequestType
     session: common_pb2.KvSessionRef | None
     first_token: int | None
-    handoff: KvImport | None  # a transport the engine drives: its kv_import, made from the ref (KvPath.handoff)
+    engine_import: KvImport | None  # a transport the engine drives: its kv_import, made from the ref (KvPath.engine_import)
     time_left_s: float | None = None  # the caller's deadline; the KV pull must not outlive it
     embeddings: list[common_pb2.EmbeddingRef] | None = None  # aggregated image requests: pulled here
     choices: list[int] = field(default_factory=list)  # n > 1: the choices run here (leader first)
@@ -90,16 +90,16 @@ def _plan(start: worker_pb2.DecodeStart, layout: KvLayout, kv_path: KvPath) -> _
     if start.embeddings and has_session:
         raise InvalidRequest("embeddings go with aggregated requests; with a session the KV already holds the images")
     sampling = sampling_from_proto(start.sampling, start.stop, start.output)
-    handoff = None
+    engine_import = None
     if has_session:
         _check_session(start, layout, kv_path)
-        handoff = kv_path.handoff(start.session)
+        engine_import = kv_path.engine_import(start.session)
     choices = list(start.choice_indices) or list(range(sampling.n))
     if start.more_first_tokens and not has_session:
         raise InvalidRequest("more_first_tokens go with a session: without one the worker samples every choice")
     return _Plan(start.request_id, f"{start.request_id or 'decode'}-{uuid.uuid4().hex[:8]}", list(start.token_ids),
                  sampling, request_type, start.session if has_session else None,
-                 start.first_token if has_session else None, handoff, embeddings=list(start.embeddings),
+                 start.first_token if has_session else None, engine_import, embeddings=list(start.embeddings),
                  choices=choices, more_first_tokens=list(start.more_first_tokens))
 
 
@@ -183,7 +183,7 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
     async def _work(self, engine: Engine, plan: _Plan, put: Callable[[object], None], progress: Progress) -> None:
         span = tracing.tracer().start_span("decode", attributes={"disagg.request_id": plan.request_id,
                                                                  "disagg.request_type": plan.request_type.value})
-        owed = plan.handoff is not None  # the exporter's session, ours to release once the engine has the KV
+        owed = plan.engine_import is not None  # the exporter's session, ours to release once the engine has the KV
         kv = None
         try:
             with trace.use_span(span, end_on_exit=False):
@@ -221,10 +221,10 @@ class DecodeServicer(worker_pb2_grpc.DecoderServicer):
             span.end()
 
     async def _kv_import(self, plan: _Plan, progress: Progress) -> KvImport | None:
-        """The request's kv_import: the engine's own handoff, or KV pulled over the data plane (None: recompute)."""
-        if plan.handoff is not None:
+        """The request's kv_import: the engine's own import, or KV pulled over the data plane (None: recompute)."""
+        if plan.engine_import is not None:
             progress.usage.kv_transfer_backend = plan.session.transfer_backend
-            return plan.handoff
+            return plan.engine_import
         return await self._load_kv(plan, progress) if plan.session is not None else None
 
     async def _load_kv(self, plan: _Plan, progress: Progress) -> KvExport | PlacedKv | None:

@@ -32,7 +32,7 @@ class _Facts:
 
 
 class _OwnTransportEngine(_Facts):
-    """An OwnKvTransport: its handoff is the ref's attributes, and it remembers what it was asked."""
+    """An OwnKvTransport: its kv_import is the ref's attributes, and it remembers what it was asked."""
 
     def __init__(self, kv_transport: str = "trtllm", name: str = "trtllm"):
         super().__init__(name)
@@ -44,7 +44,7 @@ class _OwnTransportEngine(_Facts):
         return {"trtllm.first_gen_tokens": "7"}
 
     def kv_import_from_attributes(self, attributes) -> tuple:
-        return ("handoff", dict(attributes))
+        return ("kv_import", dict(attributes))
 
 
 class _SessionHostEngine(_Facts):
@@ -100,7 +100,7 @@ def test_an_engine_that_moves_kv_itself_gets_the_trtllm_transport_from_the_regis
     assert engine.asked == ["s1"]
     ref = _ref("s1", common_pb2.TRANSFER_BACKEND_TRTLLM, attributes={"trtllm.first_gen_tokens": "7"})
     path.check(ref)
-    assert path.handoff(ref) == ("handoff", {"trtllm.first_gen_tokens": "7"})  # the engine fetches the KV itself
+    assert path.engine_import(ref) == ("kv_import", {"trtllm.first_gen_tokens": "7"})  # the engine fetches the KV itself
     with pytest.raises(TransportUnavailable, match=r"moves through this worker's engine \(trtllm\), not TensorStore"):
         asyncio.run(path.export("s1", []))
     with pytest.raises(TransportUnavailable, match="exports no KV cache"):
@@ -128,7 +128,7 @@ def test_a_kv_session_host_gets_the_data_plane_sharing_its_cache_only_where_it_e
             importer_path.share("grpc")
         ref = _ref("s1", common_pb2.TRANSFER_BACKEND_GRPC, num_tokens=5, block_size=4, block_ids=[3, 4])
         importer_path.check(ref)
-        assert importer_path.handoff(ref) is None  # pulled over the data plane
+        assert importer_path.engine_import(ref) is None  # pulled over the data plane
         with pytest.raises(InvalidRequest, match="lists 1 blocks for 5 tokens"):
             importer_path.check(_ref("s1", common_pb2.TRANSFER_BACKEND_GRPC, num_tokens=5, block_size=4, block_ids=[3]))
     finally:

@@ -16,7 +16,7 @@ import torch
 from common.engine.config import EngineConfig
 from common.engine.interface import EngineFacts, EngineRequest, KvSessionHost, OwnKvTransport
 from common.engine.request import FinishReason, RequestType, SamplingParams
-from common.engine.trtllm import OPAQUE_STATE, TrtLlmEngine, TrtLlmHandoff
+from common.engine.trtllm import OPAQUE_STATE, TrtLlmEngine, TrtLlmDisaggParams
 from common.errors import NotFound
 from common.kv.layout import KvLayout
 
@@ -85,10 +85,10 @@ def test_context_only_pins_a_session_whose_attributes_carry_the_context_params(e
 
 
 def test_generation_only_sends_the_handoff_and_streams_only_new_tokens(engine):
-    handoff = TrtLlmHandoff(first_gen_tokens=(7,), ctx_request_id=5, opaque_state=b"\x01")
+    disagg_params = TrtLlmDisaggParams(first_gen_tokens=(7,), ctx_request_id=5, opaque_state=b"\x01")
     engine._llm.results.append(_Result([[7, 8], [7, 8, 9]]))
     request = EngineRequest("r2", [1, 2, 3], SamplingParams(max_tokens=3), RequestType.GENERATION_ONLY,
-                            kv_import=handoff, first_token=7)
+                            kv_import=disagg_params, first_token=7)
     outs = asyncio.run(_all(engine.generate(request)))
     disagg = engine._llm.calls[0]["disagg"]
     assert (disagg.request_type, disagg.first_gen_tokens, disagg.ctx_request_id, disagg.opaque_state) == (

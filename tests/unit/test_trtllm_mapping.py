@@ -13,7 +13,7 @@ import pytest
 from common.engine.config import EngineConfig
 from common.engine.request import RequestType, SamplingParams
 from common.engine.start import start_engine
-from common.engine.trtllm import (KV_TRANSPORT, OPAQUE_STATE, KvEventTranslator, TrtLlmEngine, TrtLlmHandoff,
+from common.engine.trtllm import (KV_TRANSPORT, OPAQUE_STATE, KvEventTranslator, TrtLlmEngine, TrtLlmDisaggParams,
                                   disaggregated_kwargs, llm_kwargs, load_from_stats, sampling_kwargs)
 from common.errors import FailedPrecondition, InvalidConfig, InvalidRequest
 from common.kv import transport
@@ -60,16 +60,16 @@ def _context_params(opaque: bytes = b"\x00\xffstate\n") -> SimpleNamespace:
 
 
 def test_the_context_handoff_travels_in_session_attributes_and_back():
-    handoff = TrtLlmHandoff.from_params(_context_params())
-    attributes = handoff.attributes()
+    disagg_params = TrtLlmDisaggParams.from_params(_context_params())
+    attributes = disagg_params.attributes()
     assert all(k.startswith("trtllm.") and isinstance(v, str) for k, v in attributes.items())
     assert attributes[OPAQUE_STATE] == "AP9zdGF0ZQo="  # base64 of the opaque bytes
-    assert TrtLlmHandoff.from_attributes({**attributes, "shm.host_id": "x"}) == handoff
+    assert TrtLlmDisaggParams.from_attributes({**attributes, "shm.host_id": "x"}) == disagg_params
 
 
 def test_generation_only_gets_the_context_params_under_tensorrt_llm_names():
-    handoff = TrtLlmHandoff.from_attributes(TrtLlmHandoff.from_params(_context_params()).attributes())
-    kwargs = disaggregated_kwargs(RequestType.GENERATION_ONLY, handoff)
+    disagg_params = TrtLlmDisaggParams.from_attributes(TrtLlmDisaggParams.from_params(_context_params()).attributes())
+    kwargs = disaggregated_kwargs(RequestType.GENERATION_ONLY, disagg_params)
     assert set(kwargs) <= DISAGG_FIELDS, set(kwargs) - DISAGG_FIELDS
     assert kwargs == {"request_type": "generation_only", "first_gen_tokens": [42], "ctx_request_id": 1234,
                       "opaque_state": b"\x00\xffstate\n", "disagg_request_id": 99, "ctx_dp_rank": 0,
@@ -80,8 +80,8 @@ def test_generation_only_gets_the_context_params_under_tensorrt_llm_names():
 
 
 def test_the_trtllm_engine_turns_a_refs_attributes_into_its_generation_only_import():
-    handoff = TrtLlmHandoff.from_params(_context_params())
-    assert TrtLlmEngine.kv_import_from_attributes(None, handoff.attributes()) == handoff
+    disagg_params = TrtLlmDisaggParams.from_params(_context_params())
+    assert TrtLlmEngine.kv_import_from_attributes(None, disagg_params.attributes()) == disagg_params
     with pytest.raises(InvalidRequest, match="first_gen_tokens"):
         TrtLlmEngine.kv_import_from_attributes(None, {"transfer_backends": "shm,grpc"})  # a data-plane ref's
 
@@ -118,9 +118,9 @@ def test_generation_only_without_a_handoff_or_with_a_broken_one_is_invalid():
     with pytest.raises(InvalidRequest, match="DisaggregatedParams"):
         disaggregated_kwargs(RequestType.GENERATION_ONLY, None)
     with pytest.raises(InvalidRequest, match="first_gen_tokens"):
-        TrtLlmHandoff.from_attributes({OPAQUE_STATE: "AAAA"})
+        TrtLlmDisaggParams.from_attributes({OPAQUE_STATE: "AAAA"})
     with pytest.raises(InvalidRequest, match="malformed"):
-        TrtLlmHandoff.from_attributes({"trtllm.first_gen_tokens": "1", OPAQUE_STATE: "not base64!"})
+        TrtLlmDisaggParams.from_attributes({"trtllm.first_gen_tokens": "1", OPAQUE_STATE: "not base64!"})
 
 
 def test_llm_arguments_are_tensorrt_llm_ones():

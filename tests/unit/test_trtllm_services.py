@@ -233,7 +233,7 @@ def test_malformed_trtllm_attributes_are_invalid_argument_and_release_the_sessio
             return error.value, await sessions_of(p)
 
     error, left = asyncio.run(run())
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed TensorRT-LLM handoff" in error.details()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed TensorRT-LLM DisaggregatedParams" in error.details()
     assert left == 0
 
 
