@@ -290,8 +290,9 @@ class TrtLlmEngine:
             raise InvalidRequest(f"request {request_id} is already running")
         disagg_params = request.kv_import if isinstance(request.kv_import, TrtLlmDisaggParams) else None
         first_token = request.first_token
-        if disagg_params is not None and first_token is not None and disagg_params.first_gen_tokens[:1] != (first_token,):
-            raise InvalidRequest(f"first token {first_token} differs from the context's DisaggregatedParams' {disagg_params.first_gen_tokens}")
+        expected = disagg_params.first_gen_tokens if disagg_params is not None else None
+        if expected is not None and first_token is not None and expected[:1] != (first_token,):
+            raise InvalidRequest(f"first token {first_token} differs from the DisaggregatedParams' {expected}")
         params = self._request_params(prompt_token_ids, request.sampling, request_type, disagg_params)
         result = self._llm.generate_async(prompt_token_ids, sampling_params=params[0], disaggregated_params=params[1],
                                           streaming=request_type is not RequestType.CONTEXT_ONLY)

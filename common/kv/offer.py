@@ -5,8 +5,8 @@ through which an exporter offers them and an importer picks one.
 Best first: `cuda_ipc` (same host, GPU memory read GPU-side), `shm` (same host, through /dev/shm),
 `nixl` (one-sided reads by descriptor, any host NIXL reaches: the cross-host fast path on RDMA
 fabrics; over plain TCP it measured slower than `shm` and `grpc`, so same-host `shm` comes first),
-`grpc` (TensorStore.Pull chunks: any host, always works). A worker's `--kv-transports` narrows what it offers (prefill) or accepts
-(decode); `grpc` is always kept as the last resort.
+`grpc` (TensorStore.Pull chunks: any host, always works). A worker's `--kv-transports` narrows what it offers
+(prefill) or accepts (decode); `grpc` is always kept as the last resort.
 
 All of these are the KV *data plane*: our TensorStore moves the bytes of an engine's paged cache. An engine may
 instead drive a transport of its own (common.kv.transport.EngineTransport): `trtllm`, TensorRT-LLM's cache

@@ -29,9 +29,9 @@ class KvPath(ABC):
     - the exporter's (prefill): `ref` describes a pinned session for its importer; its TensorStore serves the
       session through `export` (Pull), `share` (OpenKvCache) and `release` (Release);
     - the importer's (decode): `check` a ref before taking it on, then `import_kv` its KV before a deadline (the
-      session released whatever happens), or make from it the `engine_import` of an engine that fetches the KV itself; a session it
-      owns but will not pull (refused, or fetched by its engine) it `give_back`s. Every Release it sends goes
-      through its `releases`.
+      session released whatever happens), or make from it the `engine_import` of an engine that fetches the KV
+      itself; a session it owns but will not pull (refused, or fetched by its engine) it `give_back`s. Every Release
+      it sends goes through its `releases`.
     Those of one worker share its engine, KV layout and channels to exporters."""
 
     moves: str  # how, in words, for a refusal that names both sides

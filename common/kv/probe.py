@@ -1,10 +1,10 @@
-"""The transport self-check: the first time a decode worker meets an exporter, it pulls a few blocks through
-every transport the exporter offers and this worker can use, logs the GB/s of each, and reports them
-(`disagg_kv_probe_gbps{peer,backend}`, the label naming the transport). A transport that fails here is marked broken for that peer at once,
-with a WARNING that gives the reason and names the transport pulls fall back to, and counted in
-`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so. A transport whose
-first use starts what then keeps running (`nixl`: its agents and the exporter's progress thread) is tried only when
-no better transport worked: where pulls will not use it, it never starts.
+"""The transport self-check: the first time a decode worker meets an exporter, it pulls a few blocks through every
+transport the exporter offers and this worker can use, logs the GB/s of each, and reports them
+(`disagg_kv_probe_gbps{peer,backend}`, the label naming the transport). A transport that fails here is marked broken for
+that peer at once, with a WARNING that gives the reason and names the transport pulls fall back to, and counted in
+`disagg_kv_pull_fallbacks_total{backend}`: nobody runs on a slow path without a line saying so. A transport whose first
+use starts what then keeps running (`nixl`: its agents and the exporter's progress thread) is tried only when no better
+transport worked: where pulls will not use it, it never starts.
 
 A probe reads no session: one-sided transports read the first blocks of the exporter's cache into scratch
 memory; two-sided ones pull the handle PROBE_HANDLE, which the exporter answers with blocks of zeros

@@ -1,4 +1,5 @@
-"""`python -m services.router` / `disagg router`: the public front door over prefill and decode workers."""
+"""`python -m services.router` / `disagg router`: the router process's entry point, before any request: its flags,
+then server.py."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""RouterConfig: the router's flags, validated once."""
+"""RouterConfig: the router's flags, validated once at start (off the request path)."""
 from __future__ import annotations
 
 import argparse

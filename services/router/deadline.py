@@ -1,4 +1,5 @@
-"""When a request must be over: the budget every worker call of the request gets as its gRPC deadline."""
+"""Request path, from the front door on: when a request must be over, the budget every worker call of the request
+gets as its gRPC deadline."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
-"""What a decode worker's stream tells the router, as plain events (decode_stream.py yields them; the request's
-Flight applies them to what the client has been sent)."""
+"""Request path, decode: what a decode worker's stream tells the router, as plain events (decode_stream.py yields
+them; the request's Flight applies them to what the client has been sent)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

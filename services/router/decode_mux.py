@@ -1,5 +1,5 @@
-"""The router's side of Decoder.DecodeMany: one stream to a decode worker, shared by every request this router has
-there, each request looking like its own Decode call.
+"""Request path, decode, under decode_stream.py: the router's side of Decoder.DecodeMany, one stream to a decode worker
+multiplexing every request this router has there, each request looking like its own Decode call.
 
 gRPC's cost is per message (a read's callback, a write's completion through the poller): with a stream per
 request the router reads one message per request per engine step. Here the worker sends what all requests made

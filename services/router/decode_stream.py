@@ -1,5 +1,5 @@
-"""The streaming half of a request: a decode worker's Decode stream as plain events (decode_events.py), and where
-the request goes when the worker is lost.
+"""Request path, decode, after encode_prefill.py: one request's Decode stream to a decode worker as plain events
+(decode_events.py), and where the request goes when the worker is lost.
 
 A decode worker that refuses the request before answering anything (UNAVAILABLE: draining, loading, gone) hands
 the same start, KV session included (prefill still holds it), to another decode worker; the client sees nothing.

@@ -1,4 +1,5 @@
-"""Per request: prefill on a prefill worker (remote) or on the decode worker itself (local).
+"""Request path, before prefill: per request, prefill on a prefill worker (remote) or on the decode worker itself
+(local).
 
 Dynamo's disaggregated router rule, extended with the decode worker's load: a prompt goes remote when
 the tokens the decode worker would have to compute (its uncached part) exceed --max-local-prefill-tokens

@@ -1,4 +1,5 @@
-"""The unary half of a request (encode → prefill → first token) and every rule for freeing what it leaves on workers.
+"""Request path, after prepare.py: the Encode and Prefill calls (encode → prefill → first token, unary) and every
+rule for freeing what they leave on workers.
 
 Release rules, each written once here:
 - A KV session prefill exported belongs to one `ExportedSession`, released on its prefill worker exactly once unless

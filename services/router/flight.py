@@ -1,4 +1,4 @@
-"""One request in the router, from its front door's call to its last event.
+"""Request path, throughout: one request in the router (its Flight), from its front door's call to its last event.
 
 A Flight holds the request's state — the request, its deadline, the prepared (tokenised) request, the KV session
 prefill exported, the embeddings encode stored, and what has been sent to the client (`sent`) — and is the event

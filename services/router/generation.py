@@ -1,7 +1,8 @@
-"""The router core's plain types: what a front door hands the core, and the events the core yields back.
+"""Request path, at both ends: the router core's plain types, what a front door hands the core (GenerationRequest) and
+the events the core yields back.
 
 Every front door (frontends/grpc.py for disagg.v1, kserve.py for KServe v2, openai.py for OpenAI HTTP) maps its
-protocol onto these; the core (orchestrator, handoff, decode stream, policies) never sees a client's protobuf or
+protocol onto these; the core (orchestrator, encode_prefill, decode_stream, policies) never sees a client's protobuf or
 JSON. Protobuf stays at the edges: the front doors and the worker stubs.
 """
 from __future__ import annotations

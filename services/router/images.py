@@ -1,4 +1,4 @@
-"""Image placeholders in the prompt: where the images go and how many tokens each takes.
+"""Request path, in prepare.py: image placeholders in the prompt, where the images go and how many tokens each takes.
 
 Like HF's LlavaProcessor, each image marker (`<image>`) becomes `tokens_per_image` placeholder
 tokens; a prompt or chat without markers gets one per image in front of its (first user) text.

@@ -1,4 +1,5 @@
-"""Which prefixes each worker's prefix cache holds, fed by its Worker.SubscribeKvEvents stream.
+"""Beside the request path (the kv_aware policy reads it): which prefixes each worker's prefix cache holds, fed by its
+Worker.SubscribeKvEvents stream.
 
 Hashes are the engine's own chained block hashes (common.kv.block_hash.hash_blocks), so a
 prompt's hashes computed here name the same blocks the workers announce. A subscription that breaks

@@ -1,4 +1,5 @@
-"""How late the router's event loop runs, while requests are in flight: disagg_event_loop_lag_seconds.
+"""Beside the request path: how late the router's event loop runs, while requests are in flight:
+disagg_event_loop_lag_seconds.
 
 One event loop relays every token of every request (per token ~100 µs of this loop on the development machine), so
 when it is busy everything waits: a new request's handler before it starts (no part of the TTFT breakdown sees

@@ -1,5 +1,6 @@
-"""The router core: one request's flat loop through the workers, in order: encode → prefill → first token → decode
-with the KV session (rerouted when its decode worker is lost), or aggregated on a decode worker.
+"""Request path, the core (Core.stream, which every front door calls): one request's flat loop through the workers, in
+order: encode → prefill → first token → decode with the KV session (rerouted when its decode worker is lost), or
+aggregated on a decode worker.
 
 The request's state is its Flight (flight.py), which front doors iterate (Core.stream); the unary calls and every
 release rule are encode_prefill.py's; the Decode stream and where it goes next are decode_stream.py's.

@@ -1,4 +1,5 @@
-"""GenerationRequest → a validated, tokenised request, before any worker is touched."""
+"""Request path, the core's first step: GenerationRequest → a validated, tokenised request, before any worker is
+touched."""
 from __future__ import annotations
 
 import secrets

@@ -1,4 +1,5 @@
-"""Named variants of one kind (routing policies, front doors), registered by name in one table each.
+"""Off the request path: named variants of one kind (routing policies, front doors), registered by name in one table
+each.
 
 An entry is the variant itself or "module:attr" naming it, imported when it is first looked up, so listing the names
 (a flag's choices) loads nothing but the registry. A variant kept outside the project is a module that registers it,

@@ -1,4 +1,5 @@
-"""One request's answer: incremental text with stop strings, then TextDelta / Finished events with usage."""
+"""Request path, last step before the front door: one request's answer (ResponseBuilder), incremental text with stop
+strings, then TextDelta / Finished events with usage."""
 from __future__ import annotations
 
 import time

@@ -1,6 +1,6 @@
-"""The router process: the Orchestrator (its core) behind every registered front door (frontends/: gRPC services on
-the router's port, listeners of their own such as OpenAI-compatible HTTP), all on one event loop; health, discovery
-and the drain."""
+"""Around the request path: the router process, the Orchestrator (its core) behind every registered front door
+(frontends/: gRPC services on the router's port, listeners of their own such as OpenAI-compatible HTTP), all on one
+event loop; health, discovery and the drain."""
 from __future__ import annotations
 
 import asyncio

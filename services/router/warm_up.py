@@ -1,7 +1,8 @@
-"""Requests a router runs through its own core before it says SERVING, so that the first client request finds warm
-what every request takes beyond the engine (which warms itself, common/engine/warm_up.py): the tokenizer and chat
-template, the Python of the request path on both sides of each worker's gRPC stream, and a KV handoff from each
-prefill worker (docs/benchmarks/first_request.md: with it a fresh `up`'s first gRPC request is as fast as the next).
+"""Before the request path opens: requests a router runs through its own core before it says SERVING, so that the first
+client request finds warm what every request takes beyond the engine (which warms itself, common/engine/warm_up.py): the
+tokenizer and chat template, the Python of the request path on both sides of each worker's gRPC stream, and a KV handoff
+from each prefill worker (docs/benchmarks/first_request.md: with it a fresh `up`'s first gRPC request is as fast as the
+next).
 
 They are short (a few tokens, below a KV block, so no worker caches or reports a block of theirs), count in no
 router metric, and a failure is logged, never kept from serving: the same fault would show in the first request."""

@@ -1,4 +1,5 @@
-"""The router's view of its workers: one client per endpoint, kept in step with discovery, and their KV events."""
+"""Under the request path: the router's view of its workers (WorkerPool): one client per endpoint, kept in step with
+discovery, and their KV events."""
 from __future__ import annotations
 
 import asyncio
