@@ -310,7 +310,7 @@ class StaticShape:
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    """Launch shape of the decode kernel (tests/gpu/sweep_decode_attention.py measures the choices)."""
+    """Launch shape of the decode kernel (benchmarks/gpu/sweep_decode_attention.py measures the choices)."""
 
     block_n: int = 64  # keys per loop iteration
     num_warps: int = 4
@@ -321,7 +321,7 @@ class DecodeTuning:
 
 @dataclass(frozen=True)
 class PrefillTuning:
-    """Launch shape of the prefill kernel (tests/gpu/sweep_prefill_attention.py measures the choices)."""
+    """Launch shape of the prefill kernel (benchmarks/gpu/sweep_prefill_attention.py measures the choices)."""
 
     # The sweep's best on a Hopper GPU for every shape it runs: long packed steps, one long prompt, and a chunk
     # after a cached prefix.

@@ -16,7 +16,7 @@ of a kernel that waits for SMs behind the model's steps. `_pick` takes the LRU h
 plain LRU, then its free neighbours, and a request's growth starts at the block after its last. A neighbour that
 holds a cached prefix is taken only if it is among the oldest free blocks (EXTEND_WINDOW of the queue, or the
 `needed` that LRU itself would take): runs never cost the prefix cache a block that LRU would keep for long.
-tests/bench/block_runs.py: a 1P1D pull is 2.5 runs on average against 48 in plain LRU order; a multi-turn chat on a
+benchmarks/block_runs.py: a 1P1D pull is 2.5 runs on average against 48 in plain LRU order; a multi-turn chat on a
 tight pool keeps 76.5% of its prompt tokens from the cache against LRU's 77.1%.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 CPU_LONG_PREFILL_TOKENS = 128
 # A step's token budget (--max-num-batched-tokens) unless set. A prefill worker on a GPU has no decode rows whose
 # inter-token latency a long step would hold up, and bigger steps run its GEMMs nearer the peak: a served prefill
-# GPU takes about 15 % more requests a second with 8192 than with 2048 (tests/bench/multi_gpu.py --prefill-budget).
+# GPU takes about 15 % more requests a second with 8192 than with 2048 (benchmarks/multi_gpu.py --prefill-budget).
 DEFAULT_STEP_TOKENS = 2048
 GPU_PREFILL_WORKER_STEP_TOKENS = 8192
 # The KV cache unless sized otherwise: on the CPU this many blocks; on a GPU what fits in this fraction of it, shared

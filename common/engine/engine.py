@@ -319,7 +319,7 @@ class LLMEngine:
         feeding the token `launched` sampled for it, still on the device) first, then the prompt chunks the scheduler
         picks with the rest of the budget (their tokens are known). An aggregated worker's steps, and a decode
         worker's that prefill a prompt, would otherwise leave the GPU idle while the host books one step and builds
-        the next, about a fifth of a mixed step (`tests/bench/gpu_prefill.py --mixed-batch`). Only
+        the next, about a fifth of a mixed step (`benchmarks/gpu_prefill.py --mixed-batch`). Only
         where every request is plain (`_plain`) and every sampled row drawn on the device; `launched` is booked
         first (its rows count as computed), and the step preempts no one. Where no prompt fits beside the rows (the
         batch's row limit reached, say), they go ahead alone: a waiting prompt no longer stops the pipeline."""

@@ -2,7 +2,7 @@
 
 Each array through `Tensor.pin_memory()` (which checks `is_pinned()` first) and its own copy costs the host a pinning
 check and a copy launch per array, nine of them for a prefill's metadata: packed, a third less host time a prompt step
-(`python -m tests.bench.gpu_host_upload`). The arrays go into one buffer from torch's caching host allocator
+(`python -m benchmarks.gpu_host_upload`). The arrays go into one buffer from torch's caching host allocator
 (`empty(pin_memory=True)`: no check, and the allocator keeps the buffer until the copy has run) and cross in one
 non-blocking copy; each array is a view of the device buffer.
 """

@@ -51,7 +51,7 @@ from services.kit.auth import KEY_ENV, api_keys_from_args, grpc_metadata, keys_f
 
 # Why `disagg up --device cpu` splits by default, even on two cores: there, prefill and decode on a core each (the
 # router beside them) served more than one aggregated worker on a core with the router on the other
-# (tests/bench/vllm_cpu.py; docs/benchmarks/vllm_cpu.md).
+# (benchmarks/vllm_cpu.py; docs/benchmarks/vllm_cpu.md).
 CPU_SPLIT_WHY = ("prefill-0 and decode-0 by default: on 2 cores, a core each served 1.10x the output tok/s of one "
                  "aggregated worker (--prefill 0) at concurrency 8 with 0.63x its TTFT, and as much at 1")
 

@@ -12,7 +12,7 @@ from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, add_routing_
 from services.worker.engine_flags import add_engine_args
 
 # Workers sharing a GPU (one GPU, or --share-gpus): a remote prefill pays against aggregated serving (output tok/s,
-# TTFT, ITL p99) from about this prompt length on, the crossover tests/bench/disagg_sweep.py finds.
+# TTFT, ITL p99) from about this prompt length on, the crossover benchmarks/disagg_sweep.py finds.
 ONE_GPU_MAX_LOCAL_PREFILL_TOKENS = 1536
 # Every worker on GPUs of its own: every prompt remote. A prompt prefilled on the decode GPU takes its step from every
 # running decode, so local prefills raise decode's ITL tail past its SLO while the prefill GPU has room.

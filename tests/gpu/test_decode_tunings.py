@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from common.engine.attention_triton import DecodeTuning, TritonPagedAttention  # noqa: E402
-from tests.gpu.attention_cases import max_error_against_reference  # noqa: E402
+from benchmarks.gpu.attention_cases import max_error_against_reference  # noqa: E402
 
 CUDA = torch.device("cuda")
 TUNINGS = [DecodeTuning(), DecodeTuning(32, 4, 2, 1024), DecodeTuning(128, 8, 3, 2048, 64),

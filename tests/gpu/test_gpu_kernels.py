@@ -17,7 +17,7 @@ from common.engine.attention_triton import TritonPagedAttention  # noqa: E402
 from common.engine.config import EngineConfig  # noqa: E402
 from common.engine.engine import LLMEngine  # noqa: E402
 from common.engine.request import SamplingParams  # noqa: E402
-from tests.gpu.attention_cases import scattered_layout  # noqa: E402
+from benchmarks.gpu.attention_cases import scattered_layout  # noqa: E402
 from tests.hf_reference import hf_greedy  # noqa: E402
 from tests.tiny_models import TINY_FAMILIES  # noqa: E402
 

@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from common.engine.attention_triton import PrefillTuning, TritonPagedAttention  # noqa: E402
-from tests.gpu.attention_cases import max_error_against_reference  # noqa: E402
-from tests.gpu.sweep_prefill_attention import TUNINGS  # noqa: E402
+from benchmarks.gpu.attention_cases import max_error_against_reference  # noqa: E402
+from benchmarks.gpu.sweep_prefill_attention import TUNINGS  # noqa: E402
 
 CUDA = torch.device("cuda")
 

@@ -8,24 +8,9 @@ import time
 
 import grpc
 
-from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
-from tests.integration.processes import ServiceProcess
-
-
-def load_of(process: ServiceProcess) -> worker_pb2.Load:
-    with process.channel() as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-
-
-def leaks(load: worker_pb2.Load) -> list[str]:
-    """What a worker still holds, in words; empty when it is back to its start."""
-    found = []
-    if load.kv_blocks_free != load.kv_blocks_total:
-        found.append(f"{load.kv_blocks_total - load.kv_blocks_free} of {load.kv_blocks_total} KV blocks held")
-    for name in ("active_kv_sessions", "stored_tensors", "running_requests", "waiting_requests"):
-        if getattr(load, name):
-            found.append(f"{name}={getattr(load, name)}")
-    return found
+from benchmarks.processes import ServiceProcess
+from benchmarks.worker_load import leaks, load_of  # noqa: F401 (tests import load_of from here)
+from common.pb.disagg.v1 import worker_pb2
 
 
 def assert_no_leaks(processes: list[ServiceProcess], timeout_s: float = 15.0) -> list[worker_pb2.Load]:

@@ -93,7 +93,7 @@ def test_bench_drives_every_front_door_with_the_same_workload_and_compares_them(
 
 def test_bench_openai_alone_needs_only_the_http_server(front_doors: Cluster, tmp_path):
     """`--api openai` alone lists the models over HTTP (GET /v1/models), so it drives any OpenAI-compatible server
-    (vLLM's in tests/bench/vllm_cpu.py): here --router points nowhere."""
+    (vLLM's in benchmarks/vllm_cpu.py): here --router points nowhere."""
     result = _bench(f"127.0.0.1:{free_port()}", tmp_path, "--api", "openai", "--http", front_doors.http,
                     "--num-prompts", "4", "--input-len", "fixed:16", "--output-len", "fixed:4", "--warmup", "0")
     assert result["summary"]["completed"] == 4 and all(r["output_tokens"] == 4 for r in result["requests"])

@@ -22,7 +22,7 @@ from tests.integration.front_doors import WORKER_LINE
 from tests.integration.observed import wait_for
 from tests.integration.processes import ServiceProcess, free_port, start_services, stop_in_waves
 from tests.integration.test_up import Up
-from tests.tiny_llava import make_tiny_llava, png_bytes
+from benchmarks.tiny_llava import make_tiny_llava, png_bytes
 
 pytestmark = pytest.mark.slow
 

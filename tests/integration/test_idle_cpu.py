@@ -9,9 +9,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.cpu_time import cores_used, process_tree
 from common.kv.transports.nixl import nixl_unavailable_reason
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.cpu_time import cores_used, process_tree
 from tests.integration.test_up import Up, text_model  # noqa: F401 (a fixture)
 
 QUIET_WINDOW_S = 5.0
@@ -32,7 +32,7 @@ def _name(pid: int) -> str:
 @pytest.mark.slow
 def test_every_process_of_disagg_up_is_idle_after_serving(text_model):  # noqa: F811
     backends = "auto" if nixl_unavailable_reason() is not None else "nixl,grpc"
-    up = Up("--model", text_model, "--router-port", "0", env={"DISAGG_KV_TRANSPORTS": backends,
+    up = Up("--model", text_model, "--router-port", "0", env={"DISAGG_KV_TRANSFER_BACKENDS": backends,
                                                                "OMP_NUM_THREADS": "1"})
     try:
         router = up.wait()

@@ -12,7 +12,7 @@ from common.engine.default_model import default_model_dir
 from common.engine.models.llava import image_token_id, num_image_tokens, text_config_of
 from common.errors import InvalidConfig
 from common.model_facts import ModelFacts, load_model_facts
-from tests.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
+from benchmarks.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
 from tests.tiny_models import TINY_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from PIL import Image
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import WORKER_ENV
 from tests.integration.processes import ServiceProcess, start_services, stop_cleanly
-from tests.tiny_llava import NUM_IMAGE_TOKENS, hf_llava_greedy, make_smollm2_llava, make_tiny_llava, png_bytes
+from benchmarks.tiny_llava import NUM_IMAGE_TOKENS, hf_llava_greedy, make_smollm2_llava, make_tiny_llava, png_bytes
 
 MAX_TOKENS = 8
 ENGINE_ARGS = ("--block-size", "4", "--num-kv-blocks", "128")

@@ -3,81 +3,35 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
 import os
 import signal
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.cpu_time import cores_used
+from benchmarks.nixl_exporter import ExporterProcess, fill_cache
 from common.errors import InvalidRequest, LayoutMismatch, Unavailable
 from common.kv.transports.nixl.plane import (
     NixlCacheInfo,
-    NixlExporter,
     NixlImporter,
     TransferFailed,
     nixl_unavailable_reason,
     validate_read,
 )
-from tests.cpu_time import cores_used
 
 SHAPE = (3, 2, 16, 4, 2, 8)  # layers, k|v, blocks, block size, kv heads, head dim
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-START_TIMEOUT_S = 120.0
 
 needs_nixl = pytest.mark.skipif(nixl_unavailable_reason() is not None,
                                 reason=f"NIXL cannot run here: {nixl_unavailable_reason()}")
 
 
-def fill_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """The same known values in every process."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
-
-
-def _serve_caches(conn: Connection, shape: tuple[int, ...], dtypes: dict[str, torch.dtype], device: str) -> None:
-    exporters = {name: NixlExporter(fill_cache(shape, dtype, device)) for name, dtype in dtypes.items()}
-    conn.send({name: exporter.info().to_fields() for name, exporter in exporters.items()})
-    conn.recv()  # until told to stop (or the parent goes away)
-    for exporter in exporters.values():
-        exporter.close()
-
-
-class ExporterProcess:
-    """A spawned process holding one NixlExporter per dtype over caches filled by fill_cache."""
-
-    def __init__(self, shape: tuple[int, ...] = SHAPE, dtypes: dict[str, torch.dtype] = DTYPES,
-                 device: str = "cpu") -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_serve_caches, args=(child_conn, shape, dtypes, device), daemon=True)
-        self.process.start()
-        child_conn.close()
-        if not self._conn.poll(START_TIMEOUT_S):
-            self.stop()
-            raise RuntimeError(f"the exporter process did not publish its caches (exit code {self.process.exitcode})")
-        self.infos = {name: NixlCacheInfo.from_fields(fields) for name, fields in self._conn.recv().items()}
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(10)
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self._conn.send("stop")
-            except OSError:
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
-
-
 @pytest.fixture(scope="module")
 def exporter_process():
-    process = ExporterProcess()
+    process = ExporterProcess(SHAPE, DTYPES)
     try:
         yield process
     finally:
@@ -216,7 +170,7 @@ def test_out_of_range_block_ids_are_refused_before_any_transfer(exporter_process
 
 @needs_nixl
 def test_read_from_an_exporter_that_went_away_raises_transfer_failed(importer):
-    process = ExporterProcess()
+    process = ExporterProcess(SHAPE, DTYPES)
     try:
         connected, never_added = process.infos["float32"], process.infos["bfloat16"]
         importer.read_blocks(connected, [1], _out(torch.float32, 1))

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import grpc
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.engine.default_model import default_model_dir
+from benchmarks.text_model import make_text_model  # noqa: F401 (the tests import it from here)
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.hf_reference import hf_greedy
@@ -31,18 +28,6 @@ if TYPE_CHECKING:  # front_doors imports make_text_model from here
 PROMPTS = ["The sea is", "Once upon a time there was a lighthouse keeper who", "GPUs are fast because",
            "Bread needs flour, water and"]
 MAX_TOKENS = 12
-
-
-def make_text_model(directory: Path, max_position_embeddings: int = 256) -> Path:
-    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.2)
-    LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir() / name, directory / name)
-    return directory
 
 
 pytestmark = pytest.mark.parametrize("front_doors", ["prefill-decode"], indirect=True)

@@ -1,9 +1,9 @@
-"""The sweep's crossover (tests/bench/disagg_sweep_plot.py): the prompt length from which every prefill remote pays
+"""The sweep's crossover (benchmarks/disagg_sweep_plot.py): the prompt length from which every prefill remote pays
 (issue #24's targets: ≥ 0.9× the aggregated throughput, TTFT mean ≤ 1.5×, ITL p99 ≥ 2× better), which becomes the
 conditional rule's threshold."""
 import math
 
-from tests.bench.disagg_sweep_plot import crossover, crossover_of, plot, table
+from benchmarks.disagg_sweep_plot import crossover, crossover_of, plot, table
 
 
 def _run(mode: str, length: int, output: int, tok_s: float, itl: float = 20.0) -> dict:

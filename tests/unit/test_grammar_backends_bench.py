@@ -1,4 +1,4 @@
-"""tests.bench.grammar_backends: each backend compiles the bench's schemas itself (no fallback) and times a fill
+"""benchmarks.grammar_backends: each backend compiles the bench's schemas itself (no fallback) and times a fill
 before every token of two walks through a valid instance."""
 import json
 
@@ -8,7 +8,7 @@ from common.engine.default_model import default_model_dir
 from common.engine.grammar import Grammars
 from common.engine.structured import StructuredOutput
 from common.tokenizer import load_tokenizer
-from tests.bench.grammar_backends import SCHEMAS, measure
+from benchmarks.grammar_backends import SCHEMAS, measure
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])

@@ -13,7 +13,7 @@ from common.engine.models.llava import load_image_processor, load_vision_encoder
 from common.engine.multimodal import ImageEmbedding
 from common.engine.request import SamplingParams
 from common.errors import InvalidRequest
-from tests.tiny_llava import NUM_IMAGE_TOKENS, _hf, hf_llava_greedy, make_tiny_llava, png_bytes
+from benchmarks.tiny_llava import NUM_IMAGE_TOKENS, _hf, hf_llava_greedy, make_tiny_llava, png_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

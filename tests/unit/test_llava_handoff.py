@@ -64,7 +64,7 @@ def test_router_expands_placeholders_for_prompt_chat_and_token_ids(tmp_path):
     from services.router.frontends.grpc_convert import request_from_proto
     from services.router.generation import ServedModel
     from services.router.prepare import RequestPreparer
-    from tests.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
+    from benchmarks.tiny_llava import NUM_IMAGE_TOKENS, make_tiny_llava
 
     preparer = RequestPreparer.from_model_dir(make_tiny_llava(tmp_path / "llava"))
     image_id = preparer.facts.image_token_id

@@ -12,7 +12,7 @@ from PIL import Image
 
 from common.errors import InvalidConfig, InvalidRequest
 from common.media import MediaConfig, load_image
-from tests.tiny_llava import png_bytes
+from benchmarks.tiny_llava import png_bytes
 
 
 def _encoded(array: np.ndarray, fmt: str) -> bytes:

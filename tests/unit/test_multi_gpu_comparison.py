@@ -1,9 +1,9 @@
-"""The multi-GPU bench's comparison of each split with the best aggregated run (tests/bench/multi_gpu.py): which
+"""The multi-GPU bench's comparison of each split with the best aggregated run (benchmarks/multi_gpu.py): which
 aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only where both points ran below
 saturation."""
 import argparse
 
-from tests.bench.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, mean_ms_by_role,
+from benchmarks.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, mean_ms_by_role,
                                   pool_note, replicas, saturated, step_summary, table)
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
@@ -115,7 +115,7 @@ def test_a_points_output_wait_is_each_roles_mean_over_the_point():
 
 def test_a_points_waits_read_each_histogram_as_a_scrape_keys_it(monkeypatch):
     # tests.integration.observed.scrape drops model and role: an unlabelled histogram's sum and count are bare names
-    import tests.bench.multi_gpu as multi_gpu
+    import benchmarks.multi_gpu as multi_gpu
 
     name = "disagg_engine_output_wait_seconds"
     scraped = {"prefill": {f"{name}_sum": 0.5, f"{name}_count": 10.0, f'{name}_bucket{{le="0.001"}}': 3.0},
@@ -137,7 +137,7 @@ class _Process:
 
 
 def test_one_reading_a_side_gives_the_points_pulls_placements_pauses_and_cores(monkeypatch):
-    import tests.bench.multi_gpu as multi_gpu
+    import benchmarks.multi_gpu as multi_gpu
 
     decode_a, decode_b, router = _Process("decode", 1), _Process("decode", 2), _Process("router", 3)
     pulls = "disagg_kv_pull_seconds_{}{{backend=\"cuda_ipc\"}}"

@@ -1,5 +1,5 @@
-"""tests.bench.vllm_gpu's parts that need no GPU: the workloads it parses and the table it prints."""
-from tests.bench.vllm_gpu import METRICS, Workload, report
+"""benchmarks.vllm_gpu's parts that need no GPU: the workloads it parses and the table it prints."""
+from benchmarks.vllm_gpu import METRICS, Workload, report
 
 
 def test_a_workload_is_input_output_concurrency_with_a_few_waves_of_requests():

@@ -13,7 +13,7 @@ between the norm and the product as torch's separate ops do (bf16 results differ
 
 Whether it beats cuBLAS depends on the shape, so `applies` decides per (shape, prologue) by timing both the
 way a decode step runs them: inside a CUDA graph, back to back over rotating weight copies (so the L2 holds
-none of them), cuBLAS paying for its separate prologue kernel. `python -m tests.gpu.sweep_gemv` searches the
+none of them), cuBLAS paying for its separate prologue kernel. `python -m benchmarks.gpu.sweep_gemv` searches the
 tile configurations; `TUNED` holds what it found on a Hopper GPU (sm_90).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GemvChoice:
 choices: dict[tuple, GemvChoice] = {}
 
 
-# The best tile of `python -m tests.gpu.sweep_gemv` on a Hopper GPU (bf16, in-graph µs next to cuBLAS with its
+# The best tile of `python -m benchmarks.gpu.sweep_gemv` on a Hopper GPU (bf16, in-graph µs next to cuBLAS with its
 # prologue kernel), for the Llama-3.2-1B and 3B shapes: (N, K) -> config.
 TUNED = {
     (3072, 2048): GemvConfig(4, 512, 4, 3),  # 1B qkv: 6.7 µs vs 8.5

@@ -165,7 +165,7 @@ class Fp8Weights:
 def holds_fp8(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 in memory on `device` (Fp8Linear), or are dequantised once at load. The CPU
     dequantises them: torch converts float8 there element by element, taking far longer than the bf16 GEMV that
-    reads the weight, so dequantising on every call makes a decode step many times slower (tests/bench/fp8.py);
+    reads the weight, so dequantising on every call makes a decode step many times slower (benchmarks/fp8.py);
     dequantised once, it runs as bf16 does, in bf16's memory. A GPU converts at its memory's speed: it keeps them FP8.
     """
     return device.type != "cpu"

@@ -1,6 +1,6 @@
 """Each token's activations quantised to FP8 with its own scale (absmax / 448) in one Triton kernel (CUDA only;
 importing this module needs triton): the torch ops it replaces were eight kernels before every FP8 GEMM, enough
-launches to make a decode step in FP8 slower than in bf16 (tests/bench/fp8.py)."""
+launches to make a decode step in FP8 slower than in bf16 (benchmarks/fp8.py)."""
 from __future__ import annotations
 
 import torch

@@ -111,7 +111,7 @@ def _progress(total: int, enabled: bool):
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    # --api openai alone asks the HTTP server: any OpenAI-compatible one can be driven (tests/bench/vllm_cpu.py)
+    # --api openai alone asks the HTTP server: any OpenAI-compatible one can be driven (benchmarks/vllm_cpu.py)
     key = client_key(args)
     try:
         listed = await (list_models_http(args.http, headers=http_headers(key)) if args.api == ("openai",)

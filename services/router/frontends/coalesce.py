@@ -2,7 +2,7 @@
 front door was writing go out merged, as one message.
 
 A gRPC write costs the router more than anything else it does per token (a server-streaming write waits for its
-completion through gRPC's poller: 36 % of the router's busy time at 1 800 tokens/s in tests/bench/router_cpu.py).
+completion through gRPC's poller: 36 % of the router's busy time at 1 800 tokens/s in benchmarks/router_cpu.py).
 While the router keeps up, every delta is written as it comes, alone, so inter-token latency is untouched; once the
 writes fall behind (thousands of tokens/s through one router), the tokens that piled up during one write leave in the
 next, and the router's cost per token falls as its load rises instead of its event loop falling further behind.

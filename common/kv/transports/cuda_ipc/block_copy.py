@@ -63,7 +63,7 @@ class BlockCopier:
         """Enqueue the copy on `stream` (default: the current one; returns at once on a GPU). Returns what the
         kernel still reads: its block ids, in pinned host memory that it reads in place over the bus. Keep them until
         the copy has finished. With `upload`, the ids go up to the GPU on that stream first and nothing need be kept:
-        that costs the kernel less time (tests/bench/kv_import_trace.py: 124 µs against 156) but the host two more
+        that costs the kernel less time (benchmarks/kv_import_trace.py: 124 µs against 156) but the host two more
         calls into the driver, which a pull pays for more (230 µs against 205 end to end, 623 against 555 right
         after a prefill). None where nothing need be kept (uploaded, or the copy done already)."""
         if len(src_ids) != len(dst_ids):

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_WORDS, WARPS = 2048, 4  # 8 KiB per program (tests/bench/kv_import_phases.py tries others)
+TILE_WORDS, WARPS = 2048, 4  # 8 KiB per program (benchmarks/kv_import_phases.py tries others)
 
 # `n` and the ids' address change with every pull, and the caches' block counts with every pair of caches: left
 # unspecialised, one compiled kernel serves every pull into caches of one block shape (CopyKernel launches it

@@ -10,12 +10,12 @@ Three ways, one interface (PeerBlockCopier, shaped like block_copy.BlockCopier):
   and a launch on ours is refused ("Pointer argument (at 0) cannot be accessed from Triton"); our own cache is
   an ordinary peer allocation, which a launch on theirs reaches. It takes the exporter's SMs for the copy's
   half millisecond, at the data plane's high stream priority.
-Why `auto` chooses so (tests/bench/kv_peer_copy.py measures the three): over consecutive blocks the copy engines
+Why `auto` chooses so (benchmarks/kv_peer_copy.py measures the three): over consecutive blocks the copy engines
 match one contiguous peer copy of the session's bytes and the kernels come close; over scattered blocks each run is a
 2-D copy of its own, and the copy engines take more than twice the kernels' time, which stays the same. The torch
 path (gather, copy, scatter) takes about twice either. Copy engines leave both GPUs' SMs alone. The block pools hand
 out runs of consecutive ids (common.engine.block_manager), so a session is a few runs on both sides
-(tests/bench/block_runs.py counts them), and MAX_COPY_ENGINE_RUNS bounds where copy engines still win.
+(benchmarks/block_runs.py counts them), and MAX_COPY_ENGINE_RUNS bounds where copy engines still win.
 Peer access between the two GPUs must be on for all three: enable_peer_access (the caches may be another
 process's, mapped through CUDA IPC).
 """
