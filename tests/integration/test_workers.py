@@ -322,7 +322,7 @@ def test_bad_prefill_request_is_invalid_argument_and_the_worker_keeps_serving(pr
     (lambda s: setattr(s, "first_token", s.first_token + 1), "differs from the session's"),
     (lambda s: s.token_ids.append(5), "the session holds KV for 19 tokens, the prompt has 20"),
     (lambda s: setattr(s, "request_type", common_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION), "contradicts"),
-    (lambda s: setattr(s.session, "transfer_backend", 99), "transfer backend 99 is not supported here"),
+    (lambda s: setattr(s.session, "transfer_backend", 99), "KV transport 99 is not supported here"),
 ])
 def test_bad_decode_start_is_invalid_argument_and_releases_the_session(prefill, decode, mutate, message):
     start = decode_start(run_prefill(prefill, **GREEDY), **GREEDY)
