@@ -4,11 +4,13 @@
 
 Starts `disagg up --dtype bfloat16` as benchmarks.vllm_cpu does, sends `disagg bench`'s streaming completions (128
 prompt tokens, 64 output, ignore_eos) at --concurrency, and prints:
-- the decode worker's steps at that batch size: the period (start to start; a mean ITL is its mean, token transport
-  being pipelined) = the step's CPU time on the engine thread + its wait for a core (run_delay in /proc schedstat:
-  another thread on the model's core) + blocked (the rest of the step's wall time: waiting for the GIL) + the gap
-  between steps (the loop's own work). The steps are timed by benchmarks/decode_period_site/sitecustomize.py,
-  put on PYTHONPATH: in the decode worker alone it wraps LLMEngine.step; nothing served changes.
+- the decode worker's decode steps over the run, from its /metrics scraped before and after it (disagg_engine_step_*):
+  the period (start to start while the engine stayed busy; a mean ITL is its mean, token transport being pipelined)
+  = the step's CPU time on the engine thread + waiting (the rest of the step's wall time: for a core or the GIL) + the
+  gap between steps (the loop's own work), with the rows a step ran on average (medians from the histograms'
+  buckets). A metric holds no single step: the run's steps are not told apart by batch size, and a step's own wait
+  for a core (its run_delay in /proc schedstat) is not split out of waiting; the engine thread's wait for a core over
+  the run is in the thread table below.
 - every thread of every process `up` started: CPU ms and context switches per output token over the run, its run-queue
   wait, and the cores it was seen running on (sampled every 10 ms).
 Compare the step's CPU time with the in-process step of `python -m benchmarks.cpu_step` run just before or after:
@@ -20,21 +22,18 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.decode_period_site.sitecustomize import read_steps  # noqa: E402
+from benchmarks.processes import REPO_ROOT, free_port  # noqa: E402
+from benchmarks.scrape import scrape_url  # noqa: E402
+from benchmarks.step_metrics import CPU, PERIOD, SEQUENCES, STEP, buckets, quantile, total, window  # noqa: E402
 from benchmarks.vllm_cpu import Server  # noqa: E402
-from benchmarks.processes import REPO_ROOT  # noqa: E402
-
-SITE = Path(__file__).resolve().parent / "decode_period_site"
 
 
 def _read(path: str) -> str:
@@ -99,20 +98,28 @@ def bench(url: str, concurrency: int, prompts: int, out: Path) -> dict:
     return json.loads(out.read_text())["summary"]
 
 
-def period_report(records: list, batch: int) -> str:
-    """The decode steps that ran `batch` requests, median and mean of each part (ms)."""
-    steps = [r for r in records if r[4] == batch]
-    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if b[0] - a[1] < 0.05]  # consecutive steps of one run
-    parts = {"period": [(b[0] - a[0]) * 1e3 for a, b in pairs],
-             "gap between steps": [(b[0] - a[1]) * 1e3 for a, b in pairs],
-             "step wall": [(r[1] - r[0]) * 1e3 for r in steps], "step CPU": [r[2] * 1e3 for r in steps],
-             "waiting for a core": [r[3] * 1e3 for r in steps],
-             "blocked (GIL)": [((r[1] - r[0]) - r[2] - r[3]) * 1e3 for r in steps]}
-    lines = [f"decode steps of {batch} sequences: {len(steps)}"]
-    for name, values in parts.items():
-        if values:
-            lines.append(f"  {name:<20} median {statistics.median(values):6.2f}  "
-                         f"mean {statistics.fmean(values):6.2f} ms")
+def metrics_url(pid: int) -> str:
+    """A child's /metrics, from the --metrics-port `up` gave it (with --metrics-port-base, the port itself)."""
+    argv = _read(f"/proc/{pid}/cmdline").split("\0")
+    return f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics"
+
+
+def period_report(delta: dict[str, float]) -> str:
+    """The decode steps of one run (step_metrics.window of the decode worker's scrapes), mean and median (ms)."""
+    steps, periods = total(delta, STEP + "_count", kind="decode"), buckets(delta, PERIOD, kind="decode")
+    count = periods[-1][1] if periods else 0.0
+    if not steps or not count:
+        return "decode steps: none"
+    wall, cpu = total(delta, STEP + "_sum", kind="decode") / steps, total(delta, CPU, kind="decode") / steps
+    period = total(delta, PERIOD + "_sum", kind="decode") / count
+    median = quantile(periods, 0.5)
+    lines = [f"decode steps: {steps:.0f}, {total(delta, SEQUENCES, kind='decode') / steps:.1f} sequences a step "
+             "on average",
+             f"  {'period':<20} median {median * 1e3:6.2f}  mean {period * 1e3:6.2f} ms",
+             f"  {'step wall':<20} median {quantile(buckets(delta, STEP, kind='decode'), 0.5) * 1e3:6.2f}  "
+             f"mean {wall * 1e3:6.2f} ms"]
+    for name, value in (("step CPU", cpu), ("waiting (core, GIL)", wall - cpu), ("gap between steps", period - wall)):
+        lines.append(f"  {name:<20} {'':13} mean {value * 1e3:6.2f} ms")
     return "\n".join(lines)
 
 
@@ -124,31 +131,28 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8111)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="decode-period-") as tmp:
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")])),
-               "DISAGG_STEP_TIMES_DIR": tmp}
         up = [sys.executable, "-m", "services", "up", "--http-port", str(args.port), "--router-port", "0",
-              "--metrics-port-base", "-1", "--dtype", "bfloat16", *args.ours_args.split()]
-        server = Server("disagg", up, env, args.port)
+              "--metrics-port-base", str(free_port()), "--dtype", "bfloat16", *args.ours_args.split()]
+        server = Server("disagg", up, {}, args.port)
         try:
             server.start(Path(tmp), 300)
             procs = children(server.process.pid)
+            decode = metrics_url(next(pid for pid, module in procs.items() if module == "services.decode"))
             bench(server.url, 1, 2, Path(tmp) / "warmup.json")
-            for old in Path(tmp).glob("steps-*.jsonl"):
-                old.unlink()  # the warm-up's steps (a later write may still hold some: filtered by time below)
             before = {pid: thread_stats(pid) for pid in procs}
+            steps_before = scrape_url(decode)
             sampler = CoreSampler(list(procs))
             sampler.start()
-            started = time.perf_counter()
             summary = bench(server.url, args.concurrency, args.num_prompts, Path(tmp) / "run.json")
             sampler.stop.set()
             after = {pid: thread_stats(pid) for pid in procs}
+            steps = window([scrape_url(decode)], [steps_before])
         finally:
-            server.stop()  # the decode worker writes its steps at exit
-        records = [r for worker in read_steps(tmp) for r in worker if r[0] >= started]
+            server.stop()
     tokens = summary["output_tokens"]
     print(f"concurrency {args.concurrency}: out tok/s {summary['output_throughput']:.1f}, TTFT mean "
           f"{summary['ttft']['mean']:.1f} ms, ITL mean {summary['itl']['mean']:.2f} ms, load {os.getloadavg()[0]:.2f}")
-    print(period_report(records, args.concurrency))
+    print(period_report(steps))
     print(f"threads (per output token, {tokens} tokens):")
     for pid, module in procs.items():
         print(f"  {module} ({pid})")

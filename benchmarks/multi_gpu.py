@@ -37,13 +37,15 @@ collections and their ms) and `disagg bench`'s JSON, per request, in OUT/points/
 default to enough processes for the highest rate's output tokens/s (ROUTER_TOK_S, CLIENT_TOK_S a process): at 72 req/s
 x 128 tokens one router would stream 9 216 tok/s, past what its event loop relays without delaying the tokens.
 
---step-times: every decode worker times its engine steps (benchmarks/decode_period_site on its PYTHONPATH), and each
-point gets `decode_steps`: the step period (start to start, what a token's ITL is made of) p50 / p90 / p99, and of
-the long periods (over 2.5 × the median) how many followed a step with no step launched ahead (async scheduling's
-pipeline broken: a request joined or the batch changed), how many changed the running batch, and their mean wall,
-engine-thread CPU and gap after the step; and where a decode worker prefilled prompts itself (`+q`), the share of
-mixed steps (begun with prompt tokens to compute) and their period p50 / p99. So an ITL p99 says whether it is GPU
-work, host work or waiting.
+--step-times: each point gets `decode_steps`, read from the decode workers' engine step metrics
+(disagg_engine_step_*, scraped before and after it: benchmarks/step_metrics.py): the step period (start to start,
+what a token's ITL is made of) p50 / p90 / p99 and mean (quantiles from the histogram's buckets), the steps' mean wall,
+engine-thread CPU and rows, the share of periods begun by a step not launched ahead (async scheduling's pipeline
+broken: a request joined or the batch changed), the long periods (over 2.5 × the median) and how many of them began
+so; and where a decode worker prefilled prompts itself (`+q`), the share of mixed periods (begun by a step with a
+prompt chunk beside its decode rows) and their p50 / p99. So an ITL p99 says whether it is GPU work, host work or
+waiting. A metric holds no single step, so what the long periods' own steps did (their batch change, wall, CPU and the
+gap after them) is not in it.
 """
 from __future__ import annotations
 
@@ -67,15 +69,14 @@ from common.engine.config import EngineConfig, default_max_num_seqs  # noqa: E40
 from services.cli.bench.workload import LengthDist  # noqa: E402
 from services.cli.bench.stats import CLIENT_LOOP_SATURATED  # noqa: E402
 from services.router.config import DECODE_STREAMS  # noqa: E402
-from benchmarks.decode_period_site.sitecustomize import read_steps  # noqa: E402
 from benchmarks.disagg_sweep import pull_sums  # noqa: E402
 from benchmarks.gpu_engine_vs_hf import SHAPES, shape_arg  # noqa: E402
 from benchmarks.gpu_kv_plane import model_dir  # noqa: E402
 from benchmarks.cpu_time import TICKS_PER_S, cpu_ticks  # noqa: E402
 from benchmarks.scrape import scrape  # noqa: E402
+from benchmarks.step_metrics import step_summary, window  # noqa: E402
 from benchmarks.processes import REPO_ROOT, ServiceProcess, start_services  # noqa: E402
 
-STEP_SITE = Path(__file__).resolve().parent / "decode_period_site"
 # What one process of the measuring side streams while it stays well inside its one event loop
 # (docs/benchmarks/multi_gpu.md: one router streams about 7 000 tokens/s with a Decode stream per request and 11 000
 # with shared streams at a whole core; two bench clients timing 7 000 tok/s between them used 0.86-0.92 of a core each,
@@ -141,7 +142,7 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: i
         if step_tokens:  # the step's whole budget: a threshold alone bounds one prompt's chunk, not the step's
             flags += ("--max-num-batched-tokens", str(step_tokens), "--long-prefill-token-threshold", str(step_tokens))
         specs.append((role, flags))
-    workers = start_services(specs, timeout_s=600, env=step_times_env(layout, chunk, args))
+    workers = start_services(specs, timeout_s=600)
     prefill = [w.address for w, (role, _) in zip(workers, specs) if role == "prefill"]
     decode = [w.address for w, (role, _) in zip(workers, specs) if role == "decode"]
     flags = ["--model", str(model), "--decode-workers", ",".join(decode), "--http-port", "0",
@@ -160,55 +161,6 @@ def start_layout(layout: Layout, model: Path, args: argparse.Namespace, chunk: i
     return workers, routers
 
 
-def step_times_env(layout: Layout, chunk: int | None, args: argparse.Namespace) -> dict[str, str] | None:
-    if not args.step_times:
-        return None
-    folder = step_dir(layout, chunk, args)
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("steps-*.jsonl"):
-        old.unlink()
-    path = os.pathsep.join(filter(None, (str(STEP_SITE), os.environ.get("PYTHONPATH"))))
-    return {"PYTHONPATH": path, "DISAGG_STEP_TIMES_DIR": str(folder)}
-
-
-def step_dir(layout: Layout, chunk: int | None, args: argparse.Namespace) -> Path:
-    return args.out / "steps" / (layout.name if chunk is None else f"{layout.name}-chunk{chunk}")
-
-
-def step_summary(records: list[list[float]], start: float, end: float) -> dict | None:
-    """The decode steps one point ran (records of every decode worker, each worker's own sequence): see --step-times.
-    A record is (start, end, engine-thread CPU s, core wait s, running after, launched-ahead step waiting, prompt
-    tokens to compute at its start: a step with some is mixed, a chunk beside the decode rows)."""
-    periods = []
-    for worker in records:
-        steps = [r for r in worker if start <= r[0] <= end]
-        for a, b in zip(steps, steps[1:]):
-            periods.append((b[0] - a[0], a, b))
-    if len(periods) < 10:
-        return None
-    median = statistics.median(p for p, _, _ in periods)
-    long = [(p, a, b) for p, a, b in periods if p > 2.5 * median]
-    ms = sorted(p * 1000 for p, _, _ in periods)
-    summary = {"steps": len(periods), "period_p50_ms": round(ms[len(ms) // 2], 2),
-               "period_p90_ms": round(ms[int(len(ms) * 0.9)], 2), "period_p99_ms": round(ms[int(len(ms) * 0.99)], 2),
-               "not_ahead_share": round(sum(1 for _, a, _ in periods if not a[5]) / len(periods), 3),
-               "long": len(long)}
-    mixed = sorted(p * 1000 for p, a, _ in periods if len(a) > 6 and a[6])
-    if mixed:  # a decode worker prefilling a prompt itself (+q): how long its mixed steps make the gaps
-        summary.update({"mixed_share": round(len(mixed) / len(periods), 3),
-                        "mixed_p50_ms": round(mixed[len(mixed) // 2], 2),
-                        "mixed_p99_ms": round(mixed[int(len(mixed) * 0.99)], 2)})
-    if long:
-        summary.update({
-            "long_mean_ms": round(statistics.mean(p for p, _, _ in long) * 1000, 2),
-            "long_not_ahead": sum(1 for _, a, _ in long if not a[5]),
-            "long_batch_changed": sum(1 for _, a, b in long if a[4] != b[4]),
-            "long_wall_ms": round(statistics.mean(a[1] - a[0] for _, a, _ in long) * 1000, 2),
-            "long_cpu_ms": round(statistics.mean(a[2] for _, a, _ in long) * 1000, 2),
-            "long_gap_ms": round(statistics.mean(b[0] - a[1] for _, a, b in long) * 1000, 2)})
-    return summary
-
-
 def pool_note(args: argparse.Namespace, block_size: int = EngineConfig.block_size) -> str | None:
     """A line when a worker's KV pool holds fewer requests of the mean size than --max-num-seqs admits: past that
     many rows in flight (an overloaded point, or slow steps that keep rows longer) a decode worker leaves handoffs
@@ -221,10 +173,6 @@ def pool_note(args: argparse.Namespace, block_size: int = EngineConfig.block_siz
         return None
     return (f"# note: --kv-blocks {args.kv_blocks} hold about {holds} requests of {tokens:g} tokens, fewer than "
             f"the {rows} rows a worker admits (--max-num-seqs): past {holds} rows a decode worker queues handoffs")
-
-
-def step_records(layout: Layout, chunk: int | None, args: argparse.Namespace) -> list[list[list[float]]]:
-    return read_steps(step_dir(layout, chunk, args))
 
 
 def ttft_parts(s: dict) -> dict[str, list[float]] | None:
@@ -332,6 +280,12 @@ def mean_ms_by_role(after: dict[str, tuple[float, float]], before: dict[str, tup
     return out
 
 
+def decode_steps(after: Reading, before: Reading) -> dict | None:
+    """The decode workers' engine steps during one point (see --step-times)."""
+    decode = after.of_role("decode")
+    return step_summary(window(list(decode.values()), [before.samples[p] for p in decode]))
+
+
 def cpu_seconds(pid: int) -> float:
     """The process's user + system CPU seconds so far (all its threads)."""
     return cpu_ticks(pid) / TICKS_PER_S
@@ -428,7 +382,6 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
     started = time.monotonic()
     workers, routers = start_layout(layout, model, args, chunk, streams)
     print(f"# {label}: up in {time.monotonic() - started:.0f}s", flush=True)
-    first, windows = len(results), []
     try:
         # Warm-up, not timed: every kernel shape compiled and every graph captured. 16 requests left a chunked
         # aggregated layout's first point with compiles in it (2xagg chunk 512 failed at 32 req/s, passed at 40).
@@ -438,11 +391,10 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                 print(f"# {label}: --budget-s spent, sweep cut at {rate} req/s", flush=True)
                 return
             before = Reading.of([*workers, *routers])
-            started_at = time.perf_counter()  # CLOCK_MONOTONIC, as the workers' step records
+            started_at = time.perf_counter()
             s = bench_point(routers, rate, point_prompts(rate, args), args, keep=f"{label.replace(' ', '-')}-{rate:g}")
-            windows.append((started_at, time.perf_counter()))
+            seconds = time.perf_counter() - started_at
             after = Reading.of([*workers, *routers])
-            seconds = windows[-1][1] - started_at
             busy = cores_busy(after.role_cpu(), before.role_cpu(), seconds)
             loops = s.get("client_loop_busy") or []
             bound = apparatus_bound(before.routers_cpu(), after.routers_cpu(), loops, busy["bench"],
@@ -462,6 +414,8 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
                      **{key: mean_ms_by_role(totals, wait_totals(before)[key])
                         for key, totals in wait_totals(after).items()}}
             point["meets_slo"] = meets(point, args)
+            if args.step_times:
+                point["decode_steps"] = decode_steps(after, before)
             if bound:
                 point["apparatus_bound"] = bound
                 print(f"# {label} {rate:g} req/s: measured through a saturated {', '.join(bound)}: "
@@ -481,13 +435,6 @@ def sweep(layout: Layout, chunk: int | None, model: Path, args: argparse.Namespa
             router.stop()
         for w in workers:
             w.stop()
-        if args.step_times:  # the workers wrote their last steps at exit
-            records = step_records(layout, chunk, args)
-            for point, (t0, t1) in zip(results[first:], windows):
-                point["decode_steps"] = step_summary(records, t0, t1)
-                steps = json.dumps(point["decode_steps"])
-                print(f"# {label} {point['rate']:g} req/s decode steps: {steps}", flush=True)
-            write(results, args)
 
 
 def saturated(point: dict, args: argparse.Namespace) -> bool:
@@ -650,7 +597,7 @@ def main() -> int:
                              "blocks last)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting new points after this long")
     parser.add_argument("--step-times", action="store_true",
-                        help="time every decode engine step and summarise each point's step periods (see above)")
+                        help="summarise each point's decode engine steps from the workers' metrics (see above)")
     args = parser.parse_args()
     import torch
 

@@ -27,9 +27,14 @@ def scrape(process: ServiceProcess) -> dict[str, float]:
 
 
 def scrape_url(url: str) -> dict[str, float]:
-    """Every sample of one scrape, keyed `name{label="value",...}` with labels sorted (model/role dropped)."""
+    """Every sample of one scrape (samples)."""
     with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+        return samples(response.read().decode())
+
+
+def samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition, keyed `name{label="value",...}` with labels sorted (model and
+    role dropped)."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

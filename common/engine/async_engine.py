@@ -24,6 +24,7 @@ from common.devices import bind_thread
 from common.engine.engine import LLMEngine
 from common.engine.interface import EngineFacts, EngineLoad, EngineRequest, KvBlocks
 from common.engine.request import FinishReason, RequestOutput
+from common.engine.step_facts import StepFacts
 from common.kv.events import Subscriber
 from common.kv.session import KvSession
 
@@ -53,6 +54,10 @@ class AsyncLLMEngine:
         self._stopped = threading.Event()
         # Called on the event loop with how long a step's outputs waited for it (the worker's metric), if set.
         self.output_wait: Callable[[float], None] | None = None
+        # Called on the engine thread after each step that ran something, if set (the worker's step metrics): what
+        # it ran, its wall and engine-thread CPU seconds, and the period it closed: (the step before, the seconds
+        # from that one's start to this one's) where the engine stayed busy between them (None after an idle wait).
+        self.step_done: Callable[[StepFacts, float, float, tuple[StepFacts, float] | None], None] | None = None
         self.warm_up_s: float | None = None  # how long from_config's warm-up took (None: none ran)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -210,17 +215,26 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         engine = self.engine
         bind_thread(engine.config.device)  # a new thread starts on GPU 0
+        previous: tuple[StepFacts, float] | None = None  # the last step and its start, while the engine stayed busy
         while not self._stopped.is_set():
             self._run_commands(block=not engine.has_unfinished_requests())
             if not engine.has_unfinished_requests():
                 engine.expire_sessions()
+                previous = None
                 continue
+            started, cpu = time.perf_counter(), time.thread_time()
             try:
                 outputs = engine.step()
             except Exception as exc:  # a broken step fails its requests, not the process
                 log.exception("engine step failed; failing %d requests", len(self._streams))
                 self._fail_all(exc)
+                previous = None
                 continue
+            step = engine.last_step
+            if self.step_done is not None and step is not None:
+                self.step_done(step, time.perf_counter() - started, time.thread_time() - cpu,
+                               None if previous is None else (previous[0], started - previous[1]))
+            previous = None if step is None else (step, started)
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

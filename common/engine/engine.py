@@ -14,6 +14,7 @@ from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
                                    SamplingParams, TokenLogprob, check_fits_context)
 from common.engine.scheduler import Scheduler
+from common.engine.step_facts import StepFacts, step_facts
 from common.engine.stopping import StopRule
 from common.engine.interface import EngineLoad, KvBlocks
 from common.errors import InvalidRequest, NotFound, ResourceExhausted
@@ -58,6 +59,7 @@ class LLMEngine:
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
                                  else config.async_scheduling)
         self._ahead: StepLaunch | None = None  # the decode step launched before the last one was read
+        self.last_step: StepFacts | None = None  # what the last step() ran (None: it ran nothing)
 
     # --- requests ---
 
@@ -210,6 +212,7 @@ class LLMEngine:
         self.runner.bind()
         self.scheduler.publish_growth()  # (steps launched ahead schedule no one: an import still sees it fresh)
         launched, self._ahead = self._ahead, None
+        launched_ahead, self.last_step = launched is not None, None
         if launched is not None and launched.awaits_masks:
             self.runner.sample_masked(launched, [r.grammar if self._live(r) else None for r in launched.sampled])
         if launched is None:
@@ -225,6 +228,7 @@ class LLMEngine:
                 return []
             self.block_manager.steps_launched += 1
             launched = self.runner.launch(batch)
+        self.last_step = step_facts(launched.scheduled, launched_ahead)
         try:
             if self.async_scheduling:
                 self._ahead = (self._launch_ahead(launched) or self._launch_prompts_ahead(launched)

@@ -21,6 +21,9 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 _PART_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                  60.0)
 _PULL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Engine steps: fine from a GPU decode step (~1 ms) to a CPU one (tens of ms), so a bench can read its quantiles.
+_STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.0125,
+                 0.015, 0.0175, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 # name → (kind, help, extra label names); the one table of every metric disagg exports.
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -67,6 +70,19 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_engine_output_wait_seconds": ("histogram", "How long a step's outputs waited for this worker's event loop "
                                           "(the engine thread handed them over → the loop took them): the loop busy, "
                                           "or the engine thread holding the GIL.", ()),
+    "disagg_engine_step_seconds": ("histogram", "Wall time of one engine step on the engine thread (launch to its "
+                                   "tokens booked), by kind: decode (every row one token), prefill (prompt chunks "
+                                   "alone) or mixed (chunks beside decode rows).", ("kind",)),
+    "disagg_engine_step_period_seconds": ("histogram", "Start of one engine step to the start of the next while the "
+                                          "engine stayed busy: what a token's inter-token latency is made of. By the "
+                                          "first step's kind and whether it had been launched ahead (no: async "
+                                          "scheduling's pipeline was broken, a request joined or the batch changed).",
+                                          ("kind", "launched_ahead")),
+    "disagg_engine_step_cpu_seconds_total": ("counter", "CPU seconds the engine thread spent in its steps, by kind "
+                                             "(against disagg_engine_step_seconds_sum: the rest of a step's wall time "
+                                             "it waited, for the GPU, a core or the GIL).", ("kind",)),
+    "disagg_engine_step_sequences_total": ("counter", "Sequences (rows) the engine steps ran, by kind (over "
+                                           "disagg_engine_step_seconds_count: the mean batch).", ("kind",)),
     "disagg_grammar_compile_seconds": ("histogram", "Duration of one structured-output grammar compile that succeeded "
                                        "(a cache hit included), by grammar backend.", ("backend",)),
     "disagg_grammar_compiles_total": ("counter", "Structured-output grammar compiles by grammar backend and outcome "
@@ -81,7 +97,8 @@ _BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_ttft
             "disagg_e2e_request_latency_seconds": _E2E_BUCKETS, "disagg_kv_pull_seconds": _PULL_BUCKETS,
             "disagg_encode_latency_seconds": _LATENCY_BUCKETS, "disagg_gc_pause_seconds": _PULL_BUCKETS,
             "disagg_engine_output_wait_seconds": _PULL_BUCKETS, "disagg_event_loop_lag_seconds": _PULL_BUCKETS,
-            "disagg_grammar_compile_seconds": _PULL_BUCKETS}
+            "disagg_grammar_compile_seconds": _PULL_BUCKETS, "disagg_engine_step_seconds": _STEP_BUCKETS,
+            "disagg_engine_step_period_seconds": _STEP_BUCKETS}
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 
@@ -147,3 +164,15 @@ def observe_grammar_compile(metrics: Metrics, backend: str, outcome: str, second
     metrics.get("disagg_grammar_compiles_total", backend=backend, outcome=outcome).inc()
     if outcome == "compiled":
         metrics.get("disagg_grammar_compile_seconds", backend=backend).observe(seconds)
+
+
+def observe_engine_step(metrics: Metrics, step, wall_s: float, cpu_s: float, period) -> None:
+    """One engine step (AsyncLLMEngine.step_done, on the engine thread): `step` is its StepFacts, `period` the
+    (StepFacts, seconds) of the step period it closed, or None."""
+    metrics.get("disagg_engine_step_seconds", kind=step.kind).observe(wall_s)
+    metrics.get("disagg_engine_step_cpu_seconds_total", kind=step.kind).inc(cpu_s)
+    metrics.get("disagg_engine_step_sequences_total", kind=step.kind).inc(step.sequences)
+    if period is not None:
+        began, seconds = period
+        ahead = "yes" if began.launched_ahead else "no"
+        metrics.get("disagg_engine_step_period_seconds", kind=began.kind, launched_ahead=ahead).observe(seconds)

@@ -25,7 +25,7 @@ from common.errors import DisaggError, Unavailable
 from common.kv.layout import KvLayout
 from common.kv.offer import PREFERENCE, known_transports, parse_transports
 from common.kv.paths import KvPath, open_path
-from common.telemetry.metrics import Metrics, observe_engine_load, observe_grammar_compile
+from common.telemetry.metrics import Metrics, observe_engine_load, observe_engine_step, observe_grammar_compile
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.kit.convert import kv_event_to_proto
 from services.worker.engine_flags import add_engine_args, effective_engine_json, engine_config_from_args
@@ -203,6 +203,7 @@ class EngineRole:
         if hasattr(engine, "output_wait") and state.metrics is not None:  # our engine's bridge (not trtllm's)
             engine.output_wait = state.metrics.get("disagg_engine_output_wait_seconds").observe
             engine.grammar_compiles = functools.partial(observe_grammar_compile, state.metrics)
+            engine.step_done = functools.partial(observe_engine_step, state.metrics)
         state.engine = engine
         state.tensor_source = state.kv_path
 

@@ -121,3 +121,20 @@ def test_each_steps_outputs_report_how_long_they_waited_for_the_event_loop(engin
     assert 1 <= len(waits) <= GREEDY.max_tokens  # one a step at most (a step's outputs go in one call)
     assert all(thread == loop_thread and seconds >= 0 for seconds, thread in waits)
     assert max(seconds for seconds, _ in waits) >= 0.05
+
+
+def test_each_step_reports_what_it_ran_and_the_period_it_closed_on_the_engine_thread(engines):
+    # The worker's disagg_engine_step_* metrics: a prompt step first (it closes no period: the engine was idle
+    # before it), then decode steps, each closing the period begun by the step before it.
+    async_engine, _ = engines
+    steps: list[tuple] = []
+    async_engine.step_done = lambda step, wall, cpu, period: steps.append(
+        (step, wall, cpu, period, threading.current_thread().name))
+
+    tokens = asyncio.run(_collect(async_engine, "s", list(range(3, 12))))
+    assert len(tokens) == GREEDY.max_tokens
+    assert steps[0][0].kind == "prefill" and steps[0][3] is None
+    assert {step.kind for step, *_ in steps[1:]} == {"decode"} and all(s[0].sequences == 1 for s in steps)
+    assert all(wall >= 0 and cpu >= 0 and thread == "engine-loop" for _, wall, cpu, _, thread in steps)
+    for (before, *_), (_, _, _, period, _) in zip(steps, steps[1:]):
+        assert period is not None and period[0] is before and period[1] > 0

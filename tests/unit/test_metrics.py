@@ -9,7 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.pb.disagg.v1 import worker_pb2
-from common.telemetry.metrics import METRICS, Metrics, observe_engine_load
+from common.engine.step_facts import StepFacts, step_facts
+from common.telemetry.metrics import METRICS, Metrics, observe_engine_load, observe_engine_step
 
 
 def _samples(metrics: Metrics) -> dict[str, float]:
@@ -54,6 +55,34 @@ def test_engine_load_becomes_gauges_and_expired_sessions_and_preemptions_count_u
     observe_engine_load(metrics, load)
     assert _samples(metrics)["disagg_kv_sessions_expired_total"] == 5
     assert _samples(metrics)["disagg_preemptions_total"] == 4
+
+
+def test_an_engine_step_is_counted_by_its_kind_and_its_period_by_the_step_that_began_it():
+    from prometheus_client import generate_latest
+
+    metrics = Metrics.create("decode", "m")
+    mixed, decode = StepFacts("mixed", 3, launched_ahead=False), StepFacts("decode", 4, launched_ahead=True)
+    observe_engine_step(metrics, mixed, 0.02, 0.015, None)  # the first step after an idle wait closes no period
+    observe_engine_step(metrics, decode, 0.004, 0.003, (mixed, 0.021))
+    observe_engine_step(metrics, decode, 0.004, 0.001, (decode, 0.005))
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "role")))): s.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for s in family.samples}
+    assert samples["disagg_engine_step_seconds_count", (("kind", "decode"),)] == 2
+    assert samples["disagg_engine_step_seconds_sum", (("kind", "mixed"),)] == pytest.approx(0.02)
+    assert samples["disagg_engine_step_cpu_seconds_total", (("kind", "decode"),)] == pytest.approx(0.004)
+    assert samples["disagg_engine_step_sequences_total", (("kind", "decode"),)] == 8
+    period = "disagg_engine_step_period_seconds"
+    assert samples[f"{period}_sum", (("kind", "mixed"), ("launched_ahead", "no"))] == pytest.approx(0.021)
+    assert samples[f"{period}_count", (("kind", "decode"), ("launched_ahead", "yes"))] == 1
+    assert samples[f"{period}_bucket", (("kind", "decode"), ("launched_ahead", "yes"), ("le", "0.005"))] == 1
+    assert samples[f"{period}_bucket", (("kind", "decode"), ("launched_ahead", "yes"), ("le", "0.004"))] == 0
+
+
+def test_a_step_is_decode_prefill_or_mixed_by_its_rows():
+    assert step_facts([("a", 1), ("b", 1)], launched_ahead=True) == StepFacts("decode", 2, True)
+    assert step_facts([("a", 512)], launched_ahead=False) == StepFacts("prefill", 1, False)
+    assert step_facts([("a", 1), ("b", 256)], launched_ahead=False).kind == "mixed"
 
 
 def test_the_endpoint_serves_the_registry_on_a_free_port():

@@ -3,8 +3,14 @@ aggregated run is the peer, the ratio of SLO rates, and the per-rate ratios only
 saturation."""
 import argparse
 
+from prometheus_client import generate_latest
+
 from benchmarks.multi_gpu import (CLIENT_TOK_S, ROUTER_TOK_S, apparatus_bound, comparison, mean_ms_by_role,
-                                  pool_note, replicas, saturated, step_summary, table)
+                                  pool_note, replicas, saturated, table)
+from benchmarks.scrape import samples
+from benchmarks.step_metrics import step_summary, window
+from common.engine.step_facts import StepFacts
+from common.telemetry.metrics import Metrics, observe_engine_step
 
 ARGS = argparse.Namespace(slo_ttft_p90_ms=250.0, slo_itl_p99_ms=15.0)
 
@@ -52,20 +58,28 @@ def test_saturation_is_a_failure_a_low_completion_rate_or_a_runaway_ttft():
     assert saturated(point("1P1D", "x", 64, 1001.0, 9.0, 1.0), ARGS)
 
 
-def test_step_summary_splits_out_the_mixed_steps_of_a_decode_worker_that_prefills():
-    # 20 decode steps 5 ms apart, then 5 mixed ones (prompt tokens to compute at their start) 12 ms apart; records
-    # from before the point's window are left out.
-    records, t = [[-1.0, -0.99, 0.0, 0.0, 1, 1, 0]], 0.0
-    for i in range(26):
-        mixed = 20 <= i < 25
-        records.append([t, t + 0.004, 0.001, 0.0, 8, 1, 256 if mixed else 0])
-        t += 0.012 if mixed else 0.005
-    summary = step_summary([records], 0.0, t)
-    assert summary["steps"] == 25
-    assert summary["period_p50_ms"] == 5.0
-    assert summary["mixed_share"] == 0.2 and summary["mixed_p50_ms"] == 12.0 and summary["mixed_p99_ms"] == 12.0
-    # Records of a hook without the field (before it recorded prompt tokens) have no mixed figures.
-    assert "mixed_share" not in step_summary([[r[:6] for r in records]], 0.0, t)
+def test_step_summary_reads_a_points_decode_steps_from_the_workers_step_metrics():
+    # Steps before the point's window are left out; in it, 20 decode periods of 5 ms begun by steps launched ahead,
+    # then 5 of 20 ms begun by mixed steps (a prompt chunk beside the decode rows) that were not.
+    metrics = Metrics.create("decode", "m")
+    decode, mixed = StepFacts("decode", 8, launched_ahead=True), StepFacts("mixed", 8, launched_ahead=False)
+    for _ in range(10):
+        observe_engine_step(metrics, decode, 0.1, 0.1, (decode, 1.0))
+    before = samples(generate_latest(metrics.registry).decode())
+    for i in range(25):
+        began = mixed if i >= 20 else decode
+        observe_engine_step(metrics, began, 0.004, 0.001, (began, 0.02 if began is mixed else 0.005))
+    after = samples(generate_latest(metrics.registry).decode())
+    summary = step_summary(window([after], [before]))
+    assert summary["steps"] == 25 and summary["mean_sequences"] == 8.0
+    assert 4.0 <= summary["period_p50_ms"] <= 5.0  # read from the (4, 5] ms bucket
+    assert summary["period_mean_ms"] == 8.0 and summary["step_wall_mean_ms"] == 4.0
+    assert summary["step_cpu_mean_ms"] == 1.0
+    assert summary["not_ahead_share"] == 0.2 and summary["long"] == 5 and summary["long_not_ahead"] == 5
+    assert summary["mixed_share"] == 0.2 and 17.5 <= summary["mixed_p50_ms"] <= 20.0
+    # A window of decode steps alone has no mixed figures; one of fewer than 10 periods, no summary.
+    assert "mixed_share" not in step_summary(window([before], [{}]))
+    assert step_summary(window([after], [after])) is None
 
 
 def test_a_pool_smaller_than_the_batch_limit_is_said_before_the_run():
