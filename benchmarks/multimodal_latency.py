@@ -2,7 +2,7 @@
 
     python -m benchmarks.multimodal_latency [--requests 8] [--output-tokens 32] [--image-size 336]
 
-SmolLM2-135M as the text model under a small random CLIP tower (tests/tiny_llava.py), float32,
+SmolLM2-135M as the text model under a small random CLIP tower (benchmarks/tiny_llava.py), float32,
 greedy, ignore_eos, one request at a time. Each request has a new image (no prefix-cache hit),
 then the same requests are sent again (their image blocks come from the prefix cache). TTFT and
 end-to-end latency are measured at the client; HF is `generate` in this process with the
