@@ -32,7 +32,7 @@ def _name(pid: int) -> str:
 @pytest.mark.slow
 def test_every_process_of_disagg_up_is_idle_after_serving(text_model):  # noqa: F811
     backends = "auto" if nixl_unavailable_reason() is not None else "nixl,grpc"
-    up = Up("--model", text_model, "--router-port", "0", env={"DISAGG_KV_TRANSFER_BACKENDS": backends,
+    up = Up("--model", text_model, "--router-port", "0", env={"DISAGG_KV_TRANSPORTS": backends,
                                                                "OMP_NUM_THREADS": "1"})
     try:
         router = up.wait()
