@@ -95,19 +95,19 @@ class ServiceProcess:
     @property
     def metrics_address(self) -> str | None:
         """host:port of the process's Prometheus endpoint, from its log."""
-        for line in self._lines:
-            match = METRICS_LINE.match(last_segment(line))
-            if match:
-                return match["address"]
-        return None
+        return self._log_match(METRICS_LINE, "address")
 
     @property
     def http_url(self) -> str | None:
         """http://host:port of a router's OpenAI-compatible front door, from its log (None: HTTP off)."""
+        return self._log_match(HTTP_LINE, "url")
+
+    def _log_match(self, line_pattern: re.Pattern, group: str) -> str | None:
+        """`group` of the first log line `line_pattern` matches (its last segment), or None."""
         for line in self._lines:
-            match = HTTP_LINE.match(last_segment(line))
+            match = line_pattern.match(last_segment(line))
             if match:
-                return match["url"]
+                return match[group]
         return None
 
     def log(self) -> str:

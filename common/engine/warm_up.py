@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = (16, 128, 512, 2048, 8192)  # prompt (and chunk) sizes whose kernels a GPU builds at first use
 # Triton compiles a kernel once for integer arguments divisible by 16 and again for the rest: each size above runs
-# one token short too, or the first prompt of an odd length compiles in its request (tens of ms of its TTFT).
+# one token short too, so the second variant is built here rather than in the first request of an odd length.
 ODD_BY = 1
 DECODE_BATCH = 32  # short prompts decoded together: the sampler's batched paths
 # Each way a request can be sampled, as changes to a greedy request: the sampler's paths, each run alone once.
