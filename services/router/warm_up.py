@@ -1,7 +1,7 @@
 """Before the request path opens: requests a router runs through its own core before it says SERVING, so that the first
 client request finds warm what every request takes beyond the engine (which warms itself, common/engine/warm_up.py): the
-tokenizer and chat template, the Python of the request path on both sides of each worker's gRPC stream, and a KV handoff
-from each prefill worker (docs/benchmarks/first_request.md: with it a fresh `up`'s first gRPC request is as fast as the
+tokenizer and chat template, the Python of the request path on both sides of each worker's gRPC stream, a KV handoff
+from each prefill worker, and each front door's own paths (FrontDoor.warm_up: the OpenAI door's HTTP server) (docs/benchmarks/first_request.md: with it a fresh `up`'s first gRPC request is as fast as the
 next).
 
 They are short (a few tokens, below a KV block, so no worker caches or reports a block of theirs), count in no
@@ -15,6 +15,7 @@ import time
 
 from common.discovery import Role
 from common.engine.request import SamplingParams
+from services.router import frontends
 from services.router.generation import ChatMessage, GenerationRequest
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
@@ -43,6 +44,9 @@ async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterCon
             await _run(local, f"warm-up-local-{i}")
         for i in range(max(decode, prefill) if prefill else 0):
             await _run(remote, f"warm-up-remote-{i}")
+        for door in frontends.doors():  # each protocol's own paths (the OpenAI door: an HTTP round trip)
+            if door.warm_up is not None:
+                await door.warm_up(local, config)
     except Exception as exc:  # noqa: BLE001 (a worker's RpcError too): serving goes on, cold
         log.warning("router warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
     finally:

@@ -412,3 +412,20 @@ def test_a_request_refused_while_parsing_is_still_counted_by_the_core():
     status, body, _ = post(core, "/v1/chat/completions", {"messages": [], "n": 2})
     assert status == 400 and not core.requests
     assert len(core.rejections) == 1 and isinstance(core.rejections[0], errors.InvalidRequest)
+
+
+def test_the_warm_up_sends_its_calls_through_an_app_of_its_own(tiny_llama):
+    """The router's warm-up (router/warm_up.py) runs the door's calls over loopback HTTP on the core it is given,
+    each to the end; with HTTP off it sends none, and a call that fails says which."""
+    from services.router.config import RouterConfig
+    from services.router.frontends.openai import _WARM_UP_CALLS, warm_up
+
+    core = FakeCore(TWO_WORDS)
+    asyncio.run(warm_up(core, RouterConfig(model=str(tiny_llama), http_port=8000)))
+    assert len(core.requests) == len(_WARM_UP_CALLS) == core.closed
+    assert {r.request_id for r in core.requests} and all(r.params.max_tokens == 2 for r in core.requests)
+    asyncio.run(warm_up(core, RouterConfig(model=str(tiny_llama), http_port=0)))
+    assert len(core.requests) == len(_WARM_UP_CALLS)
+    failing = FakeCore([errors.Unavailable("no decode worker")])
+    with pytest.raises(RuntimeError, match="POST /v1/completions: HTTP 503"):
+        asyncio.run(warm_up(failing, RouterConfig(model=str(tiny_llama), http_port=8000)))

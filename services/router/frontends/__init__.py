@@ -34,13 +34,17 @@ class Listener(Protocol):
 class FrontDoor:
     """What a front door serves: gRPC services on the router's port (added by `add_to_server`; their full names,
     for health and reflection, in `grpc_services`), a listener of its own (`start`, given the process's metrics, None
-    where there are none; it returns None when the config turns it off), or both. `health_methods`: its gRPC methods
+    where there are none; it returns None when the config turns it off), or both, and a `warm_up` of its own.
+`health_methods`: its gRPC methods
     ("/package.Service/Method") that report health, which an API key guards only with --api-key-protects-health."""
 
     grpc_services: tuple[str, ...] = ()
     add_to_server: "Callable[[grpc.aio.Server, Core], None] | None" = None
     start: "Callable[[Core, RouterConfig, Metrics | None], Awaitable[Listener | None]] | None" = None
     health_methods: tuple[str, ...] = ()
+    # Requests the door sends through itself before the router says SERVING, on the core given (the router's
+    # warm-up core: no metrics), so the first client request finds its protocol's code paths warm.
+    warm_up: "Callable[[Core, RouterConfig], Awaitable[None]] | None" = None
 
 
 MODULES_ENV = "DISAGG_ROUTER_FRONTEND_MODULES"

@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -80,8 +81,40 @@ async def start(core: Core, config: RouterConfig, metrics: Metrics | None) -> Ht
         raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
 
 
-def _chat_parsing(config: RouterConfig) -> ChatParsing:
+# What warm_up sends: a streamed completion with logprobs, a streamed chat and a whole one (vLLM's bench and the
+# openai SDK's usual calls), a couple of tokens each.
+_WARM_UP_CALLS = (
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": True, "logprobs": 1,
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+                              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+                              "logprobs": True, "top_logprobs": 1, "ignore_eos": True}),
+)
+
+
+async def warm_up(core: Core, config: RouterConfig) -> None:
+    """Before SERVING, where HTTP is on: the calls above over loopback HTTP, to an app of the door's own making on a
+    free port, served by `core` (the warm-up's, which counts in no metric): aiohttp's server and client paths, the
+    request parsing, the answer shapes and the SSE writer run once before a client's first request takes them."""
+    if not config.http_port:
+        return
+    door = await start_http(core, "127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES, chat=_chat_parsing(config, quiet=True))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path, body in _WARM_UP_CALLS:
+                async with session.post(f"http://127.0.0.1:{door.port}{path}", json=body) as response:
+                    await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"POST {path}: HTTP {response.status}")
+    finally:
+        await door.stop()
+
+
+def _chat_parsing(config: RouterConfig, quiet: bool = False) -> ChatParsing:
     chat = ChatParsing.for_model(config.model, config.tool_call_parser, config.reasoning_parser)
+    if quiet:
+        return chat
     log.info("chat answers: tool calls read by the %s parser (%s), reasoning by %s", chat.tool_call_parser,
              "the chat template renders tools" if chat.template_takes_tools else
              "the chat template has no tools: they are written into the messages", chat.reasoning_parser or "none")
@@ -258,4 +291,4 @@ async def _send(response: web.StreamResponse, chunk: Json) -> None:
     await response.write(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
 
 
-FRONT_DOOR = FrontDoor(start=start)
+FRONT_DOOR = FrontDoor(start=start, warm_up=warm_up)
