@@ -3,8 +3,13 @@ a page edited by hand, or a record changed without rebuilding its page, fails he
 from __future__ import annotations
 
 import json
+import re
 
 from benchmarks import records
+
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 
 
 def test_every_benchmark_page_is_what_its_record_builds():
@@ -18,6 +23,16 @@ def test_every_file_beside_the_pages_belongs_to_a_run():
              for name in records.files_of(run)}
     beside = {path.name for path in records.DOCS.iterdir() if path.is_file()}
     assert sorted(beside - own - named) == []
+
+
+def test_the_docs_outside_the_run_records_carry_no_date_or_commit():
+    """History lives in the records and in git: a page's prose states what is, not when it was measured (code blocks,
+    which show what a command prints, are left out)."""
+    found = []
+    for page in sorted((records.DOCS.parent).glob("*.md")):
+        prose = FENCE.sub("", page.read_text())
+        found += [f"{page.name}: {match}" for match in DATE.findall(prose) + COMMIT.findall(prose)]
+    assert found == []
 
 
 def _record(**run_fields) -> dict:
