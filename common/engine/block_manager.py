@@ -30,6 +30,8 @@ from common.engine.request import Request
 from common.kv.block_hash import ROOT_HASH, hash_block, hash_blocks
 from common.kv.events import KvEventLog
 from common.kv.fence import BlockEpochs
+from common.kv.tiers import KvTiers
+from common.kv.tiers.record import BlockKey
 
 
 @dataclass
@@ -62,6 +64,8 @@ class BlockManager:
         # Free blocks the running requests will grow into (Scheduler.publish_growth): a reservation leaves them.
         self.growth_reserved = 0
         self.lock = threading.RLock()
+        # The tiers below this pool (host memory, disk; common.kv.tiers): evicted blocks go down, hits come up.
+        self.tiers: KvTiers | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,9 +84,11 @@ class BlockManager:
         if not self.enable_prefix_caching or request.block_table or request.sampling.prompt_logprobs is not None:
             return
         with self.lock:
-            self._match_prefix(request)
+            hashes = self._match_prefix(request)
+        if self.tiers is not None and request.mm is None and len(request.block_table) < len(hashes):
+            self._onboard(request, hashes)
 
-    def _match_prefix(self, request: Request) -> None:
+    def _match_prefix(self, request: Request) -> list[int]:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size  # keep one token to compute: we need its logits
         if request.mm is None:
@@ -98,6 +104,49 @@ class BlockManager:
         request.block_hashes = hashes[: len(request.block_table)]
         request.num_computed_tokens = len(request.block_table) * self.block_size
         self.prefix_hit_tokens += request.num_computed_tokens
+        return hashes
+
+    # --- the tiers below (common.kv.tiers) ---
+
+    def prefetch(self, request: Request) -> None:
+        """As a request is queued: have the tiers load its prompt's blocks past those this pool holds."""
+        if (self.tiers is None or not self.enable_prefix_caching or request.mm is not None
+                or request.kv_import is not None or request.sampling.prompt_logprobs is not None):
+            return
+        tokens = request.all_token_ids
+        hashes = hash_blocks(tokens[: (len(tokens) - 1) // self.block_size * self.block_size], self.block_size)
+        start = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes))
+        self.tiers.prefetch(request.request_id, self._tier_keys(tokens, hashes, start))
+
+    def _tier_keys(self, tokens: list[int], hashes: list[int], start: int) -> list[BlockKey]:
+        size = self.block_size
+        return [BlockKey(hashes[i], hashes[i - 1] if i else ROOT_HASH, tuple(tokens[i * size:(i + 1) * size]))
+                for i in range(start, len(hashes))]
+
+    def _onboard(self, request: Request, hashes: list[int]) -> None:
+        """After the device prefix hit: the blocks that follow it from the tiers, verified, into fresh blocks of
+        ours, so that their tokens count as cached. Fetched outside the lock (it may wait for the disk)."""
+        start = len(request.block_table)
+        fetched = self.tiers.fetch(request.request_id, self._tier_keys(request.all_token_ids, hashes, start),
+                                   limit=self.num_free_blocks)
+        with self.lock:
+            fresh = self._pick(min(len(fetched), self.num_free_blocks), request.block_table[-1] if start else None)
+            if not fresh:
+                return
+            self._take_fresh(fresh)
+            self.tiers.install(fresh, fetched[: len(fresh)])
+            stored = []
+            for block_id, block in zip(fresh, fetched):
+                if block.key.hash not in self.cached:
+                    self.blocks[block_id].hash = block.key.hash
+                    self.cached[block.key.hash] = block_id
+                    stored.append(block.key.hash)
+            request.block_table.extend(fresh)
+            request.block_hashes = hashes[: len(request.block_table)]
+            request.num_computed_tokens = len(request.block_table) * self.block_size
+            self.prefix_hit_tokens += len(fresh) * self.block_size
+            if stored and self.events is not None:
+                self.events.stored(stored, hashes[start - 1] if start else None)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False (and no change) if the pool is short."""
@@ -128,7 +177,7 @@ class BlockManager:
             chosen = self._pick(num_blocks, done=self.steps_done)
             if chosen is None:
                 return None
-            self._take_fresh(chosen)
+            self._take_fresh(chosen, off_stream=True)
         return chosen
 
     def _pick(self, needed: int, after: int | None = None, done: int | None = None) -> list[int] | None:
@@ -174,26 +223,33 @@ class BlockManager:
 
     def kv_blocks(self, cache) -> KvBlocks:
         """This pool and the paged `cache` its block ids index, as the KV data plane sees them."""
-        return KvBlocks(cache, self.reserve, self.free_block_ids, self.count_reuse)
+        return KvBlocks(cache, self.reserve, self.free_block_ids, self.count_reuse,
+                        self.tiers.metrics if self.tiers is not None else None)
 
     def count_reuse(self, epochs: BlockEpochs | None) -> None:
         """Bump each block's epoch in `epochs` from now on (None: stop, before the table is closed)."""
         with self.lock:
             self.epochs = epochs
 
-    def _take_fresh(self, block_ids: list[int]) -> None:
+    def _take_fresh(self, block_ids: list[int], off_stream: bool = False) -> None:
         """Take free blocks for new content: out of the free queue and the prefix cache, each one's epoch bumped
         before anything writes it. One loop with its lookups bound once (an import's critical path, and every
-        step's allocation): a free block has no reference yet."""
+        step's allocation): a free block has no reference yet. With tiers, the cached blocks among them are copied
+        out first (`off_stream`: by a caller whose writes are not ordered after the engine's stream: an import)."""
         blocks, free_queue, epochs = self.blocks, self.free_queue, self.epochs
+        evicted = [] if self.tiers is not None else None
         for block_id in block_ids:
             block = blocks[block_id]
             if block.hash is not None:
+                if evicted is not None:
+                    evicted.append((block_id, block.hash))
                 self._evict(block_id)
             free_queue.pop(block_id, None)
             block.ref_count = 1
             if epochs is not None:
                 epochs.bump(block_id)
+        if evicted:
+            self.tiers.capture(evicted, sync=off_stream)
 
     def commit_full_blocks(self, request: Request, extra: bytes = b"") -> None:
         """Register the request's newly completed blocks in the prefix cache."""
@@ -208,14 +264,17 @@ class BlockManager:
         stored: list[int] = []  # newly cached, consecutive: one BlockStored event per run
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
-            h = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size],
-                           extra or self._image_key(request, i))
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            key_extra = extra or self._image_key(request, i)
+            h = hash_block(parent, block_tokens, key_extra)
             request.block_hashes.append(h)
             block = self.blocks[request.block_table[i]]
             if h not in self.cached and block.hash is None:
                 block.hash = h
                 self.cached[h] = block.block_id
                 stored.append(h)
+                if self.tiers is not None and not key_extra:  # (blocks of images stay out of the tiers)
+                    self.tiers.remember(block.block_id, BlockKey(h, parent, tuple(block_tokens)))
             elif stored:
                 self._announce(stored, i - len(stored), request)
                 stored = []

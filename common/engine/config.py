@@ -132,6 +132,13 @@ class EngineConfig:
     structured_output_backend: str = "auto"
     """Which grammar library compiles structured output first: "xgrammar", "guidance" (llguidance), or "auto"
     (common.engine.grammar_choice: xgrammar). A grammar the first refuses is tried on the other."""
+    host_kv_cache_gb: float = 0.0
+    """GB of host memory (pinned on CUDA) for KV blocks evicted from the device pool (common.kv.tiers); 0: none. Not
+    on the CPU, whose device pool is host memory already."""
+    disk_kv_cache_dir: str | None = None
+    """A directory for KV blocks evicted from the device (or host) tier, one file a block; None: no disk tier."""
+    disk_kv_cache_gb: float = 0.0
+    """The disk tier's budget in GB (the whole directory's: the least recently used files go first)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -167,6 +174,13 @@ class EngineConfig:
             (self.structured_output_backend in STRUCTURED_OUTPUT_BACKENDS,
              f"--structured-output-backend must be one of {list(STRUCTURED_OUTPUT_BACKENDS)}, got "
              f"{self.structured_output_backend!r}"),
+            (self.host_kv_cache_gb >= 0, f"--host-kv-cache-gb must be >= 0, got {self.host_kv_cache_gb}"),
+            ((self.disk_kv_cache_dir is None) == (self.disk_kv_cache_gb == 0) and self.disk_kv_cache_gb >= 0,
+             f"--disk-kv-cache-dir and --disk-kv-cache-gb go together (a directory and a budget > 0), got "
+             f"{self.disk_kv_cache_dir!r} and {self.disk_kv_cache_gb}"),
+            (self.enable_prefix_caching or not (self.host_kv_cache_gb or self.disk_kv_cache_dir),
+             "the KV cache tiers (--host-kv-cache-gb, --disk-kv-cache-dir) keep prefix-cache blocks; they need the "
+             "prefix cache (drop --no-prefix-caching)"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

@@ -21,6 +21,7 @@ from common.errors import InvalidRequest, NotFound, ResourceExhausted
 from common.kv.events import KvEventLog
 from common.kv.layout import KvExport, PlacedKv, model_fingerprint
 from common.kv.session import KvSession, KvSessionTable
+from common.kv.tiers import KvTiers, open_tiers, weights_identity
 from common.model_facts import load_model_facts
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class LLMEngine:
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
         self.block_manager.events = self.kv_events
+        self.block_manager.tiers = self.kv_tiers = self._open_tiers(config)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_limit, config.kv_growth_reserve)
         self.sessions = KvSessionTable(config.session_ttl_s)
@@ -118,7 +120,16 @@ class LLMEngine:
         if request.forks:
             self._groups[request_id] = [request, *request.forks]
         self.scheduler.add(request)
+        self.block_manager.prefetch(request)  # (tiers: its blocks past the device's come up meanwhile)
         return request
+
+    def _open_tiers(self, config: EngineConfig) -> KvTiers | None:
+        if not (config.host_kv_cache_gb or config.disk_kv_cache_dir):
+            return None
+        return open_tiers(self.runner.kv_cache, self.kv_layout, weights_identity(config.model, config.load_format,
+                                                                                 config.dummy_seed),
+                          self.block_manager.num_blocks, config.host_kv_cache_gb, config.disk_kv_cache_dir,
+                          config.disk_kv_cache_gb)
 
     def _validate_choices(self, sampling: SamplingParams, choices: list[int], request_type: RequestType,
                           more_first_tokens: list[int]) -> None:
@@ -515,6 +526,8 @@ class LLMEngine:
         """Stop what runs beside this engine (a tensor-parallel engine's follower ranks)."""
         self.runner.close()
         self.grammars.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     # --- convenience for scripts and tests ---
 

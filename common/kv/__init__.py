@@ -21,4 +21,13 @@ VOCABULARY = (
     "common.kv.shards",  # KvShards: a tensor-parallel engine's cache on several GPUs
     "common.kv.shm_files",  # files of this user under /dev/shm
     "common.kv.words",  # FP8 blocks copied as the same bytes viewed as integers
+    # The KV cache tiers below an engine's pool (host memory, disk), which its block manager drives.
+    "common.kv.tiers",
+    "common.kv.tiers.disk",
+    "common.kv.tiers.host",
+    "common.kv.tiers.identity",
+    "common.kv.tiers.metrics",
+    "common.kv.tiers.mover",
+    "common.kv.tiers.record",
+    "common.kv.tiers.stack",
 )

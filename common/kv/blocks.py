@@ -11,6 +11,7 @@ import torch
 
 from common.kv.fence import BlockEpochs
 from common.kv.shards import KvShards
+from common.kv.tiers.metrics import TierMetrics
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class KvBlocks:
     """Give reserved blocks back."""
     count_reuse: Callable[[BlockEpochs | None], None]
     """Exporter: bump a block's epoch in this table (common.kv.fence) each time it is allocated; None stops."""
+    tier_metrics: TierMetrics | None = None
+    """The counts of the KV tiers below the pool (common.kv.tiers), for the worker's metrics; None: no tiers."""
 
 
 MAX_RUNS = 16  # more runs of consecutive blocks than this: one indexed gather instead of a copy per run

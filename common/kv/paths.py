@@ -295,13 +295,14 @@ async def open_path(engine: Engine, exports: bool, accepted: tuple[str, ...], wo
     if not isinstance(engine, KvSessionHost):
         raise InvalidConfig(f"--engine {name} neither hosts KV sessions for the KV data plane nor moves KV itself")
     exporter = None
+    blocks = await engine.kv_blocks()
+    if metrics is not None and blocks.tier_metrics is not None:  # the KV cache tiers below its pool count here
+        blocks.tier_metrics.bind(metrics)
     if exports:
-        blocks = await engine.kv_blocks()
         exporter = KvCacheExporter(blocks.cache, accepted, worker_id, blocks.count_reuse)
     else:  # an importer: what its transports' first pulls would otherwise do (cuda_ipc: compile its copy kernel)
-        cache = (await engine.kv_blocks()).cache
         for accepted_name in accepted:
-            await asyncio.to_thread(transport.class_of(accepted_name).prepare_import, cache)
+            await asyncio.to_thread(transport.class_of(accepted_name).prepare_import, blocks.cache)
     plane = DataPlane(name, accepted, exporter, engine=engine, layout=layout, metrics=metrics)
     if exporter is None:
         plane.start_puller()  # in the background from now, not at the first pull

@@ -88,6 +88,30 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_grammar_compiles_total": ("counter", "Structured-output grammar compiles by grammar backend and outcome "
                                       "(compiled; refused: tried on the other backend, or a 400 where both refuse; "
                                       "timeout: past the limit, a 400).", ("backend", "outcome")),
+    "disagg_kv_tier_hit_blocks_total": ("counter", "KV blocks of prompts brought up from a tier below the device "
+                                        "pool (host, disk) instead of recomputed, by tier.", ("tier",)),
+    "disagg_kv_tier_hit_tokens_total": ("counter", "Prompt tokens whose KV came from a tier below the device pool: "
+                                        "prefill tokens saved, by tier.", ("tier",)),
+    "disagg_kv_tier_onboard_bytes_total": ("counter", "KV bytes brought up from a tier into the device pool, by tier "
+                                           "(over disagg_kv_tier_onboard_seconds_sum: the bandwidth up).", ("tier",)),
+    "disagg_kv_tier_onboard_seconds": ("histogram", "Reading, verifying and copying one request's blocks up from a "
+                                       "tier, by tier.", ("tier",)),
+    "disagg_kv_tier_offload_blocks_total": ("counter", "KV blocks stored into a tier (device evictions into host or "
+                                            "disk, host evictions into disk), by tier.", ("tier",)),
+    "disagg_kv_tier_offload_bytes_total": ("counter", "KV bytes stored into a tier, by tier (over "
+                                           "disagg_kv_tier_offload_seconds_sum: the bandwidth down).", ("tier",)),
+    "disagg_kv_tier_offload_seconds": ("histogram", "Storing one batch of evicted blocks into a tier, by tier.",
+                                       ("tier",)),
+    "disagg_kv_tier_offload_failures_total": ("counter", "KV blocks a tier did not store, by tier and reason "
+                                              "(queue_full: the store queue's byte bound; full: the disk or its "
+                                              "budget; error: another I/O error).", ("tier", "reason")),
+    "disagg_kv_tier_evictions_total": ("counter", "Cached KV blocks evicted from a tier by its LRU, by tier (device: "
+                                       "sent down to the tiers).", ("tier",)),
+    "disagg_kv_tier_recomputes_total": ("counter", "Stored KV blocks that failed a check on their way up and were "
+                                        "recomputed instead, by tier and reason (checksum, truncated, layout, key, "
+                                        "format).", ("tier", "reason")),
+    "disagg_kv_tier_used_bytes": ("gauge", "Bytes a KV tier holds, by tier (disk: the whole directory's, as this "
+                                  "worker last counted).", ("tier",)),
     "disagg_gc_pause_seconds": ("histogram", "Duration of one cyclic garbage collection in this process, by "
                                 "generation: every thread waits for it (start-up objects are frozen out of it).",
                                 ("generation",)),
@@ -98,7 +122,8 @@ _BUCKETS = {"disagg_time_to_first_token_seconds": _LATENCY_BUCKETS, "disagg_ttft
             "disagg_encode_latency_seconds": _LATENCY_BUCKETS, "disagg_gc_pause_seconds": _PULL_BUCKETS,
             "disagg_engine_output_wait_seconds": _PULL_BUCKETS, "disagg_event_loop_lag_seconds": _PULL_BUCKETS,
             "disagg_grammar_compile_seconds": _PULL_BUCKETS, "disagg_engine_step_seconds": _STEP_BUCKETS,
-            "disagg_engine_step_period_seconds": _STEP_BUCKETS}
+            "disagg_engine_step_period_seconds": _STEP_BUCKETS, "disagg_kv_tier_onboard_seconds": _PULL_BUCKETS,
+            "disagg_kv_tier_offload_seconds": _PULL_BUCKETS}
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
 

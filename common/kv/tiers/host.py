@@ -1,0 +1,68 @@
+"""The host tier: blocks in host memory (pinned on CUDA, so they move at the copy engines' rate), LRU by access.
+
+One slab of `capacity // block_bytes` rows, allocated once: pinning memory block by block would cost the engine a
+driver call per store, and the slab's size is the tier's whole footprint. Used from the engine thread (lookups,
+reads) and the tiers' mover thread (stores), under one lock.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from common.kv.tiers.record import BlockKey, StoredBlock
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, pin: bool):
+        self.block_bytes = block_bytes
+        self.num_slots = capacity_bytes // block_bytes
+        self.slab = torch.empty((self.num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._entries: OrderedDict[int, tuple[int, BlockKey, int]] = OrderedDict()  # hash -> (slot, key, checksum)
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._entries
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._entries) * self.block_bytes
+
+    def put(self, block: StoredBlock) -> list[StoredBlock]:
+        """Store `block` (a no-op but for its LRU place if held); returns the blocks evicted for room, each with a
+        copy of its payload, for the tier below."""
+        evicted = []
+        with self._lock:
+            if block.key.hash in self._entries:
+                self._entries.move_to_end(block.key.hash)
+                return evicted
+            if not self.num_slots:
+                return [block]
+            if not self._free:
+                old_hash, (slot, key, sums) = self._entries.popitem(last=False)
+                evicted.append(StoredBlock(key, self.slab[slot].clone(), sums, self.name))
+                self._free.append(slot)
+            slot = self._free.pop()
+            self.slab[slot].copy_(block.payload)
+            self._entries[block.key.hash] = (slot, block.key, block.checksum)
+        return evicted
+
+    def get(self, block_hash: int) -> StoredBlock | None:
+        """A copy of a held block (made its most recent), or None."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None:
+                return None
+            self._entries.move_to_end(block_hash)
+            slot, key, sums = entry
+            return StoredBlock(key, self.slab[slot].clone(), sums, self.name)
+
+    def discard(self, block_hash: int) -> None:
+        with self._lock:
+            entry = self._entries.pop(block_hash, None)
+            if entry is not None:
+                self._free.append(entry[0])

@@ -1,0 +1,226 @@
+"""KvTiers: the tiers below one engine's device pool, as its block manager sees them.
+
+Down: the block manager remembers each full block's key when it enters the prefix cache (`remember`); when a cached
+free block is reused, `capture` copies its KV out before anything can overwrite it (on a GPU, a copy enqueued on the
+engine's stream ahead of the step that reuses the block, into pinned memory) and the mover thread stores it: into
+the host tier, whose LRU victims go on to the disk tier (write-back), or straight to disk where there is no host
+tier (the CPU, whose host tier is the device pool itself).
+Up: a new request's blocks past its device prefix hit are loaded and verified by the mover as it is queued
+(`prefetch`, overlapped with the steps before its admission); at admission the block manager takes what was staged
+(`fetch`: loading the rest itself) and `install` copies it into fresh device blocks, which then count as cached.
+Keys are the prefix cache's chained block hashes in every tier. A block that fails a check is recomputed, counted.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+import torch
+
+from common.kv.tiers.disk import DiskFull, DiskTier
+from common.kv.tiers.host import HostTier
+from common.kv.tiers.identity import TierLayout
+from common.kv.tiers.metrics import TierMetrics
+from common.kv.tiers.mover import Mover
+from common.kv.tiers.record import BlockKey, RecordRejected, StoredBlock, checksum, decode
+
+log = logging.getLogger(__name__)
+
+
+class KvTiers:
+    MAX_STAGED = 64  # requests whose prefetched blocks wait for their admission (an aborted one's are dropped)
+    FETCH_WAIT_S = 10.0  # at most this long for a prefetch at admission; then its blocks load on the engine thread
+
+    def __init__(self, cache: torch.Tensor, layout: TierLayout, host: HostTier | None, disk: DiskTier | None,
+                 metrics: TierMetrics, max_prefetch_blocks: int, mover: Mover | None = None):
+        self.layout = layout
+        self.device = cache.device
+        self.cache_bytes = cache.view(torch.uint8)  # [layers, 2, blocks, block_size, kv_heads, head_dim · itemsize]
+        self.block_bytes = self.cache_bytes[:, :, 0].numel()
+        self.host, self.disk, self.metrics = host, disk, metrics
+        self.max_prefetch_blocks = max_prefetch_blocks
+        self.mover = mover or Mover()
+        self._pinned = self.device.type == "cuda"
+        self._keys: dict[int, BlockKey] = {}  # device block id -> the key of the cached block it holds
+        self._staged: OrderedDict[str, Future] = OrderedDict()
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in (self.host, self.disk) if t is not None]
+
+    # --- down (engine thread, then the mover) ---
+
+    def remember(self, block_id: int, key: BlockKey) -> None:
+        self._keys[block_id] = key
+
+    def capture(self, evicted: list[tuple[int, int]], sync: bool = False) -> None:
+        """Copy out the cached blocks (block id, hash) about to be reused, for the mover to store. Called before
+        anything writes them; `sync`: the copy has finished on return (a caller not on the engine's stream)."""
+        keys, ids = [], []
+        for block_id, block_hash in evicted:
+            key = self._keys.pop(block_id, None)
+            if key is not None and key.hash == block_hash and not (self.host is not None and block_hash in self.host):
+                keys.append(key)
+                ids.append(block_id)
+        if not ids:
+            return
+        self.metrics.evicted("device", len(ids))
+        nbytes = len(ids) * self.block_bytes
+        if not self.mover.has_room(nbytes):
+            self.metrics.store_failed(self.names[0], "queue_full", len(ids))
+            return
+        rows, ready = self._copy_out(ids, sync)
+        if not self.mover.store(lambda: self._store(keys, rows, ready), nbytes):
+            self.metrics.store_failed(self.names[0], "queue_full", len(ids))
+
+    def _copy_out(self, ids: list[int], sync: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        rows = torch.stack([self.cache_bytes[:, :, b] for b in ids]).view(len(ids), -1)
+        if self.device.type != "cuda":
+            return rows, None
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        if sync:
+            ready.synchronize()
+            return host, None
+        return host, ready
+
+    def _store(self, keys: list[BlockKey], rows: torch.Tensor, ready) -> None:
+        if ready is not None:
+            ready.synchronize()
+        blocks = [StoredBlock(key, row, checksum(row)) for key, row in zip(keys, rows)]
+        if self.host is None:
+            self._write_disk(blocks)
+            return
+        started, down = time.perf_counter(), []
+        for block in blocks:
+            down += self.host.put(block)
+        self.metrics.offloaded(self.host.name, len(blocks), len(blocks) * self.block_bytes,
+                               time.perf_counter() - started)
+        self.metrics.used(self.host.name, self.host.used_bytes)
+        if down:
+            self.metrics.evicted(self.host.name, len(down))
+            self._write_disk(down)
+
+    def _write_disk(self, blocks: list[StoredBlock]) -> None:
+        if self.disk is None:
+            return
+        started, written, nbytes = time.perf_counter(), 0, 0
+        for block in blocks:
+            try:
+                size = self.disk.write(block)
+            except DiskFull:
+                self.metrics.store_failed(self.disk.name, "full")
+                continue
+            except OSError as exc:
+                reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error"
+                self.metrics.store_failed(self.disk.name, reason)
+                log.warning("KV disk tier: could not store a block: %s", exc)
+                continue
+            written += size > 0
+            nbytes += size
+        if written:
+            self.metrics.offloaded(self.disk.name, written, nbytes, time.perf_counter() - started)
+
+    # --- up ---
+
+    def prefetch(self, request_id: str, keys: list[BlockKey]) -> None:
+        """Engine thread, as a request is queued: load and verify its blocks `keys` (those past its device hit, in
+        chain order) on the mover, up to the first one no tier holds."""
+        if not keys:
+            return
+        keys = keys[: self.max_prefetch_blocks]
+        self._staged[request_id] = self.mover.load(lambda: self._load_run(keys))
+        while len(self._staged) > self.MAX_STAGED:
+            self._staged.popitem(last=False)
+
+    def fetch(self, request_id: str, keys: list[BlockKey], limit: int) -> list[StoredBlock]:
+        """Engine thread, at admission: the verified blocks of the longest run of `keys` (at most `limit`) the tiers
+        hold, those staged by `prefetch` first."""
+        staged: dict[int, StoredBlock] = {}
+        future = self._staged.pop(request_id, None)
+        if future is not None:
+            try:
+                staged = future.result(timeout=self.FETCH_WAIT_S)
+            except FutureTimeout:
+                log.warning("KV tiers: the prefetch of %s took over %.0f s; loading here", request_id,
+                            self.FETCH_WAIT_S)
+            except Exception:
+                log.exception("KV tiers: the prefetch of %s failed; loading here", request_id)
+        found = []
+        for key in keys[:limit]:
+            block = staged.get(key.hash)
+            if block is None or block.key != key:
+                block = self._load(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
+        """Copy fetched blocks into these device blocks (on the engine's stream: before any step that reads them)."""
+        started, n = time.perf_counter(), len(block_ids)
+        rows = torch.stack([b.payload for b in blocks])
+        if self._pinned:
+            rows = rows.pin_memory()
+        shape = (n, *self.cache_bytes[:, :, 0].shape)
+        values = rows.to(self.device, non_blocking=True).view(shape).permute(1, 2, 0, 3, 4, 5)
+        self.cache_bytes.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=self.device), values)
+        share = (time.perf_counter() - started) / n
+        by_tier: dict[str, list[StoredBlock]] = {}
+        for block_id, block in zip(block_ids, blocks):
+            self._keys[block_id] = block.key
+            by_tier.setdefault(block.tier, []).append(block)
+        for tier, got in by_tier.items():
+            self.metrics.hit(tier, len(got), len(got) * self.layout.block_size, len(got) * self.block_bytes,
+                             sum(b.load_s for b in got) + share * len(got))
+
+    def _load_run(self, keys: list[BlockKey]) -> dict[int, StoredBlock]:
+        found = {}
+        for key in keys:
+            block = self._load(key)
+            if block is None:
+                break
+            found[key.hash] = block
+        return found
+
+    def _load(self, key: BlockKey) -> StoredBlock | None:
+        """`key`'s block from the highest tier holding it, verified (a block that fails is dropped there, counted,
+        and looked for below), or None."""
+        started = time.perf_counter()
+        block = self.host.get(key.hash) if self.host is not None else None
+        if block is not None and not self._passes(block, key, self.host):
+            block = None
+        if block is None and self.disk is not None:
+            data = self.disk.read(key.hash)
+            if data is not None:
+                try:
+                    block = decode(data, self.layout, self.disk.name)
+                except RecordRejected as exc:
+                    self._reject(self.disk, key, exc)
+                    block = None
+                if block is not None and not self._passes(block, key, self.disk):
+                    block = None
+        if block is not None:
+            block.load_s = time.perf_counter() - started
+        return block
+
+    def _passes(self, block: StoredBlock, key: BlockKey, tier) -> bool:
+        try:
+            block.verify(key, self.block_bytes)
+        except RecordRejected as exc:
+            self._reject(tier, key, exc)
+            return False
+        return True
+
+    def _reject(self, tier, key: BlockKey, exc: RecordRejected) -> None:
+        log.warning("KV %s tier: block %016x failed its check (%s); recomputing it", tier.name, key.hash, exc)
+        self.metrics.rejected(tier.name, exc.reason)
+        tier.discard(key.hash)
+
+    def close(self) -> None:
+        self.mover.close()
