@@ -59,18 +59,22 @@ class AsyncLLMEngine:
         # from that one's start to this one's) where the engine stayed busy between them (None after an idle wait).
         self.step_done: Callable[[StepFacts, float, float, tuple[StepFacts, float] | None], None] | None = None
         self.warm_up_s: float | None = None  # how long from_config's warm-up took (None: none ran)
+        self.decode_tokens_per_s: float | None = None  # measured after the warm-up (decode_rate.py; None: not)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        """Load the engine and warm it up (common.engine.warm_up) before its loop starts."""
+        """Load the engine, warm it up (common.engine.warm_up) and, warm, measure its decode rate
+        (common.engine.decode_rate) before its loop starts."""
+        from common.engine.decode_rate import measure_decode_rate
         from common.engine.warm_up import warm_up
 
         engine = LLMEngine(config)
         seconds = warm_up(engine)
+        rate = measure_decode_rate(engine) if seconds is not None else None
         started = cls(engine)
-        started.warm_up_s = seconds
+        started.warm_up_s, started.decode_tokens_per_s = seconds, rate
         return started
 
     @property

@@ -16,18 +16,15 @@ def summary(children: list[Child], plan: "Plan", host: str, http_port: int, keye
     """`keyed`: the router requires an API key (the commands send $DISAGG_API_KEY; the key itself is never shown)."""
     router = children[0].address
     placed = {w.name: w for w in plan.workers}
-    replicas = "".join(f"  {c.name:<10} {c.address}" + (f", HTTP on port {http_port + i}" if http_port else "")
-                       + "  (a replica of the router over the same workers: spread clients over them)\n"
-                       for i, c in enumerate(children[1:plan.routers], start=1))
+    replicas = "".join(f"  {c.name:<10} {c.address}" + (f", HTTP on port {http_port}" if http_port else "")
+                       + "  (a replica on the same ports: new connections are spread over the routers)\n"
+                       for c in children[1:plan.routers])
     workers = "\n".join(f"  {c.name:<10} {c.address}  (gRPC: Worker, Prefiller/Decoder, TensorStore)"
                         + (f"  on {placed[c.name].gpus_text()}" if placed[c.name].devices else "")
                         + (f"; {c.note}" if c.note else "")
                         for c in children[plan.routers:])
     metrics = "\n".join(f"  {c.name:<10} {c.metrics_url}" for c in children if c.metrics_url)
     ca = plan.tls.ca if plan.tls.serves_tls else None
-    addresses = ",".join(c.address for c in children[:plan.routers])
-    spread = (f"  disagg bench --router {addresses}{f' --tls-ca {ca}' if ca else ''}   # a load test over every "
-              "router\n") if plan.routers > 1 else ""
     http = f"{'https' if ca else 'http'}://{host}:{http_port}" if http_port else None
     curl_flags = (f" --cacert {ca}" if ca else "") + (' -H "Authorization: Bearer $DISAGG_API_KEY"' if keyed else "")
     grpcurl_flags = (f"-cacert {ca}" if ca else "-plaintext") + (
@@ -48,7 +45,7 @@ disagg is up: router on {router} (gRPC: disagg.v1.Generation, KServe v2 inferenc
 {f"Prometheus /metrics (kept across restarts):{chr(10)}{metrics}" if metrics else "Prometheus /metrics off"}
 
 {key_line}  disagg generate "Tell me about the sea" --router {router}{f" --tls-ca {ca}" if ca else ""}
-{spread}  grpcurl {grpcurl_flags} {router} list
+  grpcurl {grpcurl_flags} {router} list
   grpcurl {grpcurl_flags} -d '{{"prompt": "The sea is", "sampling": {{"max_tokens": 32, "temperature": 0}}}}' \\
       {router} disagg.v1.Generation/Generate
 {http_lines}
@@ -63,12 +60,8 @@ def placement_notes(plan: "Plan") -> str:
 
 
 def router_note(plan: "Plan") -> str:
-    """One line where one router fronts workers on two GPUs or more: its event loop, not the GPUs, is the ceiling."""
-    gpus = {d for w in plan.workers for d in w.devices}
-    if plan.routers > 1 or len(gpus) < 2:
-        return ""
-    return (f"One router: its event loop relays about 7 000 output tokens/s, which {len(gpus)} GPUs can outrun; "
-            "--routers N starts replicas, spread clients over them\n")
+    """Why this many routers, where up derived the count (services/cli/derive.py): one line."""
+    return f"{plan.router_why}\n" if plan.router_why else ""
 
 
 def sharing(workers: tuple[WorkerPlacement, ...], utilization: float | None) -> str:

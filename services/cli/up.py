@@ -41,6 +41,7 @@ from services.worker.engine_flags import apply_engine_config, engine_argv, engin
 from services.router.config import routing_argv
 from services.cli import banner
 from services.cli.cpu_layout import CpuLayout, cpu_layout
+from services.cli.derive import router_count
 from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
                                     place, shares_gpus)
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
@@ -69,7 +70,9 @@ class Plan:
     cpu: CpuLayout | None = None  # --device cpu: each worker's model cores (None: pinning off)
     why: str = ""  # why this layout, where up chose it (the summary says it)
     tls: TlsConfig = TlsConfig()  # every process's (the flags, else DISAGG_TLS_*)
-    routers: int = 1  # replicas over the same workers (--routers)
+    routers: int = 1  # over the same workers, on the same ports (--routers; derived: 1 until the first is up)
+    derive_routers: bool = False  # no --routers: the count follows what the workers and the first router measured
+    router_why: str = ""  # why that many, once derived (the summary says it)
 
     @property
     def router_names(self) -> list[str]:
@@ -82,9 +85,10 @@ class Plan:
         return [*self.router_names, *(w.name for w in self.workers)]
 
 
-def router_ports(args: argparse.Namespace, index: int) -> tuple[int, int]:
-    """Router `index`'s gRPC and HTTP ports: the next ones after router 0's (0 stays 0: a free port, HTTP off)."""
-    return (args.router_port + index if args.router_port else 0, args.http_port + index if args.http_port else 0)
+def router_ports(args: argparse.Namespace) -> tuple[int, int]:
+    """Every router's gRPC and HTTP ports: the same for all (SO_REUSEPORT: the kernel spreads new connections over
+    them; --router-port 0: the first one's free port, HTTP port 0: off)."""
+    return args.router_port, args.http_port
 
 
 def on_cuda(device: str) -> bool:
@@ -164,9 +168,11 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
 
 
 def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int,
-                index: int = 0) -> list[str]:
-    port, http_port = router_ports(args, index)
-    flags = ["--host", args.host, "--port", str(port), "--http-port", str(http_port),
+                port: int | None = None) -> list[str]:
+    """A router's command line; `port`: the gRPC port the first router bound, for the others (else --router-port)."""
+    router_port, http_port = router_ports(args)
+    flags = ["--host", args.host, "--port", str(router_port if port is None else port), "--http-port", str(http_port),
+             "--reuse-port",
              "--model", args.model or "default", "--decode-workers", addresses["decode"],
              "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens), "--log-level", args.log_level,
              "--metrics-port", str(metrics_port), *routing_argv(args)]
@@ -185,8 +191,10 @@ def router_health_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], .
     return grpc_metadata(keys_from_args(args)[0]) if args.api_key_protects_health else ()
 
 
-def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
-    """Workers first (their addresses go to the routers' flags), then the routers; all SERVING on return."""
+def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Plan]:
+    """Workers first (their addresses go to the routers' flags), then the first router, then the others on its
+    ports: --routers of them, or as many as derive.router_count finds in what the workers and the first router
+    measured. All SERVING on return, with the plan's router count settled."""
     ports = metrics_ports(plan.names, args.metrics_port_base)
     cpu = plan.cpu
     tls_env = plan.tls.environment()
@@ -194,20 +202,38 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> list[Child]:
                            env={**tls_env, **(cpu.env(w.name) if cpu else {})}, cores=cpu.other_cores if cpu else None)
                for w in plan.workers]
     children = list(workers)
+
+    def router(name: str, port: int | None = None) -> Child:
+        metrics = ports.get(name, _extra_metrics_port(args.metrics_port_base, len(ports), name))
+        return Child.start(name, "services.router", router_argv(args, plan, addresses, metrics, port),
+                           env={**tls_env, **router_env(args)}, cores=cpu.other_cores if cpu else None,
+                           health_metadata=router_health_metadata(args))
+
     try:
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        routers = [Child.start(name, "services.router", router_argv(args, plan, addresses, ports[name], i),
-                               env={**tls_env, **router_env(args)}, cores=cpu.other_cores if cpu else None,
-                               health_metadata=router_health_metadata(args))
-                   for i, name in enumerate(plan.router_names)]
-        children[:0] = routers
-        wait_ready(routers, args.start_timeout)
+        first = router("router")
+        children.insert(0, first)
+        wait_ready([first], args.start_timeout)
+        if plan.derive_routers:
+            spare = max(1, len(usable_cores()) - len(workers))
+            count = router_count([c.note for c in workers if c.name.startswith("decode")], first.note, spare)
+            plan = dataclasses.replace(plan, routers=count.routers, router_why=count.why)
+        bound = int(first.address.rsplit(":", 1)[1])
+        replicas = [router(name, bound) for name in plan.router_names[1:]]
+        children[1:1] = replicas
+        wait_ready(replicas, args.start_timeout)
     except BaseException:
         stop_all(children)
         raise
-    return children
+    return children, plan
+
+
+def _extra_metrics_port(base: int, taken: int, name: str) -> int:
+    """A derived router's --metrics-port: after the others' with --metrics-port-base (router-i: base + taken + i - 1),
+    else as theirs (0 free, -1 off)."""
+    return base + taken + int(name.rsplit("-", 1)[1]) - 1 if base > 0 else base
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -259,32 +285,25 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
     why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
     return Plan(model_label(args.model), "", workers, tp_sizes(args), local,
                 gpu_memory_share(args.device, args.gpu_memory_utilization, args.num_kv_blocks),
-                cpu_plan(args, list(workers), cores), why, routers=args.routers)
+                cpu_plan(args, list(workers), cores), why, routers=args.routers or 1,
+                derive_routers=args.routers is None)
 
 
 def routers_ports(args: argparse.Namespace) -> dict[str, int]:
-    """Every router's gRPC and HTTP port by the flag that sets it (router i: --router-port + i, --http-port + i)."""
-    ports = {}
-    for i in range(args.routers):
-        plus = f" + {i}" if i else ""
-        ports[f"--router-port{plus}"], ports[f"--http-port{plus}"] = router_ports(args, i)
-    return ports
+    """The routers' gRPC and HTTP port by the flag that sets it."""
+    port, http_port = router_ports(args)
+    return {"--router-port": port, "--http-port": http_port}
 
 
 def router_ports_busy(args: argparse.Namespace) -> str | None:
-    """Every router's gRPC and HTTP port free (router i: --router-port + i and --http-port + i), else one line."""
-    for i in range(args.routers):
-        port, http_port = router_ports(args, i)
-        busy = check_port_free(args.host, port, "--router-port") or check_port_free(args.host, http_port,
-                                                                                     "--http-port")
-        if busy:
-            return busy + (f" (router-{i} takes --router-port + {i} and --http-port + {i})" if i else "")
-    return None
+    """The routers' gRPC and HTTP port free, else one line."""
+    port, http_port = router_ports(args)
+    return check_port_free(args.host, port, "--router-port") or check_port_free(args.host, http_port, "--http-port")
 
 
 def preflight(args: argparse.Namespace) -> Plan:
     """What would stop the cluster, found before any process loads a model: InvalidConfig (one line) if anything."""
-    if args.routers < 1:
+    if args.routers is not None and args.routers < 1:
         raise InvalidConfig(f"--routers must be at least 1, got {args.routers}")
     settled = plan(args)
     busy = (router_ports_busy(args)
@@ -320,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     _stop_on_interrupts()
     children: list[Child] = []
     try:
-        children = start_cluster(args, settled)
+        children, settled = start_cluster(args, settled)
         print(banner.summary(children, settled, args.host, args.http_port, keyed=bool(keys_from_args(args))),
               flush=True)
         while True:

@@ -73,8 +73,8 @@ def _add_layout_args(g: argparse._ArgumentGroup) -> None:
                    help="CUDA: the GPUs to use, in order (default: all)")
     g.add_argument("--share-gpus", action="store_true",
                    help="CUDA: more GPU ranks than GPUs share them round-robin")
-    g.add_argument("--routers", type=int, default=1, metavar="N",
-                   help="router replicas (one streams ~7k tok/s)")
+    g.add_argument("--routers", type=int, default=None, metavar="N",
+                   help="routers on the same ports (default: as many as the workers' measured decode rate needs)")
     g.add_argument("--host", default="127.0.0.1", help="address every process binds")
     g.add_argument("--router-port", type=int, default=DEFAULT_PORT, metavar="PORT",
                    help=f"gRPC port (default {DEFAULT_PORT}; 0: a free one)")

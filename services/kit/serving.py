@@ -140,14 +140,15 @@ async def start_server(
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    reuse_port: bool = False,
 ) -> Server:
     """Start a server with health (NOT_SERVING until `set_serving(True)`) and reflection; TLS when the
     process is configured for it (common.tls). PortTaken when host:port cannot be bound (every
-    server's gRPC port is its --port)."""
+    server's gRPC port is its --port). `reuse_port`: the port is shared with servers started the same way."""
     interceptors = [*tracing.server_interceptors(), *interceptors]  # tracing first: it opens the RPC's span
-    # No SO_REUSEPORT (gRPC's default): a second server on a port another process holds would bind it too, and the
-    # kernel would spread connections over both.
-    options = [*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+    # No SO_REUSEPORT (gRPC's default) unless asked: a second server on a port another process holds would bind it
+    # too, and the kernel would spread connections over both.
+    options = [*channel_options(max_message_bytes), ("grpc.so_reuseport", int(reuse_port))]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     add_servicers(server)
     health_servicer = HealthServicer()
@@ -156,7 +157,7 @@ async def start_server(
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     settings = tls.current()
     address = f"{host}:{port}"
-    problem = bind_problem(host, port) if port else None  # before gRPC, which would log its failure as well
+    problem = bind_problem(host, port) if port and not reuse_port else None  # before gRPC, which would log it too
     if problem:
         raise PortTaken(host, port, problem, "--port")
     try:

@@ -25,6 +25,9 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     http_port: int = DEFAULT_HTTP_PORT
+    reuse_port: bool = False
+    """--port and --http-port shared with other routers (SO_REUSEPORT: the kernel spreads new connections over
+    them); `disagg up` starts its replicas so."""
     """OpenAI-compatible HTTP (frontends/openai.py); 0 turns it off."""
     model_name: str | None = None
     """The name clients put in GenerateRequest.model; by default what the decode workers announce."""
@@ -92,6 +95,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", DEFAULT_HTTP_PORT)),
                         help=f"OpenAI-compatible HTTP (/v1/chat/completions, ...; default {DEFAULT_HTTP_PORT}); "
                              "0 turns it off (env DISAGG_HTTP_PORT)")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="share --port and --http-port with other routers started so (SO_REUSEPORT): the kernel "
+                             "spreads new connections over them")
     parser.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                         help="model directory or 'default' (SmolLM2-135M-Instruct), for the tokenizer (env DISAGG_MODEL)")
     parser.add_argument("--model-name", default=None, help="the model's name for clients (default: the workers')")
@@ -155,7 +161,7 @@ def routing_argv(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model=str(resolve_model(args.model)), host=args.host, port=args.port, http_port=args.http_port,
+        model=str(resolve_model(args.model)), host=args.host, port=args.port, http_port=args.http_port, reuse_port=args.reuse_port,
         model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
         max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,

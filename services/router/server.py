@@ -19,7 +19,7 @@ from services.router import frontends, policies
 from services.router.kv_index import KvIndex
 from services.router.orchestrator import Orchestrator
 from services.router.prepare import RequestPreparer
-from services.router.warm_up import warm_up
+from services.router.warm_up import WarmUp, warm_up
 from services.router.workers import WorkerPool
 from services.kit.grpc_auth import api_key_interceptors
 from common.heap import settle_heap
@@ -42,7 +42,8 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
     health_methods = [method for door in doors for method in door.health_methods]
     server = await start_server(lambda s: _add_grpc_front_doors(s, doors, orchestrator),
                                 [name for door in doors for name in door.grpc_services], config.host, config.port,
-                                interceptors=[*api_key_interceptors(config.api_keys, health_methods), ParseRequests()])
+                                interceptors=[*api_key_interceptors(config.api_keys, health_methods), ParseRequests()],
+                                reuse_port=config.reuse_port)
     try:
         listeners = await _start_listeners(doors, orchestrator, config, obs.metrics if obs is not None else None)
     except BaseException:  # a port taken: stop the gRPC server too, or its threads keep the process alive
@@ -109,15 +110,16 @@ async def _start_listeners(doors: list[frontends.FrontDoor], orchestrator: Orche
 
 
 async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: str, banners: list[str],
-                        warm: Callable[[], Awaitable[float]]) -> None:
+                        warm: Callable[[], Awaitable[WarmUp]]) -> None:
     """SERVING while every discovered worker has been heard from and a decode worker is ready; the first time,
     only once `warm`'s requests (warm_up.py) have run."""
     serving: bool | None = None
     announced = False
+    warmed: WarmUp | None = None
     while True:
         ready = orchestrator.ready()
         if ready and not announced:
-            await warm()
+            warmed = await warm()
             ready = orchestrator.ready()
         if ready != serving:
             await server.set_serving(ready)
@@ -126,7 +128,7 @@ async def _track_health(server: Server, orchestrator: Orchestrator, endpoint: st
         if ready and not announced:
             for banner in banners:
                 print(f"disagg-router {banner}", flush=True)
-            print(f"disagg-router serving on {endpoint}", flush=True)
+            print(f"disagg-router serving on {endpoint} ({warmed.note()})", flush=True)
             announced = True
         await asyncio.sleep(_HEALTH_POLL_S)
 

@@ -26,14 +26,30 @@ log = logging.getLogger(__name__)
 
 PROMPT = "Hi"
 OUTPUT_TOKENS = 2
+RELAY_TOKENS = 64  # the timed request: long enough that the router's CPU a token outweighs what a request costs once
 TIMEOUT_MS = 30_000  # each request's deadline: a worker that does not answer in this is left to the first request
 
 
-async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig) -> float:
-    """Run the warm-up requests; the seconds they took. Through a core of their own (round robin over the workers,
-    no metrics): one aggregated request a decode worker, then, with prefill workers, one with a remote prefill a
-    worker of the larger role, so every prefill worker hands off and every decode worker takes a handoff."""
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    seconds: float
+    cpu_s_per_token: float | None  # this process's CPU a token relayed, measured warm (None: not measured)
+
+    def note(self) -> str:
+        """What the router's serving line says of it (`disagg up` sizes --routers by the CPU: cli/derive.py)."""
+        relay = (f", {1e6 * self.cpu_s_per_token:.0f} us of CPU a relayed token"
+                 if self.cpu_s_per_token is not None else "")
+        return f"warm-up {self.seconds:.1f} s{relay}"
+
+
+async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig) -> WarmUp:
+    """Run the warm-up requests. Through a core of their own (round robin over the workers, no metrics): one
+    aggregated request a decode worker, then, with prefill workers, one with a remote prefill a worker of the larger
+    role, so every prefill worker hands off and every decode worker takes a handoff; each front door's own; last, one
+    longer aggregated request whose tokens time the router's CPU a relayed token (the process's CPU over the
+    stream, its whole loop and gRPC threads: what more routers would share)."""
     start = time.monotonic()
+    cpu_s_per_token = None
     decode, prefill = len(pool.ready(Role.DECODE)), len(pool.ready(Role.PREFILL))
     local = _core(pool, preparer, config, remote=False)
     remote = _core(pool, preparer, config, remote=True)
@@ -47,14 +63,15 @@ async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterCon
         for door in frontends.doors():  # each protocol's own paths (the OpenAI door: an HTTP round trip)
             if door.warm_up is not None:
                 await door.warm_up(local, config)
+        cpu_s_per_token = await _relay_cost(local)
     except Exception as exc:  # noqa: BLE001 (a worker's RpcError too): serving goes on, cold
         log.warning("router warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
     finally:
         await local.close()
         await remote.close()
-    seconds = time.monotonic() - start
-    log.info("warm-up: %d decode and %d prefill workers in %.2f s", decode, prefill, seconds)
-    return seconds
+    done = WarmUp(time.monotonic() - start, cpu_s_per_token)
+    log.info("warm-up: %d decode and %d prefill workers; %s", decode, prefill, done.note())
+    return done
 
 
 def _core(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig, remote: bool) -> Orchestrator:
@@ -65,8 +82,16 @@ def _core(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig, rem
     return Orchestrator(pool, preparer, dataclasses.replace(config, policy="round_robin", **placement))
 
 
-async def _run(core: Orchestrator, request_id: str) -> None:
+async def _run(core: Orchestrator, request_id: str, tokens: int = OUTPUT_TOKENS) -> None:
     request = GenerationRequest(request_id, prompt=PROMPT, timeout_ms=TIMEOUT_MS, params=SamplingParams(
-        temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True))
+        temperature=0, max_tokens=tokens, ignore_eos=True))
     async for _ in core.stream(request):
         pass
+
+
+async def _relay_cost(core: Orchestrator) -> float:
+    """CPU seconds this process spent a token over one RELAY_TOKENS-token request (one token a step: no batching
+    amortises the per-message cost, so it bounds the cost under load from above)."""
+    cpu = time.process_time()
+    await _run(core, "warm-up-relay", RELAY_TOKENS)
+    return (time.process_time() - cpu) / RELAY_TOKENS

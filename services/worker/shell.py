@@ -179,10 +179,13 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
 
 
 async def _ready_note(spec: RoleSpec, state: WorkerState, load_s: float) -> str:
-    """What the ready line says beside the address: how long loading (and warming up) took, and the KV cache's
-    capacity in tokens where the role has one (`disagg up`'s summary shows it)."""
+    """What the ready line says beside the address: how long loading (and warming up) took, the decode rate measured
+    after the warm-up, and the KV cache's capacity in tokens where the role has one (`disagg up`'s summary shows it
+    and sizes the routers by the rate: services/cli/derive.py)."""
     warm_up_s = getattr(state.engine, "warm_up_s", None)
-    parts = [f"ready in {load_s:.1f} s" + (f", warm-up {warm_up_s:.1f} s" if warm_up_s is not None else "")]
+    rate = getattr(state.engine, "decode_tokens_per_s", None)
+    parts = [f"ready in {load_s:.1f} s" + (f", warm-up {warm_up_s:.1f} s" if warm_up_s is not None else "")
+             + (f", decodes {rate:.0f} tokens/s at a full batch" if rate is not None else "")]
     if state.kv_layout is not None:
         load = await spec.load_report(state)
         parts.append(f"KV cache {load.kv_blocks_total * state.kv_layout.block_size} tokens")

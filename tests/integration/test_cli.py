@@ -289,14 +289,11 @@ def test_up_refuses_metrics_ports_that_overlap_the_routers_in_one_line(flag):
         "--metrics-port-base must be -1 or 0..65532, got 65534"
 
 
-def test_up_refuses_metrics_ports_that_overlap_a_router_replicas_in_one_line():
-    args = parse_args(["--routers", "2", "--router-port", "60001", "--http-port", "0", "--metrics-port-base", "60000"])
+def test_up_refuses_metrics_ports_that_overlap_the_routers_port_with_replicas_in_one_line():
+    args = parse_args(["--routers", "2", "--router-port", "60003", "--http-port", "0", "--metrics-port-base", "60000"])
     with pytest.raises(InvalidConfig, match=r"^--metrics-port-base 60000 gives ports 60000-60003 \(4 services\), "
-                                            r"which include --router-port 60001; choose another base$"):
+                                            r"which include --router-port 60003; choose another base$"):
         preflight(args)
-    args = parse_args(["--routers", "2", "--router-port", "59999", "--http-port", "0", "--metrics-port-base", "60000"])
-    with pytest.raises(InvalidConfig, match=r"which include --router-port \+ 1 60000; choose another base$"):
-        preflight(args)  # router-1 on 60000: before, only router 0's ports were kept out of the range
 
 
 def test_up_refuses_a_busy_metrics_port_in_one_line_before_starting_anything(busy_port):
@@ -388,18 +385,10 @@ def test_up_summary_names_the_model_directory_each_workers_gpus_and_the_memory_s
     assert "  decode-1   127.0.0.1:5003  (gRPC: Worker, Prefiller/Decoder, TensorStore)  on cuda:0\n" in text
     assert ("GPUs shared by several workers (2 on cuda:0): --gpu-memory-utilization 0.9 is divided by the workers on "
             "each GPU: prefill-0 0.45, decode-0 0.9, decode-1 0.45\n") in text
-    assert "One router: its event loop relays about 7 000 output tokens/s, which 2 GPUs can outrun" in text
+    assert "router" not in text.split("Prometheus")[0].split("decode-1")[1]  # no derived count: no line on it
 
 
-@pytest.mark.parametrize("flags, visible", [(["--device", "cuda"], 1), (["--device", "cuda", "--routers", "2"], 2),
-                                            (["--device", "cpu"], 0)])
-def test_up_says_nothing_of_the_routers_ceiling_on_one_gpu_with_replicas_or_on_the_cpu(flags, visible):
-    from services.cli.banner import router_note
-
-    assert router_note(plan(parse_args(["--model", "/m", *flags]), visible_gpus=visible)) == ""
-
-
-def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
+def test_up_routers_share_the_first_ones_ports_and_are_listed_first():
     import dataclasses
 
     from services.cli.banner import summary
@@ -409,43 +398,31 @@ def test_up_routers_are_replicas_on_consecutive_ports_listed_first():
     args = parse_args(["--model", "/m", "--routers", "3", "--router-port", "7100", "--http-port", "7200",
                        "--prefill", "1", "--decode", "1"])
     settled = dataclasses.replace(plan(args), model_dir="/m")
-    assert settled.names == ["router", "router-1", "router-2", "prefill-0", "decode-0"]
-    ports = [router_argv(args, settled, {"prefill": "h:1", "decode": "h:2"}, 0, i) for i in range(3)]
-    assert [(a[a.index("--port") + 1], a[a.index("--http-port") + 1]) for a in ports] == [
-        ("7100", "7200"), ("7101", "7201"), ("7102", "7202")]
-    assert all(a[a.index("--decode-workers") + 1] == "h:2" for a in ports)  # every replica routes to every worker
-    children = [Child(name, "m", [], address=f"127.0.0.1:{7100 + i}") for i, name in enumerate(settled.names)]
+    assert settled.names == ["router", "router-1", "router-2", "prefill-0", "decode-0"] and not settled.derive_routers
+    argvs = [router_argv(args, settled, {"prefill": "h:1", "decode": "h:2"}, 0, port) for port in (None, 7100, 7100)]
+    assert [(a[a.index("--port") + 1], a[a.index("--http-port") + 1]) for a in argvs] == [("7100", "7200")] * 3
+    assert all("--reuse-port" in a and a[a.index("--decode-workers") + 1] == "h:2" for a in argvs)
+    zero = parse_args(["--model", "/m", "--router-port", "0"])  # a free port: the others take the one it bound
+    assert router_argv(zero, plan(zero), {"prefill": "", "decode": "h:2"}, 0, 40123)[3] == "40123"
+    children = [Child(name, "m", [], address=f"127.0.0.1:{7100 if name.startswith('router') else 7200 + i}")
+                for i, name in enumerate(settled.names)]
     text = summary(children, settled, "127.0.0.1", 7200)
     assert "disagg is up: router on 127.0.0.1:7100" in text
-    assert "  router-2   127.0.0.1:7102, HTTP on port 7202  (a replica of the router over the same workers" in text
-    assert "  decode-0   127.0.0.1:7104  (gRPC: Worker" in text
-    assert "  disagg bench --router 127.0.0.1:7100,127.0.0.1:7101,127.0.0.1:7102   # a load test over every" in text
+    assert "  router-2   127.0.0.1:7100, HTTP on port 7200  (a replica on the same ports: new connections" in text
+    assert "  decode-0   127.0.0.1:7204  (gRPC: Worker" in text
     with pytest.raises(InvalidConfig, match="--routers must be at least 1, got 0"):
         preflight(parse_args(["--model", "/m", "--routers", "0"]))
+    derived = plan(parse_args(["--model", "/m"]))
+    assert derived.derive_routers and derived.routers == 1 and derived.names[0] == "router"
 
 
-def _free_port_below_a_taken_one(taken: socket.socket) -> int:
-    """A port that was free a moment ago (the kernel just gave it out and took it back) whose next port `taken`
-    now listens on. (Taking a random port and trusting the one below it to be free failed when another test's
-    process held that one.)"""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        try:
-            taken.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        taken.listen()
-        return port
-    raise AssertionError("no free port with a free next port in 50 tries")
-
-
-def test_up_refuses_a_replicas_taken_port_naming_it():
+def test_up_refuses_the_routers_taken_port_naming_it():
     from services.cli.up import router_ports_busy
 
     with socket.socket() as taken:
-        port = _free_port_below_a_taken_one(taken)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
         args = parse_args(["--routers", "2", "--router-port", str(port), "--http-port", "0"])
-        busy = router_ports_busy(args)
-        assert busy.startswith(f"127.0.0.1:{port + 1} is already in use") and "(router-1 takes --router-port + 1" in busy
+        assert router_ports_busy(args) == (f"127.0.0.1:{port} is already in use (another process holds it); choose "
+                                           "another port with --router-port (0 picks a free one)")

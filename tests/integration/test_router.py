@@ -405,3 +405,29 @@ def test_timeout_ms_ends_one_request_on_a_stream_and_the_others_finish(router, w
     assert 0 < len(tokens) == finished.usage.completion_tokens
     assert _collect(responses["quick"])[2].reason == common_pb2.FINISH_REASON_LENGTH
     assert_no_leaks(workers)
+
+
+def test_routers_started_with_reuse_port_share_both_ports_and_split_new_connections(text_model, workers):
+    """`disagg up`'s replicas (--reuse-port): two routers bind the same gRPC and HTTP ports, and requests on new
+    connections are served by both, each counted once, with the workers' blocks all freed after."""
+    import urllib.request
+
+    from benchmarks.processes import free_port
+    from benchmarks.scrape import scrape
+
+    port, http_port = free_port(), free_port()
+    flags = ("--reuse-port", "--port", str(port), "--http-port", str(http_port), "--metrics-port", "0")
+    routers = [_router(text_model, workers[:1], workers[1:], *flags) for _ in range(2)]
+    try:
+        assert [r.address.rsplit(":", 1)[1] for r in routers] == [str(port)] * 2
+        body = json.dumps({"prompt": "The sea", "max_tokens": 2, "temperature": 0}).encode()
+        for _ in range(16):  # urllib: a new connection a request
+            request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert json.loads(response.read())["choices"][0]["text"]
+        served = [sum(v for k, v in scrape(r).items() if k.startswith("disagg_requests_total{")) for r in routers]
+        assert sum(served) == 16 and min(served) > 0, served
+        assert_no_leaks(workers)
+    finally:
+        stop_cleanly(routers)

@@ -76,7 +76,7 @@ async def start(core: Core, config: RouterConfig, metrics: Metrics | None) -> Ht
         return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES,
                                 api_keys=config.api_keys, metrics=metrics.registry if metrics is not None else None,
                                 ssl_context=settings.server_ssl_context() if settings.serves_tls else None,
-                                chat=_chat_parsing(config))
+                                chat=_chat_parsing(config), reuse_port=config.reuse_port)
     except OSError as exc:
         raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
 
@@ -123,12 +123,12 @@ def _chat_parsing(config: RouterConfig, quiet: bool = False) -> ChatParsing:
 
 async def start_http(core: Core, host: str, port: int, max_body_bytes: int, *, api_keys: ApiKeys = ApiKeys(),
                      metrics: CollectorRegistry | None = None, ssl_context: ssl.SSLContext | None = None,
-                     chat: ChatParsing = ChatParsing()) -> HttpFrontDoor:
+                     chat: ChatParsing = ChatParsing(), reuse_port: bool = False) -> HttpFrontDoor:
     runner = web.AppRunner(make_app(core, max_body_bytes, api_keys=api_keys, metrics=metrics, chat=chat),
                            handler_cancellation=True, shutdown_timeout=_SHUTDOWN_S)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None).start()
     except BaseException:
         await runner.cleanup()
         raise
