@@ -181,6 +181,9 @@ class EngineConfig:
             (self.enable_prefix_caching or not (self.host_kv_cache_gb or self.disk_kv_cache_dir),
              "the KV cache tiers (--host-kv-cache-gb, --disk-kv-cache-dir) keep prefix-cache blocks; they need the "
              "prefix cache (drop --no-prefix-caching)"),
+            (self.engine == "torch" or not (self.host_kv_cache_gb or self.disk_kv_cache_dir),
+             "the KV cache tiers (--host-kv-cache-gb, --disk-kv-cache-dir) are our engine's; run them with --engine "
+             "torch"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
              f"--gpu-memory-utilization sizes the KV cache on a CUDA device; --device is {self.device!r} "
              "(use --num-kv-blocks there)"),

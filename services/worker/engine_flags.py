@@ -89,12 +89,12 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         help="the grammar library of structured output and forced tool calls: xgrammar, guidance (llguidance), or "
              "auto (xgrammar, the faster on a GPU); a grammar the first refuses is tried on the other (env "
              "DISAGG_STRUCTURED_OUTPUT_BACKEND)")
-    add("--host-kv-cache-gb", type=float, default=0.0, metavar="GB",
+    add("--host-kv-cache-gb", type=float, default=None, metavar="GB",
         help="host memory (pinned on CUDA) for KV blocks evicted from the GPU, brought back on a prefix hit "
              "instead of recomputed (0: none; not on the CPU, whose KV pool is host memory)")
     add("--disk-kv-cache-dir", default=None, metavar="DIR",
         help="a directory for KV blocks evicted from memory, one verified file a block (with --disk-kv-cache-gb)")
-    add("--disk-kv-cache-gb", type=float, default=0.0, metavar="GB",
+    add("--disk-kv-cache-gb", type=float, default=None, metavar="GB",
         help="the disk tier's budget: the least recently used blocks' files go first")
 
 
@@ -135,8 +135,8 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
         tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format, dummy_seed=args.dummy_seed,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        structured_output_backend=args.structured_output_backend, host_kv_cache_gb=args.host_kv_cache_gb,
-        disk_kv_cache_dir=args.disk_kv_cache_dir, disk_kv_cache_gb=args.disk_kv_cache_gb,
+        structured_output_backend=args.structured_output_backend, host_kv_cache_gb=args.host_kv_cache_gb or 0.0,
+        disk_kv_cache_dir=args.disk_kv_cache_dir, disk_kv_cache_gb=args.disk_kv_cache_gb or 0.0,
     )
 
 
