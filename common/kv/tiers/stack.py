@@ -164,9 +164,8 @@ class KvTiers:
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy fetched blocks into these device blocks (on the engine's stream: before any step that reads them)."""
         started, n = time.perf_counter(), len(block_ids)
-        rows = torch.stack([b.payload for b in blocks])
-        if self._pinned:
-            rows = rows.pin_memory()
+        rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self._pinned)
+        torch.stack([b.payload for b in blocks], out=rows)  # one copy, into pinned memory where it goes to a GPU
         shape = (n, *self.cache_bytes[:, :, 0].shape)
         values = rows.to(self.device, non_blocking=True).view(shape).permute(1, 2, 0, 3, 4, 5)
         self.cache_bytes.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=self.device), values)
