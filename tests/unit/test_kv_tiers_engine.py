@@ -14,6 +14,7 @@ import torch
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
+from common.engine.interface import EngineRequest
 from common.engine.request import SamplingParams
 from common.errors import InvalidConfig
 from common.kv.tiers import KvTiers, TierLayout, TierMetrics, weights_identity
@@ -214,3 +215,36 @@ def test_bad_tier_settings_are_refused_naming_the_flag(changes, flag):
 def test_no_tiers_by_default_and_none_for_a_host_tier_on_the_cpu(tiny_llama):
     assert _engine(tiny_llama).kv_tiers is None
     assert _engine(tiny_llama, host_kv_cache_gb=1.0).kv_tiers is None  # the CPU pool is host memory
+
+
+def test_a_workers_kv_path_binds_the_tier_counts_to_its_prometheus_metrics(tiny_llama, tmp_path):
+    import asyncio
+
+    from prometheus_client import generate_latest
+
+    from common.engine.async_engine import AsyncLLMEngine
+    from common.kv.paths import open_path
+    from common.telemetry.metrics import Metrics
+
+    engine = AsyncLLMEngine(_engine(tiny_llama, **_disk(tmp_path)))
+    metrics = Metrics.create("aggregated", "m")
+
+    async def serve() -> None:
+        path = await open_path(engine, True, ("grpc",), "worker-0", metrics)
+        try:
+            for _ in range(TURNS):
+                for i, prompt in enumerate(_prompts()):
+                    request = EngineRequest(request_id=f"r{_}-{i}", prompt_token_ids=prompt, sampling=GREEDY)
+                    async for _out in engine.generate(request):
+                        pass
+                    await engine.call(lambda e: e.kv_tiers.mover.drain())
+        finally:
+            await path.close()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.shutdown()
+    text = generate_latest(metrics.registry).decode()
+    assert 'disagg_kv_tier_hit_tokens_total{model="m",role="aggregated",tier="disk"} 216.0' in text
+    assert 'disagg_kv_tier_offload_seconds_count{model="m",role="aggregated",tier="disk"}' in text
