@@ -2,7 +2,8 @@
 reports each worker's ready line, then sends sequential streaming completions (a ~128-token prompt, --output-tokens
 out) over its OpenAI door and prints each one's time to first token. For the warm requests it prints how the tokens
 arrived too: tokens per SSE event and the gaps between events (vLLM bench's ITL), against the time per token (TPOT);
-a stream that delivers as fast as it generates sends one token an event.
+a stream that delivers as fast as it generates sends one token an event. Before the first timed request the client
+runs one request against a server of its own (--cold-client leaves it out), so the first figure is the server's.
 
     python -m benchmarks.gpu.first_request [--requests 8] [--output-tokens 16] -- --device cuda --model DIR \
         --load-format dummy --dtype bfloat16
@@ -51,6 +52,42 @@ def stream(url: str, prompt: str, output_tokens: int) -> Stream:
     return Stream(1e3 * (events[0][0] - start), events)
 
 
+def warm_client() -> float:
+    """Run this process's urllib through a whole request against a server of its own (a thread, loopback), so the
+    first timed request measures the server's first request, not the client's: Python 3.12's urllib builds its
+    default opener, with an SSL context and the system's CA certificates, at its first urlopen (about 20 ms on the
+    GPU machine). The milliseconds it took."""
+    import http.server
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    start = time.perf_counter()
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/v1/completions", b"{}",
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            for _ in response:
+                pass
+    finally:
+        server.shutdown()
+        server.server_close()
+    return 1e3 * (time.perf_counter() - start)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -60,6 +97,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--cold-client", action="store_true",
+                        help="time the first request with the client's own first-use costs in it")
     parser.add_argument("up_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     http = free_port()
@@ -69,12 +108,14 @@ def main() -> int:
                           text=True)
     try:
         for line in up.stdout:
-            if "TensorStore)" in line or "failed" in line or "Error" in line:
+            if "TensorStore)" in line or "failed" in line or "Error" in line or " router" in line[:12]:
                 print(line.rstrip(), flush=True)
             if "A process that dies" in line:
                 break
         print(f"up to SERVING: {time.monotonic() - started:.1f} s", flush=True)
         url = f"http://127.0.0.1:{http}"
+        if not args.cold_client:
+            print(f"client warmed against a server of its own first: {warm_client():.1f} ms", flush=True)
         words = " ".join(f"word{i}" for i in range(100))
         streams = [stream(url, f"{i}: {words}", args.output_tokens) for i in range(args.requests)]
         times = [s.ttft_ms for s in streams]

@@ -41,7 +41,7 @@ from services.worker.engine_flags import apply_engine_config, engine_argv, engin
 from services.router.config import routing_argv
 from services.cli import banner
 from services.cli.cpu_layout import CpuLayout, cpu_layout
-from services.cli.derive import router_count
+from services.cli.derive import decode_rate, router_count
 from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
                                     place, shares_gpus)
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
@@ -168,8 +168,9 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
 
 
 def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int,
-                port: int | None = None) -> list[str]:
-    """A router's command line; `port`: the gRPC port the first router bound, for the others (else --router-port)."""
+                port: int | None = None, time_relay: bool = False) -> list[str]:
+    """A router's command line; `port`: the gRPC port the first router bound, for the others (else --router-port);
+    `time_relay`: it times its CPU a relayed token at warm-up (the first router, where up derives the count)."""
     router_port, http_port = router_ports(args)
     flags = ["--host", args.host, "--port", str(router_port if port is None else port), "--http-port", str(http_port),
              "--reuse-port",
@@ -178,6 +179,7 @@ def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str],
              "--metrics-port", str(metrics_port), *routing_argv(args)]
     keys = (["--api-key-file", os.path.abspath(args.api_key_file)] if args.api_key_file else [])
     keys += ["--api-key-protects-health"] if args.api_key_protects_health else []
+    flags += ["--time-relay"] if time_relay else []
     return flags + keys + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
 
 
@@ -203,9 +205,9 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
                for w in plan.workers]
     children = list(workers)
 
-    def router(name: str, port: int | None = None) -> Child:
+    def router(name: str, port: int | None = None, time_relay: bool = False) -> Child:
         metrics = ports.get(name, _extra_metrics_port(args.metrics_port_base, len(ports), name))
-        return Child.start(name, "services.router", router_argv(args, plan, addresses, metrics, port),
+        return Child.start(name, "services.router", router_argv(args, plan, addresses, metrics, port, time_relay),
                            env={**tls_env, **router_env(args)}, cores=cpu.other_cores if cpu else None,
                            health_metadata=router_health_metadata(args))
 
@@ -213,12 +215,13 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
         wait_ready(workers, args.start_timeout)
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
-        first = router("router")
+        decode_notes = [c.note for c in workers if c.name.startswith("decode")]
+        first = router("router", time_relay=plan.derive_routers and all(decode_rate(n) for n in decode_notes))
         children.insert(0, first)
         wait_ready([first], args.start_timeout)
         if plan.derive_routers:
             spare = max(1, len(usable_cores()) - len(workers))
-            count = router_count([c.note for c in workers if c.name.startswith("decode")], first.note, spare)
+            count = router_count(decode_notes, first.note, spare)
             plan = dataclasses.replace(plan, routers=count.routers, router_why=count.why)
         bound = int(first.address.rsplit(":", 1)[1])
         replicas = [router(name, bound) for name in plan.router_names[1:]]

@@ -25,6 +25,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     http_port: int = DEFAULT_HTTP_PORT
+    time_relay: bool = False
+    """At warm-up, time this router's CPU a relayed token and print it (`disagg up` sizes its routers by it)."""
     reuse_port: bool = False
     """--port and --http-port shared with other routers (SO_REUSEPORT: the kernel spreads new connections over
     them); `disagg up` starts its replicas so."""
@@ -95,6 +97,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", DEFAULT_HTTP_PORT)),
                         help=f"OpenAI-compatible HTTP (/v1/chat/completions, ...; default {DEFAULT_HTTP_PORT}); "
                              "0 turns it off (env DISAGG_HTTP_PORT)")
+    parser.add_argument("--time-relay", action="store_true",
+                        help="at warm-up, time this router's CPU a relayed token and print it (disagg up sizes its "
+                             "routers by it)")
     parser.add_argument("--reuse-port", action="store_true",
                         help="share --port and --http-port with other routers started so (SO_REUSEPORT): the kernel "
                              "spreads new connections over them")
@@ -161,7 +166,7 @@ def routing_argv(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model=str(resolve_model(args.model)), host=args.host, port=args.port, http_port=args.http_port, reuse_port=args.reuse_port,
+        model=str(resolve_model(args.model)), host=args.host, port=args.port, http_port=args.http_port, reuse_port=args.reuse_port, time_relay=args.time_relay,
         model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
         max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,

@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 
 PROMPT = "Hi"
 OUTPUT_TOKENS = 2
-RELAY_TOKENS = 64  # the timed request: long enough that the router's CPU a token outweighs what a request costs once
+# The timed requests: RELAY_ROWS at once of RELAY_TOKENS each, so that a decode step's message carries many rows' tokens
+# as under load (one row alone pays a whole message a token) and the tokens outweigh what a request costs once.
+RELAY_ROWS = 32
+RELAY_TOKENS = 32
 TIMEOUT_MS = 30_000  # each request's deadline: a worker that does not answer in this is left to the first request
 
 
@@ -45,8 +48,8 @@ class WarmUp:
 async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig) -> WarmUp:
     """Run the warm-up requests. Through a core of their own (round robin over the workers, no metrics): one
     aggregated request a decode worker, then, with prefill workers, one with a remote prefill a worker of the larger
-    role, so every prefill worker hands off and every decode worker takes a handoff; each front door's own; last, one
-    longer aggregated request whose tokens time the router's CPU a relayed token (the process's CPU over the
+    role, so every prefill worker hands off and every decode worker takes a handoff; each front door's own; last, with
+    --time-relay, a batch of longer aggregated requests whose tokens time the router's CPU a relayed token (the process's CPU over the
     stream, its whole loop and gRPC threads: what more routers would share)."""
     start = time.monotonic()
     cpu_s_per_token = None
@@ -63,7 +66,7 @@ async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterCon
         for door in frontends.doors():  # each protocol's own paths (the OpenAI door: an HTTP round trip)
             if door.warm_up is not None:
                 await door.warm_up(local, config)
-        cpu_s_per_token = await _relay_cost(local)
+        cpu_s_per_token = await _relay_cost(local) if config.time_relay else None
     except Exception as exc:  # noqa: BLE001 (a worker's RpcError too): serving goes on, cold
         log.warning("router warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
     finally:
@@ -90,8 +93,7 @@ async def _run(core: Orchestrator, request_id: str, tokens: int = OUTPUT_TOKENS)
 
 
 async def _relay_cost(core: Orchestrator) -> float:
-    """CPU seconds this process spent a token over one RELAY_TOKENS-token request (one token a step: no batching
-    amortises the per-message cost, so it bounds the cost under load from above)."""
+    """CPU seconds this process spent a token over RELAY_ROWS requests of RELAY_TOKENS tokens run together."""
     cpu = time.process_time()
-    await _run(core, "warm-up-relay", RELAY_TOKENS)
-    return (time.process_time() - cpu) / RELAY_TOKENS
+    await asyncio.gather(*(_run(core, f"warm-up-relay-{i}", RELAY_TOKENS) for i in range(RELAY_ROWS)))
+    return (time.process_time() - cpu) / (RELAY_ROWS * RELAY_TOKENS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -409,7 +410,8 @@ def test_timeout_ms_ends_one_request_on_a_stream_and_the_others_finish(router, w
 
 def test_routers_started_with_reuse_port_share_both_ports_and_split_new_connections(text_model, workers):
     """`disagg up`'s replicas (--reuse-port): two routers bind the same gRPC and HTTP ports, and requests on new
-    connections are served by both, each counted once, with the workers' blocks all freed after."""
+    connections are served by both, each counted once, with the workers' blocks all freed after. The first times its
+    CPU a relayed token at warm-up (--time-relay, what up sizes the routers by) and says it in its serving line."""
     import urllib.request
 
     from benchmarks.processes import free_port
@@ -417,8 +419,11 @@ def test_routers_started_with_reuse_port_share_both_ports_and_split_new_connecti
 
     port, http_port = free_port(), free_port()
     flags = ("--reuse-port", "--port", str(port), "--http-port", str(http_port), "--metrics-port", "0")
-    routers = [_router(text_model, workers[:1], workers[1:], *flags) for _ in range(2)]
+    routers = [_router(text_model, workers[:1], workers[1:], *flags, *extra) for extra in (("--time-relay",), ())]
     try:
+        lines = [[line for line in r.log().splitlines() if "serving on" in line] for r in routers]
+        assert re.search(r"\(warm-up [\d.]+ s, \d+ us of CPU a relayed token\)$", lines[0][0]), lines[0]
+        assert re.search(r"\(warm-up [\d.]+ s\)$", lines[1][0]), lines[1]
         assert [r.address.rsplit(":", 1)[1] for r in routers] == [str(port)] * 2
         body = json.dumps({"prompt": "The sea", "max_tokens": 2, "temperature": 0}).encode()
         for _ in range(16):  # urllib: a new connection a request
