@@ -123,6 +123,14 @@ class BlockManager:
         return [BlockKey(hashes[i], hashes[i - 1] if i else ROOT_HASH, tuple(tokens[i * size:(i + 1) * size]))
                 for i in range(start, len(hashes))]
 
+    def store_finished(self, request: Request) -> None:
+        """A request ends: with write-through tiers (a node-wide disk tier), its cached full blocks go there now."""
+        if self.tiers is None or not self.tiers.write_through or request.mm is not None:
+            return
+        with self.lock:
+            held = [(self.cached[h], h) for h in request.block_hashes if h in self.cached]
+            self.tiers.store_finished(held)
+
     def _onboard(self, request: Request, hashes: list[int]) -> None:
         """After the device prefix hit: the blocks that follow it from the tiers, verified, into fresh blocks of
         ours, so that their tokens count as cached. Fetched outside the lock (it may wait for the disk)."""

@@ -139,6 +139,9 @@ class EngineConfig:
     """A directory for KV blocks evicted from the device (or host) tier, one file a block; None: no disk tier."""
     disk_kv_cache_gb: float = 0.0
     """The disk tier's budget in GB (the whole directory's: the least recently used files go first)."""
+    kv_cache_write_through: bool = False
+    """Store a finished request's full blocks in the disk tier at once, not only when the device evicts them: the
+    node-wide tier (`disagg up --shared-kv-cache`), where the next turn's prefill on another worker looks for them."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -178,6 +181,9 @@ class EngineConfig:
             ((self.disk_kv_cache_dir is None) == (self.disk_kv_cache_gb == 0) and self.disk_kv_cache_gb >= 0,
              f"--disk-kv-cache-dir and --disk-kv-cache-gb go together (a directory and a budget > 0), got "
              f"{self.disk_kv_cache_dir!r} and {self.disk_kv_cache_gb}"),
+            (self.disk_kv_cache_dir is not None or not self.kv_cache_write_through,
+             "--kv-cache-write-through stores finished requests' blocks in the disk tier; give it "
+             "--disk-kv-cache-dir and --disk-kv-cache-gb"),
             (self.enable_prefix_caching or not (self.host_kv_cache_gb or self.disk_kv_cache_dir),
              "the KV cache tiers (--host-kv-cache-gb, --disk-kv-cache-dir) keep prefix-cache blocks; they need the "
              "prefix cache (drop --no-prefix-caching)"),

@@ -129,7 +129,7 @@ class LLMEngine:
         return open_tiers(self.runner.kv_cache, self.kv_layout, weights_identity(config.model, config.load_format,
                                                                                  config.dummy_seed),
                           self.block_manager.num_blocks, config.host_kv_cache_gb, config.disk_kv_cache_dir,
-                          config.disk_kv_cache_gb)
+                          config.disk_kv_cache_gb, config.kv_cache_write_through)
 
     def _validate_choices(self, sampling: SamplingParams, choices: list[int], request_type: RequestType,
                           more_first_tokens: list[int]) -> None:
@@ -428,6 +428,7 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.remove(request)
         if request.block_table:
+            self.block_manager.store_finished(request)  # (write-through tiers: the node's other workers find them)
             self.block_manager.free(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
         self._forget(request)

@@ -54,8 +54,9 @@ A process that dies is restarted. Ctrl-C stops everything.
 
 
 def placement_notes(plan: "Plan") -> str:
-    """Why `up` chose this layout, and where the CPU workers' models run: a line each (nothing on GPUs)."""
-    lines = [plan.why, plan.cpu.describe() if plan.cpu else ""]
+    """Why `up` chose this layout, where the CPU workers' models run and where the node-wide KV tier is: a line
+    each, where there is one."""
+    lines = [plan.why, plan.cpu.describe() if plan.cpu else "", plan.tiers]
     return "".join(f"{line}\n" for line in lines if line)
 
 

@@ -19,6 +19,9 @@ SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period).
 --api-key / --api-key-file (or DISAGG_API_KEY) go to the router: its OpenAI, disagg.v1 and KServe doors then require
 the key (services/kit/auth.py). --tls-cert/--tls-key/--tls-ca (--tls-client-auth) go to every process, as
 DISAGG_TLS_* do: gRPC between them is TLS, and the router's OpenAI door is HTTPS.
+
+--shared-kv-cache gives every worker one node-wide disk KV tier; without it a --disk-kv-cache-dir DIR is split into
+a directory a worker (services/cli/kv_tiers.py).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from common.errors import InvalidConfig
 from services.worker.engine_file import read_json
 from services.worker.engine_flags import apply_engine_config, engine_argv, engine_config_from_args
 from services.router.config import routing_argv
-from services.cli import banner
+from services.cli import banner, kv_tiers
 from services.cli.cpu_layout import CpuLayout, cpu_layout
 from services.cli.derive import decode_rate, router_count
 from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
@@ -73,6 +76,7 @@ class Plan:
     routers: int = 1  # over the same workers, on the same ports (--routers; derived: 1 until the first is up)
     derive_routers: bool = False  # no --routers: the count follows what the workers and the first router measured
     router_why: str = ""  # why that many, once derived (the summary says it)
+    tiers: str = ""  # --shared-kv-cache: where the node-wide KV tier is and its budget (the summary says it)
 
     @property
     def router_names(self) -> list[str]:
@@ -162,7 +166,9 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
     if worker.device is not None:
         overrides.update(device=worker.device,
                          gpu_memory_utilization=memory_share(plan.gpu_memory_utilization, worker))
-    engine = engine_argv(role_args(args, worker.role), **overrides)
+    role = role_args(args, worker.role)
+    tier_overrides, tier_switches = kv_tiers.worker_tier_flags(role, worker.name)
+    engine = engine_argv(role, **overrides, **tier_overrides) + tier_switches
     return ["--host", args.host, "--port", "0", "--drain-timeout", str(args.drain_timeout), "--log-level",
             args.log_level, *engine, "--metrics-port", str(metrics_port)]
 
@@ -270,6 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         apply_engine_config(args)
         for role in ("prefill", "decode"):
             role_args(args, role)
+        kv_tiers.settle(args)  # (its default budget once, for every worker)
     except InvalidConfig as exc:
         parser.exit(2, f"disagg up: error: {exc}\n")
     return args
@@ -289,7 +296,7 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
     return Plan(model_label(args.model), "", workers, tp_sizes(args), local,
                 gpu_memory_share(args.device, args.gpu_memory_utilization, args.num_kv_blocks),
                 cpu_plan(args, list(workers), cores), why, routers=args.routers or 1,
-                derive_routers=args.routers is None)
+                derive_routers=args.routers is None, tiers=kv_tiers.summary(args))
 
 
 def routers_ports(args: argparse.Namespace) -> dict[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from common import tls
+from services.cli.kv_tiers import add_kv_tier_args
 from services.cli.placement import parse_gpus
 from services.kit.auth import add_api_key_args
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, add_routing_args
@@ -53,6 +54,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
                          help=f"prompts this short prefill on decode (default: {ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} "
                               f"sharing a GPU, else {SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS})")
     _add_role_args(parser.add_argument_group("per role"))
+    add_kv_tier_args(parser.add_argument_group("KV cache tiers"))
     add_engine_args(parser)
     add_api_key_args(parser)
     tls.add_tls_args(parser)

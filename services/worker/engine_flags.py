@@ -96,6 +96,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         help="a directory for KV blocks evicted from memory, one verified file a block (with --disk-kv-cache-gb)")
     add("--disk-kv-cache-gb", type=float, default=None, metavar="GB",
         help="the disk tier's budget: the least recently used blocks' files go first")
+    add("--kv-cache-write-through", action=GivenSwitch,
+        help="store each finished request's full KV blocks in the disk tier at once (a node-wide tier: disagg up "
+             "--shared-kv-cache), so another worker's next turn finds them")
 
 
 def _engine_actions() -> list[argparse.Action]:
@@ -137,6 +140,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         structured_output_backend=args.structured_output_backend, host_kv_cache_gb=args.host_kv_cache_gb or 0.0,
         disk_kv_cache_dir=args.disk_kv_cache_dir, disk_kv_cache_gb=args.disk_kv_cache_gb or 0.0,
+        kv_cache_write_through=args.kv_cache_write_through,
     )
 
 

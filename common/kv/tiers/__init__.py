@@ -1,4 +1,5 @@
-"""KV cache tiers below an engine's device pool: host memory (pinned on CUDA) and local disk, per worker.
+"""KV cache tiers below an engine's device pool: host memory (pinned on CUDA) and local disk, per worker, the disk
+optionally node-wide (one directory for the workers of a host, finished requests written through to it).
 
 - identity: TierLayout, what a stored block was computed by (model, weights, dtype, block size, shape, shard)
 - record: a stored block (its key in the hash chain, its bytes, their checksum) and its file format
@@ -26,7 +27,7 @@ GB = 1 << 30
 
 
 def open_tiers(cache, layout: KvLayout, weights: str, num_device_blocks: int, host_gb: float = 0.0,
-               disk_dir: str | None = None, disk_gb: float = 0.0) -> KvTiers | None:
+               disk_dir: str | None = None, disk_gb: float = 0.0, write_through: bool = False) -> KvTiers | None:
     """The tiers these sizes ask for under a paged `cache` (None: none asked for, or a cache they cannot serve)."""
     if not host_gb and not disk_dir:
         return None
@@ -44,9 +45,11 @@ def open_tiers(cache, layout: KvLayout, weights: str, num_device_blocks: int, ho
     disk = DiskTier(Path(disk_dir), int(disk_gb * GB), tier_layout, metrics) if disk_dir else None
     if host is None and disk is None:
         return None
-    tiers = KvTiers(cache, tier_layout, host, disk, metrics, max_prefetch_blocks=num_device_blocks)
+    tiers = KvTiers(cache, tier_layout, host, disk, metrics, max_prefetch_blocks=num_device_blocks,
+                    write_through=write_through)
     said = ([f"host {host_gb:g} GB ({host.num_slots} blocks)"] if host is not None else []) + \
-        ([f"disk {disk_gb:g} GB under {disk.dir}"] if disk is not None else [])
+        ([f"disk {disk_gb:g} GB under {disk.dir}" + (", finished requests written through" if write_through else "")]
+         if disk is not None else [])
     log.info("KV cache tiers: %s", ", ".join(said))
     return tiers
 

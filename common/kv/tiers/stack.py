@@ -8,6 +8,9 @@ tier (the CPU, whose host tier is the device pool itself).
 Up: a new request's blocks past its device prefix hit are loaded and verified by the mover as it is queued
 (`prefetch`, overlapped with the steps before its admission); at admission the block manager takes what was staged
 (`fetch`: loading the rest itself) and `install` copies it into fresh device blocks, which then count as cached.
+Write-through (`write_through`, the node-wide tier): a finished request's full blocks are copied out and stored in
+the disk tier at once, while the device keeps them too, so that another worker of the node finds them for the next
+turn (a decode worker's answer, for the prefill worker that prefills the next prompt); each block once per content.
 Keys are the prefix cache's chained block hashes in every tier. A block that fails a check is recomputed, counted.
 """
 from __future__ import annotations
@@ -35,7 +38,8 @@ class KvTiers:
     FETCH_WAIT_S = 10.0  # at most this long for a prefetch at admission; then its blocks load on the engine thread
 
     def __init__(self, cache: torch.Tensor, layout: TierLayout, host: HostTier | None, disk: DiskTier | None,
-                 metrics: TierMetrics, max_prefetch_blocks: int, mover: Mover | None = None):
+                 metrics: TierMetrics, max_prefetch_blocks: int, mover: Mover | None = None,
+                 write_through: bool = False):
         self.layout = layout
         self.device = cache.device
         self.cache_bytes = cache.view(torch.uint8)  # [layers, 2, blocks, block_size, kv_heads, head_dim · itemsize]
@@ -45,6 +49,8 @@ class KvTiers:
         self.mover = mover or Mover()
         self._pinned = self.device.type == "cuda"
         self._keys: dict[int, BlockKey] = {}  # device block id -> the key of the cached block it holds
+        self.write_through = write_through and disk is not None
+        self._written: set[int] = set()  # device block ids whose content write-through stored (or a tier gave)
         self._staged: OrderedDict[str, Future] = OrderedDict()
 
     @property
@@ -55,6 +61,35 @@ class KvTiers:
 
     def remember(self, block_id: int, key: BlockKey) -> None:
         self._keys[block_id] = key
+        self._written.discard(block_id)
+
+    def store_finished(self, blocks: list[tuple[int, int]]) -> None:
+        """Write-through: copy out a finished request's cached full blocks (block id, hash) not stored yet, for the
+        mover to write to the disk tier; the device keeps them (they stay cached). Engine thread."""
+        if not self.write_through:
+            return
+        keys, ids = [], []
+        for block_id, block_hash in blocks:
+            key = self._keys.get(block_id)
+            if key is not None and key.hash == block_hash and block_id not in self._written:
+                keys.append(key)
+                ids.append(block_id)
+        if not ids:
+            return
+        nbytes = len(ids) * self.block_bytes
+        if not self.mover.has_room(nbytes):
+            self.metrics.store_failed(self.disk.name, "queue_full", len(ids))
+            return
+        rows, ready = self._copy_out(ids, sync=False)
+        if self.mover.store(lambda: self._write_through(keys, rows, ready), nbytes):
+            self._written.update(ids)
+        else:
+            self.metrics.store_failed(self.disk.name, "queue_full", len(ids))
+
+    def _write_through(self, keys: list[BlockKey], rows: torch.Tensor, ready) -> None:
+        if ready is not None:
+            ready.synchronize()
+        self._write_disk([StoredBlock(key, row, checksum(row)) for key, row in zip(keys, rows)])
 
     def capture(self, evicted: list[tuple[int, int]], sync: bool = False) -> None:
         """Copy out the cached blocks (block id, hash) about to be reused, for the mover to store. Called before
@@ -62,6 +97,7 @@ class KvTiers:
         keys, ids = [], []
         for block_id, block_hash in evicted:
             key = self._keys.pop(block_id, None)
+            self._written.discard(block_id)  # (a block written through is touched below: its file's LRU clock)
             if key is not None and key.hash == block_hash and not (self.host is not None and block_hash in self.host):
                 keys.append(key)
                 ids.append(block_id)
@@ -173,6 +209,10 @@ class KvTiers:
         by_tier: dict[str, list[StoredBlock]] = {}
         for block_id, block in zip(block_ids, blocks):
             self._keys[block_id] = block.key
+            if self.write_through and block.tier == self.disk.name:
+                self._written.add(block_id)  # the node's tier holds it already
+            else:
+                self._written.discard(block_id)
             by_tier.setdefault(block.tier, []).append(block)
         for tier, got in by_tier.items():
             self.metrics.hit(tier, len(got), len(got) * self.layout.block_size, len(got) * self.block_bytes,
