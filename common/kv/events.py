@@ -1,6 +1,8 @@
-"""KV cache events: what entered and left a worker's prefix cache, for KV-aware routing.
+"""KV cache events: what entered and left a worker's prefix cache, and the tiers below it, for KV-aware routing.
 
-The block manager reports on the engine thread (`stored`, `removed`, `cleared`); subscribers read
+The block manager reports on the engine thread (`stored`, `removed`, `cleared`), the KV tiers (common/kv/tiers) on
+theirs with the tier named (`stored(..., tier="disk")`: a block the worker can onboard instead of computing);
+subscribers read
 from their own bounded queue on an asyncio loop. A subscriber's messages are numbered 1, 2, 3, ...
 starting with a snapshot (AllCleared, then one BlockStored per cached block); an event that does
 not fit its queue is dropped but still takes a number, so the subscriber sees the gap and
@@ -12,8 +14,10 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-EventBody = tuple  # ("stored", hashes, parent | None, num_tokens) | ("removed", hashes) | ("cleared",)
+EventBody = tuple  # ("stored", hashes, parent | None, num_tokens, tier) | ("removed", hashes, tier) | ("cleared",)
+#                    | ("hit_cost", tier, cost)
 QUEUE_LIMIT = 10_000
+DEVICE = "device"  # the tier of the device pool's prefix cache; the others are the tiers' names ("host", "disk")
 
 
 @dataclass
@@ -40,42 +44,65 @@ class KvEventLog:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._parents: dict[int, int | None] = {}  # cached block hash → parent hash (None: a first block)
+        # tier → cached block hash → parent hash (None: a first block)
+        self._parents: dict[str, dict[int, int | None]] = {DEVICE: {}}
+        self._costs: dict[str, float] = {}  # tier → the last hit cost reported (hit_cost)
         self._subscribers: list[Subscriber] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the subscriber list, and the tables (the tiers report from their thread)
 
-    # --- from the block manager (engine thread) ---
+    # --- from the block manager (engine thread) and the tiers (their thread) ---
 
-    def stored(self, hashes: list[int], parent: int | None) -> None:
+    def stored(self, hashes: list[int], parent: int | None, tier: str = DEVICE) -> None:
         if not hashes:
             return
-        previous = parent
-        for h in hashes:
-            self._parents[h] = previous
-            previous = h
-        self._publish(("stored", list(hashes), parent, len(hashes) * self.block_size))
+        with self._lock:
+            table = self._parents.setdefault(tier, {})
+            previous = parent
+            for h in hashes:
+                table[h] = previous
+                previous = h
+        self._publish(("stored", list(hashes), parent, len(hashes) * self.block_size, tier))
 
-    def removed(self, hashes: list[int]) -> None:
+    def removed(self, hashes: list[int], tier: str = DEVICE) -> None:
         if not hashes:
             return
-        for h in hashes:
-            self._parents.pop(h, None)
-        self._publish(("removed", list(hashes)))
+        with self._lock:
+            table = self._parents.get(tier, {})
+            for h in hashes:
+                table.pop(h, None)
+        self._publish(("removed", list(hashes), tier))
+
+    def hit_cost(self, tier: str, cost: float) -> None:
+        """What a hit in `tier` costs against computing the block, as the worker measured it (the router's weight)."""
+        with self._lock:
+            self._costs[tier] = cost
+        self._publish(("hit_cost", tier, cost))
 
     def cleared(self) -> None:
-        self._parents.clear()
+        """The device pool's prefix cache was emptied: subscribers forget everything, then hear the tiers again."""
+        with self._lock:
+            self._parents[DEVICE].clear()
+            below = [(tier, dict(table)) for tier, table in self._parents.items() if tier != DEVICE]
         self._publish(("cleared",))
+        for tier, table in below:
+            for h, parent in table.items():
+                self._publish(("stored", [h], parent, self.block_size, tier))
 
     # --- subscriptions ---
 
     def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscriber:
         """Call on the engine thread (AsyncLLMEngine.call), so no event slips between snapshot and live."""
-        # Room for the whole snapshot on top of the live bound: a big cache must not gap by itself.
-        subscriber = Subscriber(loop, asyncio.Queue(QUEUE_LIMIT + len(self._parents) + 1))
-        subscriber.offer(("cleared",))
-        for h, parent in self._parents.items():
-            subscriber.offer(("stored", [h], parent, self.block_size))
-        with self._lock:
+        with self._lock:  # snapshot and subscription under the lock: a tier's event lands in one of them
+            tables = [(tier, list(table.items())) for tier, table in self._parents.items()]
+            # Room for the whole snapshot on top of the live bound: a big cache must not gap by itself.
+            size = QUEUE_LIMIT + sum(len(t) for _, t in tables) + len(self._costs) + 1
+            subscriber = Subscriber(loop, asyncio.Queue(size))
+            subscriber.offer(("cleared",))
+            for tier, items in tables:
+                for h, parent in items:
+                    subscriber.offer(("stored", [h], parent, self.block_size, tier))
+            for tier, cost in self._costs.items():
+                subscriber.offer(("hit_cost", tier, cost))
             self._subscribers.append(subscriber)
         return subscriber
 
@@ -86,7 +113,11 @@ class KvEventLog:
 
     @property
     def num_cached(self) -> int:
-        return len(self._parents)
+        """Blocks in the device pool's prefix cache."""
+        return len(self._parents[DEVICE])
+
+    def num_in(self, tier: str) -> int:
+        return len(self._parents.get(tier, ()))
 
     def _publish(self, body: EventBody) -> None:
         with self._lock:

@@ -141,18 +141,31 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
     )
 
 
+_KV_TIERS = {"device": worker_pb2.KV_TIER_DEVICE, "host": worker_pb2.KV_TIER_HOST, "disk": worker_pb2.KV_TIER_DISK}
+
+
+def kv_tier_to_proto(tier: str = "device") -> int:
+    """A common.kv.events tier name as a disagg.v1.KvTier."""
+    return _KV_TIERS[tier]
+
+
 def kv_event_to_proto(sequence: int, body: tuple, worker_id: str) -> worker_pb2.KvEvent:
     """One common.kv.events body as a disagg.v1.KvEvent."""
     event = worker_pb2.KvEvent(sequence=sequence, timestamp_unix_ms=int(time.time() * 1000), worker_id=worker_id)
     kind = body[0]
     if kind == "stored":
-        _, hashes, parent, num_tokens = body
+        _, hashes, parent, num_tokens, *tier = body
         event.stored.block_hashes.extend(hashes)
         event.stored.num_tokens = num_tokens
+        event.stored.tier = kv_tier_to_proto(*tier)
         if parent is not None:
             event.stored.parent_hash = parent
     elif kind == "removed":
         event.removed.block_hashes.extend(body[1])
+        event.removed.tier = kv_tier_to_proto(*body[2:])
+    elif kind == "hit_cost":
+        event.hit_cost.tier = kv_tier_to_proto(body[1])
+        event.hit_cost.cost = body[2]
     else:
         event.cleared.SetInParent()
     return event

@@ -1,5 +1,10 @@
-"""Beside the request path (the kv_aware policy reads it): which prefixes each worker's prefix cache holds, fed by its
-Worker.SubscribeKvEvents stream.
+"""Beside the request path (the kv_aware policy reads it): which prefixes each worker's prefix cache holds, and the
+tiers below it (host memory, disk), fed by its Worker.SubscribeKvEvents stream.
+
+A prompt's leading blocks count where the worker holds them, each by where: a device block is a whole block the
+worker need not compute, a lower tier's counts 1 - its hit cost (what onboarding it costs against computing it, as
+the worker measured and reported it; DEFAULT_HIT_COST until it has), so a lower-tier hit scores below a device hit
+and above a miss.
 
 Hashes are the engine's own chained block hashes (common.kv.block_hash.hash_blocks), so a
 prompt's hashes computed here name the same blocks the workers announce. A subscription that breaks
@@ -17,37 +22,57 @@ from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 _RETRY_S = (0.2, 1.0)  # a restarted worker is followed again within a second of serving
+DEVICE = worker_pb2.KV_TIER_DEVICE
+DEFAULT_HIT_COST = 0.5  # a lower tier's hit before its worker has measured one: half a computed block
+_MIN_HIT_COST, _MAX_HIT_COST = 0.01, 0.99  # a lower tier's hit stays below a device hit and above a miss
 
 
 class KvIndex:
     def __init__(self) -> None:
-        self._blocks: dict[str, set[int]] = {}  # worker endpoint → cached block hashes
+        self._blocks: dict[str, dict[int, set[int]]] = {}  # worker endpoint → tier → block hashes held there
+        self._costs: dict[str, dict[int, float]] = {}  # worker endpoint → tier → its reported hit cost
         self._followers: dict[str, asyncio.Task] = {}
 
     def apply(self, endpoint: str, event: worker_pb2.KvEvent) -> None:
-        blocks = self._blocks.setdefault(endpoint, set())
+        tiers = self._blocks.setdefault(endpoint, {DEVICE: set()})
         kind = event.WhichOneof("event")
         if kind == "stored":
-            blocks.update(event.stored.block_hashes)
+            tiers.setdefault(event.stored.tier, set()).update(event.stored.block_hashes)
         elif kind == "removed":
-            blocks.difference_update(event.removed.block_hashes)
+            tiers.get(event.removed.tier, set()).difference_update(event.removed.block_hashes)
         elif kind == "cleared":
-            blocks.clear()
+            tiers.clear()
+            tiers[DEVICE] = set()
+        elif kind == "hit_cost":
+            self._costs.setdefault(endpoint, {})[event.hit_cost.tier] = event.hit_cost.cost
 
     def reset(self, endpoint: str) -> None:
         self._blocks.pop(endpoint, None)
+        self._costs.pop(endpoint, None)
 
-    def num_blocks(self, endpoint: str) -> int:
-        return len(self._blocks.get(endpoint, ()))
+    def num_blocks(self, endpoint: str, tier: int = DEVICE) -> int:
+        return len(self._blocks.get(endpoint, {}).get(tier, ()))
 
-    def overlap_blocks(self, endpoint: str, prompt_hashes: list[int]) -> int:
-        """How many leading blocks of the prompt the worker holds (a chained hash implies its whole prefix)."""
-        blocks = self._blocks.get(endpoint, set())
-        count = 0
+    def hit_cost(self, endpoint: str, tier: int) -> float:
+        """What a hit in `tier` costs the worker against computing the block (0 on the device)."""
+        if tier == DEVICE:
+            return 0.0
+        cost = self._costs.get(endpoint, {}).get(tier, DEFAULT_HIT_COST)
+        return min(max(cost, _MIN_HIT_COST), _MAX_HIT_COST)
+
+    def overlap_blocks(self, endpoint: str, prompt_hashes: list[int]) -> float:
+        """The prompt's leading blocks the worker holds in any tier (a chained hash implies its whole prefix), each
+        counted 1 - its tier's hit cost: a device block 1, a lower tier's less."""
+        tiers = self._blocks.get(endpoint, {})
+        if not tiers:
+            return 0
+        ordered = sorted(tiers.items())  # the device first, then host, then disk: a block counts where it is best
+        count = 0.0
         for h in prompt_hashes:
-            if h not in blocks:
+            tier = next((t for t, blocks in ordered if h in blocks), None)
+            if tier is None:
                 break
-            count += 1
+            count += 1 - self.hit_cost(endpoint, tier)
         return count
 
     # --- subscriptions ---

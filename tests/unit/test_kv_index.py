@@ -116,3 +116,73 @@ def test_kv_aware_prefers_the_cached_worker_until_its_queue_outweighs_the_hit():
         return picks
 
     assert asyncio.run(main()) == ["127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2"]
+
+
+def test_a_lower_tiers_block_counts_below_a_device_block_by_its_reported_hit_cost():
+    """Blocks a worker holds on disk or in host memory (its tiers' events) count in the leading run, each 1 - the
+    hit cost the worker reported for its tier (DEFAULT_HIT_COST before any); a block counts where it is best; a
+    miss ends the run; removing it from one tier leaves it in another."""
+    index = KvIndex()
+    index.apply("a", kv_event_to_proto(1, ("stored", [1, 2], None, 8, "device"), "w"))
+    index.apply("a", kv_event_to_proto(2, ("stored", [2, 3, 4], 1, 12, "disk"), "w"))
+    assert index.overlap_blocks("a", [1, 2, 3, 4, 9]) == 1 + 1 + 2 * (1 - kv_index_module.DEFAULT_HIT_COST)
+    index.apply("a", kv_event_to_proto(3, ("hit_cost", "disk", 0.2), "w"))
+    assert abs(index.overlap_blocks("a", [1, 2, 3, 4]) - (2 + 2 * 0.8)) < 1e-6
+    index.apply("a", kv_event_to_proto(4, ("removed", [2], "device"), "w"))  # evicted to disk: still there
+    assert abs(index.overlap_blocks("a", [1, 2, 3]) - (1 + 2 * 0.8)) < 1e-6
+    index.apply("a", kv_event_to_proto(5, ("hit_cost", "disk", 7.0), "w"))  # a bogus cost stays below a miss
+    assert 0 < index.overlap_blocks("a", [2]) < 1
+    index.apply("a", kv_event_to_proto(6, ("cleared",), "w"))
+    assert index.overlap_blocks("a", [1]) == 0 and index.num_blocks("a", worker_pb2.KV_TIER_DISK) == 0
+
+
+def test_kv_aware_prefers_a_device_hit_to_a_disk_hit_to_a_miss():
+    async def main():
+        index = KvIndex()
+        policy = KvAware(index, KvAwareWeights(overlap=1.0, load=1.0))
+        on_device, on_disk, cold = _client("device:1"), _client("disk:1"), _client("cold:1")
+        prompt = list(range(32))  # 8 blocks of 4
+        hashes = hash_blocks(prompt, 4)
+        index.apply(on_device.endpoint, kv_event_to_proto(1, ("stored", hashes, None, 32), "w"))
+        index.apply(on_disk.endpoint, kv_event_to_proto(1, ("stored", hashes, None, 32, "disk"), "w"))
+        index.apply(on_disk.endpoint, kv_event_to_proto(2, ("hit_cost", "disk", 0.25), "w"))
+        costs = [policy.cost(w, prompt) for w in (on_device, on_disk, cold)]
+        assert costs == [0, 2, 8], costs
+        assert await policy.pick([cold, on_disk, on_device], prompt) is on_device
+        assert await policy.pick([cold, on_disk], prompt) is on_disk
+        assert policy.cached_tokens(on_disk, prompt) == 24
+        for worker in (on_device, on_disk, cold):
+            await worker.channel.close()
+
+    asyncio.run(main())
+
+
+def test_the_event_log_snapshots_every_tier_and_the_hit_costs():
+    """A subscriber's snapshot holds the device's blocks, each tier's and the last hit cost of each, in the numbered
+    order a live stream would have given them; emptying the device cache leaves the tiers' blocks announced."""
+    from common.kv.events import KvEventLog
+
+    async def main():
+        log = KvEventLog(block_size=4)
+        log.stored([1, 2], None)
+        log.stored([3], 2, tier="disk")
+        log.hit_cost("disk", 0.3)
+        subscriber = log.subscribe(asyncio.get_running_loop())
+        log.cleared()
+        await asyncio.sleep(0)
+        bodies = []
+        while not subscriber.queue.empty():
+            bodies.append((await subscriber.queue.get())[1])
+        return bodies, log
+
+    bodies, log = asyncio.run(main())
+    assert bodies == [("cleared",), ("stored", [1], None, 4, "device"), ("stored", [2], 1, 4, "device"),
+                      ("stored", [3], 2, 4, "disk"), ("hit_cost", "disk", 0.3),
+                      ("cleared",), ("stored", [3], 2, 4, "disk")]
+    assert log.num_cached == 0 and log.num_in("disk") == 1
+    events = [kv_event_to_proto(i, body, "w") for i, body in enumerate(bodies, 1)]
+    index = KvIndex()
+    for event in events:
+        index.apply("w", event)
+    assert index.num_blocks("w", worker_pb2.KV_TIER_DISK) == 1 and index.num_blocks("w") == 0
+    assert abs(index.hit_cost("w", worker_pb2.KV_TIER_DISK) - 0.3) < 1e-6

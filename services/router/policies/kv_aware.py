@@ -1,4 +1,5 @@
-"""kv_aware: prefill workers by cached prefix against queued prefill, from their KV events; other roles by load."""
+"""kv_aware: prefill workers by cached prefix against queued prefill, from their KV events (a block in a tier below a
+worker's device counts less than one on it: KvIndex.overlap_blocks); other roles by load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ class KvAware:
         return cls(index, KvAwareWeights(context.kv_overlap_weight, context.kv_load_weight))
 
     def cached_tokens(self, worker: WorkerClient, prompt: list[int]) -> int:
-        """The prompt tokens the worker's prefix cache holds, as far as its events tell."""
-        return self._cached_blocks(worker, hash_blocks(prompt, worker.info.block_size)) * worker.info.block_size
+        """The prompt tokens the worker's prefix cache holds, as far as its events tell (a lower tier's, weighted by
+        its hit cost: the tokens it need not compute, in computed tokens' worth)."""
+        return int(self._cached_blocks(worker, hash_blocks(prompt, worker.info.block_size)) * worker.info.block_size)
 
     def cost(self, worker: WorkerClient, prompt: list[int], hashes: list[int] | None = None) -> float:
         """`hashes`: the prompt's block hashes at the worker's block size, when the caller has them already."""
@@ -67,5 +69,5 @@ class KvAware:
 
         return min(workers, key=lambda w: (cost(w), w.endpoint))
 
-    def _cached_blocks(self, worker: WorkerClient, hashes: list[int]) -> int:
+    def _cached_blocks(self, worker: WorkerClient, hashes: list[int]) -> float:
         return self.index.overlap_blocks(worker.endpoint, hashes)

@@ -21,6 +21,12 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_KIND_UNSPECIFIED: _ClassVar[TensorKind]
     TENSOR_KIND_KV_CACHE: _ClassVar[TensorKind]
     TENSOR_KIND_EMBEDDING: _ClassVar[TensorKind]
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_AGGREGATED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
@@ -29,6 +35,9 @@ WORKER_ROLE_ENCODE: WorkerRole
 TENSOR_KIND_UNSPECIFIED: TensorKind
 TENSOR_KIND_KV_CACHE: TensorKind
 TENSOR_KIND_EMBEDDING: TensorKind
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_DISK: KvTier
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "images")
@@ -399,37 +408,51 @@ class SubscribeKvEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "num_tokens")
+    __slots__ = ("block_hashes", "parent_hash", "num_tokens", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_hash: int
     num_tokens: int
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class AllCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TierHitCost(_message.Message):
+    __slots__ = ("tier", "cost")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    tier: KvTier
+    cost: float
+    def __init__(self, tier: _Optional[_Union[KvTier, str]] = ..., cost: _Optional[float] = ...) -> None: ...
+
 class KvEvent(_message.Message):
-    __slots__ = ("sequence", "timestamp_unix_ms", "worker_id", "stored", "removed", "cleared")
+    __slots__ = ("sequence", "timestamp_unix_ms", "worker_id", "stored", "removed", "cleared", "hit_cost")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    HIT_COST_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     timestamp_unix_ms: int
     worker_id: str
     stored: BlockStored
     removed: BlockRemoved
     cleared: AllCleared
-    def __init__(self, sequence: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
+    hit_cost: TierHitCost
+    def __init__(self, sequence: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ..., hit_cost: _Optional[_Union[TierHitCost, _Mapping]] = ...) -> None: ...
