@@ -97,7 +97,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "disagg_kv_tier_onboard_seconds": ("histogram", "Reading, verifying and copying one request's blocks up from a "
                                        "tier, by tier.", ("tier",)),
     "disagg_kv_tier_offload_blocks_total": ("counter", "KV blocks stored into a tier (device evictions into host or "
-                                            "disk, host evictions into disk), by tier.", ("tier",)),
+                                            "disk, host evictions into disk, finished requests written through to "
+                                            "a shared disk tier), by tier.", ("tier",)),
     "disagg_kv_tier_offload_bytes_total": ("counter", "KV bytes stored into a tier, by tier (over "
                                            "disagg_kv_tier_offload_seconds_sum: the bandwidth down).", ("tier",)),
     "disagg_kv_tier_offload_seconds": ("histogram", "Storing one batch of evicted blocks into a tier, by tier.",

@@ -1,0 +1,277 @@
+"""A multi-turn chat against `disagg up` with each KV tier configuration, one after the other, side by side.
+
+    python -m benchmarks.multi_turn [--conversations 8] [--turns 6] [--max-tokens 32] [--think-s 0.5]
+        [--num-kv-blocks 64] [--configs none,disk,shared] [--dtype float32] [--json out.json]
+
+Each configuration is one `disagg up` on the CPU with the default model (SmolLM2-135M-Instruct) and its default
+layout (prefill-0 and decode-0), every worker's device pool --num-kv-blocks: `none` (no tiers: the device prefix
+cache alone), `disk` (--disk-kv-cache-dir: a disk tier of its own for each worker) and `shared` (--shared-kv-cache:
+one directory for both, finished requests written through, so the decode worker's answer is found by the next
+turn's prefill). --conversations chats run at once, each --turns turns: a system prompt of its own, then each turn
+a new user message over the whole history (every earlier question and answer), sent through the OpenAI door
+(chat completions, streaming, greedy, --max-tokens), the answer appended, then a think time (--think-s, ±50%,
+seeded) before the next turn. The working set (every conversation's last prompt and answer) is printed against
+the pool; the defaults make it over 4x.
+
+Printed per configuration: TTFT mean / p50 / p90 over every turn and over turns 2+ (the turns a cache can serve),
+output tok/s (completion tokens over the run's wall time), the prompt tokens the router reported cached and the
+workers' disagg_kv_tier_hit_tokens_total; then each configuration against `none` (TTFT: none / it, >= 1 is
+faster; tok/s: it / none), and whether every answer is the same as `none`'s (greedy: it must be).
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.scrape import scrape_url  # noqa: E402
+from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
+
+CONFIGS = {"none": [], "disk": ["--disk-kv-cache-dir", "{dir}/disk", "--disk-kv-cache-gb", "2"],
+           "shared": ["--shared-kv-cache", "--disk-kv-cache-dir", "{dir}/shared", "--disk-kv-cache-gb", "2"]}
+WORDS = ("river stone lantern harbor meadow circuit galaxy orchard violin glacier compass ember canyon theorem "
+         "falcon pepper marble thunder willow engine saffron beacon tundra quartz ribbon cobalt prairie anchor "
+         "nectar summit fossil cedar lagoon pixel walnut mosaic breeze").split()
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str
+    questions: tuple[str, ...]
+
+    def messages(self, turn: int, answers: list[str]) -> list[dict]:
+        """The request of turn `turn` (0-based): the system prompt, each earlier question and its answer, the question."""
+        history = [{"role": "system", "content": self.system}]
+        for question, answer in zip(self.questions[:turn], answers[:turn]):
+            history += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return history + [{"role": "user", "content": self.questions[turn]}]
+
+
+def conversations(n: int, turns: int, seed: int = 58, system_words: int = 110, question_words: int = 40) \
+        -> list[Conversation]:
+    """`n` conversations of `turns` questions, words drawn from WORDS by `seed`: every system prompt differs from
+    its first words on, so no two conversations share a cached prefix."""
+    rng = random.Random(seed)
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    return [Conversation(f"You are assistant {i}. Remember these words: {text(system_words)}.",
+                         tuple(f"Question {t + 1}: say something about {text(question_words)}." for t in range(turns)))
+            for i in range(n)]
+
+
+def think_times(n: int, turns: int, think_s: float, seed: int = 58) -> list[list[float]]:
+    """Each conversation's pause after each turn: think_s ±50%, the same for every configuration."""
+    rng = random.Random(seed + 1)
+    return [[think_s * rng.uniform(0.5, 1.5) for _ in range(turns)] for _ in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(ms: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(ms) if ms else float("nan"), "p50": percentile(ms, 50),
+            "p90": percentile(ms, 90)}
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    ttft_ms: float
+    answer: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Result:
+    config: str
+    wall_s: float
+    turns: list[Turn] = field(default_factory=list)
+    tier_hit_tokens: dict[str, float] = field(default_factory=dict)
+
+    def stats(self) -> dict:
+        later = [t.ttft_ms for t in self.turns if t.turn > 0]
+        return {"ttft_ms": summarize([t.ttft_ms for t in self.turns]), "ttft_later_ms": summarize(later),
+                "output_tok_s": sum(t.completion_tokens for t in self.turns) / self.wall_s,
+                "cached_tokens": sum(t.cached_tokens for t in self.turns),
+                "prompt_tokens": sum(t.prompt_tokens for t in self.turns),
+                "tier_hit_tokens": self.tier_hit_tokens}
+
+    def answers(self) -> dict[tuple[int, int], str]:
+        return {(t.conversation, t.turn): t.answer for t in self.turns}
+
+
+def working_set_blocks(turns: list[Turn], block_size: int = BLOCK_SIZE) -> int:
+    """Every conversation's last prompt and answer, in KV blocks: what a cache must hold to serve every next turn."""
+    last: dict[int, Turn] = {}
+    for t in turns:
+        if t.conversation not in last or t.turn > last[t.conversation].turn:
+            last[t.conversation] = t
+    return sum(-(-(t.prompt_tokens + t.completion_tokens) // block_size) for t in last.values())
+
+
+def chat(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
+    """One streamed, greedy chat completion: (TTFT ms, the answer, the usage)."""
+    body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    started, first, parts, usage = time.perf_counter(), None, [], {}
+    try:
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"chat completion: HTTP {response.status}: {response.read()[:300]!r}")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {}).get("content")
+                if delta:
+                    first = first or time.perf_counter()
+                    parts.append(delta)
+            usage = chunk.get("usage") or usage
+    finally:
+        connection.close()
+    return ((first or time.perf_counter()) - started) * 1000, "".join(parts), usage
+
+
+def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_tokens: int) -> tuple[list[Turn], float]:
+    """Every conversation at once, a thread each, its turns in order: every turn and the wall time."""
+    turns: list[Turn] = []
+    errors: list[BaseException] = []
+
+    def converse(i: int) -> None:
+        answers: list[str] = []
+        try:
+            for t in range(len(chats[i].questions)):
+                ttft, answer, usage = chat(port, chats[i].messages(t, answers), max_tokens)
+                answers.append(answer)
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                turns.append(Turn(i, t, ttft, answer, usage.get("prompt_tokens", 0),
+                                  usage.get("completion_tokens", 0), cached))
+                time.sleep(pauses[i][t])
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
+            errors.append(exc)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=converse, args=(i,)) for i in range(len(chats))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return sorted(turns, key=lambda t: (t.conversation, t.turn)), time.perf_counter() - started
+
+
+def tier_hits(metrics_base: int, workers: tuple[str, ...] = ("prefill-0", "decode-0")) -> dict[str, float]:
+    """Each worker's disagg_kv_tier_hit_tokens_total (every tier), from its /metrics (up: router on the base port, the
+    workers after it)."""
+    hits = {}
+    for offset, name in enumerate(workers, start=1):
+        found = scrape_url(f"http://127.0.0.1:{metrics_base + offset}/metrics")
+        hits[name] = sum(v for k, v in found.items() if k.startswith("disagg_kv_tier_hit_tokens_total"))
+    return hits
+
+
+def run_config(name: str, args: argparse.Namespace, chats: list[Conversation], pauses: list[list[float]],
+               scratch: Path) -> Result:
+    flags = [f.format(dir=scratch) for f in CONFIGS[name]]
+    command = [sys.executable, "-m", "services", "up", "--http-port", str(args.port), "--router-port", "0",
+               "--metrics-port-base", str(args.metrics_port_base), "--num-kv-blocks", str(args.num_kv_blocks),
+               "--dtype", args.dtype, *flags]
+    server = Server(name, command, {}, args.port)
+    server.start(scratch, timeout_s=300)
+    try:
+        chat(args.port, [{"role": "user", "content": "Warm up: say hello."}], 4)
+        turns, wall = drive(args.port, chats, pauses, args.max_tokens)
+        return Result(name, wall, turns, tier_hits(args.metrics_port_base))
+    finally:
+        server.stop()
+
+
+def report(results: list[Result], pool_blocks: int) -> str:
+    base = results[0]
+    lines = ["| config | TTFT mean / p50 / p90 ms | turns 2+: TTFT mean / p50 / p90 ms | out tok/s | cached prompt "
+             "tokens | tier hit tokens (prefill, decode) | vs none: TTFT mean, turns 2+, tok/s | same answers |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    b = base.stats()
+    for result in results:
+        s = result.stats()
+        same = result.answers() == base.answers()
+        ratio = (f"{b['ttft_ms']['mean'] / s['ttft_ms']['mean']:.2f}x, "
+                 f"{b['ttft_later_ms']['mean'] / s['ttft_later_ms']['mean']:.2f}x, "
+                 f"{s['output_tok_s'] / b['output_tok_s']:.2f}x")
+        hits = ", ".join(f"{v:.0f}" for v in s["tier_hit_tokens"].values())
+        lines.append(f"| {result.config} | {_ms(s['ttft_ms'])} | {_ms(s['ttft_later_ms'])} | "
+                     f"{s['output_tok_s']:.1f} | {s['cached_tokens']} of {s['prompt_tokens']} | {hits} | {ratio} | "
+                     f"{'yes' if same else 'NO'} |")
+    blocks = working_set_blocks(base.turns)
+    lines.append(f"\nworking set {blocks} blocks of {BLOCK_SIZE} tokens = {blocks / pool_blocks:.1f}x the device pool "
+                 f"of {pool_blocks} blocks")
+    return "\n".join(lines)
+
+
+def _ms(s: dict[str, float]) -> str:
+    return f"{s['mean']:.0f} / {s['p50']:.0f} / {s['p90']:.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--think-s", type=float, default=0.5)
+    parser.add_argument("--num-kv-blocks", type=int, default=64)
+    parser.add_argument("--configs", default="none,disk,shared")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--port", type=int, default=18471)
+    parser.add_argument("--metrics-port-base", type=int, default=18480)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    names = args.configs.split(",")
+    if names[0] != "none" or set(names) - set(CONFIGS):
+        parser.error(f"--configs: a list of {list(CONFIGS)}, none first (the others are compared with it)")
+    stop_on_sigterm()
+    chats = conversations(args.conversations, args.turns)
+    pauses = think_times(args.conversations, args.turns, args.think_s)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="multi-turn-") as scratch:
+        for name in names:
+            results.append(run_config(name, args, chats, pauses, Path(scratch)))
+            print(f"{name}: {len(results[-1].turns)} turns in {results[-1].wall_s:.1f} s", flush=True)
+    print(report(results, args.num_kv_blocks))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "results": {r.config: {**r.stats(), "wall_s": r.wall_s} for r in results}},
+                                        indent=1))
+    return 0 if all(r.answers() == results[0].answers() for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
