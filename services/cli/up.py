@@ -212,7 +212,7 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
     children = list(workers)
 
     def router(name: str, port: int | None = None, time_relay: bool = False) -> Child:
-        metrics = ports.get(name, _extra_metrics_port(args.metrics_port_base, len(ports), name))
+        metrics = ports[name] if name in ports else _extra_metrics_port(args.metrics_port_base, len(ports), name)
         return Child.start(name, "services.router", router_argv(args, plan, addresses, metrics, port, time_relay),
                            env={**tls_env, **router_env(args)}, cores=cpu.other_cores if cpu else None,
                            health_metadata=router_health_metadata(args))

@@ -426,3 +426,12 @@ def test_up_refuses_the_routers_taken_port_naming_it():
         args = parse_args(["--routers", "2", "--router-port", str(port), "--http-port", "0"])
         assert router_ports_busy(args) == (f"127.0.0.1:{port} is already in use (another process holds it); choose "
                                            "another port with --router-port (0 picks a free one)")
+
+
+def test_up_gives_derived_routers_metrics_ports_after_the_others():
+    """Routers up adds once the first has measured itself take --metrics-port-base's next ports past every child
+    it planned (router-1 right after decode-N), free ones without a base, none with -1."""
+    from services.cli.up import _extra_metrics_port
+
+    assert [_extra_metrics_port(60000, 3, f"router-{i}") for i in (1, 2)] == [60003, 60004]
+    assert _extra_metrics_port(0, 3, "router-1") == 0 and _extra_metrics_port(-1, 3, "router-1") == -1
