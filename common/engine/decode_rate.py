@@ -11,6 +11,7 @@ import time
 
 from common.engine.engine import LLMEngine
 from common.engine.request import SamplingParams
+from common.engine.warm_up import forget_requests
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,7 @@ def measure_decode_rate(engine: LLMEngine) -> float | None:
     except Exception as exc:  # a measurement must not keep a worker from serving
         log.warning("decode rate not measured (%s: %s)", type(exc).__name__, exc)
         made, seconds = 0, 0.0
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.block_manager.reset_prefix_cache()
-    engine.num_preemptions = 0
+    forget_requests(engine)
     if made <= 0 or seconds <= 0:
         return None
     rate = made / seconds

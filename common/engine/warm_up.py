@@ -50,15 +50,21 @@ def warm_up(engine: LLMEngine, full: bool | None = None) -> float | None:
             count += _run_wave(engine, wave)
     except Exception as exc:  # a warm-up must not keep a worker from serving; the same fault would show in requests
         log.warning("warm-up failed (%s: %s); serving without it", type(exc).__name__, exc)
-        for request_id in list(engine.requests):
-            engine.abort_request(request_id)
-        while engine.has_unfinished_requests():
-            engine.step()
-    engine.block_manager.reset_prefix_cache()
-    engine.num_preemptions = 0
+    forget_requests(engine)
     seconds = time.monotonic() - start
     log.info("warm-up: %d requests in %.1f s", count, seconds)
     return seconds
+
+
+def forget_requests(engine: LLMEngine) -> None:
+    """Leave the engine as a start found it after requests of its own: any still held aborted and stepped out,
+    nothing in the prefix cache (no worker reports or serves a block of theirs), no preemption counted."""
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()
+    engine.num_preemptions = 0
 
 
 def _run_wave(engine: LLMEngine, wave: list[tuple[str, list[int], SamplingParams]]) -> int:

@@ -31,3 +31,26 @@ def test_the_warm_up_runs_every_kind_and_leaves_no_trace(tiny_llama, tmp_path):
     assert engine.block_manager.num_free_blocks == 256 and engine.kv_events.num_cached == 0
     del engine.add_request
     assert engine.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+
+
+def test_the_decode_rate_is_measured_at_a_full_batch_and_leaves_no_trace(tiny_llama):
+    """After the warm-up a GPU engine times decode steps with max_num_seqs rows (what `disagg up` sizes its routers
+    by); run here on the CPU: a rate comes back, the rows were all there, and the engine is left as found."""
+    from common.engine.decode_rate import TIMED_STEPS, measure_decode_rate
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=256, max_num_seqs=8))
+    added = []
+    add = engine.add_request
+    engine.add_request = lambda request_id, *args, **kwargs: added.append(request_id) or add(request_id, *args,
+                                                                                                 **kwargs)
+    rate = measure_decode_rate(engine)
+    assert rate is not None and rate > 0
+    assert added == [f"decode-rate-{i}" for i in range(8)]
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.num_free_blocks == 256 and engine.kv_events.num_cached == 0
+    del engine.add_request
+    one_row = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=5, max_num_seqs=8))
+    assert measure_decode_rate(one_row) is not None  # the pool holds one row's prompt and TIMED_STEPS tokens
+    assert 4 * 5 >= 8 + TIMED_STEPS + 2
+    none = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=4, max_num_seqs=8))
+    assert measure_decode_rate(none) is None and not none.requests  # not even one row: nothing measured
