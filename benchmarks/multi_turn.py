@@ -133,9 +133,18 @@ def working_set_blocks(turns: list[Turn], block_size: int = BLOCK_SIZE) -> int:
     return sum(-(-(t.prompt_tokens + t.completion_tokens) // block_size) for t in last.values())
 
 
-def chat(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
+def served_model(port: int) -> str:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/v1/models")
+        return json.loads(connection.getresponse().read())["data"][0]["id"]
+    finally:
+        connection.close()
+
+
+def chat(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     """One streamed, greedy chat completion: (TTFT ms, the answer, the usage)."""
-    body = json.dumps({"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started, first, parts, usage = time.perf_counter(), None, [], {}
@@ -162,6 +171,7 @@ def chat(port: int, messages: list[dict], max_tokens: int) -> tuple[float, str, 
 
 def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_tokens: int) -> tuple[list[Turn], float]:
     """Every conversation at once, a thread each, its turns in order: every turn and the wall time."""
+    model = served_model(port)
     turns: list[Turn] = []
     errors: list[BaseException] = []
 
@@ -169,12 +179,13 @@ def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_t
         answers: list[str] = []
         try:
             for t in range(len(chats[i].questions)):
-                ttft, answer, usage = chat(port, chats[i].messages(t, answers), max_tokens)
+                ttft, answer, usage = chat(port, model, chats[i].messages(t, answers), max_tokens)
                 answers.append(answer)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 turns.append(Turn(i, t, ttft, answer, usage.get("prompt_tokens", 0),
                                   usage.get("completion_tokens", 0), cached))
-                time.sleep(pauses[i][t])
+                if t + 1 < len(chats[i].questions):
+                    time.sleep(pauses[i][t])
         except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
             errors.append(exc)
 
@@ -208,7 +219,7 @@ def run_config(name: str, args: argparse.Namespace, chats: list[Conversation], p
     server = Server(name, command, {}, args.port)
     server.start(scratch, timeout_s=300)
     try:
-        chat(args.port, [{"role": "user", "content": "Warm up: say hello."}], 4)
+        chat(args.port, served_model(args.port), [{"role": "user", "content": "Warm up: say hello."}], 4)
         turns, wall = drive(args.port, chats, pauses, args.max_tokens)
         return Result(name, wall, turns, tier_hits(args.metrics_port_base))
     finally:
