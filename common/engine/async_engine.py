@@ -25,6 +25,7 @@ from common.engine.engine import LLMEngine
 from common.engine.interface import EngineFacts, EngineLoad, EngineRequest, KvBlocks
 from common.engine.request import FinishReason, RequestOutput
 from common.engine.step_facts import StepFacts
+from common.kv.tiers.hit_cost import HitCostReporter
 from common.kv.events import Subscriber
 from common.kv.session import KvSession
 
@@ -60,6 +61,10 @@ class AsyncLLMEngine:
         self.step_done: Callable[[StepFacts, float, float, tuple[StepFacts, float] | None], None] | None = None
         self.warm_up_s: float | None = None  # how long from_config's warm-up took (None: none ran)
         self.decode_tokens_per_s: float | None = None  # measured after the warm-up (decode_rate.py; None: not)
+        # KV tiers: what a hit in each costs against computing it, told to the router as a KV event.
+        self._hit_costs = (HitCostReporter(engine.kv_tiers.names, engine.kv_tiers.metrics, engine.kv_events,
+                                           engine.config.block_size)
+                           if getattr(engine, "kv_tiers", None) is not None and engine.kv_events is not None else None)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -235,9 +240,13 @@ class AsyncLLMEngine:
                 previous = None
                 continue
             step = engine.last_step
-            if self.step_done is not None and step is not None:
-                self.step_done(step, time.perf_counter() - started, time.thread_time() - cpu,
-                               None if previous is None else (previous[0], started - previous[1]))
+            if step is not None and (self.step_done is not None or self._hit_costs is not None):
+                wall = time.perf_counter() - started
+                if self._hit_costs is not None:
+                    self._hit_costs.observe(step.kind, step.tokens, wall)
+                if self.step_done is not None:
+                    self.step_done(step, wall, time.thread_time() - cpu,
+                                   None if previous is None else (previous[0], started - previous[1]))
             previous = None if step is None else (step, started)
             self._deliver(outputs)
 

@@ -31,7 +31,8 @@ def measure_decode_rate(engine: LLMEngine) -> float | None:
     skip = {engine.image_token_id, *engine.eos_token_ids}
     try:
         for row in range(rows):
-            prompt = [(101 + 13 * row + 7 * i) % max(vocab - 100, 1) + min(100, vocab - 1) for i in range(PROMPT_TOKENS)]
+            prompt = [(101 + 13 * row + 7 * i) % max(vocab - 100, 1) + min(100, vocab - 1)
+                      for i in range(PROMPT_TOKENS)]
             engine.add_request(f"decode-rate-{row}", [t if t not in skip else min(100, vocab - 1) for t in prompt],
                                sampling)
         started: set[str] = set()

@@ -50,6 +50,8 @@ class LLMEngine:
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
         self.block_manager.events = self.kv_events
         self.block_manager.tiers = self.kv_tiers = self._open_tiers(config)
+        if self.kv_tiers is not None:
+            self.kv_tiers.events = self.kv_events  # each tier's blocks are KV events too (the router scores them)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_limit, config.kv_growth_reserve)
         self.sessions = KvSessionTable(config.session_ttl_s)

@@ -24,6 +24,7 @@ VOCABULARY = (
     # The KV cache tiers below an engine's pool (host memory, disk), which its block manager drives.
     "common.kv.tiers",
     "common.kv.tiers.disk",
+    "common.kv.tiers.hit_cost",
     "common.kv.tiers.host",
     "common.kv.tiers.identity",
     "common.kv.tiers.metrics",

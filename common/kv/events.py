@@ -48,7 +48,8 @@ class KvEventLog:
         self._parents: dict[str, dict[int, int | None]] = {DEVICE: {}}
         self._costs: dict[str, float] = {}  # tier → the last hit cost reported (hit_cost)
         self._subscribers: list[Subscriber] = []
-        self._lock = threading.Lock()  # the subscriber list, and the tables (the tiers report from their thread)
+        # The tables, the subscribers and their numbering: the tiers report from their own thread.
+        self._lock = threading.Lock()
 
     # --- from the block manager (engine thread) and the tiers (their thread) ---
 
@@ -61,7 +62,7 @@ class KvEventLog:
             for h in hashes:
                 table[h] = previous
                 previous = h
-        self._publish(("stored", list(hashes), parent, len(hashes) * self.block_size, tier))
+            self._publish(("stored", list(hashes), parent, len(hashes) * self.block_size, tier))
 
     def removed(self, hashes: list[int], tier: str = DEVICE) -> None:
         if not hashes:
@@ -70,23 +71,22 @@ class KvEventLog:
             table = self._parents.get(tier, {})
             for h in hashes:
                 table.pop(h, None)
-        self._publish(("removed", list(hashes), tier))
+            self._publish(("removed", list(hashes), tier))
 
     def hit_cost(self, tier: str, cost: float) -> None:
         """What a hit in `tier` costs against computing the block, as the worker measured it (the router's weight)."""
         with self._lock:
             self._costs[tier] = cost
-        self._publish(("hit_cost", tier, cost))
+            self._publish(("hit_cost", tier, cost))
 
     def cleared(self) -> None:
         """The device pool's prefix cache was emptied: subscribers forget everything, then hear the tiers again."""
         with self._lock:
             self._parents[DEVICE].clear()
-            below = [(tier, dict(table)) for tier, table in self._parents.items() if tier != DEVICE]
-        self._publish(("cleared",))
-        for tier, table in below:
-            for h, parent in table.items():
-                self._publish(("stored", [h], parent, self.block_size, tier))
+            self._publish(("cleared",))
+            for tier, table in self._parents.items():
+                for h, parent in table.items():
+                    self._publish(("stored", [h], parent, self.block_size, tier))
 
     # --- subscriptions ---
 
@@ -120,7 +120,7 @@ class KvEventLog:
         return len(self._parents.get(tier, ()))
 
     def _publish(self, body: EventBody) -> None:
-        with self._lock:
-            subscribers = list(self._subscribers)
-        for subscriber in subscribers:
+        """With the lock held: the engine thread and the tiers' both report, and each subscriber's numbers and
+        order must be one sequence."""
+        for subscriber in self._subscribers:
             subscriber.offer(body)

@@ -248,3 +248,51 @@ def test_a_workers_kv_path_binds_the_tier_counts_to_its_prometheus_metrics(tiny_
     text = generate_latest(metrics.registry).decode()
     assert 'disagg_kv_tier_hit_tokens_total{model="m",role="aggregated",tier="disk"} 216.0' in text
     assert 'disagg_kv_tier_offload_seconds_count{model="m",role="aggregated",tier="disk"}' in text
+    # the engine loop measured a disk hit's cost against a prefill and told the router's events (HitCostReporter)
+    assert 0 < engine.engine.kv_events._costs["disk"]
+
+
+def test_the_tiers_blocks_are_kv_events_naming_their_tier(tiny_llama, baseline, tmp_path):
+    """What goes down to disk is announced as stored there (the router's index scores it as a disk hit), what the
+    budget evicts as removed from there; a subscriber's snapshot holds both the device's and the disk's blocks."""
+    import asyncio
+
+    engine = _engine(tiny_llama, **_disk(tmp_path, 12 * 2400 / (1 << 30)))  # a dozen blocks: the budget evicts
+    assert _chat(engine, turns=3) == baseline + baseline[6:]
+    log = engine.kv_events
+    on_disk = log.num_in("disk")
+    assert on_disk > 0 and _total(engine, "disagg_kv_tier_evictions_total", tier="disk") > 0
+    files = {int(p.name[:16], 16) for p in _records(tmp_path / "kv")}
+    assert set(log._parents["disk"]) == files  # announced = on disk: each eviction was announced as it happened
+
+    async def snapshot():
+        subscriber = log.subscribe(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        return [body for _, body in [subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())]]
+
+    bodies = asyncio.run(snapshot())
+    assert sum(1 for b in bodies if b[0] == "stored" and b[4] == "disk") == on_disk
+    assert sum(1 for b in bodies if b[0] == "stored" and b[4] == "device") == log.num_cached
+
+
+def test_a_hit_cost_is_published_once_both_sides_are_measured(tiny_llama, tmp_path):
+    """HitCostReporter: onboard seconds a block (the tiers' counts) over prefill seconds a block (prompt-only
+    steps): nothing before both exist, then an event, then none until the cost moves by more than CHANGE."""
+    from common.kv.events import KvEventLog
+    from common.kv.tiers.hit_cost import CHANGE, HitCostReporter
+
+    metrics, log = TierMetrics(), KvEventLog(block_size=4)
+    reporter = HitCostReporter(["disk"], metrics, log, block_size=4)
+    prefill = ("prefill", 100)
+    reporter.observe(*prefill, 0.1)  # 1 ms a token: 4 ms a block
+    assert reporter.cost("disk") is None and "disk" not in log._costs
+    metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.01)  # 1 ms a block onboarded
+    reporter.observe("decode", 8, 0.5)  # decode steps say nothing of prefill
+    assert "disk" not in log._costs
+    reporter.observe(*prefill, 0.1)
+    assert abs(log._costs["disk"] - 0.25) < 1e-9
+    reporter.observe(*prefill, 0.1 * (1 + CHANGE / 2))
+    assert abs(log._costs["disk"] - 0.25) < 1e-9  # moved less than CHANGE: no event
+    metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.05)  # slower now: 3 ms a block
+    reporter.observe(*prefill, 0.1)
+    assert log._costs["disk"] > 0.5

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from common.kv.tiers.identity import TierLayout
 from common.kv.tiers.metrics import TierMetrics
@@ -47,6 +48,7 @@ class DiskTier:
         self._lock = threading.Lock()  # this process's writers and evictions (one mover thread, and tests)
         self.used = self._scan()[0]
         self._scanned_at = time.monotonic()
+        self.on_evicted: Callable[[list[int]], None] | None = None  # told the hashes this process evicted
 
     def path(self, block_hash: int) -> Path:
         name = f"{block_hash:016x}"
@@ -128,18 +130,20 @@ class DiskTier:
             return
         total, files = self._scan(collect=True)
         target = self.capacity * self.LOW_WATER - size
-        evicted = 0
+        evicted: list[int] = []
         for _, file_size, path in sorted(files):
             if total <= target:
                 break
             try:
                 os.unlink(path)
-                evicted += 1
-            except FileNotFoundError:
-                pass  # another process evicted it first
+                evicted.append(int(os.path.basename(path)[:16], 16))
+            except (FileNotFoundError, ValueError):
+                pass  # another process evicted it first (or a name not of ours)
             total -= file_size
         self.used, self._scanned_at = total, time.monotonic()
-        self.metrics.evicted(self.name, evicted)
+        self.metrics.evicted(self.name, len(evicted))
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
         if total + size > self.capacity:
             raise DiskFull(f"the disk tier's budget of {self.capacity} bytes has no room for {size} more")
 

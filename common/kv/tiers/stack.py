@@ -12,6 +12,9 @@ Write-through (`write_through`, the node-wide tier): a finished request's full b
 the disk tier at once, while the device keeps them too, so that another worker of the node finds them for the next
 turn (a decode worker's answer, for the prefill worker that prefills the next prompt); each block once per content.
 Keys are the prefix cache's chained block hashes in every tier. A block that fails a check is recomputed, counted.
+With `events` (the engine's KvEventLog) each tier's arrivals and departures are KV events naming the tier, so the
+router knows what this worker can onboard (what other processes evict from a shared directory it learns only as
+misses).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import torch
 
+from common.kv.events import KvEventLog
 from common.kv.tiers.disk import DiskFull, DiskTier
 from common.kv.tiers.host import HostTier
 from common.kv.tiers.identity import TierLayout
@@ -52,6 +56,9 @@ class KvTiers:
         self.write_through = write_through and disk is not None
         self._written: set[int] = set()  # device block ids whose content write-through stored (or a tier gave)
         self._staged: OrderedDict[str, Future] = OrderedDict()
+        self.events: KvEventLog | None = None  # told what enters and leaves each tier (the engine's, for routing)
+        if self.disk is not None:
+            self.disk.on_evicted = lambda hashes: self._announce_removed(self.disk.name, hashes)
 
     @property
     def names(self) -> list[str]:
@@ -138,17 +145,20 @@ class KvTiers:
         self.metrics.offloaded(self.host.name, len(blocks), len(blocks) * self.block_bytes,
                                time.perf_counter() - started)
         self.metrics.used(self.host.name, self.host.used_bytes)
+        self._announce_stored(self.host.name, [b for b in blocks if b.key.hash in self.host])
         if down:
             self.metrics.evicted(self.host.name, len(down))
+            self._announce_removed(self.host.name, [b.key.hash for b in down if b.key.hash not in self.host])
             self._write_disk(down)
 
     def _write_disk(self, blocks: list[StoredBlock]) -> None:
         if self.disk is None:
             return
-        started, written, nbytes = time.perf_counter(), 0, 0
+        started, written, nbytes, there = time.perf_counter(), 0, 0, []
         for block in blocks:
             try:
                 size = self.disk.write(block)
+                there.append(block)
             except DiskFull:
                 self.metrics.store_failed(self.disk.name, "full")
                 continue
@@ -161,6 +171,16 @@ class KvTiers:
             nbytes += size
         if written:
             self.metrics.offloaded(self.disk.name, written, nbytes, time.perf_counter() - started)
+        self._announce_stored(self.disk.name, there)
+
+    def _announce_stored(self, tier: str, blocks: list[StoredBlock]) -> None:
+        if self.events is not None:
+            for block in blocks:
+                self.events.stored([block.key.hash], block.key.parent, tier=tier)
+
+    def _announce_removed(self, tier: str, hashes: list[int]) -> None:
+        if self.events is not None and hashes:
+            self.events.removed(hashes, tier=tier)
 
     # --- up ---
 
@@ -260,6 +280,7 @@ class KvTiers:
         log.warning("KV %s tier: block %016x failed its check (%s); recomputing it", tier.name, key.hash, exc)
         self.metrics.rejected(tier.name, exc.reason)
         tier.discard(key.hash)
+        self._announce_removed(tier.name, [key.hash])
 
     def close(self) -> None:
         self.mover.close()
