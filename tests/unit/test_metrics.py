@@ -80,8 +80,9 @@ def test_an_engine_step_is_counted_by_its_kind_and_its_period_by_the_step_that_b
 
 
 def test_a_step_is_decode_prefill_or_mixed_by_its_rows():
-    assert step_facts([("a", 1), ("b", 1)], launched_ahead=True) == StepFacts("decode", 2, True)
-    assert step_facts([("a", 512)], launched_ahead=False) == StepFacts("prefill", 1, False)
+    """... and counts its new tokens (a prefill step's prompt tokens: what the tiers' hit cost divides by)."""
+    assert step_facts([("a", 1), ("b", 1)], launched_ahead=True) == StepFacts("decode", 2, True, tokens=2)
+    assert step_facts([("a", 512)], launched_ahead=False) == StepFacts("prefill", 1, False, tokens=512)
     assert step_facts([("a", 1), ("b", 256)], launched_ahead=False).kind == "mixed"
 
 
