@@ -4,7 +4,8 @@ Workers bind free ports; the router binds --router-port (50051, what `disagg gen
 Engine flags (--model, --dtype, --device, --block-size, --num-kv-blocks, --gpu-memory-utilization,
 --max-num-seqs, ...) go to every worker, merged here with --engine-config FILE.yaml and --engine-overrides JSON
 (defaults < YAML < JSON < flags given), and --prefill-engine-overrides / --decode-engine-overrides JSON over
-them for that role's workers alone (below its flags given).
+them for that role's workers alone (below its flags given). --model-name and the KV handoff flags (--kv-transports;
+the decode workers' --kv-pull-timeout, --kv-load-failure-policy) go to the workers too.
 With --device cuda the workers are laid out on the GPUs in order
 (--gpus, default all visible; prefill first, each worker its tensor-parallel size of consecutive GPUs; more
 ranks than GPUs needs --share-gpus), and with no --prefill/--decode the layout follows the GPUs: half of them
@@ -41,6 +42,7 @@ from common.engine.start import check_startable
 from common.errors import InvalidConfig
 from services.worker.engine_file import read_json
 from services.worker.engine_flags import apply_engine_config, engine_argv, engine_config_from_args
+from services.worker.handoff_flags import handoff_argv
 from services.router.config import routing_argv
 from services.cli import banner, kv_tiers
 from services.cli.cpu_layout import CpuLayout, cpu_layout
@@ -169,8 +171,9 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
     role = role_args(args, worker.role)
     tier_overrides, tier_switches = kv_tiers.worker_tier_flags(role, worker.name)
     engine = engine_argv(role, **overrides, **tier_overrides) + tier_switches
+    named = ["--model-name", args.model_name] if args.model_name else []
     return ["--host", args.host, "--port", "0", "--drain-timeout", str(args.drain_timeout), "--log-level",
-            args.log_level, *engine, "--metrics-port", str(metrics_port)]
+            args.log_level, *engine, *named, *handoff_argv(args, worker.role), "--metrics-port", str(metrics_port)]
 
 
 def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int,
@@ -293,7 +296,7 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
                  else SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS)
     chose = args.prefill is not None or args.decode is not None
     why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
-    return Plan(model_label(args.model), "", workers, tp_sizes(args), local,
+    return Plan(args.model_name or model_label(args.model), "", workers, tp_sizes(args), local,
                 gpu_memory_share(args.device, args.gpu_memory_utilization, args.num_kv_blocks),
                 cpu_plan(args, list(workers), cores), why, routers=args.routers or 1,
                 derive_routers=args.routers is None, tiers=kv_tiers.summary(args))

@@ -11,6 +11,7 @@ from services.cli.placement import parse_gpus
 from services.kit.auth import add_api_key_args
 from services.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, add_routing_args
 from services.worker.engine_flags import add_engine_args
+from services.worker.handoff_flags import add_pull_args, add_transport_args
 
 # Workers sharing a GPU (one GPU, or --share-gpus): a remote prefill pays against aggregated serving (output tok/s,
 # TTFT, ITL p99) from about this prompt length on, the crossover benchmarks/disagg_sweep.py finds.
@@ -54,6 +55,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
                          help=f"prompts this short prefill on decode (default: {ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} "
                               f"sharing a GPU, else {SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS})")
     _add_role_args(parser.add_argument_group("per role"))
+    _add_worker_args(parser.add_argument_group("workers (passed on to each)"))
     add_kv_tier_args(parser.add_argument_group("KV cache tiers"))
     add_engine_args(parser)
     add_api_key_args(parser)
@@ -97,6 +99,12 @@ def _add_role_args(g: argparse._ArgumentGroup) -> None:
                        help=f"{role} workers' TP size (default: --tensor-parallel-size)")
         g.add_argument(f"--{role}-engine-overrides", metavar="JSON", default=None,
                        help=f"{role} workers' engine flags, over the files")
+
+
+def _add_worker_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--model-name", default=None, metavar="NAME", help="the model's name for clients (default: from --model)")
+    add_transport_args(g)
+    add_pull_args(g)  # the decode workers'
 
 
 def _hide_rare(parser: argparse.ArgumentParser) -> None:

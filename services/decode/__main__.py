@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from common.pb.disagg.v1 import worker_pb2
-from services.decode.server import SERVICE_NAMES, add_args, add_servicers
+from services.decode.server import SERVICE_NAMES, add_servicers
+from services.worker.handoff_flags import add_pull_args
 from services.worker.service import EngineRole
 from services.kit.process_exit import exit_process
 from services.worker.shell import run_worker
 
-SPEC = EngineRole(worker_pb2.WORKER_ROLE_DECODE, "The decode worker.", SERVICE_NAMES, add_servicers, add_args)
+SPEC = EngineRole(worker_pb2.WORKER_ROLE_DECODE, "The decode worker.", SERVICE_NAMES, add_servicers, add_pull_args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,18 +41,6 @@ from services.worker.service import WorkerState
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [worker_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name]
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-
-
-def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-pull-timeout", type=float, default=60.0,
-                        help="seconds a KV pull from a prefill worker may take before it counts as failed")
-    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute",
-                        help="when the KV pull fails (prefill gone, session expired, stream broken): "
-                             "'recompute' runs the prompt here and carries on, 'fail' ends the request "
-                             "(UNAVAILABLE or NOT_FOUND)")
-
-
 def add_servicers(server: grpc.aio.Server, state: WorkerState, args: argparse.Namespace) -> None:
     channels = ChannelCache()  # to encode workers' TensorStores, for image embeddings
     servicer = DecodeServicer(state, channels, args.kv_pull_timeout, args.kv_load_failure_policy)

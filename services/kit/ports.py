@@ -14,6 +14,7 @@ from common.errors import InvalidConfig
 
 IN_USE = "is already in use (another process holds it)"
 GRPC_PORT_ENV = "DISAGG_GRPC_PORT"  # every server's --port; a container's healthcheck dials it
+ADVERTISE_HOST_ENV = "DISAGG_ADVERTISE_HOST"  # every server's --advertise-host
 
 
 class PortTaken(InvalidConfig):
@@ -43,3 +44,9 @@ def port_taken(host: str, port: int, flag: str, failure: BaseException) -> PortT
     if problem is None:  # the holder went away meanwhile, or the server failed for another reason
         problem = f"could not be bound ({getattr(failure, 'strerror', None) or failure})"
     return PortTaken(host, port, problem, flag)
+
+
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The host other processes reach a server bound on `host` at: --advertise-host, else `host`, or this machine's
+    hostname where `host` binds every address."""
+    return advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)

@@ -10,7 +10,7 @@ from common.engine.default_model import resolve_model
 from common.errors import InvalidConfig
 from services.kit.auth import ApiKeys, add_api_key_args, api_keys_from_args
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S
-from services.kit.ports import GRPC_PORT_ENV
+from services.kit.ports import ADVERTISE_HOST_ENV, GRPC_PORT_ENV
 from services.router import policies, reasoning_parsers, tool_parsers
 
 DEFAULT_PORT = 50051
@@ -23,6 +23,8 @@ class RouterConfig:
     model: str
     """Model directory whose tokenizer (and config.json) the router uses; workers serve the weights."""
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    """The host workers, Consul and the banner name this router by (None: --host, or the hostname for 0.0.0.0)."""
     port: int = DEFAULT_PORT
     http_port: int = DEFAULT_HTTP_PORT
     time_relay: bool = False
@@ -91,7 +93,11 @@ class RouterConfig:
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=os.environ.get("DISAGG_HOST", "127.0.0.1"))
+    parser.add_argument("--host", default=os.environ.get("DISAGG_HOST", "127.0.0.1"),
+                        help="address to bind (env DISAGG_HOST)")
+    parser.add_argument("--advertise-host", default=os.environ.get(ADVERTISE_HOST_ENV),
+                        help=f"host others reach this router at (default: --host, or the hostname for 0.0.0.0; env "
+                             f"{ADVERTISE_HOST_ENV})")
     parser.add_argument("--port", type=int, default=int(os.environ.get(GRPC_PORT_ENV, DEFAULT_PORT)),
                         help=f"0 picks a free port (env {GRPC_PORT_ENV})")
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("DISAGG_HTTP_PORT", DEFAULT_HTTP_PORT)),
@@ -166,7 +172,8 @@ def routing_argv(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        model=str(resolve_model(args.model)), host=args.host, port=args.port, http_port=args.http_port, reuse_port=args.reuse_port, time_relay=args.time_relay,
+        model=str(resolve_model(args.model)), host=args.host, advertise_host=args.advertise_host, port=args.port,
+        http_port=args.http_port, reuse_port=args.reuse_port, time_relay=args.time_relay,
         model_name=args.model_name, policy=args.policy,
         min_remote_prefill_tokens=args.min_remote_prefill_tokens, max_inflight_requests=args.max_inflight_requests,
         max_local_prefill_tokens=args.max_local_prefill_tokens, max_prefill_queue_tokens=args.max_prefill_queue_tokens,

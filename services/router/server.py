@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 from typing import Awaitable, Callable
 
 import grpc
@@ -22,6 +20,7 @@ from services.router.prepare import RequestPreparer
 from services.router.warm_up import WarmUp, warm_up
 from services.router.workers import WorkerPool
 from services.kit.grpc_auth import api_key_interceptors
+from services.kit.ports import advertised_host
 from common.heap import settle_heap
 from services.kit.serving import Server, start_server, wait_for_signal
 from services.kit.wire import ParseRequests
@@ -51,8 +50,7 @@ async def serve(config: RouterConfig, discovery: Discovery, obs: Observability |
         raise
     settle_heap(obs.metrics if obs is not None else None)  # (the tokenizer is loaded; no request is served yet)
     await pool.start()
-    advertised = os.environ.get("DISAGG_ADVERTISE_HOST") or (
-        socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
+    advertised = advertised_host(config.host, config.advertise_host)
     banners = [listener.banner(advertised) for listener in listeners]
     health = asyncio.create_task(_track_health(server, orchestrator, f"{advertised}:{server.port}", banners,
                                                lambda: warm_up(pool, preparer, config)))

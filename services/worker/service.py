@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,12 +22,13 @@ from common.engine.request import SamplingParams
 from common.engine.start import start_engine
 from common.errors import DisaggError, Unavailable
 from common.kv.layout import KvLayout
-from common.kv.offer import PREFERENCE, known_transports, parse_transports
+from common.kv.offer import PREFERENCE, parse_transports
 from common.kv.paths import KvPath, open_path
 from common.telemetry.metrics import Metrics, observe_engine_load, observe_engine_step, observe_grammar_compile
 from common.pb.disagg.v1 import worker_pb2, worker_pb2_grpc
 from services.kit.convert import kv_event_to_proto
 from services.worker.engine_flags import add_engine_args, effective_engine_json, engine_config_from_args
+from services.worker.handoff_flags import add_transport_args
 from services.kit.drain import Admission
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, abort_with
 from services.worker.tensor_store import TensorSource
@@ -170,10 +170,7 @@ class EngineRole:
     no_kv_events: str = ""
 
     def add_args(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--kv-transports", "--kv-transfer-backends", action=_NewFlagName, default=_kv_transports_from_env(),
-            help="KV transports this worker offers (prefill) or accepts (decode), best first: 'auto' or a subset of "
-                 f"{','.join(known_transports())} (grpc is always kept as the fallback; env DISAGG_KV_TRANSPORTS)")
+        add_transport_args(parser)
         self.add_role_args(parser)
         add_engine_args(parser)
 
@@ -247,25 +244,6 @@ class EngineRole:
         released = await state.engine.release_all_sessions()
         await asyncio.to_thread(state.engine.shutdown)
         return f"released {released} KV sessions"
-
-
-class _NewFlagName(argparse.Action):
-    """A flag whose first option string is its name; another one is its old name, kept working for one release
-    with a warning that names the new one."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if option_string != self.option_strings[0]:
-            log.warning("%s is deprecated: use %s", option_string, self.option_strings[0])
-        setattr(namespace, self.dest, values)
-
-
-def _kv_transports_from_env() -> str:
-    """DISAGG_KV_TRANSPORTS, else its old name DISAGG_KV_TRANSFER_BACKENDS (kept for one release, with a warning)."""
-    old = os.environ.get("DISAGG_KV_TRANSFER_BACKENDS")
-    if old is not None and "DISAGG_KV_TRANSPORTS" not in os.environ:
-        log.warning("DISAGG_KV_TRANSFER_BACKENDS is deprecated: use DISAGG_KV_TRANSPORTS")
-        return old
-    return os.environ.get("DISAGG_KV_TRANSPORTS", "auto")
 
 
 def _limits(config: EngineConfig) -> worker_pb2.WorkerLimits:

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any, Protocol, Sequence
@@ -30,7 +29,7 @@ from common.tls import configure as configure_tls
 from services.kit.drain import DEFAULT_DRAIN_TIMEOUT_S, until_idle
 from common.heap import settle_heap
 from services.kit.observability import Observability, add_observability_args
-from services.kit.ports import GRPC_PORT_ENV, PortTaken
+from services.kit.ports import ADVERTISE_HOST_ENV, GRPC_PORT_ENV, PortTaken, advertised_host
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, setup_logging, start_server
 from services.kit.wire import ParseRequests
 from services.worker.service import ROLE_NAMES, WorkerRoleAnswers, WorkerServicer, WorkerState
@@ -132,18 +131,15 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=int(os.environ.get(GRPC_PORT_ENV, 0)),
                    help=f"port to bind; 0 picks a free one (env {GRPC_PORT_ENV})")
-    g.add_argument("--advertise-host", default=os.environ.get("DISAGG_ADVERTISE_HOST"),
-                   help="host other processes use to reach this one (default: --host, or the hostname for 0.0.0.0)")
+    g.add_argument("--advertise-host", default=os.environ.get(ADVERTISE_HOST_ENV),
+                   help="host others reach this worker at (default: --host, or the hostname for 0.0.0.0; env "
+                        f"{ADVERTISE_HOST_ENV})")
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds requests in flight (and the pulls of what this worker holds) may take after "
                         "SIGTERM before they are ended")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-
-
-def _advertised_host(args: argparse.Namespace) -> str:
-    return args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host)
 
 
 async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
@@ -161,7 +157,7 @@ async def _serve(spec: RoleSpec, args: argparse.Namespace, config: Any) -> None:
 
     server = await start_server(add_servicers, [*spec.service_names, _WORKER_SERVICE], args.host, args.port,
                                 args.max_message_bytes, interceptors=[ParseRequests()])
-    host = _advertised_host(args)
+    host = advertised_host(args.host, args.advertise_host)
     state.endpoint = f"{host}:{server.port}"
     started = time.monotonic()
     try:

@@ -53,3 +53,17 @@ def test_up_passes_the_router_flags_it_takes_to_the_router():
             parsed.policy) == (2, "per-request", 9, 5.0, "kv_aware")
     worker = worker_argv(args, settled, settled.workers[0], 0)
     assert worker[worker.index("--drain-timeout") + 1] == "5.0" and worker[worker.index("--port") + 1] == "0"
+
+
+def test_up_passes_the_worker_flags_it_takes_to_each_worker():
+    """--model-name and the KV handoff flags, which are no engine flags, reach the workers' command lines; the pull
+    flags the decode workers' alone."""
+    args = parse_args(["--model", "/m", "--model-name", "sea", "--kv-transports", "grpc", "--kv-pull-timeout", "5",
+                       "--kv-load-failure-policy", "fail"])
+    settled = plan(args, cores=(0, 1))
+    argv = {w.role: worker_argv(args, settled, w, 0) for w in settled.workers}
+    assert settled.model_name == "sea"
+    for role in ("prefill", "decode"):
+        assert argv[role][argv[role].index("--model-name") + 1] == "sea" and "--kv-transports=grpc" in argv[role]
+    assert {"--kv-pull-timeout=5.0", "--kv-load-failure-policy=fail"} <= set(argv["decode"])
+    assert not any(a.startswith("--kv-pull-timeout") for a in argv["prefill"])
