@@ -22,7 +22,7 @@ from common.pb.disagg.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 _RETRY_S = (0.2, 1.0)  # a restarted worker is followed again within a second of serving
-DEVICE = worker_pb2.KV_TIER_DEVICE
+DEVICE = worker_pb2.KV_TIER_DEVICE  # (a worker that names no tier, KV_TIER_UNSPECIFIED, means it too)
 DEFAULT_HIT_COST = 0.5  # a lower tier's hit before its worker has measured one: half a computed block
 _MIN_HIT_COST, _MAX_HIT_COST = 0.01, 0.99  # a lower tier's hit stays below a device hit and above a miss
 
@@ -37,9 +37,9 @@ class KvIndex:
         tiers = self._blocks.setdefault(endpoint, {DEVICE: set()})
         kind = event.WhichOneof("event")
         if kind == "stored":
-            tiers.setdefault(event.stored.tier, set()).update(event.stored.block_hashes)
+            tiers.setdefault(event.stored.tier or DEVICE, set()).update(event.stored.block_hashes)
         elif kind == "removed":
-            tiers.get(event.removed.tier, set()).difference_update(event.removed.block_hashes)
+            tiers.get(event.removed.tier or DEVICE, set()).difference_update(event.removed.block_hashes)
         elif kind == "cleared":
             tiers.clear()
             tiers[DEVICE] = set()

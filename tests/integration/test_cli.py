@@ -111,8 +111,14 @@ def _worker_flags(args: argparse.Namespace, settled, worker) -> argparse.Namespa
     argv = worker_argv(args, settled, worker, 0)
     flags = [a for a in argv if a.startswith("--")]
     assert len(flags) == len(set(flags)), argv
+    from services.worker.handoff_flags import add_pull_args, add_transport_args
+
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
+    add_transport_args(parser)
+    if worker.role == "decode":
+        add_pull_args(parser)
+    parser.add_argument("--model-name")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--drain-timeout", type=float)

@@ -103,7 +103,9 @@ def test_up_lays_out_by_the_file_and_gives_each_role_its_overrides(engine_yaml):
                        "--prefill-engine-overrides", '{"max-waiting": 3}'])
     settled = plan(args, cores=(0, 1))
     assert settled.tp == {"prefill": 2, "decode": 2}  # the layout follows the file
-    workers = {w.role: _parse(worker_argv(args, settled, w, 0)[8:-2]) for w in settled.workers}
+    handoff = ("--kv-transports=", "--kv-pull-timeout=", "--kv-load-failure-policy=")  # the workers' own, not engine
+    workers = {w.role: _parse([a for a in worker_argv(args, settled, w, 0)[8:-2] if not a.startswith(handoff)])
+               for w in settled.workers}
     assert (workers["prefill"].max_waiting, workers["decode"].max_waiting) == (3, 9)
     assert workers["prefill"].max_num_seqs == workers["decode"].max_num_seqs == 4  # the flag given beats a role's
     assert workers["decode"].block_size == 8 and workers["decode"].no_prefix_caching

@@ -24,6 +24,7 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 
 class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
     KV_TIER_DEVICE: _ClassVar[KvTier]
     KV_TIER_HOST: _ClassVar[KvTier]
     KV_TIER_DISK: _ClassVar[KvTier]
@@ -35,6 +36,7 @@ WORKER_ROLE_ENCODE: WorkerRole
 TENSOR_KIND_UNSPECIFIED: TensorKind
 TENSOR_KIND_KV_CACHE: TensorKind
 TENSOR_KIND_EMBEDDING: TensorKind
+KV_TIER_UNSPECIFIED: KvTier
 KV_TIER_DEVICE: KvTier
 KV_TIER_HOST: KvTier
 KV_TIER_DISK: KvTier
