@@ -49,8 +49,9 @@ class EncodeConfig:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                    help="LLaVA-style Hugging Face model directory (env DISAGG_MODEL)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="the vision tower's dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the vision tower runs")
     p.add_argument("--embedding-ttl", type=float, default=60.0, help="seconds an unpulled embedding is kept")
     p.add_argument("--max-stored-bytes", type=int, default=1 << 30, help="cap on unpulled embedding bytes")
     p.add_argument("--max-images-per-request", type=int, default=16)

@@ -41,7 +41,8 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         choices=["float32", "float16", "bfloat16"], metavar="DTYPE",
         help="%(choices)s (env DISAGG_DTYPE)")
     add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"), help="cpu, cuda or cuda:N (env DISAGG_DEVICE)")
-    add("--block-size", type=int, default=16)
+    add("--block-size", type=int, default=16, metavar="TOKENS",
+        help="tokens a KV block holds (prefix caching, handoffs and the tiers count in blocks)")
     add("--num-kv-blocks", type=int, metavar="N",
         default=int(os.environ["DISAGG_NUM_KV_BLOCKS"]) if os.environ.get("DISAGG_NUM_KV_BLOCKS") else None,
         help=f"KV blocks, CPU {CPU_KV_BLOCKS} (env DISAGG_NUM_KV_BLOCKS)")
@@ -57,13 +58,15 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--long-prefill-token-threshold", type=int, default=None,
         help="most prompt tokens of one request per step, so a long prompt shares steps with the "
              f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
-    add("--max-model-len", type=int, default=None)
+    add("--max-model-len", type=int, default=None, metavar="TOKENS",
+        help="longest prompt + output a request may take (default: the model's context length)")
     add("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
     add("--kv-growth-reserve", type=int, default=256, metavar="TOKENS",
         help="tokens of KV growth a new request (or a handed-off KV) leaves free for each running one, at most "
              "what that one may still generate; it waits for room instead of causing a preemption later "
              "(0: admit while blocks last)")
-    add("--no-prefix-caching", action=GivenSwitch)
+    add("--no-prefix-caching", action=GivenSwitch,
+        help="no reuse of a cached prompt prefix (and no KV events for kv_aware routing)")
     add("--enforce-eager", action=GivenSwitch,
         help="GPU: run every step eagerly, without CUDA graphs (decode steps, and prompt and mixed steps in pieces)")
     add("--no-async-scheduling", action=GivenSwitch,

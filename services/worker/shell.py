@@ -134,7 +134,8 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-host", default=os.environ.get(ADVERTISE_HOST_ENV),
                    help="host others reach this worker at (default: --host, or the hostname for 0.0.0.0; env "
                         f"{ADVERTISE_HOST_ENV})")
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="BYTES",
+                   help=f"largest gRPC message this worker sends or takes (default {DEFAULT_MAX_MESSAGE_BYTES})")
     g.add_argument("--model-name", default=None, help="model name reported to the router (default: from --model)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds requests in flight (and the pulls of what this worker holds) may take after "
