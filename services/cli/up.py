@@ -285,6 +285,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def local_prefill_why(tokens: int, shared: bool) -> str:
+    """One line on where prompts prefill by default on GPUs, and why (the summary's)."""
+    if shared:
+        return (f"prompts of up to {tokens} uncached tokens prefill on the decode worker, longer ones on a prefill "
+                "worker: on a shared GPU a remote prefill costs throughput and pays in ITL only past about that "
+                "length (docs/benchmarks/disagg_one_gpu.md; --max-local-prefill-tokens to choose)")
+    return ("every prompt prefills on a prefill worker: their GPUs are their own, and a prompt prefilled on a decode "
+            "GPU would stall its decode steps (--max-local-prefill-tokens to choose)")
+
+
 def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple[int, ...] | None = None) -> Plan:
     """The workers' layout, their CPU cores and the router's local-prefill default (no model needed; see
     `preflight`). `cores`: the CPU cores to lay out (default: this process's)."""
@@ -296,6 +306,8 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
                  else SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS)
     chose = args.prefill is not None or args.decode is not None
     why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
+    if on_cuda(args.device) and args.max_local_prefill_tokens is None and any(w.role == "prefill" for w in workers):
+        why = local_prefill_why(local, shares_gpus(workers))
     return Plan(args.model_name or model_label(args.model), "", workers, tp_sizes(args), local,
                 gpu_memory_share(args.device, args.gpu_memory_utilization, args.num_kv_blocks),
                 cpu_plan(args, list(workers), cores), why, routers=args.routers or 1,

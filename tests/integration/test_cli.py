@@ -441,3 +441,17 @@ def test_up_gives_derived_routers_metrics_ports_after_the_others():
 
     assert [_extra_metrics_port(60000, 3, f"router-{i}") for i in (1, 2)] == [60003, 60004]
     assert _extra_metrics_port(0, 3, "router-1") == 0 and _extra_metrics_port(-1, 3, "router-1") == -1
+
+
+def test_up_says_where_prompts_prefill_by_default_on_gpus_and_why():
+    """One summary line on the local-or-remote default where up chose it: on a shared GPU the crossover length, on
+    GPUs of their own every prompt remote; none where the flag chose it or there is no prefill worker."""
+    from services.cli.banner import placement_notes
+
+    one_gpu = placement_notes(plan(parse_args(["--device", "cuda", "--model", "/m"]), visible_gpus=1))
+    assert one_gpu.startswith("prompts of up to 1536 uncached tokens prefill on the decode worker, longer ones on a "
+                              "prefill worker: on a shared GPU") and one_gpu.count("\n") == 1
+    two_gpus = placement_notes(plan(parse_args(["--device", "cuda", "--model", "/m"]), visible_gpus=2))
+    assert two_gpus.startswith("every prompt prefills on a prefill worker: their GPUs are their own")
+    for flags in (["--max-local-prefill-tokens", "64"], ["--prefill", "0"]):
+        assert placement_notes(plan(parse_args(["--device", "cuda", "--model", "/m", *flags]), visible_gpus=1)) == ""
