@@ -44,7 +44,8 @@ def router_count(decode_notes: list[str], router_note: str, spare_cores: int) ->
     rates = [decode_rate(note) for note in decode_notes]
     cost = relay_cost_s(router_note)
     if not rates or any(rate is None for rate in rates) or cost is None:
-        missing = "the router measured no CPU a token" if cost is None else "the decode workers measured no rate"
+        missing = ("the decode workers measured no rate" if not rates or any(rate is None for rate in rates)
+                   else "the router measured no CPU a token")
         return RouterCount(1, f"1 router: {missing} (no warm-up: on the CPU one router outpaces the workers)")
     tokens = sum(rates)
     cores = tokens * cost

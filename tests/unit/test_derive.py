@@ -28,4 +28,5 @@ def test_routers_keep_each_loop_under_its_share_of_a_core():
 def test_without_a_measurement_one_router():
     assert router_count([CPU_WORKER], ROUTER, spare_cores=1).routers == 1
     assert "the decode workers measured no rate" in router_count([CPU_WORKER], ROUTER, 1).why
+    assert "the decode workers measured no rate" in router_count([CPU_WORKER], "warm-up 0.2 s", 1).why  # the CPU
     assert "the router measured no CPU a token" in router_count([GPU_WORKER], "warm-up 0.2 s", 14).why
