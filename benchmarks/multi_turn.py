@@ -24,7 +24,6 @@ import argparse
 import http.client
 import json
 import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.scrape import scrape_url  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
+from services.cli.bench.stats import Distribution  # noqa: E402
 
 CONFIGS = {"none": [], "disk": ["--disk-kv-cache-dir", "{dir}/disk", "--disk-kv-cache-gb", "2"],
            "shared": ["--shared-kv-cache", "--disk-kv-cache-dir", "{dir}/shared", "--disk-kv-cache-gb", "2"]}
@@ -78,20 +78,10 @@ def think_times(n: int, turns: int, think_s: float, seed: int = 58) -> list[list
     return [[think_s * rng.uniform(0.5, 1.5) for _ in range(turns)] for _ in range(n)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between the closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def summarize(ms: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(ms) if ms else float("nan"), "p50": percentile(ms, 50),
-            "p90": percentile(ms, 90)}
+    """Mean, p50 and p90 of `ms` (disagg bench's Distribution: numpy's linear percentiles; NaN where empty)."""
+    d = Distribution.of([m / 1e3 for m in ms])
+    return {"mean": d.mean, "p50": d.p50, "p90": d.p90}
 
 
 @dataclass
