@@ -82,27 +82,20 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def best(fn, rounds: int, before=None) -> float:
-    times = []
-    for _ in range(rounds):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return interleaved(fn, rounds=rounds, before=before)[0]
 
 
-def interleaved(first, second, rounds: int, before=None) -> tuple[float, float]:
+def interleaved(*fns, rounds: int, before=None) -> tuple[float, ...]:
     """Best of `rounds` of each, taking turns (the disk's own speed drifts between runs on a shared machine)."""
-    times: tuple[list[float], list[float]] = ([], [])
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        for fn, kept in ((first, times[0]), (second, times[1])):
+        for fn, kept in zip(fns, times):
             if before is not None:
                 before()
             start = time.perf_counter()
             fn()
             kept.append(time.perf_counter() - start)
-    return min(times[0]), min(times[1])
+    return tuple(min(kept) for kept in times)
 
 
 def main() -> int:
@@ -118,15 +111,7 @@ def main() -> int:
     total = args.blocks * nbytes
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         root = Path(root)
-        metrics = TierMetrics()
-
-        def fresh_tier() -> DiskTier:
-            for path in root.glob("tier/**/*"):
-                if path.is_file():
-                    path.unlink()
-            return DiskTier(root / "tier", 4 * total, LAYOUT, metrics)
-
-        tier = fresh_tier()
+        tier = DiskTier(root / "tier", 4 * total, LAYOUT, TierMetrics())
         write_s = best(lambda: [tier.write(b) for b in stored], args.rounds,
                        before=lambda: [tier.discard(b.key.hash) for b in stored])
         (root / "plain").mkdir()
@@ -136,7 +121,7 @@ def main() -> int:
         cold = not args.warm and drop_page_cache()
         before = drop_page_cache if cold else None
         plain_s, read_s = interleaved(lambda: plain_read(paths), lambda: tier_read(tier, stored, nbytes),
-                                      args.rounds, before)
+                                      rounds=args.rounds, before=before)
         on_disk = sum(sizes)
 
         host = HostTier(int(1.5 * total), nbytes, pin=torch.cuda.is_available())
