@@ -3,7 +3,7 @@ tier's reads verify what they read, and the blocks make one hash chain."""
 import sys
 
 from benchmarks import kv_tier_bandwidth as bench
-from common.kv.tiers.record import BlockKey
+from common.kv.tiers.record import BlockKey, checksum
 
 
 def test_the_bench_prints_each_path_beside_its_limit(monkeypatch, capsys, tmp_path):
@@ -23,3 +23,4 @@ def test_the_blocks_chain_and_carry_their_checksums():
     blocks = bench.blocks(3, 64)
     assert [b.key.parent for b in blocks] == [0, blocks[0].key.hash, blocks[1].key.hash]
     assert all(isinstance(b.key, BlockKey) and b.key.consistent() and b.payload.numel() == 64 for b in blocks)
+    assert all(b.checksum == checksum(b.payload) for b in blocks)
