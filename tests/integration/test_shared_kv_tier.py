@@ -4,13 +4,12 @@ to the shared directory, and the next turn's prefill finds them, reporting turn 
 tokens, with the greedy tokens of the same pair without tiers (which caches turn 1's prompt alone)."""
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 
 import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.observed import scrape
 from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
 
 BLOCK = 4
@@ -70,8 +69,7 @@ def _generate(router: ServiceProcess, prompt: list[int]) -> tuple[list[int], com
 
 
 def _metric(process: ServiceProcess, name: str, tier: str) -> float:
-    text = urllib.request.urlopen(f"http://{process.metrics_address}/metrics", timeout=5).read().decode()
-    return sum(float(m[1]) for m in re.finditer(rf'^{name}\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$', text, re.M))
+    return sum(v for k, v in scrape(process).items() if k.startswith(name + "{") and f'tier="{tier}"' in k)
 
 
 def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
