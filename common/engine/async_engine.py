@@ -64,7 +64,7 @@ class AsyncLLMEngine:
         # KV tiers: what a hit in each costs against computing it, told to the router as a KV event.
         self._hit_costs = (HitCostReporter(engine.kv_tiers.names, engine.kv_tiers.metrics, engine.kv_events,
                                            engine.config.block_size)
-                           if getattr(engine, "kv_tiers", None) is not None and engine.kv_events is not None else None)
+                           if engine.kv_tiers is not None and engine.kv_events is not None else None)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 

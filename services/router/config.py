@@ -27,12 +27,12 @@ class RouterConfig:
     """The host workers, Consul and the banner name this router by (None: --host, or the hostname for 0.0.0.0)."""
     port: int = DEFAULT_PORT
     http_port: int = DEFAULT_HTTP_PORT
+    """OpenAI-compatible HTTP (frontends/openai.py); 0 turns it off."""
     time_relay: bool = False
     """At warm-up, time this router's CPU a relayed token and print it (`disagg up` sizes its routers by it)."""
     reuse_port: bool = False
     """--port and --http-port shared with other routers (SO_REUSEPORT: the kernel spreads new connections over
-    them); `disagg up` starts its replicas so."""
-    """OpenAI-compatible HTTP (frontends/openai.py); 0 turns it off."""
+    them); `disagg up` starts its routers so."""
     model_name: str | None = None
     """The name clients put in GenerateRequest.model; by default what the decode workers announce."""
     policy: str = "round_robin"

@@ -63,16 +63,15 @@ class KvIndex:
     def overlap_blocks(self, endpoint: str, prompt_hashes: list[int]) -> float:
         """The prompt's leading blocks the worker holds in any tier (a chained hash implies its whole prefix), each
         counted 1 - its tier's hit cost: a device block 1, a lower tier's less."""
-        tiers = self._blocks.get(endpoint, {})
-        if not tiers:
-            return 0
-        ordered = sorted(tiers.items())  # the device first, then host, then disk: a block counts where it is best
+        # the device first, then host, then disk: a block counts where it is best
+        ordered = [(blocks, 1 - self.hit_cost(endpoint, tier))
+                   for tier, blocks in sorted(self._blocks.get(endpoint, {}).items())]
         count = 0.0
         for h in prompt_hashes:
-            tier = next((t for t, blocks in ordered if h in blocks), None)
-            if tier is None:
+            weight = next((w for blocks, w in ordered if h in blocks), None)
+            if weight is None:
                 break
-            count += 1 - self.hit_cost(endpoint, tier)
+            count += weight
         return count
 
     # --- subscriptions ---

@@ -1,8 +1,8 @@
 """Before the request path opens: requests a router runs through its own core before it says SERVING, so that the first
 client request finds warm what every request takes beyond the engine (which warms itself, common/engine/warm_up.py): the
 tokenizer and chat template, the Python of the request path on both sides of each worker's gRPC stream, a KV handoff
-from each prefill worker, and each front door's own paths (FrontDoor.warm_up: the OpenAI door's HTTP server) (docs/benchmarks/first_request.md: with it a fresh `up`'s first gRPC request is as fast as the
-next).
+from each prefill worker (docs/benchmarks/first_request.md: with it a fresh `up`'s first gRPC request is as fast as the
+next), and each front door's own paths (FrontDoor.warm_up: the OpenAI door's HTTP server).
 
 They are short (a few tokens, below a KV block, so no worker caches or reports a block of theirs), count in no
 router metric, and a failure is logged, never kept from serving: the same fault would show in the first request."""
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 PROMPT = "Hi"
 OUTPUT_TOKENS = 2
-# The timed requests: RELAY_ROWS at once of RELAY_TOKENS each, so that a decode step's message carries many rows' tokens
-# as under load (one row alone pays a whole message a token) and the tokens outweigh what a request costs once.
+# The timed requests: RELAY_ROWS at once of RELAY_TOKENS each, so that a decode step's message carries many rows'
+# tokens as under load (one row alone pays a whole message a token) and the tokens outweigh a request's own cost.
 RELAY_ROWS = 32
 RELAY_TOKENS = 32
 TIMEOUT_MS = 30_000  # each request's deadline: a worker that does not answer in this is left to the first request
@@ -48,9 +48,9 @@ class WarmUp:
 async def warm_up(pool: WorkerPool, preparer: RequestPreparer, config: RouterConfig) -> WarmUp:
     """Run the warm-up requests. Through a core of their own (round robin over the workers, no metrics): one
     aggregated request a decode worker, then, with prefill workers, one with a remote prefill a worker of the larger
-    role, so every prefill worker hands off and every decode worker takes a handoff; each front door's own; last, with
-    --time-relay, a batch of longer aggregated requests whose tokens time the router's CPU a relayed token (the process's CPU over the
-    stream, its whole loop and gRPC threads: what more routers would share)."""
+    role, so every prefill worker hands off and every decode worker takes a handoff; each front door's own; last,
+    with --time-relay, a batch of longer aggregated requests whose tokens time the router's CPU a relayed token (the
+    process's CPU over the streams, its whole loop and gRPC threads: what more routers would share)."""
     start = time.monotonic()
     cpu_s_per_token = None
     decode, prefill = len(pool.ready(Role.DECODE)), len(pool.ready(Role.PREFILL))

@@ -201,7 +201,8 @@ def test_the_default_parser_follows_the_chat_template(tmp_path):
     from services.router.frontends.openai import _chat_parsing
 
     router = RouterConfig(model=str(default_model_dir()), reasoning_parser="qwen3")
-    assert _chat_parsing(router) == ChatParsing("hermes", "qwen3", template_takes_tools=False)
+    assert _chat_parsing(router.model, router.tool_call_parser, router.reasoning_parser) == ChatParsing(
+        "hermes", "qwen3", template_takes_tools=False)
     (tmp_path / "chat_template.jinja").write_text("{% if tools %}...{% endif %}<tool_call>")
     assert template_tools(tmp_path).parser == "hermes" and template_tools(tmp_path).takes_tools
     (tmp_path / "chat_template.jinja").unlink()

@@ -35,8 +35,8 @@ class FrontDoor:
     """What a front door serves: gRPC services on the router's port (added by `add_to_server`; their full names,
     for health and reflection, in `grpc_services`), a listener of its own (`start`, given the process's metrics, None
     where there are none; it returns None when the config turns it off), or both, and a `warm_up` of its own.
-`health_methods`: its gRPC methods
-    ("/package.Service/Method") that report health, which an API key guards only with --api-key-protects-health."""
+    `health_methods`: its gRPC methods ("/package.Service/Method") that report health, which an API key guards only
+    with --api-key-protects-health."""
 
     grpc_services: tuple[str, ...] = ()
     add_to_server: "Callable[[grpc.aio.Server, Core], None] | None" = None

@@ -76,7 +76,8 @@ async def start(core: Core, config: RouterConfig, metrics: Metrics | None) -> Ht
         return await start_http(core, config.host, config.http_port, DEFAULT_MAX_MESSAGE_BYTES,
                                 api_keys=config.api_keys, metrics=metrics.registry if metrics is not None else None,
                                 ssl_context=settings.server_ssl_context() if settings.serves_tls else None,
-                                chat=_chat_parsing(config), reuse_port=config.reuse_port)
+                                chat=_chat_parsing(config.model, config.tool_call_parser, config.reasoning_parser),
+                                reuse_port=config.reuse_port)
     except OSError as exc:
         raise port_taken(config.host, config.http_port, "--http-port (0 turns HTTP off)", exc) from None
 
@@ -99,7 +100,8 @@ async def warm_up(core: Core, config: RouterConfig) -> None:
     request parsing, the answer shapes and the SSE writer run once before a client's first request takes them."""
     if not config.http_port:
         return
-    door = await start_http(core, "127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES, chat=_chat_parsing(config, quiet=True))
+    chat = _chat_parsing(config.model, config.tool_call_parser, config.reasoning_parser)
+    door = await start_http(core, "127.0.0.1", 0, DEFAULT_MAX_MESSAGE_BYTES, chat=chat)
     try:
         async with aiohttp.ClientSession() as session:
             for path, body in _WARM_UP_CALLS:
@@ -111,10 +113,10 @@ async def warm_up(core: Core, config: RouterConfig) -> None:
         await door.stop()
 
 
-def _chat_parsing(config: RouterConfig, quiet: bool = False) -> ChatParsing:
-    chat = ChatParsing.for_model(config.model, config.tool_call_parser, config.reasoning_parser)
-    if quiet:
-        return chat
+@functools.lru_cache(maxsize=4)
+def _chat_parsing(model: str, tool_call_parser: str | None, reasoning_parser: str | None) -> ChatParsing:
+    """Read from the model's chat template once a process (the door and its warm-up both take it), said once."""
+    chat = ChatParsing.for_model(model, tool_call_parser, reasoning_parser)
     log.info("chat answers: tool calls read by the %s parser (%s), reasoning by %s", chat.tool_call_parser,
              "the chat template renders tools" if chat.template_takes_tools else
              "the chat template has no tools: they are written into the messages", chat.reasoning_parser or "none")
