@@ -91,12 +91,6 @@ class Plan:
         return [*self.router_names, *(w.name for w in self.workers)]
 
 
-def router_ports(args: argparse.Namespace) -> tuple[int, int]:
-    """Every router's gRPC and HTTP ports: the same for all (SO_REUSEPORT: the kernel spreads new connections over
-    them; --router-port 0: the first one's free port, HTTP port 0: off)."""
-    return args.router_port, args.http_port
-
-
 def on_cuda(device: str) -> bool:
     return device == "cuda" or device.startswith("cuda:")
 
@@ -178,10 +172,11 @@ def worker_argv(args: argparse.Namespace, plan: Plan, worker: WorkerPlacement, m
 
 def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str], metrics_port: int,
                 port: int | None = None, time_relay: bool = False) -> list[str]:
-    """A router's command line; `port`: the gRPC port the first router bound, for the others (else --router-port);
-    `time_relay`: it times its CPU a relayed token at warm-up (the first router, where up derives the count)."""
-    router_port, http_port = router_ports(args)
-    flags = ["--host", args.host, "--port", str(router_port if port is None else port), "--http-port", str(http_port),
+    """A router's command line. Every router binds --router-port and --http-port (SO_REUSEPORT: the kernel spreads
+    new connections over them); `port`: the gRPC port the first one bound, for the others (--router-port 0: a free
+    one). `time_relay`: it times its CPU a relayed token at warm-up (the first router, where up derives the count)."""
+    flags = ["--host", args.host, "--port", str(args.router_port if port is None else port),
+             "--http-port", str(args.http_port),
              "--reuse-port",
              "--model", args.model or "default", "--decode-workers", addresses["decode"],
              "--max-local-prefill-tokens", str(plan.max_local_prefill_tokens), "--log-level", args.log_level,
@@ -214,8 +209,9 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
                for w in plan.workers]
     children = list(workers)
 
-    def router(name: str, port: int | None = None, time_relay: bool = False) -> Child:
-        metrics = ports[name] if name in ports else _extra_metrics_port(args.metrics_port_base, len(ports), name)
+    def router(index: int, port: int | None = None, time_relay: bool = False) -> Child:
+        name = plan.router_names[index]
+        metrics = ports[name] if name in ports else _extra_metrics_port(args.metrics_port_base, len(ports), index)
         return Child.start(name, "services.router", router_argv(args, plan, addresses, metrics, port, time_relay),
                            env={**tls_env, **router_env(args)}, cores=cpu.other_cores if cpu else None,
                            health_metadata=router_health_metadata(args))
@@ -225,7 +221,7 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
         addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
                      for role in ("prefill", "decode")}
         decode_notes = [c.note for c in workers if c.name.startswith("decode")]
-        first = router("router", time_relay=plan.derive_routers and all(decode_rate(n) for n in decode_notes))
+        first = router(0, time_relay=plan.derive_routers and all(decode_rate(n) for n in decode_notes))
         children.insert(0, first)
         wait_ready([first], args.start_timeout)
         if plan.derive_routers:
@@ -233,7 +229,7 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
             count = router_count(decode_notes, first.note, spare)
             plan = dataclasses.replace(plan, routers=count.routers, router_why=count.why)
         bound = int(first.address.rsplit(":", 1)[1])
-        replicas = [router(name, bound) for name in plan.router_names[1:]]
+        replicas = [router(i, bound) for i in range(1, plan.routers)]
         children[1:1] = replicas
         wait_ready(replicas, args.start_timeout)
     except BaseException:
@@ -242,10 +238,10 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
     return children, plan
 
 
-def _extra_metrics_port(base: int, taken: int, name: str) -> int:
-    """A derived router's --metrics-port: after the others' with --metrics-port-base (router-i: base + taken + i - 1),
+def _extra_metrics_port(base: int, taken: int, index: int) -> int:
+    """Derived router `index`'s --metrics-port: after the others' with --metrics-port-base (base + taken + index - 1),
     else as theirs (0 free, -1 off)."""
-    return base + taken + int(name.rsplit("-", 1)[1]) - 1 if base > 0 else base
+    return base + taken + index - 1 if base > 0 else base
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -316,14 +312,13 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
 
 def routers_ports(args: argparse.Namespace) -> dict[str, int]:
     """The routers' gRPC and HTTP port by the flag that sets it."""
-    port, http_port = router_ports(args)
-    return {"--router-port": port, "--http-port": http_port}
+    return {"--router-port": args.router_port, "--http-port": args.http_port}
 
 
 def router_ports_busy(args: argparse.Namespace) -> str | None:
     """The routers' gRPC and HTTP port free, else one line."""
-    port, http_port = router_ports(args)
-    return check_port_free(args.host, port, "--router-port") or check_port_free(args.host, http_port, "--http-port")
+    return (check_port_free(args.host, args.router_port, "--router-port")
+            or check_port_free(args.host, args.http_port, "--http-port"))
 
 
 def preflight(args: argparse.Namespace) -> Plan:

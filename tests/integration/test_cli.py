@@ -439,8 +439,8 @@ def test_up_gives_derived_routers_metrics_ports_after_the_others():
     it planned (router-1 right after decode-N), free ones without a base, none with -1."""
     from services.cli.up import _extra_metrics_port
 
-    assert [_extra_metrics_port(60000, 3, f"router-{i}") for i in (1, 2)] == [60003, 60004]
-    assert _extra_metrics_port(0, 3, "router-1") == 0 and _extra_metrics_port(-1, 3, "router-1") == -1
+    assert [_extra_metrics_port(60000, 3, i) for i in (1, 2)] == [60003, 60004]
+    assert _extra_metrics_port(0, 3, 1) == 0 and _extra_metrics_port(-1, 3, 1) == -1
 
 
 def test_up_says_where_prompts_prefill_by_default_on_gpus_and_why():
