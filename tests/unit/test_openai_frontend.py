@@ -423,7 +423,8 @@ def test_the_warm_up_sends_its_calls_through_an_app_of_its_own(tiny_llama):
     core = FakeCore(TWO_WORDS)
     asyncio.run(warm_up(core, RouterConfig(model=str(tiny_llama), http_port=8000)))
     assert len(core.requests) == len(_WARM_UP_CALLS) == core.closed
-    assert {r.request_id for r in core.requests} and all(r.params.max_tokens == 2 for r in core.requests)
+    assert [bool(r.messages) for r in core.requests] == [False, True, True]  # a completion, then two chats
+    assert all(r.params.max_tokens == 2 for r in core.requests)
     asyncio.run(warm_up(core, RouterConfig(model=str(tiny_llama), http_port=0)))
     assert len(core.requests) == len(_WARM_UP_CALLS)
     failing = FakeCore([errors.Unavailable("no decode worker")])

@@ -50,7 +50,11 @@ def test_the_decode_rate_is_measured_at_a_full_batch_and_leaves_no_trace(tiny_ll
     assert engine.block_manager.num_free_blocks == 256 and engine.kv_events.num_cached == 0
     del engine.add_request
     one_row = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=5, max_num_seqs=8))
+    rows = []
+    add_one = one_row.add_request
+    one_row.add_request = lambda request_id, *args, **kwargs: rows.append(request_id) or add_one(request_id, *args,
+                                                                                                   **kwargs)
     assert measure_decode_rate(one_row) is not None  # the pool holds one row's prompt and TIMED_STEPS tokens
-    assert 4 * 5 >= 8 + TIMED_STEPS + 2
+    assert rows == ["decode-rate-0"] and 4 * 5 >= 8 + TIMED_STEPS + 2
     none = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=4, max_num_seqs=8))
     assert measure_decode_rate(none) is None and not none.requests  # not even one row: nothing measured
