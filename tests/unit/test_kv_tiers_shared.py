@@ -73,7 +73,7 @@ def test_write_through_stores_each_block_once(tiny_llama, tmp_path):
     engine = _engine(tiny_llama, **_shared(tmp_path))
     disk, writes = engine.kv_tiers.disk, []
     write = disk.write
-    disk.write = lambda block: writes.append(block.key.hash) or write(block)  # every attempt: the count skips files there
+    disk.write = lambda block: writes.append(block.key.hash) or write(block)  # (the count skips files there)
     prompt = _prompt()
     for _ in range(3):
         engine.generate([prompt], GREEDY)
