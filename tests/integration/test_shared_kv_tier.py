@@ -4,12 +4,10 @@ to the shared directory, and the next turn's prefill finds them, reporting turn 
 tokens, with the greedy tokens of the same pair without tiers (which caches turn 1's prompt alone)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.integration.observed import scrape
+from tests.integration.observed import scrape, wait_for
 from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
 
 BLOCK = 4
@@ -72,22 +70,13 @@ def _metric(process: ServiceProcess, name: str, tier: str) -> float:
     return sum(v for k, v in scrape(process).items() if k.startswith(name + "{") and f'tier="{tier}"' in k)
 
 
-def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 def _two_turns(processes: list[ServiceProcess], written: int | None) -> tuple[list[int], list[int],
                                                                               common_pb2.Finished]:
     router, _, decode = processes
     answer, _ = _generate(router, PROMPT)
     if written is not None:  # the decode worker's write-through runs on its tiers' thread, after the answer is sent
-        assert _wait_for(lambda: _metric(decode, "disagg_kv_tier_offload_blocks_total", "disk") >= written), \
-            decode.log()
+        wait_for(lambda: _metric(decode, "disagg_kv_tier_offload_blocks_total", "disk") >= written, 20.0,
+                 f"the decode worker to write {written} blocks through to the shared tier")
     following, finished = _generate(router, PROMPT + answer + FOLLOW_UP)
     return answer, following, finished
 
