@@ -23,6 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, TimeoutError as FutureTimeout
+from typing import Callable
 
 import torch
 
@@ -81,22 +82,8 @@ class KvTiers:
             if key is not None and key.hash == block_hash and block_id not in self._written:
                 keys.append(key)
                 ids.append(block_id)
-        if not ids:
-            return
-        nbytes = len(ids) * self.block_bytes
-        if not self.mover.has_room(nbytes):
-            self.metrics.store_failed(self.disk.name, "queue_full", len(ids))
-            return
-        rows, ready = self._copy_out(ids, sync=False)
-        if self.mover.store(lambda: self._write_through(keys, rows, ready), nbytes):
+        if ids and self._queue_store(keys, ids, False, self.disk.name, self._write_disk):
             self._written.update(ids)
-        else:
-            self.metrics.store_failed(self.disk.name, "queue_full", len(ids))
-
-    def _write_through(self, keys: list[BlockKey], rows: torch.Tensor, ready) -> None:
-        if ready is not None:
-            ready.synchronize()
-        self._write_disk([StoredBlock(key, row, checksum(row)) for key, row in zip(keys, rows)])
 
     def capture(self, evicted: list[tuple[int, int]], sync: bool = False) -> None:
         """Copy out the cached blocks (block id, hash) about to be reused, for the mover to store. Called before
@@ -111,13 +98,19 @@ class KvTiers:
         if not ids:
             return
         self.metrics.evicted("device", len(ids))
+        self._queue_store(keys, ids, sync, self.names[0], self._store)
+
+    def _queue_store(self, keys: list[BlockKey], ids: list[int], sync: bool, tier: str,
+                     store: Callable[[list[StoredBlock]], None]) -> bool:
+        """Copy device blocks `ids` out and queue `store` of them (under `keys`) on the mover; False, counted as
+        `tier`'s failed stores, when the mover's queue has no room for them."""
         nbytes = len(ids) * self.block_bytes
-        if not self.mover.has_room(nbytes):
-            self.metrics.store_failed(self.names[0], "queue_full", len(ids))
-            return
-        rows, ready = self._copy_out(ids, sync)
-        if not self.mover.store(lambda: self._store(keys, rows, ready), nbytes):
-            self.metrics.store_failed(self.names[0], "queue_full", len(ids))
+        if self.mover.has_room(nbytes):
+            rows, ready = self._copy_out(ids, sync)
+            if self.mover.store(lambda: store(self._stored_blocks(keys, rows, ready)), nbytes):
+                return True
+        self.metrics.store_failed(tier, "queue_full", len(ids))
+        return False
 
     def _copy_out(self, ids: list[int], sync: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         rows = torch.stack([self.cache_bytes[:, :, b] for b in ids]).view(len(ids), -1)
@@ -132,10 +125,14 @@ class KvTiers:
             return host, None
         return host, ready
 
-    def _store(self, keys: list[BlockKey], rows: torch.Tensor, ready) -> None:
+    @staticmethod
+    def _stored_blocks(keys: list[BlockKey], rows: torch.Tensor, ready) -> list[StoredBlock]:
+        """On the mover: the copied-out rows (once their copy has finished) as blocks, checksummed."""
         if ready is not None:
             ready.synchronize()
-        blocks = [StoredBlock(key, row, checksum(row)) for key, row in zip(keys, rows)]
+        return [StoredBlock(key, row, checksum(row)) for key, row in zip(keys, rows)]
+
+    def _store(self, blocks: list[StoredBlock]) -> None:
         if self.host is None:
             self._write_disk(blocks)
             return
