@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.scrape import scrape_url  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
+from benchmarks.vllm_gpu import model_id  # noqa: E402
 from services.cli.bench.stats import Distribution  # noqa: E402
 
 CONFIGS = {"none": [], "disk": ["--disk-kv-cache-dir", "{dir}/disk", "--disk-kv-cache-gb", "2"],
@@ -123,15 +124,6 @@ def working_set_blocks(turns: list[Turn], block_size: int = BLOCK_SIZE) -> int:
     return sum(-(-(t.prompt_tokens + t.completion_tokens) // block_size) for t in last.values())
 
 
-def served_model(port: int) -> str:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        connection.request("GET", "/v1/models")
-        return json.loads(connection.getresponse().read())["data"][0]["id"]
-    finally:
-        connection.close()
-
-
 def chat(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     """One streamed, greedy chat completion: (TTFT ms, the answer, the usage)."""
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -161,7 +153,7 @@ def chat(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[
 
 def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_tokens: int) -> tuple[list[Turn], float]:
     """Every conversation at once, a thread each, its turns in order: every turn and the wall time."""
-    model = served_model(port)
+    model = model_id(f"http://127.0.0.1:{port}")
     turns: list[Turn] = []
     errors: list[BaseException] = []
 
@@ -209,7 +201,7 @@ def run_config(name: str, args: argparse.Namespace, chats: list[Conversation], p
     server = Server(name, command, {}, args.port)
     server.start(scratch, timeout_s=300)
     try:
-        chat(args.port, served_model(args.port), [{"role": "user", "content": "Warm up: say hello."}], 4)
+        chat(args.port, model_id(server.url), [{"role": "user", "content": "Warm up: say hello."}], 4)
         turns, wall = drive(args.port, chats, pauses, args.max_tokens)
         return Result(name, wall, turns, tier_hits(args.metrics_port_base))
     finally:
