@@ -187,7 +187,7 @@ class KvTiers:
         if not keys:
             return
         keys = keys[: self.max_prefetch_blocks]
-        self._staged[request_id] = self.mover.load(lambda: self._load_run(keys))
+        self._staged[request_id] = self.mover.load(lambda: {b.key.hash: b for b in self._load_run(keys)})
         while len(self._staged) > self.MAX_STAGED:
             self._staged.popitem(last=False)
 
@@ -204,15 +204,7 @@ class KvTiers:
                             self.FETCH_WAIT_S)
             except Exception:
                 log.exception("KV tiers: the prefetch of %s failed; loading here", request_id)
-        found = []
-        for key in keys[:limit]:
-            block = staged.get(key.hash)
-            if block is None or block.key != key:
-                block = self._load(key)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return self._load_run(keys[:limit], staged)
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy fetched blocks into these device blocks (on the engine's stream: before any step that reads them)."""
@@ -235,35 +227,43 @@ class KvTiers:
             self.metrics.hit(tier, len(got), len(got) * self.layout.block_size, len(got) * self.block_bytes,
                              sum(b.load_s for b in got) + share * len(got))
 
-    def _load_run(self, keys: list[BlockKey]) -> dict[int, StoredBlock]:
-        found = {}
+    def _load_run(self, keys: list[BlockKey], staged: dict[int, StoredBlock] | None = None) -> list[StoredBlock]:
+        """The blocks of `keys` up to the first no tier holds: `staged`'s where it has the same key, else loaded."""
+        found = []
         for key in keys:
-            block = self._load(key)
+            block = staged.get(key.hash) if staged else None
+            if block is None or block.key != key:
+                block = self._load(key)
             if block is None:
                 break
-            found[key.hash] = block
+            found.append(block)
         return found
 
     def _load(self, key: BlockKey) -> StoredBlock | None:
         """`key`'s block from the highest tier holding it, verified (a block that fails is dropped there, counted,
         and looked for below), or None."""
         started = time.perf_counter()
-        block = self.host.get(key.hash) if self.host is not None else None
-        if block is not None and not self._passes(block, key, self.host):
-            block = None
+        block = self._from_host(key) if self.host is not None else None
         if block is None and self.disk is not None:
-            data = self.disk.read(key.hash)
-            if data is not None:
-                try:
-                    block = decode(data, self.layout, self.disk.name)
-                except RecordRejected as exc:
-                    self._reject(self.disk, key, exc)
-                    block = None
-                if block is not None and not self._passes(block, key, self.disk):
-                    block = None
+            block = self._from_disk(key)
         if block is not None:
             block.load_s = time.perf_counter() - started
         return block
+
+    def _from_host(self, key: BlockKey) -> StoredBlock | None:
+        block = self.host.get(key.hash)
+        return block if block is not None and self._passes(block, key, self.host) else None
+
+    def _from_disk(self, key: BlockKey) -> StoredBlock | None:
+        data = self.disk.read(key.hash)
+        if data is None:
+            return None
+        try:
+            block = decode(data, self.layout, self.disk.name)
+        except RecordRejected as exc:
+            self._reject(self.disk, key, exc)
+            return None
+        return block if self._passes(block, key, self.disk) else None
 
     def _passes(self, block: StoredBlock, key: BlockKey, tier) -> bool:
         try:
