@@ -37,6 +37,7 @@ from benchmarks.scrape import scrape_url  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
 from benchmarks.vllm_gpu import model_id  # noqa: E402
 from services.cli.bench.stats import Distribution  # noqa: E402
+from services.cli.ports import metrics_ports  # noqa: E402
 
 CONFIGS = {"none": [], "disk": ["--disk-kv-cache-dir", "{dir}/disk", "--disk-kv-cache-gb", "2"],
            "shared": ["--shared-kv-cache", "--disk-kv-cache-dir", "{dir}/shared", "--disk-kv-cache-gb", "2"]}
@@ -183,11 +184,12 @@ def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_t
 
 
 def tier_hits(metrics_base: int, workers: tuple[str, ...] = ("prefill-0", "decode-0")) -> dict[str, float]:
-    """Each worker's disagg_kv_tier_hit_tokens_total (every tier), from its /metrics (up: router on the base port, the
-    workers after it)."""
+    """Each worker's disagg_kv_tier_hit_tokens_total (every tier), from its /metrics (up's metrics ports: the router's
+    first, then the workers')."""
+    ports = metrics_ports(["router", *workers], metrics_base)
     hits = {}
-    for offset, name in enumerate(workers, start=1):
-        found = scrape_url(f"http://127.0.0.1:{metrics_base + offset}/metrics")
+    for name in workers:
+        found = scrape_url(f"http://127.0.0.1:{ports[name]}/metrics")
         hits[name] = sum(v for k, v in found.items() if k.startswith("disagg_kv_tier_hit_tokens_total"))
     return hits
 
