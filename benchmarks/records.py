@@ -144,11 +144,11 @@ def problems(path: Path) -> list[str]:
     if not path.is_file():
         return [f"{path.name}: no record for {path.stem}.md"]
     try:
-        raw = json.loads(path.read_text())
         record = load(path)
     except (ValueError, KeyError, TypeError) as error:
         return [f"{path.name}: {error!r}"]
-    found = [f"{path.name}: {key} is empty" for key in ("title", "measures", "commands", "runs") if not raw[key]]
+    found = [f"{path.name}: {key} is empty" for key in ("title", "measures", "commands", "runs")
+             if not getattr(record, key)]
     found += [f"{path.name}: a command needs an intro and lines" for command in record.commands
               if not command.get("intro") or not command.get("lines")]
     for i, run in enumerate(record.runs):
