@@ -123,12 +123,13 @@ class DiskTier:
             return False
 
     def _make_room(self, size: int) -> None:
+        files = None
         if time.monotonic() - self._scanned_at > self.RESCAN_S:
-            self.used = self._scan()[0]
+            self.used, files = self._scan(collect=True)  # (kept: an eviction right after needs no second walk)
             self._scanned_at = time.monotonic()
         if self.used + size <= self.capacity:
             return
-        total, files = self._scan(collect=True)
+        total, files = (self.used, files) if files is not None else self._scan(collect=True)
         target = self.capacity * self.LOW_WATER - size
         evicted: list[int] = []
         for _, file_size, path in sorted(files):
