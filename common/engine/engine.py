@@ -49,7 +49,7 @@ class LLMEngine:
         # What enters and leaves the prefix cache, for Worker.SubscribeKvEvents (None without a prefix cache).
         self.kv_events = KvEventLog(config.block_size) if config.enable_prefix_caching else None
         self.block_manager.events = self.kv_events
-        self.block_manager.tiers = self.kv_tiers = self._open_tiers(config)
+        self.block_manager.tiers = self._open_tiers(config)
         if self.kv_tiers is not None:
             self.kv_tiers.events = self.kv_events  # each tier's blocks are KV events too (the router scores them)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -212,6 +212,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def kv_tiers(self) -> KvTiers | None:
+        """The KV cache tiers below the device pool (None: none), as its block manager holds them."""
+        return self.block_manager.tiers
 
     # --- the loop ---
 

@@ -98,7 +98,7 @@ def test_a_host_tier_hands_its_lru_victims_to_disk_and_both_serve_hits(tiny_llam
     block_bytes = cache.view(torch.uint8)[:, :, 0].numel()
     host = HostTier(15 * block_bytes, block_bytes, pin=False)  # (on a GPU: pinned; the CPU has no host tier)
     disk = DiskTier(tmp_path / "kv", 1 << 24, layout, metrics)
-    engine.kv_tiers = bm.tiers = KvTiers(cache, layout, host, disk, metrics, max_prefetch_blocks=BLOCKS)
+    bm.tiers = KvTiers(cache, layout, host, disk, metrics, max_prefetch_blocks=BLOCKS)
     assert _chat(engine, turns=1) == baseline[:6]
     assert _chat(engine, turns=1, prompts=_prompts()[::-1]) == baseline[:6][::-1]  # the latest evicted first
     assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="host") > 0
