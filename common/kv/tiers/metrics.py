@@ -22,26 +22,26 @@ class TierMetrics:
         self._sink = sink
 
     def total(self, name: str, **labels: str) -> float:
-        return self.totals[(name, *sorted(labels.items()))]
+        return self.totals[_key(name, labels)]
 
     def count(self, name: str, amount: float = 1, **labels: str) -> None:
         if not amount:
             return
         with self._lock:
-            self.totals[(name, *sorted(labels.items()))] += amount
+            self.totals[_key(name, labels)] += amount
         if self._sink is not None:
             self._sink.get(name, **labels).inc(amount)
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
         with self._lock:
-            self.totals[(name + "_count", *sorted(labels.items()))] += 1
-            self.totals[(name + "_sum", *sorted(labels.items()))] += seconds
+            self.totals[_key(name + "_count", labels)] += 1
+            self.totals[_key(name + "_sum", labels)] += seconds
         if self._sink is not None:
             self._sink.get(name, **labels).observe(seconds)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         with self._lock:
-            self.totals[(name, *sorted(labels.items()))] = value
+            self.totals[_key(name, labels)] = value
         if self._sink is not None:
             self._sink.get(name, **labels).set(value)
 
@@ -68,3 +68,8 @@ class TierMetrics:
 
     def used(self, tier: str, nbytes: int) -> None:
         self.set("disagg_kv_tier_used_bytes", nbytes, tier=tier)
+
+
+def _key(name: str, labels: dict[str, str]) -> tuple:
+    """A series' key in `totals`: its name and its labels in name order."""
+    return (name, *sorted(labels.items()))
