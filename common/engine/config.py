@@ -184,10 +184,10 @@ class EngineConfig:
             (self.disk_kv_cache_dir is not None or not self.kv_cache_write_through,
              "--kv-cache-write-through stores finished requests' blocks in the disk tier; give it "
              "--disk-kv-cache-dir and --disk-kv-cache-gb"),
-            (self.enable_prefix_caching or not (self.host_kv_cache_gb or self.disk_kv_cache_dir),
+            (self.enable_prefix_caching or not self.kv_tiers_asked,
              "the KV cache tiers (--host-kv-cache-gb, --disk-kv-cache-dir) keep prefix-cache blocks; they need the "
              "prefix cache (drop --no-prefix-caching)"),
-            (self.engine == "torch" or not (self.host_kv_cache_gb or self.disk_kv_cache_dir),
+            (self.engine == "torch" or not self.kv_tiers_asked,
              "the KV cache tiers (--host-kv-cache-gb, --disk-kv-cache-dir) are our engine's; run them with --engine "
              "torch"),
             (self.gpu_memory_utilization is None or self.device.startswith("cuda"),
@@ -211,6 +211,11 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         return self.max_num_batched_tokens if self.device.startswith("cuda") else CPU_LONG_PREFILL_TOKENS
+
+    @property
+    def kv_tiers_asked(self) -> bool:
+        """Whether a KV cache tier below the device pool is asked for (--host-kv-cache-gb, --disk-kv-cache-dir)."""
+        return bool(self.host_kv_cache_gb or self.disk_kv_cache_dir)
 
     @property
     def memory_share(self) -> float | None:

@@ -126,7 +126,7 @@ class LLMEngine:
         return request
 
     def _open_tiers(self, config: EngineConfig) -> KvTiers | None:
-        if not (config.host_kv_cache_gb or config.disk_kv_cache_dir):
+        if not config.kv_tiers_asked:  # (before weights_identity, which reads the weights files)
             return None
         return open_tiers(self.runner.kv_cache, self.kv_layout, weights_identity(config.model, config.load_format,
                                                                                  config.dummy_seed),
