@@ -89,12 +89,10 @@ class BlockManager:
             self._onboard(request, hashes)
 
     def _match_prefix(self, request: Request) -> list[int]:
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size  # keep one token to compute: we need its logits
         if request.mm is None:
-            hashes = hash_blocks(tokens[: max_blocks * self.block_size], self.block_size)
+            hashes = self._prompt_hashes(request.all_token_ids)
         else:
-            hashes = self._image_block_hashes(request, max_blocks)
+            hashes = self._image_block_hashes(request, (len(request.all_token_ids) - 1) // self.block_size)
         for h in hashes:
             block_id = self.cached.get(h)
             if block_id is None:
@@ -106,6 +104,11 @@ class BlockManager:
         self.prefix_hit_tokens += request.num_computed_tokens
         return hashes
 
+    def _prompt_hashes(self, tokens: list[int]) -> list[int]:
+        """The chained hashes of the full blocks of `tokens` but its last token (kept to compute: we need its
+        logits)."""
+        return hash_blocks(tokens[: (len(tokens) - 1) // self.block_size * self.block_size], self.block_size)
+
     # --- the tiers below (common.kv.tiers) ---
 
     def prefetch(self, request: Request) -> None:
@@ -114,7 +117,7 @@ class BlockManager:
                 or request.kv_import is not None or request.sampling.prompt_logprobs is not None):
             return
         tokens = request.all_token_ids
-        hashes = hash_blocks(tokens[: (len(tokens) - 1) // self.block_size * self.block_size], self.block_size)
+        hashes = self._prompt_hashes(tokens)
         start = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes))
         self.tiers.prefetch(request.request_id, self._tier_keys(tokens, hashes, start))
 
