@@ -93,18 +93,7 @@ class DiskTier:
                 raise DiskFull(f"a block of {size} bytes exceeds the disk tier's budget of {self.capacity}")
             self._make_room(size)
             path.parent.mkdir(exist_ok=True)
-            temp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
-            try:
-                with open(temp, "wb") as f:
-                    f.write(header)
-                    f.write(memoryview(block.payload.numpy()))
-                os.replace(temp, path)
-            except BaseException:
-                try:
-                    os.unlink(temp)
-                except OSError:
-                    pass
-                raise
+            _write_whole(path, header, memoryview(block.payload.numpy()))
             self.used += size
         self.metrics.used(self.name, self.used)
         return size
@@ -177,6 +166,21 @@ class DiskTier:
         path = self.dir / "layout.json"
         if path.exists():
             return
-        temp = self.dir / f".layout.json.{os.getpid()}{TEMP_SUFFIX}"
-        temp.write_text(json.dumps(self.layout.as_dict(), indent=1, sort_keys=True))
+        _write_whole(path, json.dumps(self.layout.as_dict(), indent=1, sort_keys=True).encode())
+
+
+def _write_whole(path: Path, *chunks) -> None:
+    """Write `chunks` to `path` through a temporary renamed into place: a reader sees the whole file or none, and a
+    writer that dies leaves only a temporary (which _scan sweeps once stale)."""
+    temp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
+    try:
+        with open(temp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
         os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
