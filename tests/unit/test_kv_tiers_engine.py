@@ -155,6 +155,7 @@ def test_another_models_or_dtypes_directory_is_never_read(tiny_model_dirs, tiny_
     _filled(tiny_llama, tmp_path, dtype="bfloat16")
     engine = _second_turn(tiny_llama, tmp_path, baseline)
     assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") == 0
+    assert _total(engine, "disagg_kv_tier_recomputes_total", tier="disk", reason="layout") == 0  # none opened
     assert len({p.parent.parent for p in _records(tmp_path / "kv")}) == 3  # one directory a layout
 
 
