@@ -65,6 +65,8 @@ class AsyncLLMEngine:
         self._hit_costs = (HitCostReporter(engine.kv_tiers.names, engine.kv_tiers.metrics, engine.kv_events,
                                            engine.config.block_size)
                            if engine.kv_tiers is not None and engine.kv_events is not None else None)
+        if engine.kv_tiers is not None:  # a prefetch that ends wakes a loop waiting for it (_waits_for_tiers)
+            engine.kv_tiers.on_loaded = lambda: self._commands.put((lambda e: None, concurrent.futures.Future()))
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -249,6 +251,14 @@ class AsyncLLMEngine:
                                    None if previous is None else (previous[0], started - previous[1]))
             previous = None if step is None else (step, started)
             self._deliver(outputs)
+            if step is None and self._waits_for_tiers(engine):
+                self._run_commands(block=True)  # until a prefetch ends (its callback's command) or a request comes
+
+    @staticmethod
+    def _waits_for_tiers(engine: LLMEngine) -> bool:
+        """Nothing runs and every waiting request waits for its blocks from a KV tier: a step would find nothing."""
+        scheduler = engine.scheduler
+        return not scheduler.running and 0 < scheduler.deferred == len(scheduler.waiting)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs reach each event loop in one call: one wake-up of its thread a step, not one a request

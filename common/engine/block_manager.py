@@ -121,6 +121,10 @@ class BlockManager:
         start = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes))
         self.tiers.prefetch(request.request_id, self._tier_keys(tokens, hashes, start))
 
+    def onboard_ready(self, request: Request) -> bool:
+        """Whether admission may take `request` now: no tier still loads its prompt's blocks (KvTiers.ready)."""
+        return self.tiers is None or self.tiers.ready(request.request_id)
+
     def _tier_keys(self, tokens: list[int], hashes: list[int], start: int) -> list[BlockKey]:
         size = self.block_size
         return [BlockKey(hashes[i], hashes[i - 1] if i else ROOT_HASH, tuple(tokens[i * size:(i + 1) * size]))

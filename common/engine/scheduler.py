@@ -51,6 +51,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.deferred = 0  # waiting requests the last admission passed over while a KV tier loads their blocks
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -131,9 +132,23 @@ class Scheduler:
         return held
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None = None) -> int:
+        """Admit from the head of the queue. A request whose blocks a KV tier still loads (BlockManager.onboard_ready)
+        is passed over, keeping its place, so that no step waits for the disk; those behind it go on in order."""
+        deferred: list[Request] = []
+        try:
+            return self._admit_in_order(batch, budget, only, deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+            self.deferred = len(deferred)
+
+    def _admit_in_order(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None,
+                        deferred: list[Request]) -> int:
         held = self.block_manager.growth_reserved  # (publish_growth, at the step's start)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self.block_manager.onboard_ready(request):
+                deferred.append(self.waiting.popleft())
+                continue
             if only is not None and not only(request):
                 break
             if held and self.growth_blocks(request) > self.block_manager.num_free_blocks - held:

@@ -297,3 +297,54 @@ def test_a_hit_cost_is_published_once_both_sides_are_measured(tiny_llama, tmp_pa
     metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.05)  # slower now: 3 ms a block
     reporter.observe(*prefill, 0.1)
     assert log._costs["disk"] > 0.5
+
+
+def test_a_request_whose_blocks_still_load_waits_while_the_others_run(tiny_llama, baseline, tmp_path):
+    """A slow disk holds back only the request it serves: admission passes it over until its prefetch ends, so a
+    step never waits for the disk, and a prompt queued behind it runs meanwhile."""
+    import threading
+    import time
+
+    engine = _engine(tiny_llama, **_disk(tmp_path))
+    _chat(engine, turns=1)  # every prompt's blocks on disk; the device pool holds two of the six
+    disk, release = engine.kv_tiers.disk, threading.Event()
+    read = disk.read
+    disk.read = lambda h: (release.wait(30), read(h))[1]
+    engine.add_request("on-disk", _prompts()[0], GREEDY)
+    engine.add_request("short", [5, 6, 7], GREEDY)  # no full block: nothing to load, nothing to wait for
+    short, slowest = [], 0.0
+    while len(short) < GREEDY.max_tokens:
+        started = time.perf_counter()
+        outputs = engine.step()
+        slowest = max(slowest, time.perf_counter() - started)
+        short += [t for out in outputs if out.request_id == "short" for t in out.new_token_ids]
+        assert all(out.request_id == "short" for out in outputs)
+    assert engine.scheduler.waiting[0].request_id == "on-disk" and engine.scheduler.deferred == 1
+    assert slowest < 5  # (a step waiting for the disk would have taken the 30 s the read blocks)
+    release.set()
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == baseline[0]
+    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") > 0
+    engine.close()
+
+
+def test_a_late_prefetch_is_admitted_after_its_wait_and_loads_on_the_engine_thread(tiny_llama, baseline, tmp_path,
+                                                                                   monkeypatch):
+    import threading
+
+    engine = _engine(tiny_llama, **_disk(tmp_path))
+    _chat(engine, turns=1)
+    monkeypatch.setattr(KvTiers, "FETCH_WAIT_S", 0.0)  # every prefetch late at once
+    disk, release = engine.kv_tiers.disk, threading.Event()
+    read = disk.read
+    disk.read = lambda h: (threading.current_thread().name == "kv-tiers" and release.wait(30), read(h))[1]
+    engine.add_request("late", _prompts()[1], GREEDY)  # its prefetch hangs on the tiers' thread
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    release.set()
+    assert tokens == baseline[1]
+    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") > 0  # read here, not from the prefetch
+    engine.close()

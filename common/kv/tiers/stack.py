@@ -22,7 +22,7 @@ import errno
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 class KvTiers:
     MAX_STAGED = 64  # requests whose prefetched blocks wait for their admission (an aborted one's are dropped)
-    FETCH_WAIT_S = 10.0  # at most this long for a prefetch at admission; then its blocks load on the engine thread
+    # A request whose prefetch still runs waits in the queue (others pass it) for at most this long; then it is
+    # admitted anyway and whatever the prefetch has not brought loads on the engine thread.
+    FETCH_WAIT_S = 10.0
 
     def __init__(self, cache: torch.Tensor, layout: TierLayout, host: HostTier | None, disk: DiskTier | None,
                  metrics: TierMetrics, max_prefetch_blocks: int, mover: Mover | None = None,
@@ -56,7 +58,8 @@ class KvTiers:
         self._keys: dict[int, BlockKey] = {}  # device block id -> the key of the cached block it holds
         self.write_through = write_through and disk is not None
         self._written: set[int] = set()  # device block ids whose content write-through stored (or a tier gave)
-        self._staged: OrderedDict[str, Future] = OrderedDict()
+        self._staged: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # request id -> (its load, queued at)
+        self.on_loaded: Callable[[], None] | None = None  # called (on the mover) as a prefetch ends: wakes the engine
         self.events: KvEventLog | None = None  # told what enters and leaves each tier (the engine's, for routing)
         if self.disk is not None:
             self.disk.on_evicted = lambda hashes: self._announce_removed(self.disk.name, hashes)
@@ -187,21 +190,30 @@ class KvTiers:
         if not keys:
             return
         keys = keys[: self.max_prefetch_blocks]
-        self._staged[request_id] = self.mover.load(lambda: {b.key.hash: b for b in self._load_run(keys)})
+        future = self.mover.load(lambda: {b.key.hash: b for b in self._load_run(keys)})
+        if self.on_loaded is not None:
+            future.add_done_callback(lambda _: self.on_loaded())
+        self._staged[request_id] = (future, time.monotonic())
         while len(self._staged) > self.MAX_STAGED:
             self._staged.popitem(last=False)
+
+    def ready(self, request_id: str) -> bool:
+        """Whether admission may take the request now: no prefetch of it runs, or its prefetch ended or is late
+        (FETCH_WAIT_S). Admitting it while its blocks still load would hold the engine thread, and with it every
+        running request's next token, until the disk answers."""
+        staged = self._staged.get(request_id)
+        return staged is None or staged[0].done() or time.monotonic() - staged[1] >= self.FETCH_WAIT_S
 
     def fetch(self, request_id: str, keys: list[BlockKey], limit: int) -> list[StoredBlock]:
         """Engine thread, at admission: the verified blocks of the longest run of `keys` (at most `limit`) the tiers
         hold, those staged by `prefetch` first."""
         staged: dict[int, StoredBlock] = {}
-        future = self._staged.pop(request_id, None)
-        if future is not None:
+        future, _ = self._staged.pop(request_id, (None, 0.0))
+        if future is not None and not future.done():  # late (admission deferred it FETCH_WAIT_S): not waited for
+            log.warning("KV tiers: the prefetch of %s took over %.0f s; loading here", request_id, self.FETCH_WAIT_S)
+        elif future is not None:
             try:
-                staged = future.result(timeout=self.FETCH_WAIT_S)
-            except FutureTimeout:
-                log.warning("KV tiers: the prefetch of %s took over %.0f s; loading here", request_id,
-                            self.FETCH_WAIT_S)
+                staged = future.result()
             except Exception:
                 log.exception("KV tiers: the prefetch of %s failed; loading here", request_id)
         return self._load_run(keys[:limit], staged)
