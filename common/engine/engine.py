@@ -52,6 +52,7 @@ class LLMEngine:
         self.block_manager.tiers = self._open_tiers(config)
         if self.kv_tiers is not None:
             self.kv_tiers.events = self.kv_events  # each tier's blocks are KV events too (the router scores them)
+            self.kv_tiers.announce_held()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_limit, config.kv_growth_reserve)
         self.sessions = KvSessionTable(config.session_ttl_s)

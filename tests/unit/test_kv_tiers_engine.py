@@ -276,6 +276,21 @@ def test_the_tiers_blocks_are_kv_events_naming_their_tier(tiny_llama, baseline, 
     assert sum(1 for b in bodies if b[0] == "stored" and b[4] == "device") == log.num_cached
 
 
+def test_a_restarted_worker_announces_the_blocks_its_disk_tier_holds(tiny_llama, tmp_path):
+    """At start the disk tier's records (this layout's, readable) are KV events naming the disk, with their parents,
+    before any request touches them: the router scores a restarted worker's disk as it scored it before."""
+    first = _engine(tiny_llama, **_disk(tmp_path))
+    _chat(first, turns=1)
+    held = dict(first.kv_events._parents["disk"])
+    first.close()
+    (next(iter(_records(tmp_path / "kv")))).write_bytes(b"junk")  # a damaged record is not announced
+    again = _engine(tiny_llama, **_disk(tmp_path))
+    assert again.kv_tiers.mover.drain()
+    announced = again.kv_events._parents["disk"]
+    assert len(announced) == len(held) - 1 and all(held[h] == parent for h, parent in announced.items())
+    again.close()
+
+
 def test_a_hit_cost_is_published_once_both_sides_are_measured(tiny_llama, tmp_path):
     """HitCostReporter: onboard seconds a block (the tiers' counts) over prefill seconds a block (prompt-only
     steps): nothing before both exist, then an event, then none until the cost moves by more than CHANGE."""

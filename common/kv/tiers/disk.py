@@ -20,7 +20,7 @@ from typing import Callable
 
 from common.kv.tiers.identity import TierLayout
 from common.kv.tiers.metrics import TierMetrics
-from common.kv.tiers.record import StoredBlock, encode_header
+from common.kv.tiers.record import BlockKey, RecordRejected, StoredBlock, encode_header, read_key
 
 SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
@@ -97,6 +97,19 @@ class DiskTier:
             self.used += size
         self.metrics.used(self.name, self.used)
         return size
+
+    def held_keys(self) -> list[BlockKey]:
+        """The keys of this layout's records (their headers read; a record that fails is skipped: a read of it
+        would be rejected too)."""
+        keys = []
+        for directory, _, names in os.walk(self.dir):
+            for name in names:
+                if name.endswith(SUFFIX):
+                    try:
+                        keys.append(read_key(os.path.join(directory, name), self.layout))
+                    except (OSError, RecordRejected, ValueError, KeyError):
+                        continue
+        return keys
 
     def discard(self, block_hash: int) -> None:
         try:

@@ -82,6 +82,29 @@ def encode_header(layout: TierLayout, block: StoredBlock) -> bytes:
 def decode(data: bytearray, layout: TierLayout, tier: str = "disk") -> StoredBlock:
     """The block of a record's bytes, its header checked (format, checksum, layout) and its payload of the length
     it says; the key and payload checksum are checked by StoredBlock.verify."""
+    header, end = _header(data, layout)
+    size = header["payload_bytes"]
+    if len(data) - end != size:
+        raise RecordRejected("truncated", f"{len(data) - end} payload bytes, the header says {size}")
+    payload = (torch.frombuffer(data, dtype=torch.uint8, offset=end, count=size) if size
+               else torch.empty(0, dtype=torch.uint8))
+    key = BlockKey(header["hash"], header["parent"], tuple(header["tokens"]))
+    return StoredBlock(key, payload, header["payload_xxh3"], tier)
+
+
+def read_key(path: str, layout: TierLayout) -> BlockKey:
+    """The key a record file says it holds, from its header alone (checked as `decode` checks it): what a tier
+    announces of its records before any is read."""
+    with open(path, "rb") as f:
+        data = f.read(_PREFIX.size)
+        if len(data) == _PREFIX.size:
+            data += f.read(min(_PREFIX.unpack_from(data)[3], _MAX_HEADER))
+    header, _ = _header(data, layout)
+    return BlockKey(header["hash"], header["parent"], tuple(header["tokens"]))
+
+
+def _header(data: bytes | bytearray, layout: TierLayout) -> tuple[dict, int]:
+    """A record's header, checked (format, checksum, layout), and where its payload starts."""
     if len(data) < _PREFIX.size:
         raise RecordRejected("truncated", f"{len(data)} bytes")
     magic, version, _, header_len, header_xxh = _PREFIX.unpack_from(data)
@@ -99,10 +122,4 @@ def decode(data: bytearray, layout: TierLayout, tier: str = "disk") -> StoredBlo
     diffs = layout.differences(header["layout"])
     if diffs:
         raise RecordRejected("layout", "; ".join(diffs))
-    size = header["payload_bytes"]
-    if len(data) - end != size:
-        raise RecordRejected("truncated", f"{len(data) - end} payload bytes, the header says {size}")
-    payload = (torch.frombuffer(data, dtype=torch.uint8, offset=end, count=size) if size
-               else torch.empty(0, dtype=torch.uint8))
-    key = BlockKey(header["hash"], header["parent"], tuple(header["tokens"]))
-    return StoredBlock(key, payload, header["payload_xxh3"], tier)
+    return header, end

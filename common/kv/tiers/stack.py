@@ -173,6 +173,14 @@ class KvTiers:
             self.metrics.offloaded(self.disk.name, written, nbytes, time.perf_counter() - started)
         self._announce_stored(self.disk.name, there)
 
+    def announce_held(self) -> None:
+        """Tell the events what the disk tier holds already (a restarted worker, the node's other workers' blocks),
+        read off the engine thread: the router can then send a prompt here before any of its blocks is touched."""
+        if self.disk is not None and self.events is not None:
+            disk, events = self.disk, self.events
+            self.mover.load(lambda: [events.stored([key.hash], key.parent, tier=disk.name)
+                                     for key in disk.held_keys()])
+
     def _announce_stored(self, tier: str, blocks: list[StoredBlock]) -> None:
         if self.events is not None:
             for block in blocks:
