@@ -96,6 +96,9 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     """Most prompt tokens of one request in a step, so a long prompt shares its steps with decodes and new
     prompts. None: CPU_LONG_PREFILL_TOKENS on the CPU, no limit on CUDA (see `prefill_chunk_limit`)."""
+    prompt_only_step_tokens: int | None = None
+    """Most tokens a step with no decode row computes (nobody's next token waits on it). None: on CUDA the larger of
+    GPU_PREFILL_WORKER_STEP_TOKENS and max_num_batched_tokens, elsewhere max_num_batched_tokens (`prompt_only_budget`)."""
     max_model_len: int | None = None
     """Defaults to the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
@@ -151,6 +154,8 @@ class EngineConfig:
              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.prompt_only_step_tokens is None or self.prompt_only_step_tokens >= 1,
+             f"prompt_only_step_tokens must be >= 1, got {self.prompt_only_step_tokens}"),
             (self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
              f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
@@ -213,6 +218,31 @@ class EngineConfig:
         return self.max_num_batched_tokens if self.device.startswith("cuda") else CPU_LONG_PREFILL_TOKENS
 
     @property
+    def prompt_only_budget(self) -> int:
+        """prompt_only_step_tokens, or the device's default. Prompts that arrive together (a wave of requests sent
+        at once) then prefill in one step and start decoding together, where the decode-step budget would split
+        them over several steps, each stalling the first ones' decodes; on a GPU a bigger step also runs its GEMMs
+        nearer the peak. On the CPU a step's time grows with its tokens: no larger step there."""
+        if self.prompt_only_step_tokens is not None:
+            return self.prompt_only_step_tokens
+        if self.device.startswith("cuda"):
+            return max(GPU_PREFILL_WORKER_STEP_TOKENS, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
+
+    @property
+    def prompt_only_chunk_limit(self) -> int:
+        """The most prompt tokens of one request in a step with no decode row (long_prefill_token_threshold where
+        given: it limits every step)."""
+        if self.long_prefill_token_threshold is not None or not self.device.startswith("cuda"):
+            return self.prefill_chunk_limit
+        return self.prompt_only_budget
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens any step computes (what the activation reserve and the warm-up's largest prompt cover)."""
+        return max(self.max_num_batched_tokens, self.prompt_only_budget)
+
+    @property
     def kv_tiers_asked(self) -> bool:
         """Whether a KV cache tier below the device pool is asked for (--host-kv-cache-gb, --disk-kv-cache-dir)."""
         return bool(self.host_kv_cache_gb or self.disk_kv_cache_dir)
@@ -253,7 +283,7 @@ def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int) -> int:
     from common.engine.kv_memory import kv_blocks_for_share, read_device_memory
 
     text = getattr(hf_config, "text_config", None) or hf_config
-    reserve = (config.max_num_batched_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
+    reserve = (config.max_step_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
                * config.torch_dtype.itemsize + config.max_num_seqs * text.vocab_size * 4)
     blocks, line = kv_blocks_for_share(share, read_device_memory(torch.device(config.device)), block_bytes, reserve)
     if config.num_kv_blocks is not None:

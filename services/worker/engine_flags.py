@@ -55,6 +55,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--max-num-batched-tokens", type=int, default=None,
         help=f"most tokens a step computes (default: {DEFAULT_STEP_TOKENS}; {GPU_PREFILL_WORKER_STEP_TOKENS} on a prefill "
              "worker on CUDA, which has no decode rows to hold up and runs bigger steps faster)")
+    add("--prompt-only-step-tokens", type=int, default=None, metavar="N",
+        help=f"most tokens a step with no decode row computes (default: {GPU_PREFILL_WORKER_STEP_TOKENS} on CUDA, "
+             "--max-num-batched-tokens elsewhere)")
     add("--long-prefill-token-threshold", type=int, default=None,
         help="most prompt tokens of one request per step, so a long prompt shares steps with the "
              f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
@@ -135,7 +138,8 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        prompt_only_step_tokens=args.prompt_only_step_tokens, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, kv_growth_reserve=args.kv_growth_reserve,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
