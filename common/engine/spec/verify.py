@@ -36,8 +36,8 @@ def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor,
 def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
                      generator: torch.Generator | Sequence[torch.Generator] | None = None,
                      draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_probs [B, K+1, V]: the target's sampling distribution at each position, temperature and filters
-    applied (non-negative weights; rows need not sum to 1, as the sampler's kept probabilities do not).
+    """target_probs [B, K+1, V] float32: the target's sampling distribution at each position, temperature and
+    filters applied (non-negative weights; rows need not sum to 1, as the sampler's kept probabilities do not).
     draft_probs [B, K, V]: the distributions the drafts were drawn from, or None for one-hot drafts.
     generator: one for the batch, or one a row so that a seeded row draws alike in any batch (K+1 uniforms each)."""
     rows, positions, _ = target_probs.shape
