@@ -152,10 +152,21 @@ def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
                         help="'shared': one DecodeMany stream per decode worker carries every request there (a "
                              "message per engine step); 'per-request': a Decode stream per request")
     # By default the format the model's chat template writes its calls in (hermes for a template without tools).
-    parser.add_argument("--tool-call-parser", choices=tool_parsers.names(), default=None, metavar="NAME",
-                        help="tool calls in chat answers: %(choices)s (default: the template's)")
-    parser.add_argument("--reasoning-parser", choices=reasoning_parsers.names(), default=None, metavar="NAME",
-                        help="<think> into reasoning_content: %(choices)s (default: off)")
+    tools, reasoning = tool_parsers.names(), reasoning_parsers.names()
+    parser.add_argument("--tool-call-parser", type=_name_or_default(tools), default=None, metavar="NAME",
+                        help=f"tool calls in chat answers: {', '.join(tools)} (default, or empty: the template's)")
+    parser.add_argument("--reasoning-parser", type=_name_or_default(reasoning), default=None, metavar="NAME",
+                        help=f"<think> into reasoning_content: {', '.join(reasoning)} (default, or empty: off)")
+
+
+def _name_or_default(names: tuple[str, ...]):
+    """A parser flag's value: one of `names`, or empty for its default, which compose passes for an unset variable
+    (a compose command cannot leave a flag out)."""
+    def parse(value: str) -> str | None:
+        if value and value not in names:
+            raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(names)}, or empty)")
+        return value or None
+    return parse
 
 
 def routing_argv(args: argparse.Namespace) -> list[str]:

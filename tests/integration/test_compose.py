@@ -4,6 +4,8 @@ the compose service names mapped to 127.0.0.1, the Consul double in place of the
 OTLP receiver in place of Jaeger. A request through the router gets HF's tokens: the wiring works."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import re
@@ -16,8 +18,13 @@ import grpc
 import pytest
 import yaml
 
+from common.tls import add_tls_args
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.kit.observability import add_observability_args
+from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES
+from services.router.config import add_router_args
+from services.worker.shell import _add_process_args
 from tests.consul_double import ConsulDouble
 from tests.hf_reference import hf_greedy
 from tests.integration.observed import wait_for
@@ -79,6 +86,49 @@ def test_each_worker_role_takes_its_tensor_parallel_size_and_a_dev_shm_that_hold
     env = {"PREFILL_TENSOR_PARALLEL_SIZE": "3", "DECODE_TENSOR_PARALLEL_SIZE": "1"}
     services = json.loads(_compose("--profile", "*", "config", "--format", "json", env=env).stdout)["services"]
     assert (tp_of(services["prefill"]), tp_of(services["decode"])) == ("3", "1")
+
+
+def _parsed(service: dict) -> argparse.Namespace:
+    """A rendered service's command line, parsed by its process's own flags: an unknown flag or a bad value fails."""
+    command = service["command"]
+    module = command[command.index("-m") + 1]
+    parser = argparse.ArgumentParser()
+    if module == "services.router":
+        add_router_args(parser)
+    else:
+        _add_process_args(parser)
+        importlib.import_module(f"{module}.__main__").SPEC.add_args(parser)
+    add_tls_args(parser)
+    add_observability_args(parser)
+    return parser.parse_args(command[command.index("-m") + 2:])
+
+
+ROUTER_VARIABLES = {  # variable: (flag's dest, the value set, what the router gets when it is unset)
+    "TOOL_CALL_PARSER": ("tool_call_parser", "mistral", None),  # empty: the template's format
+    "REASONING_PARSER": ("reasoning_parser", "qwen3", None),  # empty: off
+    "MODEL_NAME": ("model_name", "house-model", ""),  # empty: the workers' name (`config.model_name or ...`)
+    "WORKER_WAIT": ("worker_wait", "5.5", 60.0),
+    "KV_OVERLAP_WEIGHT": ("kv_overlap_weight", "2.5", 1.0),
+    "KV_LOAD_WEIGHT": ("kv_load_weight", "0.5", 1.0),
+}
+WORKER_VARIABLES = {
+    "MODEL_NAME": ("model_name", "house-model", ""),  # empty: from --model (`args.model_name or ...`)
+    "MAX_MESSAGE_BYTES": ("max_message_bytes", str(64 << 20), DEFAULT_MAX_MESSAGE_BYTES),
+}
+
+
+def test_router_and_worker_flags_are_set_by_their_variables_and_unset_ones_keep_the_flags_defaults():
+    unset = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]
+    env = {name: value for table in (ROUTER_VARIABLES, WORKER_VARIABLES) for name, (_, value, _) in table.items()}
+    set_ = json.loads(_compose("--profile", "*", "config", "--format", "json", env=env).stdout)["services"]
+    roles = {"router": ROUTER_VARIABLES, "router-gpu": ROUTER_VARIABLES, "prefill": WORKER_VARIABLES,
+             "decode": WORKER_VARIABLES, "prefill-gpu": WORKER_VARIABLES, "decode-gpu": WORKER_VARIABLES,
+             "encode": {"MAX_MESSAGE_BYTES": WORKER_VARIABLES["MAX_MESSAGE_BYTES"]}}
+    for name, variables in roles.items():
+        before, after = _parsed(unset[name]), _parsed(set_[name])
+        for variable, (dest, value, default) in variables.items():
+            assert getattr(before, dest) == default, (name, variable, getattr(before, dest))
+            assert str(getattr(after, dest)) == value, (name, variable, getattr(after, dest))
 
 
 def _shares_the_hosts_kv_namespaces(service: dict) -> bool:

@@ -227,6 +227,10 @@ def test_disagg_up_passes_both_parsers_to_the_router_which_checks_their_names():
     add_router_args(parser)
     router, _ = parser.parse_known_args(router_argv(args, plan(args), {"prefill": "h:1", "decode": "h:2"}, 0))
     assert (router.tool_call_parser, router.reasoning_parser) == ("mistral", "qwen3")
+    empty = parser.parse_args(["--tool-call-parser", "", "--reasoning-parser", ""])  # compose's unset variables
+    assert (empty.tool_call_parser, empty.reasoning_parser) == (None, None)
+    with pytest.raises(SystemExit):  # an unknown name is refused at parse time
+        parser.parse_args(["--tool-call-parser", "pythonic"])
     with pytest.raises(InvalidConfig, match="--tool-call-parser must be one of"):
         RouterConfig(model="/m", tool_call_parser="pythonic")
 
