@@ -24,6 +24,7 @@ from common.devices import bind_thread
 from common.engine.engine import LLMEngine
 from common.engine.interface import EngineFacts, EngineLoad, EngineRequest, KvBlocks
 from common.engine.request import FinishReason, RequestOutput
+from common.engine.spec.metrics import SpecMetrics
 from common.engine.step_facts import StepFacts
 from common.kv.tiers.hit_cost import HitCostReporter
 from common.kv.events import Subscriber
@@ -73,16 +74,28 @@ class AsyncLLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
         """Load the engine, warm it up (common.engine.warm_up) and, warm, measure its decode rate
-        (common.engine.decode_rate) before its loop starts."""
+        (common.engine.decode_rate) and what speculation costs (common.engine.spec.costs) before its loop starts."""
         from common.engine.decode_rate import measure_decode_rate
         from common.engine.warm_up import warm_up
 
         engine = LLMEngine(config)
         seconds = warm_up(engine)
         rate = measure_decode_rate(engine) if seconds is not None else None
+        if engine.speculator is not None:  # (after the warm-up: its kernels built, a step is timed as it will run)
+            from common.engine.spec.costs import measure_policies
+
+            policies = measure_policies(engine)
+            if policies is not None:
+                engine.speculator.set_policies(policies)
         started = cls(engine)
         started.warm_up_s, started.decode_tokens_per_s = seconds, rate
         return started
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Speculative decoding's counts (None: it is off), for the worker to bind to its Prometheus metrics."""
+        speculator = self.engine.speculator
+        return None if speculator is None else speculator.metrics
 
     @property
     def grammar_compiles(self) -> Callable[[str, str, float], None] | None:

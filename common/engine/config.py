@@ -13,6 +13,8 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     import torch
 
+    from common.engine.spec.config import SpeculativeConfig
+
 # --engine's choices → "module:class" under common.engine that common.engine.start loads (one line per engine).
 ENGINES = {"torch": "async_engine:AsyncLLMEngine", "trtllm": "trtllm:TrtLlmEngine"}
 # Grammar libraries for structured output → "module:class" under common.engine (common.engine.grammar_backend's
@@ -145,6 +147,9 @@ class EngineConfig:
     kv_cache_write_through: bool = False
     """Store a finished request's full blocks in the disk tier at once, not only when the device evicts them: the
     node-wide tier (`disagg up --shared-kv-cache`), where the next turn's prefill on another worker looks for them."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (common/engine/spec, vLLM's keys: --speculative-config '{"method": "ngram",
+    "num_speculative_tokens": 4}'); None: off."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -202,6 +207,10 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise InvalidConfig(message)
+        if self.speculative_config is not None:
+            from common.engine.spec.config import require_supported
+
+            require_supported(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

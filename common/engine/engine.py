@@ -14,6 +14,7 @@ from common.engine.multimodal import ImageEmbedding, MultiModalInputs
 from common.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, RequestType,
                                    SamplingParams, TokenLogprob, check_fits_context)
 from common.engine.scheduler import Scheduler
+from common.engine.spec.speculator import Speculator
 from common.engine.step_facts import StepFacts, step_facts
 from common.engine.stopping import StopRule
 from common.engine.interface import EngineLoad, KvBlocks
@@ -61,9 +62,12 @@ class LLMEngine:
         self._stop_rules: dict[str, StopRule] = {}
         self._groups: dict[str, list[Request]] = {}  # n > 1: the leader's id -> every choice, while any runs
         self.num_preemptions = 0
+        # Speculative decoding (None: off): drafts for the decode rows before each step, their acceptance after.
+        self.speculator = Speculator(config.speculative_config) if config.speculative_config is not None else None
         # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck).
+        # Not with speculation: a row's drafts continue the tokens the step before accepts, read first.
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
-                                 else config.async_scheduling)
+                                 else config.async_scheduling) and self.speculator is None
         self._ahead: StepLaunch | None = None  # the decode step launched before the last one was read
         self.last_step: StepFacts | None = None  # what the last step() ran (None: it ran nothing)
 
@@ -107,7 +111,8 @@ class LLMEngine:
         firsts = more_first_tokens or [None] * (len(choices) - 1)
         request.forks = [dataclasses.replace(request, request_id=f"{request_id}#{i}", index=i, group_id=request_id,
                                              output_token_ids=[] if t is None else [t], block_table=[],
-                                             block_hashes=[], forks=[], kv_import=None, prompt_logprobs=[])
+                                             block_hashes=[], forks=[], kv_import=None, prompt_logprobs=[],
+                                             draft_token_ids=[])
                          for i, t in zip(choices[1:], firsts)]
         if grammar is not None:  # each choice its own state, past its first token if it has one
             for member in (request, *request.forks):
@@ -236,6 +241,8 @@ class LLMEngine:
         if launched is not None and launched.awaits_masks:
             self.runner.sample_masked(launched, [r.grammar if self._live(r) else None for r in launched.sampled])
         if launched is None:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
             self.num_preemptions += len(batch.preempted)
             for request in batch.kv_imports:
@@ -259,6 +266,8 @@ class LLMEngine:
             raise
         if not launched.unawaited:  # every step launched so far has written its KV, but the one launched ahead
             self.block_manager.steps_done = self.block_manager.steps_launched - (self._ahead is not None)
+        if self.speculator is not None:  # a row with drafts counts its own token computed; each draft it accepts,
+            launched.scheduled = [(r, 1 if r.draft_token_ids else n) for r, n in launched.scheduled]  # as taken
         self._book(launched)
         for request, _ in launched.scheduled:
             if self._live(request):
@@ -266,8 +275,39 @@ class LLMEngine:
                 if request.forks and request.num_computed_tokens >= request.num_prompt_tokens:
                     self._fork(request)  # before its token is booked: that may end it and free its blocks
         read_at = time.monotonic()
-        return [self._append_token(request, token, lp, read_at)
-                for request, (token, lp) in zip(launched.sampled, drawn) if self._live(request)]
+        if self.speculator is None:
+            return [self._append_token(request, token, lp, read_at)
+                    for request, (token, lp) in zip(launched.sampled, drawn) if self._live(request)]
+        return self._append_verified(launched.sampled, drawn, read_at)
+
+    def _append_verified(self, sampled: list[Request], drawn: list, read_at: float) -> list[RequestOutput]:
+        """A step's tokens where rows may have verified drafts: such a row's positions are consecutive in `sampled`,
+        one more than its drafts; it emits what the speculator accepts of them, each accepted draft's KV counted
+        computed as its token is appended, then its full blocks committed."""
+        outputs, i = [], 0
+        while i < len(sampled):
+            request = sampled[i]
+            positions = 1 + len(request.draft_token_ids)
+            tokens = drawn[i: i + positions]
+            i += positions
+            if positions > 1:
+                tokens = self.speculator.accept(request, tokens)
+            if not self._live(request):
+                continue
+            output = self._append_token(request, *tokens[0], read_at)
+            for token, lp in tokens[1:]:
+                if output.finished:
+                    break
+                request.num_computed_tokens += 1  # the draft now appended before it: its KV is this step's
+                more = self._append_token(request, token, lp, read_at)
+                more.new_token_ids[:0], more.new_logprobs[:0] = output.new_token_ids, output.new_logprobs
+                more.first_scheduled_time, more.first_token_time = output.first_scheduled_time, output.first_token_time
+                more.prompt_logprobs = more.prompt_logprobs or output.prompt_logprobs
+                output = more
+            if len(tokens) > 1 and self._live(request):
+                self.block_manager.commit_full_blocks(request)
+            outputs.append(output)
+        return outputs
 
     def _fork(self, leader: Request) -> None:
         """The other choices take the leader's full prompt blocks (one more reference each) and queue first, each to
@@ -444,6 +484,8 @@ class LLMEngine:
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         self._stop_rules.pop(request.request_id, None)
         group = self._groups.get(request.output_id)
         if group is not None and not any(self._live(m) for m in group):

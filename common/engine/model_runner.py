@@ -54,8 +54,8 @@ def _step_tokens(request: Request, n: int) -> list[int]:
     """The `n` tokens a step computes for `request`, from its computed count on; a decode's one without copying the
     whole sequence."""
     start = request.num_computed_tokens
-    if n == 1 and start == request.num_tokens - 1:
-        return [(request.output_token_ids or request.prompt_token_ids)[-1]]
+    if start == request.num_tokens - 1:  # a decode row, and its drafts if it speculates (n - 1 of them)
+        return [(request.output_token_ids or request.prompt_token_ids)[-1], *request.draft_token_ids[: n - 1]]
     return request.all_token_ids[start : start + n]
 
 
@@ -300,6 +300,7 @@ class ModelRunner:
         sampled: list[Request] = []
         scored: list[tuple[Request, range]] = []  # prompt positions whose logprobs are asked for
         score_rows: list[int] = []
+        draws: list[int] = []  # each sampled row's output position, where a row drafts (seeded draws)
         for request, n in zip(batch.requests, batch.num_new_tokens):
             start = request.num_computed_tokens
             input_ids.extend(_step_tokens(request, n))
@@ -307,13 +308,19 @@ class ModelRunner:
                 scored.append((request, positions_scored))
                 score_rows.extend(len(input_ids) - n + p - start for p in positions_scored)
             positions.extend(range(start, start + n))
-            if start + n == request.num_tokens:  # a finished prefill chunk or a decode: sample
+            if n > 1 and start == request.num_tokens - 1:  # a decode row with drafts: every position samples
+                last_rows.extend(range(len(input_ids) - n, len(input_ids)))
+                sampled += [request] * n
+                draws.extend(range(len(request.output_token_ids), len(request.output_token_ids) + n))
+            elif start + n == request.num_tokens:  # a finished prefill chunk or a decode: sample
                 last_rows.append(len(input_ids) - 1)
                 sampled.append(request)
+                draws.append(len(request.output_token_ids))
                 if not request.output_token_ids:  # its prompt is done: choices waiting on it sample the same row
                     waiting = [c for c in request.forks if not c.output_token_ids]
                     last_rows += [len(input_ids) - 1] * len(waiting)
                     sampled += waiting
+                    draws += [0] * len(waiting)
         layout = BatchLayout(
             query_lens=list(batch.num_new_tokens),
             context_lens=[r.num_computed_tokens for r in batch.requests],
@@ -330,6 +337,8 @@ class ModelRunner:
             logits = logits[: len(last_rows)]
         if not sampled:
             return StepLaunch(scheduled, [], drawn=[], unawaited=self.device.type == "cuda")
+        if len(draws) > len(set(map(id, sampled))):  # drafts: the sampler draws each position at its own place
+            return StepLaunch(scheduled, sampled, drawn=self.sampler(logits, sampled, draws))
         return self._sample(scheduled, sampled, logits, None)
 
     def _send(self, step: StepInputs) -> None:

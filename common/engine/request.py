@@ -190,6 +190,9 @@ class Request:
     group_id: str = ""  # the leader's request id ("" for the leader itself)
     forks: list["Request"] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. as prefill computes them
+    # Speculative decoding: tokens guessed to follow this decode row's last one, which its next step computes and
+    # scores beside it (common/engine/spec/speculator.py); never part of the request's tokens until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def output_id(self) -> str:

@@ -88,6 +88,8 @@ class Scheduler:
             if request in batch.preempted:
                 continue  # preempted by an earlier row of this step
             n = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            if request.draft_token_ids:
+                n = self._with_drafts(request, budget)
             if preempt and not self._allocate_or_preempt(request, n, batch):
                 break  # the request itself was preempted: every row after it in `running` already was
             if not preempt and not self.block_manager.allocate_slots(request, n):
@@ -104,6 +106,15 @@ class Scheduler:
         batch = ScheduledBatch()
         self._admit_waiting(batch, budget, only)
         return batch
+
+    def _with_drafts(self, request: Request, budget: int) -> int:
+        """A decode row's tokens with its drafts (speculative decoding): as many as the budget and the free blocks
+        take; drafts never preempt anyone (a row short of blocks runs plain, and only its own token may preempt)."""
+        n = min(1 + len(request.draft_token_ids), budget)
+        if n > 1 and not self.block_manager.allocate_slots(request, n):
+            n = 1
+        request.draft_token_ids = request.draft_token_ids[: n - 1]
+        return n
 
     def _allocate_or_preempt(self, request: Request, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of `request`, preempting from the end of `running` until they fit."""
@@ -204,6 +215,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
+        request.draft_token_ids = []
         request.status = RequestStatus.WAITING
         request.kv_import = None  # recompute from tokens: an imported KV is gone with its blocks
         request.num_preemptions += 1

@@ -113,6 +113,19 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                         "format).", ("tier", "reason")),
     "disagg_kv_tier_used_bytes": ("gauge", "Bytes a KV tier holds, by tier (disk: the whole directory's, as this "
                                   "worker last counted).", ("tier",)),
+    "disagg_spec_decode_drafts_total": ("counter", "Drafts verified (a speculating row of a step with at least one "
+                                        "draft token), by method.", ("method",)),
+    "disagg_spec_decode_draft_tokens_total": ("counter", "Draft tokens proposed and verified, by method.",
+                                              ("method",)),
+    "disagg_spec_decode_accepted_tokens_total": ("counter", "Draft tokens the target accepted, by method (over "
+                                                 "draft_tokens: the acceptance rate; 1 + this over drafts: the mean "
+                                                 "accepted length).", ("method",)),
+    "disagg_spec_decode_accepted_tokens_per_pos_total": ("counter", "Drafts whose token at this position (0: the "
+                                                         "first) the target accepted, by method (over drafts: "
+                                                         "acceptance by position).", ("method", "position")),
+    "disagg_spec_decode_plain_steps_total": ("counter", "Steps a request of a speculating engine ran without drafts, "
+                                             "by method and reason (off: its acceptance did not pay for the verify; "
+                                             "no_draft: the proposer found none).", ("method", "reason")),
     "disagg_gc_pause_seconds": ("histogram", "Duration of one cyclic garbage collection in this process, by "
                                 "generation: every thread waits for it (start-up objects are frozen out of it).",
                                 ("generation",)),

@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from common.engine.spec.config import parse_speculative_config
 from common.engine.config import (CPU_KV_BLOCKS, CPU_LONG_PREFILL_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION,
                                   DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
                                   GPU_MAX_NUM_SEQS, GPU_PREFILL_WORKER_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
@@ -95,6 +96,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
         help="the grammar library of structured output and forced tool calls: xgrammar, guidance (llguidance), or "
              "auto (xgrammar, the faster on a GPU); a grammar the first refuses is tried on the other (env "
              "DISAGG_STRUCTURED_OUTPUT_BACKEND)")
+    add("--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' drafts from '
+             "each request's own prompt and output (default: off)")
     add("--host-kv-cache-gb", type=float, default=None, metavar="GB",
         help="host memory (pinned on CUDA) for KV blocks evicted from the GPU, brought back on a prefix hit "
              "instead of recomputed (0: none; not on the CPU, whose KV pool is host memory)")
@@ -148,6 +152,7 @@ def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False
         structured_output_backend=args.structured_output_backend, host_kv_cache_gb=args.host_kv_cache_gb or 0.0,
         disk_kv_cache_dir=args.disk_kv_cache_dir, disk_kv_cache_gb=args.disk_kv_cache_gb or 0.0,
         kv_cache_write_through=args.kv_cache_write_through,
+        speculative_config=parse_speculative_config(args.speculative_config),
     )
 
 

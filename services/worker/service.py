@@ -201,6 +201,8 @@ class EngineRole:
             engine.output_wait = state.metrics.get("disagg_engine_output_wait_seconds").observe
             engine.grammar_compiles = functools.partial(observe_grammar_compile, state.metrics)
             engine.step_done = functools.partial(observe_engine_step, state.metrics)
+            if engine.spec_metrics is not None:  # speculative decoding's drafts and acceptance
+                engine.spec_metrics.bind(state.metrics)
         state.engine = engine
         state.tensor_source = state.kv_path
 

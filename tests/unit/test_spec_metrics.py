@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from common.engine.spec.metrics import METRICS, SpecMetrics
+from common.engine.spec.metrics import SpecMetrics
+from common.telemetry.metrics import METRICS
 
 
 class _Sink:
@@ -56,6 +57,8 @@ def test_bound_sink_exports_what_is_counted():
 
 
 def test_metric_names_follow_the_projects_conventions():
-    for name, (kind, help_text, extra) in METRICS.items():
-        assert name.startswith("disagg_spec_decode_") and name.endswith("_total") == (kind == "counter")
+    spec = {name: entry for name, entry in METRICS.items() if name.startswith("disagg_spec_decode_")}
+    assert len(spec) == 5
+    for name, (kind, help_text, extra) in spec.items():
+        assert name.endswith("_total") == (kind == "counter")
         assert help_text.endswith(".") and "method" in extra

@@ -2,7 +2,7 @@
 steps that ran without drafts, each by method.
 
 Kept here (for tests and logs) and, once a worker binds its Prometheus metrics (`bind`), counted there too under
-the names of METRICS, which common.telemetry.metrics.METRICS takes in. Rates are left to PromQL, as vLLM's are:
+the names common.telemetry.metrics.METRICS gives them. Rates are left to PromQL, as vLLM's are:
 acceptance = accepted_tokens / draft_tokens, mean accepted length = 1 + accepted_tokens / drafts (the target's own
 token counted), acceptance at position i = accepted_tokens_per_pos{position=i} / drafts. Called from the engine
 thread; read from others.
@@ -14,21 +14,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "disagg_spec_decode_drafts_total": ("counter", "Drafts verified (a speculating row of a step with at least one "
-                                        "draft token), by method.", ("method",)),
-    "disagg_spec_decode_draft_tokens_total": ("counter", "Draft tokens proposed and verified, by method.",
-                                              ("method",)),
-    "disagg_spec_decode_accepted_tokens_total": ("counter", "Draft tokens the target accepted, by method (over "
-                                                 "draft_tokens: the acceptance rate; 1 + this over drafts: the mean "
-                                                 "accepted length).", ("method",)),
-    "disagg_spec_decode_accepted_tokens_per_pos_total": ("counter", "Drafts whose token at this position (0: the "
-                                                         "first) the target accepted, by method (over drafts: "
-                                                         "acceptance by position).", ("method", "position")),
-    "disagg_spec_decode_plain_steps_total": ("counter", "Steps a request of a speculating engine ran without drafts, "
-                                             "by method and reason (off: its acceptance did not pay for the verify; "
-                                             "no_draft: the proposer found none).", ("method", "reason")),
-}
 PLAIN_REASONS = ("off", "no_draft")
 
 

@@ -1,0 +1,100 @@
+"""Speculative decoding in the engine: drafts for its decode rows before a step, and what the step accepted of them.
+
+Before a step, each decode row that may speculate (`eligible`) gets up to K draft tokens from the proposer (n-gram
+prompt lookup over its own prompt and output), K chosen by its acceptance so far (acceptance.py) under the step
+costs measured at start (costs.py). The scheduler gives such a row 1 + K tokens; the step computes the KV of its
+last token and of every draft and samples each of the K + 1 positions as a plain row would sample it there (its own
+seeded draw for that output position). The row then emits the drawn tokens up to and including the first that
+differs from its draft (`accept`): for a greedy row the longest prefix of drafts equal to the target's argmax and
+the target's next token; for a sampled row this is rejection sampling for a draft distribution that is one token
+(accept the draft with the target's probability of it, else draw from the target without it), so the emitted
+tokens follow the target's distribution exactly. The KV of a rejected draft lies past the row's computed tokens and
+is overwritten by the next step; only accepted tokens reach the prefix cache, the KV events and a handoff.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+from common.engine.request import Request, RequestType, TokenLogprob
+from common.engine.spec.acceptance import AcceptancePolicy, AcceptanceTracker
+from common.engine.spec.config import SpeculativeConfig
+from common.engine.spec.history import TokenHistory
+from common.engine.spec.metrics import SpecMetrics
+from common.engine.spec.proposer import make_proposer
+
+log = logging.getLogger(__name__)
+
+Drawn = tuple[int, TokenLogprob | None]
+
+
+class _RowState:
+    def __init__(self, request: Request, policy: AcceptancePolicy):
+        self.history = TokenHistory(request.prompt_token_ids)
+        self.tracker = AcceptanceTracker(policy)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, policies: dict[int, AcceptancePolicy] | None = None):
+        """`policies`: batch size -> the acceptance policy of the step costs measured at that batch size (the
+        nearest smaller one applies); None: until measured, a draft costs a tenth of a plain row."""
+        self.config = config
+        self.method = config.method
+        self.proposer = make_proposer(config)
+        self.metrics = SpecMetrics()
+        self.set_policies(policies or {1: AcceptancePolicy.linear(config.num_speculative_tokens, 0.1)})
+        self._rows: dict[str, _RowState] = {}
+        self.forced_k: int | None = None  # costs.py: every eligible row drafts exactly this many (timing only)
+
+    def set_policies(self, policies: dict[int, AcceptancePolicy]) -> None:
+        self._batches = sorted(policies)
+        self._policies = [policies[b] for b in self._batches]
+
+    def policy_for(self, batch: int) -> AcceptancePolicy:
+        return self._policies[max(bisect.bisect_right(self._batches, batch) - 1, 0)]
+
+    @staticmethod
+    def eligible(request: Request) -> bool:
+        """A decode row whose next tokens the step's sampled positions decide alone: no grammar (its mask needs
+        each token accepted first), no penalty or bias (they count the tokens before, drafts included), no
+        context_only prompt (it stops at its first token)."""
+        return (request.request_type is not RequestType.CONTEXT_ONLY and request.grammar is None
+                and not request.sampling.adjusts_logits and request.num_tokens - request.num_computed_tokens == 1)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each eligible row's drafts for the next step (at most what it may still emit less its own token)."""
+        rows = [r for r in running if self.eligible(r)]
+        if not rows:
+            return
+        policy = self.policy_for(len(running))
+        for request in rows:
+            state = self._rows.get(request.request_id)
+            if state is None:
+                state = self._rows[request.request_id] = _RowState(request, policy)
+            left = request.max_total_tokens - request.num_tokens - 1
+            k = min(self.forced_k if self.forced_k is not None else policy.best_k(state.tracker.rate), left)
+            drafts: list[int] = []
+            if k > 0:
+                history = state.history.update(request.output_token_ids)
+                drafts = (self.proposer.propose(history, k) if self.forced_k is None
+                          else [int(history[-1])] * k)
+            if not drafts:  # a plain row this step: its evidence ages (a stopped request probes again in time)
+                state.tracker.record(0, 0)
+                self.metrics.plain(self.method, "off" if k <= 0 else "no_draft")
+            request.draft_token_ids = drafts
+
+    def accept(self, request: Request, drawn: list[Drawn]) -> list[Drawn]:
+        """What a row that verified drafts emits: its drawn tokens up to and including the first that is not its
+        draft there (`drawn`: one a position, the row's last token's first). Records the outcome."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        accepted = 0
+        while accepted < len(drafts) and drawn[accepted][0] == drafts[accepted]:
+            accepted += 1
+        state = self._rows.get(request.request_id)
+        if state is not None:
+            state.tracker.record(len(drafts), accepted)
+        self.metrics.verified(self.method, [len(drafts)], [accepted])
+        return drawn[: accepted + 1]
+
+    def forget(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
