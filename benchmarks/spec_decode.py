@@ -1,0 +1,255 @@
+"""Speculative decoding against none, on `disagg up` with its defaults, one after the other, the same requests.
+
+    python -m benchmarks.spec_decode [--configs off,ngram] [--workloads rewrite,chat] [--concurrency 1,8]
+        [--requests 8] [--max-tokens 160] [--up-args "--device cuda --model DIR"] [--json out.json]
+
+Two workloads of chat completions (streaming, greedy, the model's own end of text or --max-tokens):
+- `rewrite`: "rewrite this text with one word changed" over a paragraph the prompt holds, so the answer repeats
+  most of the prompt: where prompt lookup (n-gram) drafts pay;
+- `chat`: open questions whose answers repeat nothing of the prompt: where drafts fail, and speculation must
+  cost nothing (its acceptance turns it off).
+Each --configs entry is one `disagg up` (default model, SmolLM2-135M-Instruct, unless --up-args name another):
+`off`, or `ngram` (--speculative-config NGRAM). Each workload runs at each --concurrency with --requests requests
+a concurrency slot (different paragraphs and questions, the same for every config). Printed per workload and
+concurrency: output tok/s, TTFT mean, TPOT mean (the time between a request's first and last token over its tokens
+after the first: its inter-token latency, however many tokens a chunk carries) and the chunk gap p99, each config
+against `off` (TPOT: off / it, >= 1 is faster), the decode workers' acceptance (accepted over drafted tokens, and
+the mean tokens a verify emits) from their /metrics, and whether every answer equals `off`'s (greedy: it must,
+up to near-ties of the arithmetic).
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.scrape import scrape_url  # noqa: E402
+from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
+from benchmarks.vllm_gpu import model_id  # noqa: E402
+from services.cli.bench.stats import Distribution  # noqa: E402
+from services.cli.ports import metrics_ports  # noqa: E402
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+CONFIGS = {"off": [], "ngram": ["--speculative-config", NGRAM]}
+SENTENCES = (
+    "The harbor was quiet in the early morning, and the fishing boats rocked gently against the old wooden pier.",
+    "A small bakery on the corner opened its doors at six, filling the street with the smell of fresh bread.",
+    "Children walked to school in pairs, talking about the storm that had knocked down the oak tree by the river.",
+    "The mayor promised that the library would stay open late on weekdays so that students could study there.",
+    "In the afternoon the wind turned cold, and the market traders packed their fruit into crates before the rain.",
+    "Her grandfather kept a notebook of every bird he saw, with the date, the weather and a short drawing.",
+    "The train to the city left every hour, and most people on it read the newspaper or slept until the tunnel.",
+    "When the lights went out, the whole village gathered in the hall to share candles, soup and old stories.",
+)
+QUESTIONS = ("Why do cats purr?", "What makes a good breakfast?", "How do airplanes stay in the air?",
+             "What is the best way to learn a new language?", "Why is the sky blue?",
+             "What should I pack for a hiking trip?", "How does a refrigerator keep food cold?",
+             "What are some tips for sleeping better?", "Why do leaves change color in autumn?",
+             "How can I start saving money?", "What is the difference between weather and climate?",
+             "How do bees make honey?")
+SWAPS = (("quiet", "calm"), ("small", "tiny"), ("cold", "chilly"), ("old", "ancient"), ("every", "each"))
+
+
+def rewrite_prompt(i: int) -> str:
+    rng = random.Random(i)
+    paragraph = " ".join(rng.sample(SENTENCES, 4))
+    old, new = SWAPS[i % len(SWAPS)]
+    return (f"Rewrite the following text exactly as it is, but replace the word \"{old}\" with \"{new}\":\n\n"
+            f"{paragraph}")
+
+
+def chat_prompt(i: int) -> str:
+    return f"{QUESTIONS[i % len(QUESTIONS)]} Answer in a few sentences."
+
+
+WORKLOADS = {"rewrite": rewrite_prompt, "chat": chat_prompt}
+
+
+@dataclass
+class Answer:
+    ttft_s: float
+    tpot_s: float | None
+    gaps_s: list[float]
+    tokens: int
+    text: str
+
+
+@dataclass
+class Run:
+    config: str
+    workload: str
+    concurrency: int
+    wall_s: float
+    answers: list[Answer] = field(default_factory=list)
+    acceptance: dict[str, float] = field(default_factory=dict)
+
+    def stats(self) -> dict:
+        tpots = [a.tpot_s for a in self.answers if a.tpot_s is not None]
+        gaps = [g for a in self.answers for g in a.gaps_s]
+        return {"output_tok_s": sum(a.tokens for a in self.answers) / self.wall_s,
+                "ttft_ms": 1e3 * statistics.fmean(a.ttft_s for a in self.answers),
+                "tpot_ms": 1e3 * statistics.fmean(tpots) if tpots else float("nan"),
+                "gap_p99_ms": Distribution.of(gaps).p99 if gaps else float("nan"),  # (ms)
+                "tokens": sum(a.tokens for a in self.answers), **self.acceptance}
+
+
+def stream_chat(port: int, model: str, prompt: str, max_tokens: int) -> Answer:
+    """One streamed greedy chat completion, each content chunk's arrival timed."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    started, arrivals, parts, usage = time.perf_counter(), [], [], {}
+    try:
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"chat completion: HTTP {response.status}: {response.read()[:300]!r}")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta", {}).get("content")
+                if delta:
+                    arrivals.append(time.perf_counter())
+                    parts.append(delta)
+            usage = chunk.get("usage") or usage
+    finally:
+        connection.close()
+    tokens = usage.get("completion_tokens", 0)
+    first = arrivals[0] if arrivals else time.perf_counter()
+    tpot = (arrivals[-1] - first) / (tokens - 1) if arrivals and tokens > 1 else None
+    return Answer(first - started, tpot, [b - a for a, b in zip(arrivals, arrivals[1:])], tokens, "".join(parts))
+
+
+def drive(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[Answer], float]:
+    """`prompts` through `concurrency` threads, each taking the next prompt as it finishes one; answers in order."""
+    model = model_id(f"http://127.0.0.1:{port}")
+    answers: list[Answer | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+    lock, errors = threading.Lock(), []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                answers[i] = stream_chat(port, model, prompts[i], max_tokens)
+            except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
+                errors.append(exc)
+                return
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return answers, time.perf_counter() - started
+
+
+def acceptance(metrics_base: int, workers: tuple[str, ...]) -> dict[str, float]:
+    """Drafted and accepted tokens and drafts over the workers' /metrics (up's metrics ports)."""
+    ports = metrics_ports(["router", *workers], metrics_base)
+    totals = {"draft_tokens": 0.0, "accepted_tokens": 0.0, "drafts": 0.0}
+    for name in workers:
+        found = scrape_url(f"http://127.0.0.1:{ports[name]}/metrics")
+        for key in totals:
+            totals[key] += sum(v for k, v in found.items() if k.startswith(f"disagg_spec_decode_{key}_total"))
+    return totals
+
+
+def run_config(name: str, args: argparse.Namespace, scratch: Path) -> list[Run]:
+    command = [sys.executable, "-m", "services", "up", "--http-port", str(args.port), "--router-port", "0",
+               "--metrics-port-base", str(args.metrics_port_base), *shlex.split(args.up_args), *CONFIGS[name]]
+    server = Server(name, command, {}, args.port)
+    server.start(scratch, timeout_s=args.start_timeout)
+    runs = []
+    try:
+        stream_chat(args.port, model_id(server.url), "Say hello.", 8)  # (warm: not counted)
+        for workload in args.workloads.split(","):
+            for concurrency in map(int, args.concurrency.split(",")):
+                before = acceptance(args.metrics_port_base, args.workers)
+                prompts = [WORKLOADS[workload](i) for i in range(args.requests * concurrency)]
+                answers, wall = drive(args.port, prompts, concurrency, args.max_tokens)
+                after = acceptance(args.metrics_port_base, args.workers)
+                run = Run(name, workload, concurrency, wall, answers,
+                          {k: after[k] - before[k] for k in after})
+                runs.append(run)
+                print(f"{name} {workload} c{concurrency}: {run.stats()}", flush=True)
+    finally:
+        server.stop()
+    return runs
+
+
+def report(runs: list[Run]) -> str:
+    base = {(r.workload, r.concurrency): r for r in runs if r.config == "off"}
+    lines = ["| workload | concurrency | config | out tok/s | TTFT mean ms | TPOT mean ms | chunk gap p99 ms | "
+             "vs off: tok/s, TPOT | acceptance | tokens a verify | same answers |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for run in runs:
+        s, ref = run.stats(), base.get((run.workload, run.concurrency))
+        b = ref.stats() if ref is not None else s
+        vs = f"{s['output_tok_s'] / b['output_tok_s']:.2f}x, {b['tpot_ms'] / s['tpot_ms']:.2f}x"
+        drafted = s.get("draft_tokens", 0.0)
+        rate = f"{s['accepted_tokens'] / drafted:.2f}" if drafted else "-"
+        per_verify = f"{1 + s['accepted_tokens'] / s['drafts']:.2f}" if s.get("drafts") else "-"
+        same = "-" if ref is None else ("yes" if [a.text for a in run.answers] == [a.text for a in ref.answers]
+                                        else f"{sum(a.text == o.text for a, o in zip(run.answers, ref.answers))} "
+                                             f"of {len(run.answers)}")
+        lines.append(f"| {run.workload} | {run.concurrency} | {run.config} | {s['output_tok_s']:.1f} | "
+                     f"{s['ttft_ms']:.1f} | {s['tpot_ms']:.2f} | {s['gap_p99_ms']:.1f} | {vs} | {rate} | "
+                     f"{per_verify} | {same} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="off,ngram", help=f"comma-separated, off first: {list(CONFIGS)}")
+    parser.add_argument("--workloads", default="rewrite,chat", help=f"comma-separated: {list(WORKLOADS)}")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--requests", type=int, default=6, help="requests a concurrency slot")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--up-args", default="", help="more `disagg up` flags (a GPU: --device cuda --model DIR)")
+    parser.add_argument("--workers", default="prefill-0,decode-0", help="the workers whose /metrics count drafts")
+    parser.add_argument("--port", type=int, default=18571)
+    parser.add_argument("--metrics-port-base", type=int, default=18580)
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    args.workers = tuple(args.workers.split(","))
+    names = args.configs.split(",")
+    if names[0] != "off" or set(names) - set(CONFIGS) or set(args.workloads.split(",")) - set(WORKLOADS):
+        parser.error(f"--configs: {list(CONFIGS)}, off first; --workloads: {list(WORKLOADS)}")
+    stop_on_sigterm()
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="spec-decode-") as scratch:
+        for name in names:
+            runs += run_config(name, args, Path(scratch))
+    print(report(runs))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "runs": [{"config": r.config, "workload": r.workload,
+                                                   "concurrency": r.concurrency, **r.stats()} for r in runs]},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
