@@ -7,6 +7,12 @@ aiperf lives in a venv of its own (its pins are not ours):
 The workload is benchmarks.vllm_cpu's: completions, streaming, synthetic prompts of 128 tokens (the model's own
 tokenizer counts them), 64 output tokens with ignore_eos, a fixed seed. aiperf counts output tokens by tokenizing
 the text it got back, so a reply of 64 tokens can count as 62 or 63 where a decode joins two tokens' text.
+
+With --concurrency alone, aiperf 0.13's timing manager spins while every slot is taken (RequestRateStrategy retries
+`try_issue_credit` after a bare yield to its event loop): most of a core for the whole run (28-37 s of CPU in a
+44-57 s run at concurrency 1 against `disagg up`), on the cores the server uses. `extra_flags` passes flags
+through, e.g. `--request-rate 1000 --arrival-pattern constant`, under which the same loop waits on a 1 ms pacer
+between tries (docs/benchmarks/vllm_cpu.md has both measured).
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ EXPORT = "profile_export_aiperf.json"
 
 
 def command(aiperf: str, url: str, model_name: str, tokenizer: Path, concurrency: int, prompts: int,
-            artifacts: Path, temperature: float = 0.0, warmup: int = 2, seed: int = 35) -> list[str]:
+            artifacts: Path, temperature: float = 0.0, warmup: int = 2, seed: int = 35,
+            extra_flags: tuple[str, ...] = ()) -> list[str]:
     extra = {"ignore_eos": True, "temperature": temperature}
     # no /metrics scrapes and no GPU probes: on a shared CPU they would cost the server under test cycles
     return [aiperf, "profile", "--model", model_name, "--url", url, "--endpoint-type", "completions", "--streaming",
@@ -32,7 +39,7 @@ def command(aiperf: str, url: str, model_name: str, tokenizer: Path, concurrency
             "--concurrency", str(concurrency), "--request-count", str(prompts),
             "--warmup-request-count", str(warmup), "--random-seed", str(seed),
             "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
-            "--export-level", "summary", "--artifact-dir", str(artifacts)]
+            "--export-level", "summary", "--artifact-dir", str(artifacts), *extra_flags]
 
 
 def summary(export: dict) -> dict:
@@ -48,7 +55,7 @@ def summary(export: dict) -> dict:
 
 
 def run(aiperf: str, url: str, model_name: str, tokenizer: Path, concurrency: int, prompts: int, out: Path,
-        temperature: float = 0.0) -> dict:
+        temperature: float = 0.0, extra_flags: tuple[str, ...] = ()) -> dict:
     """One aiperf profile; its summary with the CPU seconds aiperf's processes took and the wall seconds it ran."""
     artifacts = out / f"aiperf-{url.rsplit(':', 1)[-1]}-c{concurrency}-{time.monotonic_ns()}"
     log = artifacts.with_suffix(".log")
@@ -57,8 +64,9 @@ def run(aiperf: str, url: str, model_name: str, tokenizer: Path, concurrency: in
     # and fails ("Repo id must be in the form 'repo_name'"); a directory needs no hub either way
     env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
     with log.open("w") as sink:
-        done = subprocess.run(command(aiperf, url, model_name, tokenizer, concurrency, prompts, artifacts,
-                                      temperature), stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=900)
+        argv = command(aiperf, url, model_name, tokenizer, concurrency, prompts, artifacts, temperature,
+                       extra_flags=extra_flags)
+        done = subprocess.run(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=900)
     wall = time.monotonic() - started
     if done.returncode != 0:
         raise RuntimeError(f"aiperf exited with {done.returncode}; see {log}:\n"

