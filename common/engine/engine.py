@@ -64,10 +64,10 @@ class LLMEngine:
         self.num_preemptions = 0
         # Speculative decoding (None: off): drafts for the decode rows before each step, their acceptance after.
         self.speculator = Speculator(config.speculative_config) if config.speculative_config is not None else None
-        # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck).
-        # Not with speculation: a row's drafts continue the tokens the step before accepts, read first.
+        # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck);
+        # with speculation only for steps in which no row drafts (a row's drafts continue the tokens read before).
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
-                                 else config.async_scheduling) and self.speculator is None
+                                 else config.async_scheduling)
         self._ahead: StepLaunch | None = None  # the decode step launched before the last one was read
         self.last_step: StepFacts | None = None  # what the last step() ran (None: it ran nothing)
 
@@ -244,6 +244,8 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
+            if self.speculator is not None:  # a row left out of the step keeps no drafts for a later one
+                self.speculator.clear_unscheduled(self.scheduler.running, batch.requests)
             self.num_preemptions += len(batch.preempted)
             for request in batch.kv_imports:
                 if isinstance(request.kv_import, KvExport):
@@ -257,7 +259,8 @@ class LLMEngine:
             launched = self.runner.launch(batch)
         self.last_step = step_facts(launched.scheduled, launched_ahead)
         try:
-            if self.async_scheduling:
+            if self.async_scheduling and (self.speculator is None
+                                          or not self.speculator.wants_drafts(self.scheduler.running)):
                 self._ahead = (self._launch_ahead(launched) or self._launch_prompts_ahead(launched)
                                or self._launch_mixed_ahead(launched))
             drawn = launched.result()

@@ -26,8 +26,11 @@ from common.engine.attention import BatchLayout
 from common.engine.attention_triton import StaticShape, TritonPagedAttention
 from common.engine.host_upload import upload
 
-# Token counts: fine where the host dominates (small steps), 256 apart above 512 (at most 255 rows padded).
-TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048)
+# Token counts: fine where the host dominates (small steps), 256 apart up to 2048 (at most 255 rows padded), 512
+# apart above (a step budget over 2048: a prefill worker's, or the prompt-only steps'), so that no step of any
+# budget runs eagerly: an eager mixed step meets kernel variants (a decode split count) the warm-up never built.
+TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048,
+                 *range(2560, 8192 + 1, 512))
 MAX_TOKENS = TOKEN_BUCKETS[-1]
 
 
@@ -35,7 +38,7 @@ class PrefillGraphs:
     def __init__(self, model, attention: TritonPagedAttention, kv_cache: torch.Tensor, max_tokens: int,
                  max_seqs: int, max_blocks_per_seq: int, device: torch.device):
         self.model, self.attention, self.kv_cache, self.device = model, attention, kv_cache, device
-        cap = min(max_tokens, MAX_TOKENS)  # a longer step (a budget over 2048) runs eagerly: the GPU is the bound
+        cap = min(max_tokens, MAX_TOKENS)  # a longer step runs eagerly
         self.buckets = [b for b in TOKEN_BUCKETS if b < cap] + [cap]
         n = self.buckets[-1]
         block_m = attention.prefill_tuning.block_m

@@ -145,3 +145,21 @@ def test_sampled_tokens_after_a_draft_follow_the_targets_distribution(tiny_llama
     z = 3.0902
     limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
     assert df >= 3 and statistic < limit, (statistic, limit, a, b)
+
+
+def test_with_async_scheduling_steps_without_drafts_go_ahead_and_tokens_stay_the_same(tiny_llama, plain_greedy):
+    """Where no row would draft (its K is 0), the next step is launched ahead as without speculation; where one
+    would, the engine reads the step's tokens first. Both ways the greedy tokens are the ones without drafts."""
+    for cost in (0.0, 50.0):  # drafts free: every step speculates; drafts dear: none does, every step goes ahead
+        engine = _engine(tiny_llama, NGRAM, async_scheduling=True)
+        engine.speculator.set_policies({1: type(engine.speculator.policy_for(1)).linear(4, cost)})
+        for i, prompt in enumerate(REPEATING):
+            engine.add_request(str(i), prompt, GREEDY)
+        tokens, ahead = {str(i): [] for i in range(len(REPEATING))}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            ahead += engine.last_step is not None and engine.last_step.launched_ahead
+        assert list(tokens.values()) == plain_greedy
+        assert (_accepted(engine) > 0) == (cost == 0.0)
+        assert (ahead > 0) == (cost > 0.0)

@@ -83,6 +83,32 @@ class Speculator:
                 self.metrics.plain(self.method, "off" if k <= 0 else "no_draft")
             request.draft_token_ids = drafts
 
+    def wants_drafts(self, running: list[Request]) -> bool:
+        """Whether a row would draft in the next step (its K above 0): the engine then schedules that step itself,
+        after reading this one's tokens, rather than launch it ahead (async scheduling) without drafts."""
+        if self.forced_k is not None:
+            return self.forced_k > 0
+        policy = self.policy_for(len(running))
+        for request in running:
+            state = self._rows.get(request.request_id)
+            rate = state.tracker.rate if state is not None else None
+            if self.eligible_next(request) and policy.best_k(policy.prior_rate if rate is None else rate) > 0:
+                return True
+        return False
+
+    @staticmethod
+    def eligible_next(request: Request) -> bool:
+        """`eligible` for the step after the one running: a decode row then (a prompt whose last chunk runs now too)."""
+        return (request.request_type is not RequestType.CONTEXT_ONLY and request.grammar is None
+                and not request.sampling.adjusts_logits and request.num_tokens + 1 < request.max_total_tokens)
+
+    @staticmethod
+    def clear_unscheduled(running: list[Request], scheduled: list[Request]) -> None:
+        chosen = set(map(id, scheduled))
+        for request in running:
+            if request.draft_token_ids and id(request) not in chosen:
+                request.draft_token_ids = []
+
     def accept(self, request: Request, drawn: list[Drawn]) -> list[Drawn]:
         """What a row that verified drafts emits: its drawn tokens up to and including the first that is not its
         draft there (`drawn`: one a position, the row's last token's first). Records the outcome."""
