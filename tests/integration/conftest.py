@@ -102,19 +102,60 @@ def front_door_model(tmp_path_factory) -> str:
     return make_front_door_model(tmp_path_factory.mktemp("models") / "tiny-text")
 
 
-@pytest.fixture(scope="session", params=list(MODES))
-def front_doors(request, front_door_model) -> Iterator[Cluster]:
-    """One `disagg up` per mode for every front door's tests (pytest runs one mode's tests, then the other's)."""
-    yield from run_cluster(front_door_model, request.param)
+class _Clusters:
+    """`disagg up` of one model per mode, each started when a test first asks for it and kept up until the session
+    ends. A session fixture parametrized by mode keeps one mode's cluster at a time: with a module a time on each
+    worker (--dist loadscope), every module of both modes then stopped one and started the other again."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._started: dict[str, Iterator[Cluster]] = {}
+        self._clusters: dict[str, Cluster] = {}
+
+    def __call__(self, mode: str) -> Cluster:
+        if mode not in self._clusters:
+            self._started[mode] = run_cluster(self.model, mode)
+            self._clusters[mode] = next(self._started[mode])
+        return self._clusters[mode]
+
+    def stop(self) -> None:
+        """Each cluster's own teardown (run_cluster's `finally`: `disagg up` must exit 0)."""
+        failures = []
+        for started in self._started.values():
+            try:
+                next(started, None)
+            except AssertionError as exc:
+                failures.append(exc)
+        assert not failures, failures
 
 
-@pytest.fixture(scope="session", params=list(MODES))
-def smollm2(request) -> Iterator[Cluster]:
-    """`disagg up` with the default model, SmolLM2-135M-Instruct, one per mode, for every test that needs a model
-    that answers sensibly."""
+@pytest.fixture(scope="session")
+def _front_door_clusters(front_door_model) -> Iterator[_Clusters]:
+    clusters = _Clusters(front_door_model)
+    yield clusters
+    clusters.stop()
+
+
+@pytest.fixture(scope="session")
+def _smollm2_clusters() -> Iterator[_Clusters]:
     from common.engine.default_model import default_model_dir
 
-    yield from run_cluster(str(default_model_dir()), request.param)
+    clusters = _Clusters(str(default_model_dir()))
+    yield clusters
+    clusters.stop()
+
+
+@pytest.fixture(scope="session", params=list(MODES))
+def front_doors(request, _front_door_clusters) -> Cluster:
+    """One `disagg up` per mode for every front door's tests."""
+    return _front_door_clusters(request.param)
+
+
+@pytest.fixture(scope="session", params=list(MODES))
+def smollm2(request, _smollm2_clusters) -> Cluster:
+    """`disagg up` with the default model, SmolLM2-135M-Instruct, one per mode, for every test that needs a model
+    that answers sensibly."""
+    return _smollm2_clusters(request.param)
 
 
 _HERE = Path(__file__).parent
