@@ -9,10 +9,9 @@ tokenizer counts them), 64 output tokens with ignore_eos, a fixed seed. aiperf c
 the text it got back, so a reply of 64 tokens can count as 62 or 63 where a decode joins two tokens' text.
 
 With --concurrency alone, aiperf 0.13's timing manager spins while every slot is taken (RequestRateStrategy retries
-`try_issue_credit` after a bare yield to its event loop): most of a core for the whole run (28-37 s of CPU in a
-44-57 s run at concurrency 1 against `disagg up`), on the cores the server uses. `extra_flags` passes flags
-through, e.g. `--request-rate 1000 --arrival-pattern constant`, under which the same loop waits on a 1 ms pacer
-between tries (docs/benchmarks/vllm_cpu.md has both measured).
+`try_issue_credit` after a bare yield to its event loop): most of a core for the whole run, on the cores the server
+uses. `extra_flags` passes flags through, e.g. `--request-rate 1000 --arrival-pattern constant`, under which the
+same loop waits on a 1 ms pacer between tries (docs/benchmarks/vllm_cpu.md has both measured).
 """
 from __future__ import annotations
 
