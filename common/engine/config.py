@@ -31,11 +31,13 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # (each step re-reads the weights for fewer tokens) and serve a lower TTFT and output rate; 256 prefills no faster
 # and holds the others up twice as long; 512 is slower.
 CPU_LONG_PREFILL_TOKENS = 128
-# A step's token budget (--max-num-batched-tokens) unless set. A prefill worker on a GPU has no decode rows whose
-# inter-token latency a long step would hold up, and bigger steps run its GEMMs nearer the peak: a served prefill
-# GPU takes about 15 % more requests a second with 8192 than with 2048 (benchmarks/multi_gpu.py --prefill-budget).
+# A step's token budget (--max-num-batched-tokens) unless set. On a GPU, vLLM's: prompts that arrive together
+# prefill in one step and start decoding together, where smaller steps split them over several, each stalling the
+# first ones' decodes (the ITL tail, docs/benchmarks/vllm_gpu.md), and bigger steps run the GEMMs nearer the peak
+# (a served prefill GPU takes more requests a second, benchmarks/multi_gpu.py --prefill-budget). Every step up to it
+# replays a CUDA graph (prefill_graphs.py). On the CPU a step's time grows with its tokens: 2048.
 DEFAULT_STEP_TOKENS = 2048
-GPU_PREFILL_WORKER_STEP_TOKENS = 8192
+GPU_STEP_TOKENS = 8192
 # The KV cache unless sized otherwise: on the CPU this many blocks; on a GPU what fits in this fraction of it, shared
 # by the workers on it (vLLM's default), each worker counting its own weights only (common/engine/kv_memory.py).
 CPU_KV_BLOCKS = 1024
@@ -52,8 +54,8 @@ def gpu_memory_share(device: str, gpu_memory_utilization: float | None, num_kv_b
     return DEFAULT_GPU_MEMORY_UTILIZATION if num_kv_blocks is None else None
 
 
-def default_step_tokens(device: str, prefill_only: bool) -> int:
-    return GPU_PREFILL_WORKER_STEP_TOKENS if prefill_only and device.startswith("cuda") else DEFAULT_STEP_TOKENS
+def default_step_tokens(device: str) -> int:
+    return GPU_STEP_TOKENS if device.startswith("cuda") else DEFAULT_STEP_TOKENS
 
 
 # Requests a step runs at most (--max-num-seqs) unless set. A GPU decode step is bound by reading the weights, so more
@@ -98,9 +100,6 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     """Most prompt tokens of one request in a step, so a long prompt shares its steps with decodes and new
     prompts. None: CPU_LONG_PREFILL_TOKENS on the CPU, no limit on CUDA (see `prefill_chunk_limit`)."""
-    prompt_only_step_tokens: int | None = None
-    """Most tokens a step with no decode row computes (nobody's next token waits on it). None: on CUDA the larger of
-    GPU_PREFILL_WORKER_STEP_TOKENS and max_num_batched_tokens, elsewhere max_num_batched_tokens (`prompt_only_budget`)."""
     max_model_len: int | None = None
     """Defaults to the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
@@ -159,8 +158,6 @@ class EngineConfig:
              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
-            (self.prompt_only_step_tokens is None or self.prompt_only_step_tokens >= 1,
-             f"prompt_only_step_tokens must be >= 1, got {self.prompt_only_step_tokens}"),
             (self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 1,
              f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"),
             (self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}"),
@@ -227,31 +224,6 @@ class EngineConfig:
         return self.max_num_batched_tokens if self.device.startswith("cuda") else CPU_LONG_PREFILL_TOKENS
 
     @property
-    def prompt_only_budget(self) -> int:
-        """prompt_only_step_tokens, or the device's default. Prompts that arrive together (a wave of requests sent
-        at once) then prefill in one step and start decoding together, where the decode-step budget would split
-        them over several steps, each stalling the first ones' decodes; on a GPU a bigger step also runs its GEMMs
-        nearer the peak. On the CPU a step's time grows with its tokens: no larger step there."""
-        if self.prompt_only_step_tokens is not None:
-            return self.prompt_only_step_tokens
-        if self.device.startswith("cuda"):
-            return max(GPU_PREFILL_WORKER_STEP_TOKENS, self.max_num_batched_tokens)
-        return self.max_num_batched_tokens
-
-    @property
-    def prompt_only_chunk_limit(self) -> int:
-        """The most prompt tokens of one request in a step with no decode row (long_prefill_token_threshold where
-        given: it limits every step)."""
-        if self.long_prefill_token_threshold is not None or not self.device.startswith("cuda"):
-            return self.prefill_chunk_limit
-        return self.prompt_only_budget
-
-    @property
-    def max_step_tokens(self) -> int:
-        """The most tokens any step computes (what the activation reserve and the warm-up's largest prompt cover)."""
-        return max(self.max_num_batched_tokens, self.prompt_only_budget)
-
-    @property
     def kv_tiers_asked(self) -> bool:
         """Whether a KV cache tier below the device pool is asked for (--host-kv-cache-gb, --disk-kv-cache-dir)."""
         return bool(self.host_kv_cache_gb or self.disk_kv_cache_dir)
@@ -292,7 +264,7 @@ def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int) -> int:
     from common.engine.kv_memory import kv_blocks_for_share, read_device_memory
 
     text = getattr(hf_config, "text_config", None) or hf_config
-    reserve = (config.max_step_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
+    reserve = (config.max_num_batched_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
                * config.torch_dtype.itemsize + config.max_num_seqs * text.vocab_size * 4)
     blocks, line = kv_blocks_for_share(share, read_device_memory(torch.device(config.device)), block_bytes, reserve)
     if config.num_kv_blocks is not None:

@@ -55,8 +55,7 @@ class LLMEngine:
             self.kv_tiers.events = self.kv_events  # each tier's blocks are KV events too (the router scores them)
             self.kv_tiers.announce_held()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_limit, config.kv_growth_reserve,
-                                   (config.prompt_only_budget, config.prompt_only_chunk_limit))
+                                   config.prefill_chunk_limit, config.kv_growth_reserve)
         self.sessions = KvSessionTable(config.session_ttl_s)
         self.requests: dict[str, Request] = {}
         self._stop_rules: dict[str, StopRule] = {}
@@ -372,7 +371,7 @@ class LLMEngine:
                 or not all(map(self._plain_context, waiting)):
             return None
         in_flight = sum(n for request, n in launched.scheduled if self._live(request))
-        if self.prompt_tokens_to_compute() - in_flight < self.scheduler.prompt_only[0]:
+        if self.prompt_tokens_to_compute() - in_flight < self.scheduler.max_num_batched_tokens:
             return None
         self._book(launched)
         batch = self.scheduler.schedule(preempt=False)

@@ -282,7 +282,7 @@ class ModelRunner:
         from common.engine.prefill_graphs import PrefillGraphs
 
         try:
-            return PrefillGraphs(self.model, self.attention, self.rank_cache, config.max_step_tokens,
+            return PrefillGraphs(self.model, self.attention, self.rank_cache, config.max_num_batched_tokens,
                                  config.max_num_seqs, self.graphs.tables.shape[1], self.device)
         except Exception as exc:  # a capture the model refuses: eager prompt steps, never a failed start
             log.warning("prompt and mixed steps run eagerly (no whole-step CUDA graphs): %s: %s",

@@ -27,8 +27,8 @@ from common.engine.attention_triton import StaticShape, TritonPagedAttention
 from common.engine.host_upload import upload
 
 # Token counts: fine where the host dominates (small steps), 256 apart up to 2048 (at most 255 rows padded), 512
-# apart above (a step budget over 2048: a prefill worker's, or the prompt-only steps'), so that no step of any
-# budget runs eagerly: an eager mixed step meets kernel variants (a decode split count) the warm-up never built.
+# apart above, up to the GPU's default step of 8192, so that no step runs eagerly: eager steps over 2048 tokens
+# stalled some requests by hundreds of ms where graphed ones did not (docs/benchmarks/vllm_gpu.md).
 TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048,
                  *range(2560, 8192 + 1, 512))
 MAX_TOKENS = TOKEN_BUCKETS[-1]

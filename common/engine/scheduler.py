@@ -43,16 +43,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int | None = None, growth_reserve: int = 0,
-                 prompt_only: tuple[int, int] | None = None):
-        """`prompt_only`: (budget, chunk limit) of a step with no decode row, where no running stream waits on it
-        (EngineConfig.prompt_only_budget); None: the same as every step's."""
+                 long_prefill_token_threshold: int | None = None, growth_reserve: int = 0):
         self.block_manager = block_manager
         self.growth_reserve = growth_reserve
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
-        self.prompt_only = prompt_only or (max_num_batched_tokens, self.long_prefill_token_threshold)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.deferred = 0  # waiting requests the last admission passed over while a KV tier loads their blocks
@@ -79,15 +75,13 @@ class Scheduler:
         batch = ScheduledBatch()
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        total, chunk = (self.max_num_batched_tokens, self.long_prefill_token_threshold) if decodes or reserved \
-            else self.prompt_only
         for request in decodes + prefills:  # decodes first: a prefill chunk never delays a running stream
-            budget = total - reserved - batch.num_tokens
+            budget = self.max_num_batched_tokens - reserved - batch.num_tokens
             if budget <= 0:
                 break
             if request in batch.preempted:
                 continue  # preempted by an earlier row of this step
-            n = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
             if request.draft_token_ids:
                 n = self._with_drafts(request, budget)
             if preempt and not self._allocate_or_preempt(request, n, batch):
@@ -97,7 +91,7 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(n)
         if not batch.preempted:
-            self._admit_waiting(batch, total - reserved - batch.num_tokens, chunk=chunk)
+            self._admit_waiting(batch, self.max_num_batched_tokens - reserved - batch.num_tokens)
         return batch
 
     def admit_waiting(self, budget: int, only: Callable[[Request], bool]) -> ScheduledBatch:
@@ -148,20 +142,18 @@ class Scheduler:
         self.block_manager.growth_reserved = held
         return held
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None = None,
-                       chunk: int | None = None) -> int:
-        """Admit from the head of the queue, each at most `chunk` tokens (default: long_prefill_token_threshold). A
-        request whose blocks a KV tier still loads (BlockManager.onboard_ready) is passed over, keeping its place, so
-        that no step waits for the disk; those behind it go on in order."""
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None = None) -> int:
+        """Admit from the head of the queue. A request whose blocks a KV tier still loads (BlockManager.onboard_ready)
+        is passed over, keeping its place, so that no step waits for the disk; those behind it go on in order."""
         deferred: list[Request] = []
         try:
-            return self._admit_in_order(batch, budget, only, deferred, chunk or self.long_prefill_token_threshold)
+            return self._admit_in_order(batch, budget, only, deferred)
         finally:
             self.waiting.extendleft(reversed(deferred))
             self.deferred = len(deferred)
 
     def _admit_in_order(self, batch: ScheduledBatch, budget: int, only: Callable[[Request], bool] | None,
-                        deferred: list[Request], chunk: int) -> int:
+                        deferred: list[Request]) -> int:
         held = self.block_manager.growth_reserved  # (publish_growth, at the step's start)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -182,8 +174,8 @@ class Scheduler:
                 self.block_manager.match_prefix(request)
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = request.num_computed_tokens
-            n = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
-            whole = min(request.num_tokens - request.num_computed_tokens, chunk)
+            n = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold, budget)
+            whole = min(request.num_tokens - request.num_computed_tokens, self.long_prefill_token_threshold)
             if fresh and n == budget < whole and any(k > 1 for k in batch.num_new_tokens):
                 # Only the step's leftover budget would start it, beside another prompt's chunk: that slows the
                 # step (and the other prompt's first token) for a sliver of this prompt, which then needs a second

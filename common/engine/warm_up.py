@@ -89,7 +89,7 @@ def _waves(engine: LLMEngine):
     torch picks kernels by shape: a greedy row with one top logprob is not a sampled row with two), then all of them
     in one batch with more sampled rows, the sampler's batched paths; and one request under a grammar (JSON mode) on
     the backend --structured-output-backend puts first."""
-    cap = min(engine.config.max_step_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
+    cap = min(engine.config.max_num_batched_tokens, engine.max_model_len - OUTPUT_TOKENS - 1,
               engine.block_manager.num_blocks * engine.config.block_size // 4)
     greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     sizes = {n for n in PROMPT_TOKENS if n < cap} | {cap}  # the step budget's own size too

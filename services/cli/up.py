@@ -339,7 +339,7 @@ def preflight(args: argparse.Namespace) -> Plan:
     try:
         config = engine_config_from_args(args)  # the model resolves (the default one is converted once, here)
         for worker in settled.workers:  # and every worker's flags hold, before any process loads the model
-            role_config = engine_config_from_args(role_args(args, worker.role), prefill_only=worker.role == "prefill")
+            role_config = engine_config_from_args(role_args(args, worker.role))
             check_startable(role_config.replace(device=worker.device or config.device,
                                                 tensor_parallel_size=settled.tp[worker.role]))
     except (ValueError, FileNotFoundError) as exc:

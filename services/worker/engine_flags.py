@@ -13,7 +13,7 @@ from typing import Any
 from common.engine.spec.config import parse_speculative_config
 from common.engine.config import (CPU_KV_BLOCKS, CPU_LONG_PREFILL_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION,
                                   DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
-                                  GPU_MAX_NUM_SEQS, GPU_PREFILL_WORKER_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
+                                  GPU_MAX_NUM_SEQS, GPU_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
                                   QUANTIZATIONS, STRUCTURED_OUTPUT_BACKENDS, EngineConfig, default_max_num_seqs,
                                   default_step_tokens)
 from common.engine.default_model import resolve_model
@@ -54,11 +54,8 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--max-num-seqs", type=int, default=None, metavar="N",
         help=f"most requests a step (default {DEFAULT_MAX_NUM_SEQS}; CUDA {GPU_MAX_NUM_SEQS})")
     add("--max-num-batched-tokens", type=int, default=None,
-        help=f"most tokens a step computes (default: {DEFAULT_STEP_TOKENS}; {GPU_PREFILL_WORKER_STEP_TOKENS} on a prefill "
-             "worker on CUDA, which has no decode rows to hold up and runs bigger steps faster)")
-    add("--prompt-only-step-tokens", type=int, default=None, metavar="N",
-        help=f"most tokens a step with no decode row computes (default: {GPU_PREFILL_WORKER_STEP_TOKENS} on CUDA, "
-             "--max-num-batched-tokens elsewhere)")
+        help=f"most tokens a step computes (default: {DEFAULT_STEP_TOKENS}; {GPU_STEP_TOKENS} on CUDA, where prompts "
+             "sent together then prefill in one step)")
     add("--long-prefill-token-threshold", type=int, default=None,
         help="most prompt tokens of one request per step, so a long prompt shares steps with the "
              f"others (default: {CPU_LONG_PREFILL_TOKENS} on the CPU, no limit on CUDA)")
@@ -131,19 +128,18 @@ def apply_engine_config(args: argparse.Namespace, *more: tuple[str, Mapping[str,
     return args
 
 
-def engine_config_from_args(args: argparse.Namespace, prefill_only: bool = False) -> EngineConfig:
-    """The EngineConfig of the flags, merged with --engine-config and --engine-overrides (apply_engine_config);
-    `prefill_only`: a prefill worker's, whose unset step budget is its own (default_step_tokens)."""
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags, merged with --engine-config and --engine-overrides (apply_engine_config); an
+    unset step budget is the device's (default_step_tokens)."""
     apply_engine_config(args)
     step_tokens = (args.max_num_batched_tokens if args.max_num_batched_tokens is not None
-                   else default_step_tokens(args.device, prefill_only))
+                   else default_step_tokens(args.device))
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else default_max_num_seqs(args.device)
     return EngineConfig(
         model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        prompt_only_step_tokens=args.prompt_only_step_tokens, max_model_len=args.max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,
         max_waiting=args.max_waiting, kv_growth_reserve=args.kv_growth_reserve,
         enable_prefix_caching=not args.no_prefix_caching, session_ttl_s=args.session_ttl, engine=args.engine,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,

@@ -176,7 +176,7 @@ class EngineRole:
 
     def configure(self, args: argparse.Namespace) -> EngineConfig:
         # args hold --engine-config's and --engine-overrides' values after this too
-        config = engine_config_from_args(args, prefill_only=self.role == worker_pb2.WORKER_ROLE_PREFILL)
+        config = engine_config_from_args(args)
         args.kv_transports = parse_transports(args.kv_transports)
         log.info("engine config: %s", effective_engine_json(args, config))
         return config

@@ -113,18 +113,18 @@ def test_up_lays_out_by_the_file_and_gives_each_role_its_overrides(engine_yaml):
         parse_args(["--model", "/m", "--prefill-engine-overrides", '{"device": "cuda:1"}'])
 
 
-def test_a_prefill_worker_on_cuda_takes_bigger_steps_unless_a_layer_sets_them(model, engine_yaml):
-    def budget(argv: list[str], prefill_only: bool) -> int:
-        return engine_config_from_args(_parse(["--model", model, *argv]), prefill_only).max_num_batched_tokens
+def test_a_worker_on_cuda_takes_bigger_steps_unless_a_layer_sets_them(model, engine_yaml):
+    def budget(argv: list[str]) -> int:
+        return engine_config_from_args(_parse(["--model", model, *argv])).max_num_batched_tokens
 
-    assert budget(["--device", "cuda:1"], prefill_only=True) == 8192
-    assert budget(["--device", "cuda:1"], prefill_only=False) == budget([], prefill_only=True) == 2048  # decode; CPU
-    assert budget(["--device", "cuda", "--max-num-batched-tokens", "1024"], prefill_only=True) == 1024
-    assert budget(["--device", "cuda", "--engine-config", str(engine_yaml)], prefill_only=True) == 512
+    assert budget(["--device", "cuda:1"]) == 8192
+    assert budget([]) == 2048  # the CPU
+    assert budget(["--device", "cuda", "--max-num-batched-tokens", "1024"]) == 1024
+    assert budget(["--device", "cuda", "--engine-config", str(engine_yaml)]) == 512
     args = _parse(["--model", model, "--device", "cuda"])
-    config = engine_config_from_args(args, prefill_only=True)
+    config = engine_config_from_args(args)
     assert json.loads(effective_engine_json(args, config))["max-num-batched-tokens"] == 8192  # what it runs with
-    assert "--max-num-batched-tokens" not in engine_argv(args)  # a child resolves it by its own role
+    assert "--max-num-batched-tokens" not in engine_argv(args)  # a child resolves it by its own device
 
 
 def test_a_gpu_worker_runs_more_requests_a_step_unless_a_layer_sets_it(model, engine_yaml):

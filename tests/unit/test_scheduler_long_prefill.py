@@ -129,29 +129,3 @@ def test_a_step_scheduled_without_preemption_stops_where_blocks_run_out():
     assert [r.request_id for r in scheduler.running] == ["first", "second"]
     assert [r.request_id for r in scheduler.waiting] == ["small"]
     assert scheduler.block_manager.num_free_blocks == 1
-
-
-def test_a_wave_of_prompts_with_no_decode_running_prefills_in_one_larger_step():
-    """A step with no decode row takes the prompt-only budget (nobody's next token waits on it), so prompts sent
-    together start decoding together; once a row decodes, steps keep the smaller budget that bounds its stalls."""
-    scheduler = Scheduler(BlockManager(2048, 16), max_num_seqs=16, max_num_batched_tokens=2048,
-                          prompt_only=(8192, 8192))
-    wave = [Request(f"r{i}", list(range(1024))) for i in range(8)]
-    for request in wave:
-        scheduler.add(request)
-    assert _scheduled(_step(scheduler)) == {f"r{i}": 1024 for i in range(8)}
-    assert all(r.output_token_ids == [7] for r in wave)
-    late = Request("late", list(range(4096)))
-    scheduler.add(late)
-    batch = _step(scheduler)  # eight decode rows: the decode budget, 2040 tokens left for the newcomer
-    assert _scheduled(batch) == {**{f"r{i}": 1 for i in range(8)}, "late": 2040}
-
-
-def test_the_prompt_only_budget_defaults_to_the_prefill_workers_on_cuda_and_the_step_budget_elsewhere():
-    assert EngineConfig(model="m", device="cuda").prompt_only_budget == 8192
-    assert EngineConfig(model="m", device="cuda", max_num_batched_tokens=16384).prompt_only_budget == 16384
-    assert EngineConfig(model="m", device="cpu").prompt_only_budget == 2048
-    assert EngineConfig(model="m", device="cuda", prompt_only_step_tokens=4096).max_step_tokens == 4096
-    cpu = EngineConfig(model="m", device="cpu")
-    assert cpu.prompt_only_chunk_limit == cpu.prefill_chunk_limit == CPU_LONG_PREFILL_TOKENS
-    assert EngineConfig(model="m", device="cuda", long_prefill_token_threshold=512).prompt_only_chunk_limit == 512
