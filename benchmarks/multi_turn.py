@@ -21,7 +21,6 @@ faster; tok/s: it / none), and whether every answer is the same as `none`'s (gre
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.chat_stream import stream_chat  # noqa: E402
 from benchmarks.scrape import scrape_url  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
 from benchmarks.vllm_gpu import model_id  # noqa: E402
@@ -127,29 +127,8 @@ def working_set_blocks(turns: list[Turn], block_size: int = BLOCK_SIZE) -> int:
 
 def chat(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     """One streamed, greedy chat completion: (TTFT ms, the answer, the usage)."""
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    started, first, parts, usage = time.perf_counter(), None, [], {}
-    try:
-        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"chat completion: HTTP {response.status}: {response.read()[:300]!r}")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta", {}).get("content")
-                if delta:
-                    first = first or time.perf_counter()
-                    parts.append(delta)
-            usage = chunk.get("usage") or usage
-    finally:
-        connection.close()
-    return ((first or time.perf_counter()) - started) * 1000, "".join(parts), usage
+    streamed = stream_chat(port, model, messages, max_tokens, timeout_s=300)
+    return streamed.ttft_s * 1000, streamed.text, streamed.usage
 
 
 def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_tokens: int) -> tuple[list[Turn], float]:

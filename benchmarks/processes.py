@@ -198,6 +198,21 @@ def start_services(specs: list[tuple[str, tuple[str, ...]]], env: Mapping[str, s
     return processes
 
 
+def start_prefill_decode(model: str, worker_args: tuple[str, ...] = (), env: Mapping[str, str] | None = None,
+                         router_args: tuple[str, ...] = ("--max-local-prefill-tokens", "0")) -> list[ServiceProcess]:
+    """A prefill worker and a decode worker (both with `worker_args`), then a router over them (every prompt
+    prefilled remotely unless `router_args` say otherwise): [router, prefill, decode]; all stopped if one fails."""
+    workers = start_services([("prefill", ("--model", model, *worker_args)),
+                              ("decode", ("--model", model, *worker_args))], env=env)
+    try:
+        router = start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
+                                             "--decode-workers", workers[1].address, *router_args))], env=env)[0]
+    except BaseException:
+        stop_in_waves(workers)
+        raise
+    return [router, *workers]
+
+
 def stop_in_waves(processes: list[ServiceProcess]) -> list[int]:
     """Exit codes in the order given. The routers first (they may still be draining requests to the workers), then
     all the others, as `disagg up` stops its children: each wave is sent SIGTERM at once, then waited for, so N

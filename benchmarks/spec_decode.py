@@ -20,7 +20,6 @@ up to near-ties of the arithmetic).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import shlex
@@ -34,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.chat_stream import stream_chat  # noqa: E402
 from benchmarks.scrape import scrape_url  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
 from benchmarks.vllm_gpu import model_id  # noqa: E402
@@ -104,34 +104,12 @@ class Run:
                 "tokens": sum(a.tokens for a in self.answers), **self.acceptance}
 
 
-def stream_chat(port: int, model: str, prompt: str, max_tokens: int) -> Answer:
+def ask(port: int, model: str, prompt: str, max_tokens: int) -> Answer:
     """One streamed greedy chat completion, each content chunk's arrival timed."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    started, arrivals, parts, usage = time.perf_counter(), [], [], {}
-    try:
-        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"chat completion: HTTP {response.status}: {response.read()[:300]!r}")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta", {}).get("content")
-                if delta:
-                    arrivals.append(time.perf_counter())
-                    parts.append(delta)
-            usage = chunk.get("usage") or usage
-    finally:
-        connection.close()
-    tokens = usage.get("completion_tokens", 0)
-    first = arrivals[0] if arrivals else time.perf_counter()
-    tpot = (arrivals[-1] - first) / (tokens - 1) if arrivals and tokens > 1 else None
-    return Answer(first - started, tpot, [b - a for a, b in zip(arrivals, arrivals[1:])], tokens, "".join(parts))
+    streamed = stream_chat(port, model, [{"role": "user", "content": prompt}], max_tokens)
+    arrivals, tokens = streamed.arrivals, streamed.usage.get("completion_tokens", 0)
+    tpot = (arrivals[-1] - arrivals[0]) / (tokens - 1) if arrivals and tokens > 1 else None
+    return Answer(streamed.ttft_s, tpot, [b - a for a, b in zip(arrivals, arrivals[1:])], tokens, streamed.text)
 
 
 def drive(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[Answer], float]:
@@ -148,7 +126,7 @@ def drive(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> t
             if i is None:
                 return
             try:
-                answers[i] = stream_chat(port, model, prompts[i], max_tokens)
+                answers[i] = ask(port, model, prompts[i], max_tokens)
             except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
                 errors.append(exc)
                 return
@@ -182,7 +160,7 @@ def run_config(name: str, args: argparse.Namespace, scratch: Path) -> list[Run]:
     server.start(scratch, timeout_s=args.start_timeout)
     runs = []
     try:
-        stream_chat(args.port, model_id(server.url), "Say hello.", 8)  # (warm: not counted)
+        ask(args.port, model_id(server.url), "Say hello.", 8)  # (warm: not counted)
         for workload in args.workloads.split(","):
             for concurrency in map(int, args.concurrency.split(",")):
                 before = acceptance(args.metrics_port_base, args.workers)

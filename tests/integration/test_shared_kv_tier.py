@@ -8,7 +8,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import scrape, wait_for
-from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
+from tests.integration.processes import ServiceProcess, start_prefill_decode, stop_in_waves
 
 BLOCK = 4
 ARGS = ("--block-size", str(BLOCK), "--num-kv-blocks", "64")
@@ -18,24 +18,11 @@ ANSWER_TOKENS = 12
 FOLLOW_UP = [301, 302, 303, 304, 305, 306, 307]
 
 
-def _cluster(model: str, worker_args: tuple[str, ...]) -> list[ServiceProcess]:
-    workers = start_services([("prefill", ("--model", model, *ARGS, *worker_args)),
-                              ("decode", ("--model", model, *ARGS, *worker_args))], env=ENV)
-    try:
-        router = start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
-                                             "--decode-workers", workers[1].address,
-                                             "--max-local-prefill-tokens", "0"))], env=ENV)[0]
-    except BaseException:
-        stop_in_waves(workers)
-        raise
-    return [router, *workers]
-
-
 @pytest.fixture(scope="module")
 def shared(tiny_llama, tmp_path_factory):
     node = tmp_path_factory.mktemp("node-kv")
-    processes = _cluster(tiny_llama, ("--disk-kv-cache-dir", str(node), "--disk-kv-cache-gb", "0.5",
-                                      "--kv-cache-write-through"))
+    processes = start_prefill_decode(tiny_llama, (*ARGS, "--disk-kv-cache-dir", str(node), "--disk-kv-cache-gb",
+                                                  "0.5", "--kv-cache-write-through"), ENV)
     try:
         yield processes
     finally:
@@ -44,7 +31,7 @@ def shared(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
-    processes = _cluster(tiny_llama, ())
+    processes = start_prefill_decode(tiny_llama, ARGS, ENV)
     try:
         yield processes
     finally:

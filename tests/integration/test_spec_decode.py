@@ -8,7 +8,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import scrape, wait_for
-from tests.integration.processes import ServiceProcess, start_services, stop_in_waves
+from tests.integration.processes import ServiceProcess, start_prefill_decode, stop_in_waves
 
 ARGS = ("--block-size", "4", "--num-kv-blocks", "128")
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -17,22 +17,9 @@ PROMPTS = [[5, 6, 7, 8, 9] * 5, [40, 41, 42] * 8 + [43], [(13 * k) % 400 + 50 fo
 ANSWER_TOKENS = 20
 
 
-def _cluster(model: str, worker_args: tuple[str, ...]) -> list[ServiceProcess]:
-    workers = start_services([("prefill", ("--model", model, *ARGS, *worker_args)),
-                              ("decode", ("--model", model, *ARGS, *worker_args))], env=ENV)
-    try:
-        router = start_services([("router", ("--model", model, "--prefill-workers", workers[0].address,
-                                             "--decode-workers", workers[1].address,
-                                             "--max-local-prefill-tokens", "0"))], env=ENV)[0]
-    except BaseException:
-        stop_in_waves(workers)
-        raise
-    return [router, *workers]
-
-
 @pytest.fixture(scope="module")
 def speculating(tiny_llama):
-    processes = _cluster(tiny_llama, ("--speculative-config", NGRAM))
+    processes = start_prefill_decode(tiny_llama, (*ARGS, "--speculative-config", NGRAM), ENV)
     try:
         yield processes
     finally:
@@ -41,7 +28,7 @@ def speculating(tiny_llama):
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
-    processes = _cluster(tiny_llama, ())
+    processes = start_prefill_decode(tiny_llama, ARGS, ENV)
     try:
         yield processes
     finally:

@@ -9,28 +9,15 @@ thread; read from others.
 """
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+
+from common.telemetry.counts import Counts
 
 PLAIN_REASONS = ("off", "no_draft")
 
 
-class SpecMetrics:
-    def __init__(self):
-        self.totals: Counter = Counter()
-        self._sink: Any = None
-        self._lock = threading.Lock()
-
-    def bind(self, sink: Any) -> None:
-        """Count in `sink` from now on: an object whose get(name, **labels) is a Prometheus child
-        (common.telemetry.metrics.Metrics)."""
-        self._sink = sink
-
-    def total(self, name: str, **labels: str) -> float:
-        return self.totals[_key(name, labels)]
-
+class SpecMetrics(Counts):
     def verified(self, method: str, proposed: Sequence[int], accepted: Sequence[int]) -> None:
         """A step's verified rows: each row's draft tokens proposed and accepted (rows without drafts ignored)."""
         rows = [(n, a) for n, a in zip(proposed, accepted, strict=True) if n > 0]
@@ -39,18 +26,18 @@ class SpecMetrics:
         by_position: Counter = Counter()
         for _, a in rows:
             by_position.update(range(a))
-        self._count("disagg_spec_decode_drafts_total", len(rows), method=method)
-        self._count("disagg_spec_decode_draft_tokens_total", sum(n for n, _ in rows), method=method)
-        self._count("disagg_spec_decode_accepted_tokens_total", sum(a for _, a in rows), method=method)
+        self.count("disagg_spec_decode_drafts_total", len(rows), method=method)
+        self.count("disagg_spec_decode_draft_tokens_total", sum(n for n, _ in rows), method=method)
+        self.count("disagg_spec_decode_accepted_tokens_total", sum(a for _, a in rows), method=method)
         for position, count in by_position.items():
-            self._count("disagg_spec_decode_accepted_tokens_per_pos_total", count, method=method,
-                        position=str(position))
+            self.count("disagg_spec_decode_accepted_tokens_per_pos_total", count, method=method,
+                       position=str(position))
 
     def plain(self, method: str, reason: str, steps: int = 1) -> None:
         """`steps` request-steps run without drafts, for `reason` (PLAIN_REASONS)."""
         if reason not in PLAIN_REASONS:
             raise ValueError(f"reason {reason!r} is not one of {PLAIN_REASONS}")
-        self._count("disagg_spec_decode_plain_steps_total", steps, method=method, reason=reason)
+        self.count("disagg_spec_decode_plain_steps_total", steps, method=method, reason=reason)
 
     def mean_accepted_length(self, method: str) -> float:
         """Tokens a verified draft emitted on average, the target's own included (1.0 before any)."""
@@ -62,16 +49,3 @@ class SpecMetrics:
         drafts = self.total("disagg_spec_decode_drafts_total", method=method)
         return [self.total("disagg_spec_decode_accepted_tokens_per_pos_total", method=method, position=str(i)) / drafts
                 if drafts else 0.0 for i in range(k)]
-
-    def _count(self, name: str, amount: float, **labels: str) -> None:
-        if not amount:
-            return
-        with self._lock:
-            self.totals[_key(name, labels)] += amount
-        if self._sink is not None:
-            self._sink.get(name, **labels).inc(amount)
-
-
-def _key(name: str, labels: dict[str, str]) -> tuple:
-    """A series' key in `totals`: its name and its labels in name order."""
-    return (name, *sorted(labels.items()))

@@ -5,46 +5,10 @@ names of common.telemetry.metrics.METRICS. Called from the engine thread and the
 """
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from typing import Any
+from common.telemetry.counts import Counts
 
 
-class TierMetrics:
-    def __init__(self):
-        self.totals: Counter = Counter()
-        self._sink: Any = None
-        self._lock = threading.Lock()
-
-    def bind(self, sink: Any) -> None:
-        """Count in `sink` from now on: an object whose get(name, **labels) is a Prometheus child
-        (common.telemetry.metrics.Metrics)."""
-        self._sink = sink
-
-    def total(self, name: str, **labels: str) -> float:
-        return self.totals[_key(name, labels)]
-
-    def count(self, name: str, amount: float = 1, **labels: str) -> None:
-        if not amount:
-            return
-        with self._lock:
-            self.totals[_key(name, labels)] += amount
-        if self._sink is not None:
-            self._sink.get(name, **labels).inc(amount)
-
-    def observe(self, name: str, seconds: float, **labels: str) -> None:
-        with self._lock:
-            self.totals[_key(name + "_count", labels)] += 1
-            self.totals[_key(name + "_sum", labels)] += seconds
-        if self._sink is not None:
-            self._sink.get(name, **labels).observe(seconds)
-
-    def set(self, name: str, value: float, **labels: str) -> None:
-        with self._lock:
-            self.totals[_key(name, labels)] = value
-        if self._sink is not None:
-            self._sink.get(name, **labels).set(value)
-
+class TierMetrics(Counts):
     def hit(self, tier: str, blocks: int, tokens: int, nbytes: int, seconds: float) -> None:
         self.count("disagg_kv_tier_hit_blocks_total", blocks, tier=tier)
         self.count("disagg_kv_tier_hit_tokens_total", tokens, tier=tier)
@@ -68,8 +32,3 @@ class TierMetrics:
 
     def used(self, tier: str, nbytes: int) -> None:
         self.set("disagg_kv_tier_used_bytes", nbytes, tier=tier)
-
-
-def _key(name: str, labels: dict[str, str]) -> tuple:
-    """A series' key in `totals`: its name and its labels in name order."""
-    return (name, *sorted(labels.items()))
