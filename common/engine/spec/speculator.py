@@ -22,6 +22,7 @@ from common.engine.spec.config import SpeculativeConfig
 from common.engine.spec.history import TokenHistory
 from common.engine.spec.metrics import SpecMetrics
 from common.engine.spec.proposer import make_proposer
+from common.engine.spec.verify import greedy_accept
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,7 @@ class Speculator:
         """What a row that verified drafts emits: its drawn tokens up to and including the first that is not its
         draft there (`drawn`: one a position, the row's last token's first). Records the outcome."""
         drafts, request.draft_token_ids = request.draft_token_ids, []
-        accepted = 0
-        while accepted < len(drafts) and drawn[accepted][0] == drafts[accepted]:
-            accepted += 1
+        accepted = len(greedy_accept([token for token, _ in drawn], drafts)) - 1  # (drawn: argmax or sampled)
         state = self._rows.get(request.request_id)
         if state is not None:
             state.tracker.record(len(drafts), accepted)
