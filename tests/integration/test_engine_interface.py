@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICE_MODULES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "services").rglob("*.py"))
 INTERFACE = {"common.engine.interface", "common.engine.start", "common.engine.image_encoder"}
 PLAIN_TYPES = {"common.engine.request", "common.engine.config", "common.engine.multimodal",
-               "common.engine.default_model", "common.engine.stopping", "common.engine.structured"}
+               "common.engine.default_model", "common.engine.stopping", "common.engine.structured",
+               "common.engine.spec.config"}
 ALLOWED = INTERFACE | PLAIN_TYPES
 
 
