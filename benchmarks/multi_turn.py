@@ -21,11 +21,11 @@ faster; tok/s: it / none), and whether every answer is the same as `none`'s (gre
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.chat_stream import stream_chat  # noqa: E402
 from benchmarks.scrape import scrape_url  # noqa: E402
+from benchmarks.threads import timed_in_threads  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
 from benchmarks.vllm_gpu import model_id  # noqa: E402
 from services.cli.bench.stats import Distribution  # noqa: E402
@@ -135,31 +136,20 @@ def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_t
     """Every conversation at once, a thread each, its turns in order: every turn and the wall time."""
     model = model_id(f"http://127.0.0.1:{port}")
     turns: list[Turn] = []
-    errors: list[BaseException] = []
 
     def converse(i: int) -> None:
         answers: list[str] = []
-        try:
-            for t in range(len(chats[i].questions)):
-                ttft, answer, usage = chat(port, model, chats[i].messages(t, answers), max_tokens)
-                answers.append(answer)
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                turns.append(Turn(i, t, ttft, answer, usage.get("prompt_tokens", 0),
-                                  usage.get("completion_tokens", 0), cached))
-                if t + 1 < len(chats[i].questions):
-                    time.sleep(pauses[i][t])
-        except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
-            errors.append(exc)
+        for t in range(len(chats[i].questions)):
+            ttft, answer, usage = chat(port, model, chats[i].messages(t, answers), max_tokens)
+            answers.append(answer)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            turns.append(Turn(i, t, ttft, answer, usage.get("prompt_tokens", 0),
+                              usage.get("completion_tokens", 0), cached))
+            if t + 1 < len(chats[i].questions):
+                time.sleep(pauses[i][t])
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=converse, args=(i,)) for i in range(len(chats))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return sorted(turns, key=lambda t: (t.conversation, t.turn)), time.perf_counter() - started
+    elapsed = timed_in_threads([functools.partial(converse, i) for i in range(len(chats))])
+    return sorted(turns, key=lambda t: (t.conversation, t.turn)), elapsed
 
 
 def tier_hits(metrics_base: int, workers: tuple[str, ...] = ("prefill-0", "decode-0")) -> dict[str, float]:

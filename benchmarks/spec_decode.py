@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.chat_stream import stream_chat  # noqa: E402
 from benchmarks.scrape import scrape_url  # noqa: E402
+from benchmarks.threads import timed_in_threads  # noqa: E402
 from benchmarks.vllm_cpu import Server, stop_on_sigterm  # noqa: E402
 from benchmarks.vllm_gpu import model_id  # noqa: E402
 from services.cli.bench.stats import Distribution  # noqa: E402
@@ -117,7 +117,7 @@ def drive(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> t
     model = model_id(f"http://127.0.0.1:{port}")
     answers: list[Answer | None] = [None] * len(prompts)
     todo = iter(range(len(prompts)))
-    lock, errors = threading.Lock(), []
+    lock = threading.Lock()
 
     def worker() -> None:
         while True:
@@ -125,21 +125,9 @@ def drive(port: int, prompts: list[str], concurrency: int, max_tokens: int) -> t
                 i = next(todo, None)
             if i is None:
                 return
-            try:
-                answers[i] = ask(port, model, prompts[i], max_tokens)
-            except BaseException as exc:  # noqa: BLE001 (re-raised on the main thread)
-                errors.append(exc)
-                return
+            answers[i] = ask(port, model, prompts[i], max_tokens)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return answers, time.perf_counter() - started
+    return answers, timed_in_threads([worker] * concurrency)
 
 
 def acceptance(metrics_base: int, workers: tuple[str, ...]) -> dict[str, float]:
