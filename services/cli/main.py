@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "decode": ("services.decode.__main__", "the decode worker: pulls KV, generates, streams tokens"),
     "router": ("services.router.__main__", "the router: tokenise, pick workers, orchestrate prefill → decode"),
     "up": ("services.cli.up", "start router + prefill + decode on this machine, until Ctrl-C"),
+    "plan": ("services.cli.plan", "profile the model here and rank every layout for a workload and an SLO"),
     "wait": ("services.cli.wait", "wait until a router (and its workers) answer SERVING"),
     "generate": ("services.cli.client", "stream an answer from a running router"),
     "bench": ("services.cli.bench.main", "load-test a running router: TTFT, ITL, throughput, goodput"),
