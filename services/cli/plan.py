@@ -21,7 +21,7 @@ from pathlib import Path
 from common.cpu_cores import usable_cores
 from common.errors import InvalidConfig
 from services.planner import profile as cache
-from services.planner.layouts import Devices, Layout, layouts, save_plan, units_needed
+from services.planner.layouts import Devices, Layout, layouts, load_plan, save_plan, units_needed
 from services.planner.predict import DEFAULT_REQUESTS, Prediction, Predictor, format_ranking
 from services.planner.profile import Profile, model_identity, profile_key
 from services.planner.workload import parse_slo, parse_workload
@@ -143,6 +143,34 @@ def best_layout(args: argparse.Namespace, log=print) -> tuple[Layout, str]:
     runner_up = f"; next {ranking[1].layout.describe()} at {ranking[1].goodput:.2f} req/s" if len(ranking) > 1 else ""
     return best.layout, (f"{best.layout.describe()} by disagg plan: {best.goodput:.2f} req/s predicted within "
                          f"{args.slo}{runner_up} (docs/planner.md)")
+
+
+def apply_layout(args: argparse.Namespace, layout: Layout, why: str) -> None:
+    """Set up's layout flags from a plan: --prefill, --decode, the local-prefill threshold (unless given) and the TP
+    size. A plan and --prefill/--decode both choosing is an error: one of them would be ignored."""
+    if args.prefill is not None or args.decode is not None:
+        raise InvalidConfig("--plan and --workload/--slo choose --prefill and --decode; leave those out, or the plan")
+    args.prefill, args.decode = layout.prefill, layout.decode
+    if layout.prefill and args.max_local_prefill_tokens is None:
+        args.max_local_prefill_tokens = layout.max_local_prefill_tokens
+    if layout.tensor_parallel_size > 1:
+        args.tensor_parallel_size = layout.tensor_parallel_size
+    args.planned_why = why
+
+
+def check_up_planning(args: argparse.Namespace) -> None:
+    """up's planning flags together: --workload with --slo, --plan without them, --planner with an SLO to judge by
+    and the router's metrics to read."""
+    if args.plan and args.workload:
+        raise InvalidConfig("--plan starts a saved layout and --workload plans one; give one of them")
+    if bool(args.workload) != bool(args.slo) and not (args.planner and args.slo):
+        raise InvalidConfig("--workload and --slo plan the layout together; give both (--planner takes --slo alone)")
+    if args.planner and not args.slo:
+        raise InvalidConfig("--planner judges the router's TTFT and ITL against --slo; give --slo")
+    if args.planner and args.metrics_port_base == -1:
+        raise InvalidConfig("--planner reads the router's metrics; --metrics-port-base -1 turns them off")
+    if args.planner and (args.planner_min_decode < 1 or args.planner_min_prefill < 0):
+        raise InvalidConfig("--planner-min-decode must be >= 1 and --planner-min-prefill >= 0")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     restart_at: float | None = None  # monotonic time of the pending restart, if the child is dead
+    retiring: bool = False  # stopped for good (a planner's role move): not restarted when it exits
 
     @classmethod
     def start(cls, name: str, module: str, args: list[str], echo: bool = True, env: dict[str, str] | None = None,
@@ -138,6 +139,8 @@ class Child:
 
     def supervise(self, now: float) -> None:
         """Called periodically: notices a death and schedules a restart; performs it when its time comes."""
+        if self.retiring:
+            return
         if self.restart_at is None:
             if self.alive:
                 return
@@ -153,9 +156,9 @@ class Child:
             self.restart_at = None
             self.restarts += 1
             if self.address:  # the same port: the router (or the workers' clients) keep their address
-                self.args = _with_flag(self.args, "--port", self.address.rsplit(":", 1)[1])
+                self.args = with_flag(self.args, "--port", self.address.rsplit(":", 1)[1])
             if self.metrics_url:  # and Prometheus its scrape target
-                self.args = _with_flag(self.args, "--metrics-port", str(urllib.parse.urlsplit(self.metrics_url).port))
+                self.args = with_flag(self.args, "--metrics-port", str(urllib.parse.urlsplit(self.metrics_url).port))
             self._spawn()
 
     def stop(self) -> None:
@@ -169,7 +172,8 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return values[-1] if values else None
 
 
-def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
+def with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    """`args` with `flag` given once, as `value` (every earlier value of it dropped)."""
     kept = [a for i, a in enumerate(args) if a != flag and (i == 0 or args[i - 1] != flag)]
     return [*kept, flag, value]
 

@@ -50,7 +50,9 @@ from services.cli.derive import decode_rate, router_count
 from services.cli.placement import (PlacementError, WorkerPlacement, check_gpus, default_counts, memory_share,
                                     place, shares_gpus)
 from services.cli.ports import check_metrics_ports, check_port_free, metrics_ports
-from services.cli.supervise import STOP_MARGIN_S, Child, log, stop_all, wait_ready
+from services.cli import plan as planning
+from services.cli.roles import PLANNER_WORKER_WAIT_S, Slot, reserve_slots, slot_addresses, start_planner
+from services.cli.supervise import STOP_MARGIN_S, Child, log, stop_all, wait_ready, with_flag
 from services.cli.up_flags import (ONE_GPU_MAX_LOCAL_PREFILL_TOKENS, SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS,
                                    build_parser)
 from services.kit.auth import KEY_ENV, api_keys_from_args, grpc_metadata, keys_from_args
@@ -79,6 +81,7 @@ class Plan:
     derive_routers: bool = False  # no --routers: the count follows what the workers and the first router measured
     router_why: str = ""  # why that many, once derived (the summary says it)
     tiers: str = ""  # --shared-kv-cache: where the node-wide KV tier is and its budget (the summary says it)
+    slots: list[Slot] | None = None  # --planner: every worker's slot (its ports for both roles), once started
 
     @property
     def router_names(self) -> list[str]:
@@ -184,6 +187,7 @@ def router_argv(args: argparse.Namespace, plan: Plan, addresses: dict[str, str],
     keys = (["--api-key-file", os.path.abspath(args.api_key_file)] if args.api_key_file else [])
     keys += ["--api-key-protects-health"] if args.api_key_protects_health else []
     flags += ["--time-relay"] if time_relay else []
+    flags += [f"--worker-wait={PLANNER_WORKER_WAIT_S}"] if args.planner else []  # (the silent ports: roles.py)
     return flags + keys + (["--prefill-workers", addresses["prefill"]] if addresses["prefill"] else [])
 
 
@@ -204,9 +208,13 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
     ports = metrics_ports(plan.names, args.metrics_port_base)
     cpu = plan.cpu
     tls_env = plan.tls.environment()
-    workers = [Child.start(w.name, f"services.{w.role}", worker_argv(args, plan, w, ports[w.name]),
+    slots = reserve_slots(plan.workers, args.host) if args.planner else None
+    workers = [Child.start(w.name, f"services.{w.role}", _slot_port(worker_argv(args, plan, w, ports[w.name]), slots, i,
+                                                                   w.role),
                            env={**tls_env, **(cpu.env(w.name) if cpu else {})}, cores=cpu.other_cores if cpu else None)
-               for w in plan.workers]
+               for i, w in enumerate(plan.workers)]
+    for slot, child in zip(slots or [], workers):
+        slot.child = child
     children = list(workers)
 
     def router(index: int, port: int | None = None, time_relay: bool = False) -> Child:
@@ -218,8 +226,9 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
 
     try:
         wait_ready(workers, args.start_timeout)
-        addresses = {role: ",".join(c.address for c in workers if c.name.startswith(role))
-                     for role in ("prefill", "decode")}
+        addresses = (slot_addresses(slots, args.host) if slots else
+                     {role: ",".join(c.address for c in workers if c.name.startswith(role))
+                      for role in ("prefill", "decode")})
         decode_notes = [c.note for c in workers if c.name.startswith("decode")]
         first = router(0, time_relay=plan.derive_routers and all(decode_rate(n) for n in decode_notes))
         children.insert(0, first)
@@ -235,7 +244,12 @@ def start_cluster(args: argparse.Namespace, plan: Plan) -> tuple[list[Child], Pl
     except BaseException:
         stop_all(children)
         raise
-    return children, plan
+    return children, dataclasses.replace(plan, slots=slots)
+
+
+def _slot_port(argv: list[str], slots: list[Slot] | None, index: int, role: str) -> list[str]:
+    """--planner: the worker binds its slot's port for its role (the router knows both of every slot's)."""
+    return with_flag(argv, "--port", str(slots[index].ports[role])) if slots else argv
 
 
 def _extra_metrics_port(base: int, taken: int, index: int) -> int:
@@ -276,6 +290,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for role in ("prefill", "decode"):
             role_args(args, role)
         kv_tiers.settle(args)  # (its default budget once, for every worker)
+        planning.check_up_planning(args)
+        if args.plan:
+            layout = planning.load_plan(args.plan)
+            planning.apply_layout(args, layout, f"{layout.describe()} from --plan {args.plan}")
     except InvalidConfig as exc:
         parser.exit(2, f"disagg up: error: {exc}\n")
     return args
@@ -304,6 +322,7 @@ def plan(args: argparse.Namespace, visible_gpus: int | None = None, cores: tuple
     why = CPU_SPLIT_WHY if not on_cuda(args.device) and not chose and len(workers) == 2 else ""
     if on_cuda(args.device) and args.max_local_prefill_tokens is None and any(w.role == "prefill" for w in workers):
         why = local_prefill_why(local, shares_gpus(workers))
+    why = getattr(args, "planned_why", None) or why
     return Plan(args.model_name or model_label(args.model), "", workers, tp_sizes(args), local,
                 gpu_memory_share(args.device, args.gpu_memory_utilization, args.num_kv_blocks),
                 cpu_plan(args, list(workers), cores), why, routers=args.routers or 1,
@@ -350,6 +369,8 @@ def preflight(args: argparse.Namespace) -> Plan:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.workload:  # the best layout for it, measured here (a cached profile, or one taken now)
+            planning.apply_layout(args, *planning.best_layout(args, log))
         settled = preflight(args)
     except InvalidConfig as exc:
         log(str(exc))
@@ -358,13 +379,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(merged, None)  # a file read again under them would set what they leave unset (None, false)
     _stop_on_interrupts()
     children: list[Child] = []
+    planner = None
     try:
         children, settled = start_cluster(args, settled)
         print(banner.summary(children, settled, args.host, args.http_port, keyed=bool(keys_from_args(args))),
               flush=True)
+        if args.planner:
+            planner = start_planner(args, settled.slots, settled.router_names, children,
+                                    lambda placement, port: worker_argv(args, settled, placement, port))
         while True:
             now = time.monotonic()
-            for child in children:
+            for child in list(children):  # (the planner's moves change the list)
                 child.supervise(now)
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -375,4 +400,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _ignore_more_interrupts()
+        if planner is not None:
+            planner.stopped.set()
         stop_all(children, args.drain_timeout + STOP_MARGIN_S)

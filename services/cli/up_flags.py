@@ -25,7 +25,7 @@ SHOWN = {"help", "help_all", "model", "device", "dtype", "prefill", "decode", "g
          "http_port", "routers", "policy", "tool_call_parser", "reasoning_parser", "engine_config", "engine_overrides",
          "prefill_engine_overrides", "decode_engine_overrides", "tensor_parallel_size", "max_num_seqs",
          "num_kv_blocks", "gpu_memory_utilization", "api_key", "api_key_file", "tls_cert", "tls_key", "tls_ca",
-         "log_level"}
+         "log_level", "plan"}
 
 DESCRIPTION = """\
 A router, prefill and decode workers on this machine until Ctrl-C; a child that
@@ -55,6 +55,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
                          help=f"prompts this short prefill on decode (default: {ONE_GPU_MAX_LOCAL_PREFILL_TOKENS} "
                               f"sharing a GPU, else {SEPARATE_GPUS_MAX_LOCAL_PREFILL_TOKENS})")
     _add_role_args(parser.add_argument_group("per role"))
+    _add_planner_args(parser.add_argument_group("planning (docs/planner.md)"))
     _add_worker_args(parser.add_argument_group("workers (passed on to each)"))
     add_kv_tier_args(parser.add_argument_group("KV cache tiers"))
     add_engine_args(parser)
@@ -99,6 +100,27 @@ def _add_role_args(g: argparse._ArgumentGroup) -> None:
                        help=f"{role} workers' TP size (default: --tensor-parallel-size)")
         g.add_argument(f"--{role}-engine-overrides", metavar="JSON", default=None,
                        help=f"{role} workers' engine flags, over the files")
+
+
+def _add_planner_args(g: argparse._ArgumentGroup) -> None:
+    from services.cli.plan import add_planning_args  # (imports no engine: the profiler loads when it runs)
+
+    g.add_argument("--plan", default=None, metavar="FILE", help="start the layout `disagg plan --save` wrote")
+    add_planning_args(g)
+    g.add_argument("--planner", action="store_true",
+                   help="move workers between roles at run time by the router's metrics against --slo")
+    g.add_argument("--planner-interval", type=float, default=10.0, metavar="S",
+                   help="seconds a window of the router's metrics (default 10)")
+    g.add_argument("--planner-windows", type=int, default=3, metavar="N",
+                   help="windows in a row that must want the same move (default 3)")
+    g.add_argument("--planner-cooldown", type=float, default=60.0, metavar="S",
+                   help="seconds after a move before the next (default 60)")
+    g.add_argument("--planner-ratio", type=float, default=1.5, metavar="X",
+                   help="a role's SLO pressure over the other's that wants a move (default 1.5)")
+    g.add_argument("--planner-min-prefill", type=int, default=0, metavar="N",
+                   help="prefill workers kept at least (default 0: aggregated)")
+    g.add_argument("--planner-min-decode", type=int, default=1, metavar="N",
+                   help="decode workers kept at least (default 1)")
 
 
 def _add_worker_args(g: argparse._ArgumentGroup) -> None:
