@@ -324,6 +324,45 @@ def test_every_adapter_rule_reads_a_metric_disagg_exports():
         assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
 
 
+# Series of a pod under load and an idle one, sampled every 15 s: (series, its other labels, busy, idle)
+ADAPTER_INPUT = [
+    ("disagg_requests_waiting", {}, "3x20", "0x20"),
+    ("disagg_kv_cache_usage_ratio", {}, "0.75x20", "0x20"),
+    ("disagg_event_loop_lag_seconds_bucket", {"le": "0.01"}, "0x20", "0x20"),
+    ("disagg_event_loop_lag_seconds_bucket", {"le": "0.05"}, "0+4x20", "0x20"),
+    ("disagg_event_loop_lag_seconds_bucket", {"le": "+Inf"}, "0+4x20", "0x20"),
+    ("disagg_encode_latency_seconds_sum", {}, "0+3.75x20", "0x20"),
+]
+ADAPTER_EXPECTED = {  # what each metric reads for the busy pod; the idle pod's is 0, never missing or NaN
+    "disagg_requests_waiting": 3,
+    "disagg_kv_cache_usage_ratio": 0.75,
+    "disagg_event_loop_lag_p90_seconds": 0.046,  # 0.01 + 0.9 of the (0.01, 0.05] bucket
+    "disagg_encode_calls_in_flight": 0.25,  # 3.75 s of Encode calls every 15 s
+}
+
+
+def test_the_adapter_queries_read_a_busy_pod_and_an_idle_one_right(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus)")
+    series = [{"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in {"namespace": "disagg", "pod": pod,
+                                                                             **labels}.items()) + "}",
+               "values": values}
+              for name, labels, busy, idle in ADAPTER_INPUT for pod, values in (("busy", busy), ("idle", idle))]
+    cases = []
+    for exposed, rule in _adapter_rules().items():  # the templates filled as the adapter fills them for pods
+        query = (rule["metricsQuery"].replace("<<.Series>>", rule["seriesQuery"].split("{")[0])
+                 .replace("<<.LabelMatchers>>", 'namespace="disagg",pod=~"busy|idle"').replace("<<.GroupBy>>", "pod"))
+        cases.append({"expr": f"round({query}, 0.001)", "eval_time": "4m",
+                      "exp_samples": [{"labels": '{pod="busy"}', "value": ADAPTER_EXPECTED[exposed]},
+                                      {"labels": '{pod="idle"}', "value": 0}]})
+    tests = tmp_path / "adapter_test.yml"
+    tests.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [
+        {"interval": "15s", "input_series": series, "promql_expr_test": cases}]}))
+    result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @needs_kubectl
 @pytest.mark.parametrize("tree", TREES)
 def test_every_autoscaler_asks_for_a_pod_metric_the_adapter_serves(tree):
