@@ -23,6 +23,8 @@ _BISECTIONS = 8
 # A rate is met only while the layout keeps up with it: the last quarter's mean end-to-end latency at most this many
 # times the second quarter's (SimResult.backlog_growth).
 MAX_BACKLOG_GROWTH = 1.5
+SPAN_OVER_E2E = 5.0
+MAX_REQUESTS = 5000
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,18 @@ class Predictor:
         return self._costs[unit]
 
     def at(self, layout: Layout, rate: float) -> Figures:
+        """The figures at `rate`, from a run whose arrivals span at least SPAN_OVER_E2E times the median request's
+        end-to-end latency (more requests than asked where needed, up to MAX_REQUESTS): a run shorter than its
+        requests' own latency ends before an overloaded layout's queue shows."""
         units = [self.costs(u) for u in layout.units]
-        sim = simulate(units[:layout.prefill], units[layout.prefill:], layout.max_local_prefill_tokens,
-                       make_requests(self.workload, self.requests, rate, self.seed))
+        count = self.requests
+        while True:
+            requests = make_requests(self.workload, count, rate, self.seed)
+            sim = simulate(units[:layout.prefill], units[layout.prefill:], layout.max_local_prefill_tokens, requests)
+            wanted = SPAN_OVER_E2E * float(np.median(sim.e2e())) / max(requests[-1].arrival, 1e-9)
+            if wanted <= 1 or count >= MAX_REQUESTS:
+                break
+            count = min(MAX_REQUESTS, int(count * wanted * 1.1) + 1)
         values = figures(sim, self.slo)
         values["backlog_growth"] = sim.backlog_growth()
         meets = values["backlog_growth"] <= MAX_BACKLOG_GROWTH and all(
