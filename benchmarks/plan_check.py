@@ -151,6 +151,24 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# `disagg plan`'s own flags (each with its value): up would plan by them again, where the layout's flags choose here.
+_PLANNING_FLAGS = ("--workload", "--slo", "--profile-grid", "--plan-requests", "--plan-seed", "--plan-tp-sizes",
+                   "--gpus")
+
+
+def up_engine_flags(rest: list[str]) -> list[str]:
+    """The flags given here that every `disagg up` gets: the engine flags, without the planning ones."""
+    out, skip = [], False
+    for arg in rest:
+        if skip:
+            skip = False
+        elif arg in _PLANNING_FLAGS:
+            skip = True
+        elif arg != "--reprofile" and arg.split("=", 1)[0] not in _PLANNING_FLAGS:
+            out.append(arg)
+    return out
+
+
 def _ladder(text: str) -> list[float]:
     return sorted(float(f) for f in text.split(",") if f.strip())
 
@@ -170,13 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = plan_cli._parser().parse_args(rest)  # the planning and engine flags, as `disagg plan` takes them
     for key, value in vars(own).items():
         setattr(args, key, value)
-    engine_flags = [f for f in rest]
-    for flag in ("--workload", "--slo", "--profile-grid", "--plan-requests", "--plan-seed", "--plan-tp-sizes",
-                 "--gpus"):  # (planning flags up would plan by again: the layout's flags choose here)
-        while flag in engine_flags:
-            at = engine_flags.index(flag)
-            del engine_flags[at:at + 2]
-    engine_flags = [f for f in engine_flags if f != "--reprofile"]
+    engine_flags = up_engine_flags(rest)
     ranking, profile = plan_cli.rank(args, lambda m: print(m, file=sys.stderr, flush=True))
     workload, slo = parse_workload(args.workload), parse_slo(args.slo)
     predictor = Predictor(profile, workload, slo, args.plan_requests, args.plan_seed)
