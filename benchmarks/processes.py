@@ -23,6 +23,8 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping
 
@@ -211,6 +213,17 @@ def start_prefill_decode(model: str, worker_args: tuple[str, ...] = (), env: Map
         stop_in_waves(workers)
         raise
     return [router, *workers]
+
+
+@contextmanager
+def prefill_decode(model: str, worker_args: tuple[str, ...] = (), env: Mapping[str, str] | None = None,
+                   router_args: tuple[str, ...] = ("--max-local-prefill-tokens", "0")) -> Iterator[list[ServiceProcess]]:
+    """start_prefill_decode's [router, prefill, decode] for a `with` block, stopped in waves when it ends."""
+    processes = start_prefill_decode(model, worker_args, env, router_args)
+    try:
+        yield processes
+    finally:
+        stop_in_waves(processes)
 
 
 def stop_in_waves(processes: list[ServiceProcess]) -> list[int]:

@@ -8,7 +8,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import scrape, wait_for
-from tests.integration.processes import ServiceProcess, start_prefill_decode, stop_in_waves
+from tests.integration.processes import ServiceProcess, prefill_decode
 
 BLOCK = 4
 ARGS = ("--block-size", str(BLOCK), "--num-kv-blocks", "64")
@@ -21,21 +21,15 @@ FOLLOW_UP = [301, 302, 303, 304, 305, 306, 307]
 @pytest.fixture(scope="module")
 def shared(tiny_llama, tmp_path_factory):
     node = tmp_path_factory.mktemp("node-kv")
-    processes = start_prefill_decode(tiny_llama, (*ARGS, "--disk-kv-cache-dir", str(node), "--disk-kv-cache-gb",
-                                                  "0.5", "--kv-cache-write-through"), ENV)
-    try:
+    with prefill_decode(tiny_llama, (*ARGS, "--disk-kv-cache-dir", str(node), "--disk-kv-cache-gb", "0.5",
+                                     "--kv-cache-write-through"), ENV) as processes:
         yield processes
-    finally:
-        stop_in_waves(processes)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
-    processes = start_prefill_decode(tiny_llama, ARGS, ENV)
-    try:
+    with prefill_decode(tiny_llama, ARGS, ENV) as processes:
         yield processes
-    finally:
-        stop_in_waves(processes)
 
 
 def _generate(router: ServiceProcess, prompt: list[int]) -> tuple[list[int], common_pb2.Finished]:

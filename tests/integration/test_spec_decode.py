@@ -8,7 +8,7 @@ import pytest
 
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.observed import scrape, wait_for
-from tests.integration.processes import ServiceProcess, start_prefill_decode, stop_in_waves
+from tests.integration.processes import ServiceProcess, prefill_decode
 
 ARGS = ("--block-size", "4", "--num-kv-blocks", "128")
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -19,20 +19,14 @@ ANSWER_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def speculating(tiny_llama):
-    processes = start_prefill_decode(tiny_llama, (*ARGS, "--speculative-config", NGRAM), ENV)
-    try:
+    with prefill_decode(tiny_llama, (*ARGS, "--speculative-config", NGRAM), ENV) as processes:
         yield processes
-    finally:
-        stop_in_waves(processes)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama):
-    processes = start_prefill_decode(tiny_llama, ARGS, ENV)
-    try:
+    with prefill_decode(tiny_llama, ARGS, ENV) as processes:
         yield processes
-    finally:
-        stop_in_waves(processes)
 
 
 def _generate(router: ServiceProcess, prompt: list[int], max_tokens: int = ANSWER_TOKENS) -> list[int]:
