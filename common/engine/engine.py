@@ -62,7 +62,8 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # n > 1: the leader's id -> every choice, while any runs
         self.num_preemptions = 0
         # Speculative decoding (None: off): drafts for the decode rows before each step, their acceptance after.
-        self.speculator = Speculator(config.speculative_config) if config.speculative_config is not None else None
+        self.speculator = (Speculator(config.speculative_config, target=self)
+                           if config.speculative_config is not None else None)
         # Async scheduling (default: where decode steps run as CUDA graphs, i.e. where the host is the bottleneck);
         # with speculation only for steps in which no row drafts (a row's drafts continue the tokens read before).
         self.async_scheduling = (self.runner.graphs is not None if config.async_scheduling is None
@@ -580,6 +581,8 @@ class LLMEngine:
         """Stop what runs beside this engine (a tensor-parallel engine's follower ranks)."""
         self.runner.close()
         self.grammars.close()
+        if self.speculator is not None:
+            self.speculator.close()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 

@@ -65,7 +65,7 @@ def test_bad_config_says_what_is_wrong(value, words):
     assert words in str(raised.value)
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle3"])
 def test_model_methods_parse_but_are_refused_by_name(method):
     config = parse_speculative_config({"method": method, "model": "/m/draft", "num_speculative_tokens": 3,
                                        "draft_tensor_parallel_size": 1})

@@ -18,7 +18,7 @@ METHODS = ("ngram", "draft", "eagle3")
 _ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
 # method → "module:class" under common.engine.spec: the proposers built. A method is added by writing its module
 # and one line here; `require_supported` refuses the others by name.
-PROPOSERS = {"ngram": "ngram:NgramProposer"}
+PROPOSERS = {"ngram": "ngram:NgramProposer", "draft": "draft:DraftModelProposer"}
 # A verify row is K+1 tokens; past ~16 even a 0.9 per-token acceptance (0.9**16 ≈ 0.19 at the last position) buys
 # little, and every row's positions count against the step's token budget.
 MAX_SPECULATIVE_TOKENS = 16

@@ -26,8 +26,11 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig) -> "NgramProposer":
+    def from_config(cls, config: SpeculativeConfig, target=None) -> "NgramProposer":
         return cls(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def close(self) -> None:
+        pass  # (nothing beside the target)
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, k: int) -> list[int]:
         """Up to k draft tokens for a request whose prompt + output so far is `token_ids`; [] where no n-gram of

@@ -1,7 +1,8 @@
 """Speculative decoding in the engine: drafts for its decode rows before a step, and what the step accepted of them.
 
 Before a step, each decode row that may speculate (`eligible`) gets up to K draft tokens from the proposer (n-gram
-prompt lookup over its own prompt and output), K chosen by its acceptance so far (acceptance.py) under the step
+prompt lookup over its own prompt and output, or a draft model, which drafts the step's rows in one batched loop),
+K chosen by its acceptance so far (acceptance.py) under the step
 costs measured at start (costs.py). The scheduler gives such a row 1 + K tokens; the step computes the KV of its
 last token and of every draft and samples each of the K + 1 positions as a plain row would sample it there (its own
 seeded draw for that output position). The row then emits the drawn tokens up to and including the first that
@@ -36,12 +37,13 @@ class _RowState:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, policies: dict[int, AcceptancePolicy] | None = None):
+    def __init__(self, config: SpeculativeConfig, policies: dict[int, AcceptancePolicy] | None = None, target=None):
         """`policies`: batch size -> the acceptance policy of the step costs measured at that batch size (the
-        nearest smaller one applies); None: until measured, a draft costs a tenth of a plain row."""
+        nearest smaller one applies); None: until measured, a draft costs a tenth of a plain row. `target`: the
+        LLMEngine speculating (a draft model is built for it)."""
         self.config = config
         self.method = config.method
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, target)
         self.metrics = SpecMetrics()
         self.set_policies(policies or {1: AcceptancePolicy.linear(config.num_speculative_tokens, 0.1)})
         self._rows: dict[str, _RowState] = {}
@@ -68,21 +70,37 @@ class Speculator:
         if not rows:
             return
         policy = self.policy_for(len(running))
+        wanted: list[tuple[Request, int, object]] = []  # (row, its k, its history) for the rows that draft
         for request in rows:
             state = self._rows.get(request.request_id)
             if state is None:
                 state = self._rows[request.request_id] = _RowState(request, policy)
             left = request.max_total_tokens - request.num_tokens - 1
             k = min(self.forced_k if self.forced_k is not None else policy.best_k(state.tracker.rate), left)
-            drafts: list[int] = []
+            request.draft_token_ids = []
             if k > 0:
-                history = state.history.update(request.output_token_ids)
-                drafts = (self.proposer.propose(history, k) if self.forced_k is None
-                          else [int(history[-1])] * k)
-            if not drafts:  # a plain row this step: its evidence ages (a stopped request probes again in time)
-                state.tracker.record(0, 0)
-                self.metrics.plain(self.method, "off" if k <= 0 else "no_draft")
-            request.draft_token_ids = drafts
+                wanted.append((request, k, state.history.update(request.output_token_ids)))
+            else:
+                self._plain(request, "off")
+        for (request, k, history), drafts in zip(wanted, self._drafts(wanted), strict=True):
+            if self.forced_k is not None:  # (costs.py: the proposer's time counted, every row drafting k)
+                drafts = (list(drafts) + [int(history[-1])] * k)[:k]
+            if drafts:
+                request.draft_token_ids = drafts
+            else:
+                self._plain(request, "no_draft")
+
+    def _drafts(self, wanted: list) -> list[list[int]]:
+        if not wanted:
+            return []
+        if hasattr(self.proposer, "propose_many"):  # (BatchedProposer: the step's rows in one go)
+            return self.proposer.propose_many([h for _, _, h in wanted], [k for _, k, _ in wanted])
+        return [self.proposer.propose(history, k) for _, k, history in wanted]
+
+    def _plain(self, request: Request, reason: str) -> None:
+        """A plain row this step: its evidence ages (a stopped request probes again in time)."""
+        self._rows[request.request_id].tracker.record(0, 0)
+        self.metrics.plain(self.method, reason)
 
     def wants_drafts(self, running: list[Request]) -> bool:
         """Whether a row would draft in the next step (its K above 0): the engine then schedules that step itself,
@@ -123,3 +141,6 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
+
+    def close(self) -> None:
+        self.proposer.close()
