@@ -16,6 +16,15 @@ after the first: its inter-token latency, however many tokens a chunk carries) a
 against `off` (TPOT: off / it, >= 1 is faster), the decode workers' acceptance (accepted over drafted tokens, and
 the mean tokens a verify emits) from their /metrics, and whether every answer equals `off`'s (greedy: it must,
 up to near-ties of the arithmetic).
+
+    python -m benchmarks.spec_decode --draft-costs TARGET_DIR,DRAFT_DIR [--k 4] [--device cuda] [--dummy]
+
+runs no server: the engine's own step-cost measurement (common.engine.spec.costs, as a worker runs it at start) for
+the target with that draft model (`--dummy`: random weights from the config.json files), and prints per batch size
+the plain decode step, the draft's proposal of K tokens for every row, the verify step (the step less the
+proposal) and the acceptance rate at which speculation breaks even (below it, no K emits more than one token per
+plain step's cost). Random-weight drafts give costs, not acceptance: whether a pair clears that rate takes a
+trained pair.
 """
 from __future__ import annotations
 
@@ -185,6 +194,54 @@ def report(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def break_even_rate(policy) -> float | None:
+    """The lowest acceptance rate at which some K pays under `policy` (an AcceptancePolicy), None: none does."""
+    return next((i / 1000 for i in range(1001) if policy.best_k(i / 1000) > 0), None)
+
+
+def draft_costs(target: str, draft: str, k: int, device: str, dummy: bool) -> list[dict]:
+    """Per batch size: the plain step, the proposal and the verify step (ms, medians) and the break-even rate."""
+    import time
+
+    from common.engine.config import EngineConfig
+    from common.engine.engine import LLMEngine
+    from common.engine.spec.config import parse_speculative_config
+    from common.engine.spec.costs import measure_policies
+
+    spec = json.dumps({"method": "draft", "model": draft, "num_speculative_tokens": k})
+    engine = LLMEngine(EngineConfig(model=target, device=device, load_format="dummy" if dummy else "auto",
+                                    dtype="bfloat16" if device.startswith("cuda") else "float32",
+                                    speculative_config=parse_speculative_config(spec)))
+    steps: dict[tuple, list[tuple[float, float]]] = {}  # (k, batch) -> each step's (seconds, of them proposing)
+    proposing = [0.0]
+    step, proposer = engine.step, engine.speculator.proposer
+    propose_many = proposer.propose_many
+
+    def timed_step():
+        key, proposing[0], start = (engine.speculator.forced_k, engine.num_running), 0.0, time.perf_counter()
+        out = step()
+        steps.setdefault(key, []).append((time.perf_counter() - start, proposing[0]))
+        return out
+
+    def timed_propose(histories, ks):
+        start = time.perf_counter()
+        out = propose_many(histories, ks)
+        proposing[0] += time.perf_counter() - start
+        return out
+
+    engine.step, proposer.propose_many = timed_step, timed_propose
+    policies = measure_policies(engine) or {}
+    rows = []
+    for batch, policy in sorted(policies.items()):
+        timed = steps[(k, batch)]
+        rows.append({"batch": batch, "plain_ms": 1e3 * statistics.median(t for t, _ in steps[(0, batch)]),
+                     "propose_ms": 1e3 * statistics.median(p for _, p in timed),
+                     "verify_ms": 1e3 * statistics.median(t - p for t, p in timed), "step_cost": policy.step_cost[k],
+                     "break_even": break_even_rate(policy)})
+    engine.close()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="off,ngram", help=f"comma-separated, off first: {list(CONFIGS)}")
@@ -198,7 +255,20 @@ def main() -> int:
     parser.add_argument("--metrics-port-base", type=int, default=18580)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--draft-costs", default=None, metavar="TARGET_DIR,DRAFT_DIR",
+                        help="no server: a draft model's per-step cost and break-even acceptance")
+    parser.add_argument("--k", type=int, default=4, help="--draft-costs: draft tokens a step")
+    parser.add_argument("--device", default="cpu", help="--draft-costs: the engine's device")
+    parser.add_argument("--dummy", action="store_true", help="--draft-costs: random weights (--load-format dummy)")
     args = parser.parse_args()
+    if args.draft_costs:
+        target, draft = args.draft_costs.split(",")
+        for row in draft_costs(target, draft, args.k, args.device, args.dummy):
+            even = "none pays" if row["break_even"] is None else f"{row['break_even']:.3f}"
+            print(f"batch {row['batch']}: plain step {row['plain_ms']:.2f} ms, propose {args.k} "
+                  f"{row['propose_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms ({row['step_cost']:.2f}x a plain "
+                  f"step in all), break-even acceptance {even}")
+        return 0
     args.workers = tuple(args.workers.split(","))
     names = args.configs.split(",")
     if names[0] != "off" or set(names) - set(CONFIGS) or set(args.workloads.split(",")) - set(WORKLOADS):

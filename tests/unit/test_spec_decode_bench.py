@@ -25,3 +25,21 @@ def test_the_report_compares_with_off_and_counts_acceptance():
     assert cells[3] == "11.0"  # 22 tokens over 2 s
     assert cells[5] == "50.00" and cells[7] == "1.00x, 2.00x"  # TPOT ms; vs off: tok/s, TPOT (off / it)
     assert cells[8] == "0.75" and cells[9] == "4.00" and cells[10] == "1 of 2"
+
+
+def test_break_even_is_the_lowest_acceptance_at_which_a_draft_pays():
+    from benchmarks.spec_decode import break_even_rate
+    from common.engine.spec.acceptance import AcceptancePolicy
+
+    # One draft costing a tenth of a plain step pays once 1 + a > 1.1; none pays where a draft costs a whole step.
+    assert abs(break_even_rate(AcceptancePolicy.linear(4, 0.1)) - 0.1) <= 0.003
+    assert break_even_rate(AcceptancePolicy.linear(4, 1.0)) is None
+
+
+def test_draft_costs_time_the_proposal_and_the_verify_of_each_batch(tiny_llama):
+    from benchmarks.spec_decode import draft_costs
+
+    rows = draft_costs(tiny_llama, tiny_llama, 2, "cpu", dummy=False)
+    assert [r["batch"] for r in rows] == [1, 8, 32]
+    assert all(r["plain_ms"] > 0 and r["propose_ms"] > 0 and r["verify_ms"] > 0 and r["step_cost"] >= 1.0
+               for r in rows)
