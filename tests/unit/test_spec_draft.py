@@ -168,3 +168,12 @@ def test_the_step_costs_measured_at_start_run_the_draft_model_and_leave_both_eng
     draft = _draft_engine(engine)
     assert not draft.requests and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
     assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_row_past_the_drafts_context_runs_plain_and_its_tokens_stay_the_same(tiny_llama, tmp_path):
+    short = _draft_dir(tmp_path / "short-context", max_position_embeddings=40)
+    engine = _engine(tiny_llama, _spec(short))
+    assert engine.generate(PROMPTS[2:], GREEDY) == _engine(tiny_llama, None).generate(PROMPTS[2:], GREEDY)
+    assert _count(engine, "drafts") > 0  # while its 31 + n tokens fit the draft's 40
+    assert engine.speculator.metrics.total("disagg_spec_decode_plain_steps_total", method="draft",
+                                           reason="no_draft") > 0
