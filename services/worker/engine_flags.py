@@ -95,7 +95,8 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
              "DISAGG_STRUCTURED_OUTPUT_BACKEND)")
     add("--speculative-config", default=None, metavar="JSON",
         help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' drafts from '
-             "each request's own prompt and output (default: off)")
+             'each request\'s own prompt and output, \'{"method": "draft", "model": DIR, ...}\' from a smaller model '
+             "with the same tokenizer (default: off)")
     add("--host-kv-cache-gb", type=float, default=None, metavar="GB",
         help="host memory (pinned on CUDA) for KV blocks evicted from the GPU, brought back on a prefix hit "
              "instead of recomputed (0: none; not on the CPU, whose KV pool is host memory)")
