@@ -14,16 +14,19 @@ afterwards), ~4 min for the stack.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -59,23 +62,51 @@ def _run(*command: str, timeout: float = 600, env: dict[str, str] | None = None,
     return result
 
 
+# The modules that use the engine (this one, test_swarm_docker) may run at once on two xdist workers: each test
+# process that uses it leaves a file named by its pid here, and an engine a test started is stopped by the last one.
+ENGINE_USERS = Path(tempfile.gettempdir()) / "disagg-docker-engine"
+STARTED_BY_TESTS = ENGINE_USERS / "started"
+
+
+@contextmanager
+def engine_lock() -> Iterator[None]:
+    """Held while the engine is started or stopped, and while images are built (the second build finds the cache)."""
+    ENGINE_USERS.mkdir(exist_ok=True)
+    with open(ENGINE_USERS / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _engine_users() -> list[Path]:
+    return [p for p in ENGINE_USERS.iterdir() if p.name.isdigit() and Path(f"/proc/{p.name}").exists()]
+
+
 @pytest.fixture(scope="module")
 def docker(tmp_path_factory) -> Iterator[str]:
     """The docker CLI, talking to a running engine: the one already up, or the one offline-up.sh starts."""
     cli = next((c for c in ("/usr/bin/docker", shutil.which("docker")) if c and Path(c).is_file()), None)
     if cli is None or shutil.which("dockerd") is None:
         pytest.skip("no Docker engine here: install docker.io (dockerd + CLI) to run this test")
-    running = _run(cli, "info", timeout=30, check=False).returncode == 0
-    log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
-    started = _run(str(SCRIPT), "dockerd", env={"DOCKERD_LOG": str(log)}, timeout=120, check=False)
-    if started.returncode != 0:
-        pytest.skip(f"dockerd cannot run here: {started.stderr.strip().splitlines()[-1]}")
-    _remove_stacks_left_behind(cli)
+    user = ENGINE_USERS / str(os.getpid())
+    with engine_lock():
+        if not _engine_users():
+            STARTED_BY_TESTS.unlink(missing_ok=True)  # left by a run that was killed: whose engine it is is unknown
+        if _run(cli, "info", timeout=30, check=False).returncode != 0:
+            log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
+            started = _run(str(SCRIPT), "dockerd", env={"DOCKERD_LOG": str(log)}, timeout=120, check=False)
+            if started.returncode != 0:
+                pytest.skip(f"dockerd cannot run here: {started.stderr.strip().splitlines()[-1]}")
+            STARTED_BY_TESTS.touch()
+        user.touch()
+        _remove_stacks_left_behind(cli)
     try:
         yield cli
     finally:
-        if not running:  # the engine this test started goes with it
-            os.kill(int(Path("/var/run/docker.pid").read_text()), signal.SIGTERM)
+        with engine_lock():
+            user.unlink(missing_ok=True)
+            if STARTED_BY_TESTS.exists() and not _engine_users():  # the engine the tests started goes with the last
+                os.kill(int(Path("/var/run/docker.pid").read_text()), signal.SIGTERM)
+                STARTED_BY_TESTS.unlink()
 
 
 def _remove_stacks_left_behind(docker: str) -> None:
@@ -96,7 +127,8 @@ def images(docker: str) -> str:
     base = os.environ.get("BASE_IMAGE", "disagg-local/python:3.11-bookworm")
     if shutil.which("mmdebstrap") is None and _run(docker, "image", "inspect", base, check=False).returncode:
         pytest.skip("no base image can be built: install mmdebstrap (no image registry to pull one from)")
-    _run(str(SCRIPT), "compose", "base", "image", "stand-ins", timeout=2400)
+    with engine_lock():
+        _run(str(SCRIPT), "compose", "base", "image", "stand-ins", timeout=2400)
     return f"disagg:{IMAGE_TAG}"
 
 
