@@ -376,3 +376,24 @@ def test_the_router_alone_gets_the_api_key_and_the_tls_files_mounted():
         assert not {"DISAGG_API_KEY", "DISAGG_TLS_CERT"} & set(services[name]["environment"]), name
     plain = json.loads(_compose("--profile", "*", "config", "--format", "json").stdout)["services"]["router"]
     assert plain["environment"]["DISAGG_API_KEY"] == "" and plain["environment"]["DISAGG_TLS_CERT"] == ""
+
+
+def _default_seconds(value: str) -> float:
+    """A compose value's default in seconds: "${VAR:-40s}" -> 40, "30" -> 30."""
+    default = re.fullmatch(r"\$\{\w+:-([^}]*)\}|(.*)", str(value))
+    text = default.group(1) if default.group(1) is not None else default.group(2)
+    return float(text.removesuffix("s"))
+
+
+@pytest.mark.parametrize("stack_file", ["docker-compose.yml", "swarm.yml"])
+def test_every_service_that_drains_is_given_longer_than_its_drain_timeout_to_stop(stack_file):
+    """SIGTERM starts a drain of up to --drain-timeout; the engine's SIGKILL must come after it, or a stop (a scale
+    down, a rolling update) cuts the requests the drain would have finished."""
+    services = yaml.safe_load((COMPOSE_DIR / stack_file).read_text())["services"]
+    draining = {name: service for name, service in services.items()
+                if "--drain-timeout" in (service.get("command") or [])}
+    assert {"router", "prefill", "decode"} <= set(draining)
+    for name, service in draining.items():
+        command = service["command"]
+        drain = _default_seconds(command[command.index("--drain-timeout") + 1])
+        assert _default_seconds(service["stop_grace_period"]) > drain, name
