@@ -1,0 +1,137 @@
+"""KV pull bandwidth between hosts apart (benchmarks.netns namespaces) next to a raw TCP stream between the same two.
+
+    python -m benchmarks.hosts_apart [--model default] [--tokens 2048] [--repeats 5] [--rate 2gbit]
+
+A prefill worker (--kv-transports grpc) in one namespace prefills a prompt (kv_pull_bandwidth.prefill_session); a
+process in the other pulls its session `--repeats` times over TensorStore.Pull and receives the same number of bytes
+from a plain socket sender in the prefill's namespace. `--rate` shapes the prefill host's veth with tc tbf, so the
+link, not the CPU, is the limit. Prints the median MB/s of each and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.kv_pull_bandwidth import MB, prefill_session
+from benchmarks.netns import hosts_apart
+
+TCP_PORT = 5601
+
+
+def _pull_times(ref_b64: str, repeats: int) -> tuple[int, list[float]]:
+    from common.kv import host
+    from common.kv.store import pull_kv
+    from common.kv.wire import ChannelCache, release_session
+    from common.pb.disagg.v1 import common_pb2
+
+    ref = common_pb2.KvSessionRef.FromString(base64.b64decode(ref_b64))
+    ref.attributes.pop(host.HOST_ID_ATTRIBUTE, None)
+
+    async def run() -> tuple[int, list[float]]:
+        channels = ChannelCache()
+        try:
+            channel = channels.get(ref.endpoint)
+            pulled = await pull_kv(channel, ref)  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                pulled = await pull_kv(channel, ref)
+                times.append(time.perf_counter() - start)
+            await release_session(channel, ref.session_id)
+            return pulled.num_bytes, times
+        finally:
+            await channels.close()
+    return asyncio.run(run())
+
+
+def _tcp_times(address: str, num_bytes: int, repeats: int) -> list[float]:
+    buffer, times = bytearray(num_bytes), []
+    with socket.create_connection((address, TCP_PORT), timeout=30) as client, memoryview(buffer) as view:
+        for i in range(repeats + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            client.sendall(num_bytes.to_bytes(8, "big"))
+            received = 0
+            while received < num_bytes:
+                received += client.recv_into(view[received:])
+            if i:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def _send_tcp(address: str) -> None:
+    """One connection: for each 8-byte size asked, send that many bytes."""
+    with socket.create_server((address, TCP_PORT)) as listener:
+        conn, _ = listener.accept()
+        with conn:
+            payload = b""
+            while (asked := conn.recv(8)):
+                size = int.from_bytes(asked, "big")
+                if len(payload) != size:
+                    payload = os.urandom(size)
+                conn.sendall(payload)
+
+
+def _importer(args) -> int:
+    size, pulls = _pull_times(args.pull, args.repeats)
+    copies = _tcp_times(args.tcp_from, size, args.repeats)
+    print(json.dumps({"bytes": size, "pull_s": pulls, "tcp_s": copies}))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rate", help="tc tbf rate on the prefill host's link, e.g. 2gbit")
+    parser.add_argument("--pull", help=argparse.SUPPRESS)  # the importer's side, run in the other namespace
+    parser.add_argument("--tcp-from", help=argparse.SUPPRESS)
+    parser.add_argument("--send-tcp", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.send_tcp:
+        _send_tcp(args.send_tcp)
+        return 0
+    if args.pull:
+        return _importer(args)
+    with hosts_apart(2) as net:
+        near, far = net.hosts
+        if args.rate:
+            near.shape(args.rate)
+        prefill = near.spawn("prefill", "--model", args.model, "--dtype", args.dtype, "--kv-transports", "grpc",
+                             "--num-kv-blocks", str(args.tokens // 16 + 64))
+        sender = near.popen(sys.executable, "-m", "benchmarks.hosts_apart", "--send-tcp", near.address)
+        try:
+            prefill.wait_ready()
+            ref = prefill_session(prefill.address, args.tokens, seed=args.tokens)
+            result = subprocess.run(far.command(
+                sys.executable, "-m", "benchmarks.hosts_apart", "--pull",
+                base64.b64encode(ref.SerializeToString()).decode(), "--tcp-from", near.address,
+                "--repeats", str(args.repeats)), capture_output=True, text=True, timeout=600)
+            if result.returncode:
+                raise RuntimeError(result.stderr)
+            figures = json.loads(result.stdout.strip().splitlines()[-1])
+        finally:
+            sender.kill()
+            sender.wait()
+            prefill.stop()
+    size = figures["bytes"]
+    pull_rate = size / statistics.median(figures["pull_s"]) / MB
+    tcp_rate = size / statistics.median(figures["tcp_s"]) / MB
+    print(f"model {args.model}, {args.tokens} tokens, {size / MB:.1f} MB of KV, link {args.rate or 'unshaped'}, "
+          f"{args.repeats} repeats, {os.cpu_count()} CPUs")
+    print(f"{'gRPC pull MB/s':>15} {'raw TCP MB/s':>13} {'pull/TCP':>9}")
+    print(f"{pull_rate:>15.0f} {tcp_rate:>13.0f} {pull_rate / tcp_rate:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
