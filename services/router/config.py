@@ -128,7 +128,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def add_routing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The router's routing and serving flags: `disagg up` takes them too and passes them on (routing_argv)."""
     parser.add_argument("--policy", choices=policies.names(), default="round_robin", metavar="NAME",
-                        help="%(choices)s (default %(default)s)")
+                        # the built-in ones: --help reads the same whatever a process has registered
+                        help=f"{', '.join(policies.BUILT_IN)} or a registered one (default %(default)s)")
     parser.add_argument("--min-remote-prefill-tokens", type=int, default=0,
                         help="shorter prompts skip the prefill workers and run aggregated on a decode worker")
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=0,

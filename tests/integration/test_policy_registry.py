@@ -139,6 +139,10 @@ def test_the_prefill_call_charges_the_prefill_worker_only_what_the_policy_predic
 
 def test_a_router_process_takes_a_policy_from_a_module_named_in_the_environment():
     env = {**os.environ, policies.MODULES_ENV: "tests.integration.test_policy_registry"}
-    result = subprocess.run([sys.executable, "-m", "services.router", "--help"], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert "last_by_endpoint" in result.stdout, result.stdout + result.stderr
+    # a fresh process: the policy is known only through the module the environment names
+    parse = ("import argparse; from services.router.config import add_router_args; "
+             "parser = argparse.ArgumentParser(); add_router_args(parser); "
+             "print(parser.parse_args(['--policy', 'last_by_endpoint']).policy)")
+    result = subprocess.run([sys.executable, "-c", parse], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.split() == ["last_by_endpoint"], result.stdout + result.stderr

@@ -67,3 +67,13 @@ def test_up_passes_the_worker_flags_it_takes_to_each_worker():
         assert argv[role][argv[role].index("--model-name") + 1] == "sea" and "--kv-transports=grpc" in argv[role]
     assert {"--kv-pull-timeout=5.0", "--kv-load-failure-policy=fail"} <= set(argv["decode"])
     assert not any(a.startswith("--kv-pull-timeout") for a in argv["prefill"])
+
+
+def test_up_help_reads_the_same_with_more_policies_registered(monkeypatch):
+    """A policy a plugin (or another test) registers is a choice of --policy, but not a line more of --help."""
+    from services.router import policies
+
+    before = build_parser().format_help()
+    monkeypatch.setitem(policies._REGISTRY._entries, "a_plugin_policy_with_a_long_name", "plugin:Policy")
+    assert "a_plugin_policy_with_a_long_name" in build_parser()._option_string_actions["--policy"].choices
+    assert build_parser().format_help() == before

@@ -71,6 +71,8 @@ def build(name: str, role: "Role", context: PolicyContext) -> Policy:
     return factory_of(name).for_role(role, context)
 
 
-register("round_robin", "services.router.policies.round_robin:RoundRobin")
-register("least_loaded", "services.router.policies.least_loaded:LeastLoaded")
-register("kv_aware", "services.router.policies.kv_aware:KvAware")
+BUILT_IN = {"round_robin": "services.router.policies.round_robin:RoundRobin",
+            "least_loaded": "services.router.policies.least_loaded:LeastLoaded",
+            "kv_aware": "services.router.policies.kv_aware:KvAware"}
+for _name, _factory in BUILT_IN.items():
+    register(_name, _factory)
