@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from common.engine.config import EngineConfig
 from common.engine.engine import LLMEngine
@@ -108,7 +110,7 @@ def test_tokenizers_that_differ_are_refused_even_at_the_same_size(tmp_path):
     for root, vocab in ((a, {"x": 0, "y": 1}), (b, {"x": 1, "y": 0})):
         root.mkdir()
         (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 2}))
-        (root / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+        PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(WordLevel(vocab))).save_pretrained(root)
     check_same_vocabulary(str(a), str(a))
     with pytest.raises(InvalidConfig, match="another tokenizer"):
         check_same_vocabulary(str(a), str(b))

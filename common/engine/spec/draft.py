@@ -12,9 +12,7 @@ request and no held block behind. Its pool holds as many tokens as the target's,
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-from pathlib import Path
 
 import numpy as np
 
@@ -22,6 +20,7 @@ from common.engine.request import SamplingParams
 from common.engine.spec.config import FLAG, SpeculativeConfig
 from common.errors import DisaggError, InvalidConfig
 from common.model_facts import load_model_facts
+from common.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -95,26 +94,15 @@ class DraftModelProposer:
 
 
 def check_same_vocabulary(draft_dir: str, target_dir: str) -> None:
-    """InvalidConfig naming both models unless the draft's tokens are the target's: the same tokenizer vocabulary
-    (tokenizer.json's, where both have one) or, without tokenizer files, the same vocabulary size."""
-    draft, target = _tokenizer_vocab(draft_dir), _tokenizer_vocab(target_dir)
+    """InvalidConfig naming both models unless the draft's tokens are the target's: the same vocabulary, added tokens
+    included, where both directories have a tokenizer, or else the same vocabulary size."""
+    draft, target = load_tokenizer(draft_dir), load_tokenizer(target_dir)
     if draft is not None and target is not None:
-        if draft != target:
+        if draft.hf.get_vocab() != target.hf.get_vocab():
             raise InvalidConfig(f"{FLAG}: draft model {draft_dir} has another tokenizer than the target "
-                                f"{target_dir} (their tokenizer.json vocabularies differ); a draft must share the "
-                                "target's tokenizer")
+                                f"{target_dir} (their vocabularies differ); a draft must share the target's tokenizer")
         return
     draft_size, target_size = load_model_facts(draft_dir).vocab_size, load_model_facts(target_dir).vocab_size
     if draft_size != target_size:
         raise InvalidConfig(f"{FLAG}: draft model {draft_dir} has a vocabulary of {draft_size} tokens, the target "
                             f"{target_dir} one of {target_size}; a draft must share the target's tokenizer")
-
-
-def _tokenizer_vocab(model_dir: str):
-    """tokenizer.json's vocabulary and added tokens (None without the file)."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    added = sorted((t.get("id"), t.get("content")) for t in data.get("added_tokens") or [])
-    return (data.get("model") or {}).get("vocab"), added
