@@ -18,71 +18,24 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 
-from benchmarks.kv_pull_bandwidth import MB, prefill_session
+from benchmarks.kv_pull_bandwidth import MB, prefill_session, serve_copies, timed_copies, timed_pulls
 from benchmarks.netns import hosts_apart
+from common.pb.disagg.v1 import common_pb2
 
 TCP_PORT = 5601
 
 
-def _pull_times(ref_b64: str, repeats: int) -> tuple[int, list[float]]:
-    from common.kv import host
-    from common.kv.store import pull_kv
-    from common.kv.wire import ChannelCache, release_session
-    from common.pb.disagg.v1 import common_pb2
-
-    ref = common_pb2.KvSessionRef.FromString(base64.b64decode(ref_b64))
-    ref.attributes.pop(host.HOST_ID_ATTRIBUTE, None)
-
-    async def run() -> tuple[int, list[float]]:
-        channels = ChannelCache()
-        try:
-            channel = channels.get(ref.endpoint)
-            pulled = await pull_kv(channel, ref)  # warm-up
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                pulled = await pull_kv(channel, ref)
-                times.append(time.perf_counter() - start)
-            await release_session(channel, ref.session_id)
-            return pulled.num_bytes, times
-        finally:
-            await channels.close()
-    return asyncio.run(run())
-
-
-def _tcp_times(address: str, num_bytes: int, repeats: int) -> list[float]:
-    buffer, times = bytearray(num_bytes), []
-    with socket.create_connection((address, TCP_PORT), timeout=30) as client, memoryview(buffer) as view:
-        for i in range(repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
-            client.sendall(num_bytes.to_bytes(8, "big"))
-            received = 0
-            while received < num_bytes:
-                received += client.recv_into(view[received:])
-            if i:
-                times.append(time.perf_counter() - start)
-    return times
-
-
 def _send_tcp(address: str) -> None:
-    """One connection: for each 8-byte size asked, send that many bytes."""
     with socket.create_server((address, TCP_PORT)) as listener:
-        conn, _ = listener.accept()
-        with conn:
-            payload = b""
-            while (asked := conn.recv(8)):
-                size = int.from_bytes(asked, "big")
-                if len(payload) != size:
-                    payload = os.urandom(size)
-                conn.sendall(payload)
+        serve_copies(listener)
 
 
 def _importer(args) -> int:
-    size, pulls = _pull_times(args.pull, args.repeats)
-    copies = _tcp_times(args.tcp_from, size, args.repeats)
-    print(json.dumps({"bytes": size, "pull_s": pulls, "tcp_s": copies}))
+    ref = common_pb2.KvSessionRef.FromString(base64.b64decode(args.pull))
+    size, pulls = asyncio.run(timed_pulls(ref, args.repeats, transports=("grpc",)))
+    copies = timed_copies((args.tcp_from, TCP_PORT), size, args.repeats)
+    print(json.dumps({"bytes": size, "pull_s": pulls["grpc"], "tcp_s": copies}))
     return 0
 
 

@@ -48,54 +48,68 @@ def prefill_session(address: str, num_tokens: int, seed: int) -> common_pb2.KvSe
     raise RuntimeError("no session after 5 prompts")
 
 
-async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int) -> tuple[int, list[float], list[float]]:
-    """Times of pulls over the gRPC stream and through the same-host shm fast path (common.kv.transports.shm)."""
+async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int,
+                      transports: tuple[str, ...] = ("grpc", "shm")) -> tuple[int, dict[str, list[float]]]:
+    """Times of pulls of `ref` for each of `transports`, interleaved: "grpc" over the gRPC stream (the ref as an
+    importer on another host sees it, no shared host), "shm" through the same-host fast path
+    (common.kv.transports.shm). The session is released at the end."""
     over_grpc = common_pb2.KvSessionRef()
     over_grpc.CopyFrom(ref)
-    del over_grpc.attributes[host.HOST_ID_ATTRIBUTE]  # an importer on another host sees no shared host
+    over_grpc.attributes.pop(host.HOST_ID_ATTRIBUTE, None)
+    targets = {"grpc": over_grpc, "shm": ref}
     channels = ChannelCache()
     try:
         channel = channels.get(ref.endpoint)
         await pull_kv(channel, over_grpc)  # warm-up: connection, allocator
-        times = {"grpc": [], "shm": []}
+        times: dict[str, list[float]] = {transport: [] for transport in transports}
         size = 0
         for _ in range(repeats):
-            for target in (over_grpc, ref):
+            for transport in transports:
                 start = time.perf_counter()
-                pulled = await pull_kv(channel, target)
+                pulled = await pull_kv(channel, targets[transport])
                 times[pulled.transport].append(time.perf_counter() - start)
                 size = pulled.num_bytes
         await release_session(channel, ref.session_id)
-        return size, times["grpc"], times["shm"]
+        return size, times
     finally:
         await channels.close()
 
 
-def tcp_copies(num_bytes: int, repeats: int) -> list[float]:
-    """Send `num_bytes` over one loopback connection per copy; time from request to the last byte."""
-    payload = os.urandom(num_bytes)
-    listener = socket.create_server(("127.0.0.1", 0))
+def serve_copies(listener: socket.socket) -> None:
+    """One connection of `listener`: each 8-byte size it is sent is answered with that many bytes."""
+    conn, _ = listener.accept()
+    with conn:
+        payload = b""
+        while asked := conn.recv(8):
+            size = int.from_bytes(asked, "big")
+            if len(payload) != size:
+                payload = os.urandom(size)
+            conn.sendall(payload)
 
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while conn.recv(1):
-                conn.sendall(payload)
 
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
+def timed_copies(address: tuple[str, int], num_bytes: int, repeats: int) -> list[float]:
+    """Times of `repeats` copies of `num_bytes` from serve_copies at `address` over one connection (after one
+    warm-up), each from the request to its last byte."""
     buffer, times = bytearray(num_bytes), []
-    with socket.create_connection(listener.getsockname()) as client, memoryview(buffer) as view:
-        for i in range(repeats + 1):  # the first is a warm-up
+    with socket.create_connection(address, timeout=30) as client, memoryview(buffer) as view:
+        for i in range(repeats + 1):
             start = time.perf_counter()
-            client.sendall(b"x")
+            client.sendall(num_bytes.to_bytes(8, "big"))
             received = 0
             while received < num_bytes:
                 received += client.recv_into(view[received:])
             if i:
                 times.append(time.perf_counter() - start)
-    server.join(timeout=5)
-    listener.close()
+    return times
+
+
+def tcp_copies(num_bytes: int, repeats: int) -> list[float]:
+    """timed_copies over a loopback connection in this process."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = threading.Thread(target=serve_copies, args=(listener,), daemon=True)
+        server.start()
+        times = timed_copies(listener.getsockname(), num_bytes, repeats)
+        server.join(timeout=5)
     return times
 
 
@@ -115,7 +129,8 @@ def main() -> int:
               f"{'shm MB/s':>9} {'shm ms':>7}")
         for num_tokens in args.tokens:
             ref = prefill_session(prefill.address, num_tokens, seed=num_tokens)
-            size, pulls, shm_pulls = asyncio.run(timed_pulls(ref, args.repeats))
+            size, times = asyncio.run(timed_pulls(ref, args.repeats))
+            pulls, shm_pulls = times["grpc"], times["shm"]
             copies = tcp_copies(size, args.repeats)
             grpc_rate, tcp_rate = size / statistics.median(pulls) / MB, size / statistics.median(copies) / MB
             print(f"{num_tokens:>7} {size / MB:>8.1f} {grpc_rate:>10.0f} {tcp_rate:>10.0f} {grpc_rate / tcp_rate:>9.2f} "
