@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,14 +60,7 @@ class Host:
 
     def spawn(self, role: str, *args: str, env: Mapping[str, str] | None = None) -> ServiceProcess:
         """`python -m services.<role>` in this host, bound on its address (call wait_ready, and always stop)."""
-        http_off = ("--http-port", "0") if role == "router" else ()
-        full_env = {**os.environ, **(env or {})}
-        popen = subprocess.Popen(  # `ip netns exec` execs the command: the pid is python's
-            self.command(sys.executable, "-m", f"services.{role}", "--port", "0", "--host", self.address,
-                         *http_off, *args),
-            cwd=REPO_ROOT, env=full_env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT)
-        return ServiceProcess(role, tuple(args), popen, full_env)
+        return ServiceProcess.spawn(role, "--host", self.address, *args, env=env, prefix=tuple(self.command()))
 
     def shape(self, rate: str) -> None:
         """Limit what this host sends to `rate` (tc's units: 2gbit), a token bucket on its veth."""

@@ -62,11 +62,13 @@ class ServiceProcess:
         self._reader.start()
 
     @classmethod
-    def spawn(cls, role: str, *args: str, env: Mapping[str, str] | None = None) -> "ServiceProcess":
-        """Start the process without waiting; call `wait_ready` (and always `stop`)."""
+    def spawn(cls, role: str, *args: str, env: Mapping[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> "ServiceProcess":
+        """Start the process without waiting; call `wait_ready` (and always `stop`). `prefix`: a command it runs
+        under that execs it (`ip netns exec NS`: the pid stays python's)."""
         # A router serves no HTTP unless the test asks for a port (then that flag alone): tests start many routers.
         http_off = ("--http-port", "0") if role == "router" and "--http-port" not in args else ()
-        command = [sys.executable, "-m", f"services.{role}", "--port", "0", *http_off, *args]
+        command = [*prefix, sys.executable, "-m", f"services.{role}", "--port", "0", *http_off, *args]
         full_env = {**os.environ, **(env or {})}
         popen = subprocess.Popen(command, cwd=REPO_ROOT, env=full_env, text=True,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
