@@ -20,9 +20,12 @@ class Streamed:
         return (self.arrivals[0] if self.arrivals else time.perf_counter()) - self.started
 
 
-def stream_chat(port: int, model: str, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> Streamed:
+def stream_chat(port: int, model: str, messages: list[dict], max_tokens: int, timeout_s: float = 600,
+                ignore_eos: bool = False) -> Streamed:
+    """`ignore_eos`: every answer runs to `max_tokens` (random weights end their text anywhere, or at once)."""
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+                       "stream": True, "stream_options": {"include_usage": True},
+                       **({"ignore_eos": True} if ignore_eos else {})})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     started, arrivals, parts, usage = time.perf_counter(), [], [], {}
     try:

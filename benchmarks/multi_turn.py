@@ -1,22 +1,28 @@
 """A multi-turn chat against `disagg up` with each KV tier configuration, one after the other, side by side.
 
     python -m benchmarks.multi_turn [--conversations 8] [--turns 6] [--max-tokens 32] [--think-s 0.5]
-        [--num-kv-blocks 64] [--configs none,disk,shared] [--dtype float32] [--json out.json]
+        [--num-kv-blocks 64] [--configs none,disk,shared] [--dtype float32] [--host-kv-cache-gb 2]
+        [--up-args "--device cuda --model DIR --load-format dummy"] [--ignore-eos] [--json out.json]
 
-Each configuration is one `disagg up` on the CPU with the default model (SmolLM2-135M-Instruct) and its default
-layout (prefill-0 and decode-0), every worker's device pool --num-kv-blocks: `none` (no tiers: the device prefix
-cache alone), `disk` (--disk-kv-cache-dir: a disk tier of its own for each worker) and `shared` (--shared-kv-cache:
-one directory for both, finished requests written through, so the decode worker's answer is found by the next
-turn's prefill). --conversations chats run at once, each --turns turns: a system prompt of its own, then each turn
-a new user message over the whole history (every earlier question and answer), sent through the OpenAI door
-(chat completions, streaming, greedy, --max-tokens), the answer appended, then a think time (--think-s, ±50%,
-seeded) before the next turn. The working set (every conversation's last prompt and answer) is printed against
-the pool; the defaults make it over 4x.
+Each configuration is one `disagg up`, on the CPU with the default model (SmolLM2-135M-Instruct) unless --up-args
+name another model or a GPU, in its default layout (prefill-0 and decode-0; on one GPU the two share it), every
+worker's device pool --num-kv-blocks (on CUDA too: --num-kv-blocks without --gpu-memory-utilization sizes the
+pool): `none` (no tiers: the device prefix cache alone), `disk` (--disk-kv-cache-dir: a disk tier of its own for
+each worker), `shared` (--shared-kv-cache: one directory for both, finished requests written through, so the decode
+worker's answer is found by the next turn's prefill), `host` (--host-kv-cache-gb: pinned host memory a worker; on
+the CPU the engine runs without it, its pool being host memory) and `host+disk` (both tiers a worker, the host's
+victims going to disk). --conversations chats run at once, each --turns turns: a system prompt of its own, then each
+turn a new user message over the whole history (every earlier question and answer), sent through the OpenAI door
+(chat completions, streaming, greedy, --max-tokens; --ignore-eos: every answer --max-tokens long, for random
+weights, which may end an answer anywhere), the answer appended, then a think time (--think-s, ±50%, seeded)
+before the next turn. The working set (every conversation's last prompt and answer) is printed against the pool;
+the defaults make it over 4x.
 
 Printed per configuration: TTFT mean / p50 / p90 over every turn and over turns 2+ (the turns a cache can serve),
 output tok/s (completion tokens over the run's wall time), the prompt tokens the router reported cached and the
 workers' disagg_kv_tier_hit_tokens_total; then each configuration against `none` (TTFT: none / it, >= 1 is
-faster; tok/s: it / none), and whether every answer is the same as `none`'s (greedy: it must be).
+faster; tok/s: it / none), and whether every answer is the same as `none`'s, its text and its token count
+(greedy: it must be).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import argparse
 import functools
 import json
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -41,7 +48,10 @@ from services.cli.bench.stats import Distribution  # noqa: E402
 from services.cli.ports import metrics_ports  # noqa: E402
 
 CONFIGS = {"none": [], "disk": ["--disk-kv-cache-dir", "{dir}/disk", "--disk-kv-cache-gb", "2"],
-           "shared": ["--shared-kv-cache", "--disk-kv-cache-dir", "{dir}/shared", "--disk-kv-cache-gb", "2"]}
+           "shared": ["--shared-kv-cache", "--disk-kv-cache-dir", "{dir}/shared", "--disk-kv-cache-gb", "2"],
+           "host": ["--host-kv-cache-gb", "{host_gb}"],
+           "host+disk": ["--host-kv-cache-gb", "{host_gb}", "--disk-kv-cache-dir", "{dir}/host-disk",
+                         "--disk-kv-cache-gb", "2"]}
 WORDS = ("river stone lantern harbor meadow circuit galaxy orchard violin glacier compass ember canyon theorem "
          "falcon pepper marble thunder willow engine saffron beacon tundra quartz ribbon cobalt prairie anchor "
          "nectar summit fossil cedar lagoon pixel walnut mosaic breeze").split()
@@ -113,8 +123,8 @@ class Result:
                 "prompt_tokens": sum(t.prompt_tokens for t in self.turns),
                 "tier_hit_tokens": self.tier_hit_tokens}
 
-    def answers(self) -> dict[tuple[int, int], str]:
-        return {(t.conversation, t.turn): t.answer for t in self.turns}
+    def answers(self) -> dict[tuple[int, int], tuple[str, int]]:
+        return {(t.conversation, t.turn): (t.answer, t.completion_tokens) for t in self.turns}
 
 
 def working_set_blocks(turns: list[Turn], block_size: int = BLOCK_SIZE) -> int:
@@ -126,13 +136,15 @@ def working_set_blocks(turns: list[Turn], block_size: int = BLOCK_SIZE) -> int:
     return sum(-(-(t.prompt_tokens + t.completion_tokens) // block_size) for t in last.values())
 
 
-def chat(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
+def chat(port: int, model: str, messages: list[dict], max_tokens: int, ignore_eos: bool = False) \
+        -> tuple[float, str, dict]:
     """One streamed, greedy chat completion: (TTFT ms, the answer, the usage)."""
-    streamed = stream_chat(port, model, messages, max_tokens, timeout_s=300)
+    streamed = stream_chat(port, model, messages, max_tokens, timeout_s=300, ignore_eos=ignore_eos)
     return streamed.ttft_s * 1000, streamed.text, streamed.usage
 
 
-def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_tokens: int) -> tuple[list[Turn], float]:
+def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_tokens: int,
+          ignore_eos: bool = False) -> tuple[list[Turn], float]:
     """Every conversation at once, a thread each, its turns in order: every turn and the wall time."""
     model = model_id(f"http://127.0.0.1:{port}")
     turns: list[Turn] = []
@@ -140,7 +152,7 @@ def drive(port: int, chats: list[Conversation], pauses: list[list[float]], max_t
     def converse(i: int) -> None:
         answers: list[str] = []
         for t in range(len(chats[i].questions)):
-            ttft, answer, usage = chat(port, model, chats[i].messages(t, answers), max_tokens)
+            ttft, answer, usage = chat(port, model, chats[i].messages(t, answers), max_tokens, ignore_eos)
             answers.append(answer)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             turns.append(Turn(i, t, ttft, answer, usage.get("prompt_tokens", 0),
@@ -163,17 +175,21 @@ def tier_hits(metrics_base: int, workers: tuple[str, ...] = ("prefill-0", "decod
     return hits
 
 
+def up_command(name: str, args: argparse.Namespace, scratch: Path) -> list[str]:
+    """`disagg up` for configuration `name`: the bench's flags, then --up-args, then the configuration's tiers."""
+    flags = [f.format(dir=scratch, host_gb=f"{args.host_kv_cache_gb:g}") for f in CONFIGS[name]]
+    return [sys.executable, "-m", "services", "up", "--http-port", str(args.port), "--router-port", "0",
+            "--metrics-port-base", str(args.metrics_port_base), "--num-kv-blocks", str(args.num_kv_blocks),
+            "--dtype", args.dtype, *shlex.split(args.up_args), *flags]
+
+
 def run_config(name: str, args: argparse.Namespace, chats: list[Conversation], pauses: list[list[float]],
                scratch: Path) -> Result:
-    flags = [f.format(dir=scratch) for f in CONFIGS[name]]
-    command = [sys.executable, "-m", "services", "up", "--http-port", str(args.port), "--router-port", "0",
-               "--metrics-port-base", str(args.metrics_port_base), "--num-kv-blocks", str(args.num_kv_blocks),
-               "--dtype", args.dtype, *flags]
-    server = Server(name, command, {}, args.port)
-    server.start(scratch, timeout_s=300)
+    server = Server(name, up_command(name, args, scratch), {}, args.port)
+    server.start(scratch, timeout_s=args.start_timeout)
     try:
         chat(args.port, model_id(server.url), [{"role": "user", "content": "Warm up: say hello."}], 4)
-        turns, wall = drive(args.port, chats, pauses, args.max_tokens)
+        turns, wall = drive(args.port, chats, pauses, args.max_tokens, args.ignore_eos)
         return Result(name, wall, turns, tier_hits(args.metrics_port_base))
     finally:
         server.stop()
@@ -195,6 +211,10 @@ def report(results: list[Result], pool_blocks: int) -> str:
         lines.append(f"| {result.config} | {_ms(s['ttft_ms'])} | {_ms(s['ttft_later_ms'])} | "
                      f"{s['output_tok_s']:.1f} | {s['cached_tokens']} of {s['prompt_tokens']} | {hits} | {ratio} | "
                      f"{'yes' if same else 'NO'} |")
+    empty = sum(not t.answer for t in base.turns)
+    if empty:
+        lines.append(f"\n{empty} of {len(base.turns)} answers of `none` are empty: for them only the token count is "
+                     "compared (random weights: --ignore-eos)")
     blocks = working_set_blocks(base.turns)
     lines.append(f"\nworking set {blocks} blocks of {BLOCK_SIZE} tokens = {blocks / pool_blocks:.1f}x the device pool "
                  f"of {pool_blocks} blocks")
@@ -214,6 +234,12 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=64)
     parser.add_argument("--configs", default="none,disk,shared")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--host-kv-cache-gb", type=float, default=2.0, help="each worker's host tier (configs host, "
+                        "host+disk)")
+    parser.add_argument("--up-args", default="", help="more `disagg up` flags (a GPU: --device cuda --model DIR "
+                        "--load-format dummy)")
+    parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-tokens long (random weights)")
+    parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--port", type=int, default=18471)
     parser.add_argument("--metrics-port-base", type=int, default=18480)
     parser.add_argument("--json", type=Path, default=None)

@@ -39,3 +39,34 @@ def test_a_disk_tier_alone_on_a_gpu_gives_the_same_greedy_tokens(tiny_llama, bas
     assert _chat(engine) == baseline
     assert _total(engine, "disagg_kv_tier_hit_tokens_total", tier="disk") == 6 * 9 * 4
     engine.close()
+
+
+def test_host_tier_blocks_go_up_from_pinned_copies_and_disk_ones_gathered_beside_them():
+    from benchmarks.kv_tier_bandwidth import DevicePaths, layout_of
+
+    paths = DevicePaths(layout_of(None, 1 << 16), 4, torch.device("cuda"), batch=4)
+    try:
+        paths.offload()
+        tiers, keys = paths.tiers, paths.keys
+        assert tiers.host.slab.is_pinned() and tiers.host.get(keys[0].hash).payload.is_pinned()
+        fetched = tiers.fetch("r", keys, limit=4)
+        disk_like = fetched[2].payload.clone()  # pageable, as a block read from a file is
+        assert not disk_like.is_pinned()
+        fetched[2] = type(fetched[2])(fetched[2].key, disk_like, fetched[2].checksum, "disk")
+        tiers.install([4, 5, 6, 7], fetched)
+        torch.cuda.synchronize()
+        assert paths.onboarded_intact()
+    finally:
+        paths.close()
+
+
+def test_the_bandwidth_bench_times_offload_and_onboard_on_a_gpu(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from benchmarks import kv_tier_bandwidth as bench
+
+    monkeypatch.setattr(sys, "argv", ["kv_tier_bandwidth", "--dir", str(tmp_path), "--blocks", "8", "--shape",
+                                      "llama-3.2-1b", "--device", "cuda", "--rounds", "1", "--warm", "--batch", "4"])
+    assert bench.main() == 0
+    out = capsys.readouterr().out
+    assert "host tier pinned" in out and "(pinned host -> device copy)" in out

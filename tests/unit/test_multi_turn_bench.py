@@ -61,3 +61,64 @@ def test_the_report_puts_each_configuration_against_none_and_checks_the_answers(
     assert "32 of 80" in rows["shared"] and "| 32, 0 |" in rows["shared"]
     assert rows["disk"].endswith("| NO |")
     assert "working set 4 blocks of 16 tokens = 2.0x the device pool of 2 blocks" in text
+
+
+def _args(**changes):
+    import argparse
+
+    defaults = dict(port=18471, metrics_port_base=18480, num_kv_blocks=64, dtype="float32", up_args="",
+                    host_kv_cache_gb=2.0)
+    return argparse.Namespace(**{**defaults, **changes})
+
+
+def test_the_default_up_command_is_the_cpu_one_and_up_args_come_before_the_tiers(tmp_path):
+    from benchmarks.multi_turn import up_command
+
+    plain = up_command("none", _args(), tmp_path)
+    assert plain[1:] == ["-m", "services", "up", "--http-port", "18471", "--router-port", "0",
+                         "--metrics-port-base", "18480", "--num-kv-blocks", "64", "--dtype", "float32"]
+    gpu = up_command("host+disk", _args(up_args="--device cuda --model '/m 3b' --load-format dummy",
+                                        dtype="bfloat16", host_kv_cache_gb=1.5), tmp_path)
+    assert gpu[len(plain):] == ["--device", "cuda", "--model", "/m 3b", "--load-format", "dummy",
+                                "--host-kv-cache-gb", "1.5", "--disk-kv-cache-dir", f"{tmp_path}/host-disk",
+                                "--disk-kv-cache-gb", "2"]
+    assert up_command("host", _args(), tmp_path)[-2:] == ["--host-kv-cache-gb", "2"]
+
+
+def test_answers_differ_by_their_token_count_too_and_empty_ones_are_said():
+    none = Result("none", 1.0, [_turn(0, 0, 100, answer="", completion=32)])
+    host = Result("host", 1.0, [_turn(0, 0, 50, answer="", completion=31)])
+    text = report([none, host], pool_blocks=1)
+    assert next(line for line in text.splitlines() if line.startswith("| host |")).endswith("| NO |")
+    assert "1 of 1 answers of `none` are empty: for them only the token count is compared" in text
+    assert "are empty" not in report([Result("none", 1.0, [_turn(0, 0, 100)])], pool_blocks=1)
+
+
+def test_ignore_eos_is_asked_of_the_openai_door():
+    import http.server
+    import json
+    import threading
+
+    from benchmarks.chat_stream import stream_chat
+
+    bodies = []
+
+    class Door(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Door)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert stream_chat(server.server_port, "m", [], 4, ignore_eos=True).text == "hi"
+        assert stream_chat(server.server_port, "m", [], 4).text == "hi"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert bodies[0]["ignore_eos"] is True and "ignore_eos" not in bodies[1]

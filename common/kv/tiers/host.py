@@ -1,8 +1,9 @@
 """The host tier: blocks in host memory (pinned on CUDA, so they move at the copy engines' rate), LRU by access.
 
 One slab of `capacity // block_bytes` rows, allocated once: pinning memory block by block would cost the engine a
-driver call per store, and the slab's size is the tier's whole footprint. Used from the engine thread (lookups,
-reads) and the tiers' mover thread (stores), under one lock.
+driver call per store, and the slab's size is the tier's footprint (on CUDA, with the pinned copies `get` hands out,
+which torch's pinned-memory cache keeps for reuse at their peak: the blocks staged for admission at once). Used from
+the engine thread (lookups, reads) and the tiers' mover thread (stores), under one lock.
 """
 from __future__ import annotations
 
@@ -59,7 +60,16 @@ class HostTier:
                 return None
             self._entries.move_to_end(block_hash)
             slot, key, sums = entry
-            return StoredBlock(key, self.slab[slot].clone(), sums, self.name)
+            return StoredBlock(key, self._copy(slot), sums, self.name)
+
+    def _copy(self, slot: int) -> torch.Tensor:
+        """A slot's bytes in memory of their own (a later put may reuse the slot): pinned where the slab is, so the
+        copy up to the GPU is a DMA from it, with no copy on the engine thread and no page faults (torch caches the
+        pinned buffers freed)."""
+        if not self.slab.is_pinned():
+            return self.slab[slot].clone()
+        payload = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
+        return payload.copy_(self.slab[slot])
 
     def discard(self, block_hash: int) -> None:
         with self._lock:

@@ -229,10 +229,8 @@ class KvTiers:
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy fetched blocks into these device blocks (on the engine's stream: before any step that reads them)."""
         started, n = time.perf_counter(), len(block_ids)
-        rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self._pinned)
-        torch.stack([b.payload for b in blocks], out=rows)  # one copy, into pinned memory where it goes to a GPU
         shape = (n, *self.cache_bytes[:, :, 0].shape)
-        values = rows.to(self.device, non_blocking=True).view(shape).permute(1, 2, 0, 3, 4, 5)
+        values = self._upload([b.payload for b in blocks]).view(shape).permute(1, 2, 0, 3, 4, 5)
         self.cache_bytes.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=self.device), values)
         share = (time.perf_counter() - started) / n
         by_tier: dict[str, list[StoredBlock]] = {}
@@ -246,6 +244,25 @@ class KvTiers:
         for tier, got in by_tier.items():
             self.metrics.hit(tier, len(got), len(got) * self.layout.block_size, len(got) * self.block_bytes,
                              sum(b.load_s for b in got) + share * len(got))
+
+    def _upload(self, payloads: list[torch.Tensor]) -> torch.Tensor:
+        """The payloads as one [n, block_bytes] tensor on the device, enqueued on the engine's stream. On a GPU a
+        pinned payload (the host tier's) goes up by a DMA of its own, with no copy on the engine thread; the others
+        (the disk's) are gathered into pinned memory first, one copy, and go up together."""
+        if not self._pinned:
+            return torch.stack(payloads)
+        out = torch.empty((len(payloads), self.block_bytes), dtype=torch.uint8, device=self.device)
+        gathered = []
+        for i, payload in enumerate(payloads):
+            if payload.is_pinned():
+                out[i].copy_(payload, non_blocking=True)
+            else:
+                gathered.append(i)
+        if gathered:
+            rows = torch.empty((len(gathered), self.block_bytes), dtype=torch.uint8, pin_memory=True)
+            torch.stack([payloads[i] for i in gathered], out=rows)
+            out.index_copy_(0, torch.tensor(gathered, device=self.device), rows.to(self.device, non_blocking=True))
+        return out
 
     def _load_run(self, keys: list[BlockKey], staged: dict[int, StoredBlock] | None = None) -> list[StoredBlock]:
         """The blocks of `keys` up to the first no tier holds: `staged`'s where it has the same key, else loaded."""
