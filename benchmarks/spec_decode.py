@@ -223,9 +223,9 @@ def draft_costs(target: str, draft: str, k: int, device: str, dummy: bool) -> li
         steps.setdefault(key, []).append((time.perf_counter() - start, proposing[0]))
         return out
 
-    def timed_propose(histories, ks):
+    def timed_propose(histories, ks, request_ids):
         start = time.perf_counter()
-        out = propose_many(histories, ks)
+        out = propose_many(histories, ks, request_ids)
         proposing[0] += time.perf_counter() - start
         return out
 

@@ -222,6 +222,9 @@ class ModelRunner:
         self.prefill_graphs = self._make_prefill_graphs(config)
         self._greedy: torch.Tensor | None = None  # a follower's: its last step's greedy tokens (the next ahead's input)
         self._stepping_thread: int | None = None  # the thread pinned to the model's cores (the engine loop's)
+        # EAGLE-3 (spec/eagle3.py): told after each forward each (request, first position, tokens) of the step and
+        # the model's aux_hidden over them; None: nothing reads the target's hidden states.
+        self.hidden_sink = None
 
     def bind(self) -> None:
         """Make this runner's GPU the calling thread's current device. A graph replays, and a copy or kernel
@@ -267,6 +270,10 @@ class ModelRunner:
     def _make_graphs(self, config: EngineConfig):
         """CUDA graphs for decode steps, when the GPU attention backend runs and eager mode is not forced."""
         if config.enforce_eager or self.device.type != "cuda" or not self.attention.graphable:
+            return None
+        spec = config.speculative_config
+        if spec is not None and spec.reads_target_hidden:  # (a graph replays into the hidden states it captured)
+            log.info("the target's steps run eagerly: speculative method %s reads its hidden states", spec.method)
             return None
         from common.engine.cuda_graphs import DecodeGraphs
 
@@ -332,6 +339,7 @@ class ModelRunner:
             self._send(StepInputs(input_ids, positions, layout, last_rows, graphed=True))
             return self._sample(scheduled, sampled, *self.graphs.run(input_ids, positions, layout))
         logits = self.run_step(StepInputs(input_ids, positions, layout, last_rows + score_rows, _image_rows(batch)))
+        self._hand_hidden(batch.requests, layout.context_lens, batch.num_new_tokens)
         if scored:  # rows after the sampled ones: prompt positions
             _score_prompts(scored, logits[len(last_rows):])
             logits = logits[: len(last_rows)]
@@ -392,8 +400,9 @@ class ModelRunner:
             self._send(dataclasses.replace(step, graphed=True))
             return self._sample(scheduled, requests, *self.graphs.run(ids, ctx, layout), grammars_current=False,
                                 pending=len(rows))
-        return self._sample(scheduled, requests, self.run_step(step, ids), None, grammars_current=False,
-                            pending=len(rows))
+        logits = self.run_step(step, ids)
+        self._hand_hidden(requests, ctx, [1] * len(requests))
+        return self._sample(scheduled, requests, logits, None, grammars_current=False, pending=len(rows))
 
     @torch.inference_mode()
     def launch_mixed_ahead(self, prev: StepLaunch, rows: list[int], batch: ScheduledBatch) -> StepLaunch:
@@ -418,7 +427,12 @@ class ModelRunner:
         scheduled = [(r, 1) for r in decodes] + list(zip(batch.requests, batch.num_new_tokens))
         step = StepInputs(host_ids, positions, layout, last_rows, ahead_rows=rows)  # (followers: as launch_ahead's)
         logits = self.run_step(step, self._ahead_ids(prev.tokens, rows, host_ids))
+        self._hand_hidden(requests, layout.context_lens, layout.query_lens)
         return self._sample(scheduled, sampled, logits, None, grammars_current=False, pending=len(rows))
+
+    def _hand_hidden(self, requests: list[Request], starts: list[int], counts: list[int]) -> None:
+        if self.hidden_sink is not None:
+            self.hidden_sink(list(zip(requests, starts, counts)), self.model.aux_hidden)
 
     def _ahead_ids(self, tokens: torch.Tensor, rows: list[int], joined_ids: list[int]) -> torch.Tensor:
         """A step launched ahead's input tokens: prev's greedy tokens of `rows` (on the device), then the joined

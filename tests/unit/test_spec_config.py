@@ -65,15 +65,13 @@ def test_bad_config_says_what_is_wrong(value, words):
     assert words in str(raised.value)
 
 
-@pytest.mark.parametrize("method", ["eagle3"])
-def test_model_methods_parse_but_are_refused_by_name(method):
-    config = parse_speculative_config({"method": method, "model": "/m/draft", "num_speculative_tokens": 3,
+def test_eagle3_parses_with_its_head_directory_and_is_supported():
+    config = parse_speculative_config({"method": "eagle3", "model": "/m/head", "num_speculative_tokens": 3,
                                        "draft_tensor_parallel_size": 1})
-    assert config.model == "/m/draft" and not config.supported
-    with pytest.raises(InvalidConfig, match=f"'{method}' parses but is not implemented yet; implemented: ngram"):
-        require_supported(config)
-    with pytest.raises(InvalidConfig, match="not implemented yet"):
-        make_proposer(config)
+    assert config.model == "/m/head" and config.supported and config.reads_target_hidden
+    require_supported(config)
+    assert not parse_speculative_config({"method": "draft", "model": "/m/d", "num_speculative_tokens": 3}
+                                        ).reads_target_hidden
 
 
 def test_make_proposer_builds_ngram_from_its_bounds():

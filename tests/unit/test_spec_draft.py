@@ -90,7 +90,7 @@ def test_the_step_drafts_every_row_in_one_batched_draft_loop(tiny_llama, small_d
     calls = []
     proposer = engine.speculator.proposer
     batched = proposer.propose_many
-    proposer.propose_many = lambda histories, ks: calls.append(len(histories)) or batched(histories, ks)
+    proposer.propose_many = lambda histories, ks, ids: calls.append(len(histories)) or batched(histories, ks, ids)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
     while engine.has_unfinished_requests():
@@ -163,7 +163,7 @@ def test_the_step_costs_measured_at_start_run_the_draft_model_and_leave_both_eng
     drafted = []
     proposer = engine.speculator.proposer
     batched = proposer.propose_many
-    proposer.propose_many = lambda histories, ks: drafted.append(ks) or batched(histories, ks)
+    proposer.propose_many = lambda histories, ks, ids: drafted.append(ks) or batched(histories, ks, ids)
     policies = measure_policies(engine)
     assert policies and all(p.max_k == 3 for p in policies.values())
     assert [3, 3] in drafted  # every row drafted K by the draft model, its time inside the step timed

@@ -111,8 +111,8 @@ def test_drafts_stay_within_the_step_budget(tiny_llama):
         assert engine.last_step is None or engine.last_step.tokens <= 6
 
 
-def test_a_method_not_built_is_refused_at_start_naming_what_is(tiny_llama):
-    with pytest.raises(InvalidConfig, match="not implemented yet; implemented: ngram"):
+def test_a_model_method_without_its_model_directory_is_refused_at_start_naming_it(tiny_llama):
+    with pytest.raises(InvalidConfig, match="no EAGLE-3 head config in /x"):
         _engine(tiny_llama, '{"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}')
 
 

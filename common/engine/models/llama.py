@@ -193,6 +193,10 @@ class LlamaForCausalLM(CausalLM):
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     }
+    # EAGLE-3 (common/engine/spec/eagle3.py): the layers whose input (the residual stream entering them; the number
+    # of layers: the stream after the last) forward keeps in `aux_hidden` [T, len(aux_layers) * hidden]; () keeps none.
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -229,9 +233,15 @@ class LlamaForCausalLM(CausalLM):
         rotary = self.model.rotary_emb
         fused = backend.fused_rope_store or rope_store_on_cpu(x, kv_caches[0][0])
         rope = rotary.cos_sin_cache(x.dtype) if fused else rotary(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        residual, keep, kept = None, self.aux_layers, []
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if keep and i in keep:  # (layer 0's input, the embeddings, is then updated in place: a copy)
+                kept.append(x.clone() if residual is None else x + residual)
             x, residual = layer(x, residual, positions, rope, kv_cache, meta, backend)
+        if keep:
+            if len(self.model.layers) in keep:
+                kept.append(x + residual)
+            self.aux_hidden = torch.cat(kept, dim=-1)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

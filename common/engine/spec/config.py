@@ -18,7 +18,7 @@ METHODS = ("ngram", "draft", "eagle3")
 _ALIASES = {"draft_model": "draft", "[ngram]": "ngram"}
 # method → "module:class" under common.engine.spec: the proposers built. A method is added by writing its module
 # and one line here; `require_supported` refuses the others by name.
-PROPOSERS = {"ngram": "ngram:NgramProposer", "draft": "draft:DraftModelProposer"}
+PROPOSERS = {"ngram": "ngram:NgramProposer", "draft": "draft:DraftModelProposer", "eagle3": "eagle3:Eagle3Proposer"}
 # A verify row is K+1 tokens; past ~16 even a 0.9 per-token acceptance (0.9**16 ≈ 0.19 at the last position) buys
 # little, and every row's positions count against the step's token budget.
 MAX_SPECULATIVE_TOKENS = 16
@@ -46,6 +46,11 @@ class SpeculativeConfig:
     @property
     def supported(self) -> bool:
         return self.method in PROPOSERS
+
+    @property
+    def reads_target_hidden(self) -> bool:
+        """Whether the proposer reads the target's hidden states (eagle3), which its forward then keeps."""
+        return self.method == "eagle3"
 
 
 def require_supported(config: SpeculativeConfig) -> None:

@@ -56,7 +56,7 @@ class DraftModelProposer:
     def propose(self, token_ids, k: int) -> list[int]:
         return self.propose_many([token_ids], [k])[0]
 
-    def propose_many(self, histories: list, ks: list[int]) -> list[list[int]]:
+    def propose_many(self, histories: list, ks: list[int], request_ids: list[str] | None = None) -> list[list[int]]:
         """Each row's greedy draft of up to ks[i] tokens after histories[i] (prompt + output), all rows run in the
         draft engine together; [] for a row the draft cannot take (its context past the draft's)."""
         engine = self.engine
@@ -88,6 +88,9 @@ class DraftModelProposer:
             if token >= self.target_vocab_size:
                 return draft[:i]
         return draft
+
+    def forget(self, request_id: str) -> None:
+        """(Nothing to free: the draft engine holds no request between steps.)"""
 
     def close(self) -> None:
         self.engine.close()

@@ -32,6 +32,9 @@ class NgramProposer:
     def close(self) -> None:
         pass  # (nothing beside the target)
 
+    def forget(self, request_id: str) -> None:
+        pass  # (nothing kept per request)
+
     def propose(self, token_ids: Sequence[int] | np.ndarray, k: int) -> list[int]:
         """Up to k draft tokens for a request whose prompt + output so far is `token_ids`; [] where no n-gram of
         the allowed lengths recurs (or k < 1). A list is copied into an array first (~0.1 ms for 4k tokens, more

@@ -1,16 +1,16 @@
 """Speculative decoding in the engine: drafts for its decode rows before a step, and what the step accepted of them.
 
 Before a step, each decode row that may speculate (`eligible`) gets up to K draft tokens from the proposer (n-gram
-prompt lookup over its own prompt and output, or a draft model, which drafts the step's rows in one batched loop),
-K chosen by its acceptance so far (acceptance.py) under the step
-costs measured at start (costs.py). The scheduler gives such a row 1 + K tokens; the step computes the KV of its
-last token and of every draft and samples each of the K + 1 positions as a plain row would sample it there (its own
-seeded draw for that output position). The row then emits the drawn tokens up to and including the first that
-differs from its draft (`accept`): for a greedy row the longest prefix of drafts equal to the target's argmax and
-the target's next token; for a sampled row this is rejection sampling for a draft distribution that is one token
-(accept the draft with the target's probability of it, else draw from the target without it), so the emitted
-tokens follow the target's distribution exactly. The KV of a rejected draft lies past the row's computed tokens and
-is overwritten by the next step; only accepted tokens reach the prefix cache, the KV events and a handoff.
+prompt lookup over its own prompt and output; a draft model or an EAGLE-3 head, which draft the step's rows in one
+batched loop), K chosen by its acceptance so far (acceptance.py) under the step costs measured at start (costs.py).
+The scheduler gives such a row 1 + K tokens; the step computes the KV of its last token and of every draft and
+samples each of the K + 1 positions as a plain row would sample it there (its own seeded draw for that output
+position). The row then emits the drawn tokens up to and including the first that differs from its draft (`accept`):
+for a greedy row the longest prefix of drafts equal to the target's argmax and the target's next token; for a
+sampled row this is rejection sampling for a draft distribution that is one token (accept the draft with the
+target's probability of it, else draw from the target without it), so the emitted tokens follow the target's
+distribution exactly. The KV of a rejected draft lies past the row's computed tokens and is overwritten by the next
+step; only accepted tokens reach the prefix cache, the KV events and a handoff.
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ class Speculator:
         if not wanted:
             return []
         if hasattr(self.proposer, "propose_many"):  # (BatchedProposer: the step's rows in one go)
-            return self.proposer.propose_many([h for _, _, h in wanted], [k for _, k, _ in wanted])
+            return self.proposer.propose_many([h for _, _, h in wanted], [k for _, k, _ in wanted],
+                                              [r.request_id for r, _, _ in wanted])
         return [self.proposer.propose(history, k) for _, k, history in wanted]
 
     def _plain(self, request: Request, reason: str) -> None:
@@ -141,6 +142,7 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
+        self.proposer.forget(request_id)
 
     def close(self) -> None:
         self.proposer.close()
