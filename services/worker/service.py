@@ -177,6 +177,11 @@ class EngineRole:
     def configure(self, args: argparse.Namespace) -> EngineConfig:
         # args hold --engine-config's and --engine-overrides' values after this too
         config = engine_config_from_args(args)
+        if self.role == worker_pb2.WORKER_ROLE_PREFILL and config.speculative_config is not None:
+            # Its prompts end at their first token and never draft: no draft model or EAGLE head to load for them.
+            log.info("speculative decoding is the decode workers': this prefill worker runs without its %s drafts",
+                     config.speculative_config.method)
+            config, args.speculative_config = config.replace(speculative_config=None), None
         args.kv_transports = parse_transports(args.kv_transports)
         log.info("engine config: %s", effective_engine_json(args, config))
         return config

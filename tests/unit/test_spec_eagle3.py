@@ -5,6 +5,7 @@ states gives; seeded sampling reproducible; an abort or the end of every request
 state held; the step's rows drafted in one batched call; malformed heads refused at start naming the directory."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -309,3 +310,25 @@ def test_hidden_states_of_requests_that_never_draft_are_not_kept(target, head):
     while engine.has_unfinished_requests():
         engine.step()
     assert _holds_nothing(engine)
+
+
+def _configured(spec, target: str, head_dir: str):
+    parser = argparse.ArgumentParser()
+    spec.add_args(parser)
+    args = parser.parse_args(["--model", target, "--device", "cpu", "--num-kv-blocks", "64",
+                              "--speculative-config", _spec(head_dir)])
+    return args, spec.configure(args)
+
+
+def test_a_prefill_worker_given_a_speculative_config_loads_no_head_and_a_decode_worker_keeps_it(target, tmp_path):
+    from services.decode.__main__ import SPEC as DECODE
+    from services.prefill.__main__ import SPEC as PREFILL
+    from services.worker.engine_flags import effective_engine_json
+
+    missing = str(tmp_path / "no-head-here")  # loading it would fail: the prefill worker must not try
+    args, config = _configured(PREFILL, target, missing)
+    assert config.speculative_config is None
+    assert json.loads(effective_engine_json(args, config))["speculative-config"] is None
+    assert LLMEngine(config).speculator is None
+    _, config = _configured(DECODE, target, missing)
+    assert config.speculative_config is not None and config.speculative_config.model == missing
