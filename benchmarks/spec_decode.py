@@ -20,7 +20,8 @@ up to near-ties of the arithmetic).
     python -m benchmarks.spec_decode --draft-costs TARGET_DIR,DRAFT_DIR [--k 4] [--device cuda] [--dummy]
 
 runs no server: the engine's own step-cost measurement (common.engine.spec.costs, as a worker runs it at start) for
-the target with that draft model (`--dummy`: random weights from the config.json files), and prints per batch size
+the target with that draft model (or EAGLE-3 head, where its config.json names one: method eagle3; `--dummy`: random
+weights from the config.json files), and prints per batch size
 the plain decode step, the draft's proposal of K tokens for every row, the verify step (the step less the
 proposal) and the acceptance rate at which speculation breaks even (below it, no K emits more than one token per
 plain step's cost). Random-weight drafts give costs, not acceptance: whether a pair clears that rate takes a
@@ -208,7 +209,11 @@ def draft_costs(target: str, draft: str, k: int, device: str, dummy: bool) -> li
     from common.engine.spec.config import parse_speculative_config
     from common.engine.spec.costs import measure_policies
 
-    spec = json.dumps({"method": "draft", "model": draft, "num_speculative_tokens": k})
+    from common.engine.spec.eagle3_head import ARCHITECTURES
+
+    architectures = json.loads((Path(draft) / "config.json").read_text()).get("architectures") or []
+    method = "eagle3" if set(architectures) & set(ARCHITECTURES) else "draft"
+    spec = json.dumps({"method": method, "model": draft, "num_speculative_tokens": k})
     engine = LLMEngine(EngineConfig(model=target, device=device, load_format="dummy" if dummy else "auto",
                                     dtype="bfloat16" if device.startswith("cuda") else "float32",
                                     speculative_config=parse_speculative_config(spec)))
@@ -256,7 +261,8 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--draft-costs", default=None, metavar="TARGET_DIR,DRAFT_DIR",
-                        help="no server: a draft model's per-step cost and break-even acceptance")
+                        help="no server: a draft model's (or EAGLE-3 head's) per-step cost and break-even "
+                        "acceptance")
     parser.add_argument("--k", type=int, default=4, help="--draft-costs: draft tokens a step")
     parser.add_argument("--device", default="cpu", help="--draft-costs: the engine's device")
     parser.add_argument("--dummy", action="store_true", help="--draft-costs: random weights (--load-format dummy)")

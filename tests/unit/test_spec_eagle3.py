@@ -26,6 +26,7 @@ from tests.tiny_models import _COMMON
 
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [40, 41, 42, 43, 44, 45, 46], list(range(100, 131))]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 LAYERS = 8  # the default aux layers: the inputs of layers 2, 4 and 5
 REPEATS = [300, 301] * 6  # the tiny target answers it with a run of one token (87)
 SHAPE = dict(num_key_value_heads=2, num_attention_heads=4, hidden_size=64, intermediate_size=96)
@@ -118,10 +119,11 @@ def _holds_nothing(engine: LLMEngine) -> bool:
             == engine.block_manager.num_blocks and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks)
 
 
-def test_greedy_tokens_with_an_eagle3_head_are_those_without_it_and_hfs(target, head):
-    engine = _engine(target, _spec(head))
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_tokens_with_an_eagle3_head_are_those_without_it_and_hfs(target, head, device):
+    engine = _engine(target, _spec(head), device=device)
     got = engine.generate(PROMPTS, GREEDY)
-    assert got == _engine(target, None).generate(PROMPTS, GREEDY)
+    assert got == _engine(target, None, device=device).generate(PROMPTS, GREEDY)
     assert got == [hf_greedy(target, p, GREEDY.max_tokens)[0] for p in PROMPTS]
     assert _count(engine, "draft_tokens") > 0 and _count(engine, "drafts") > 0
     assert engine.runner.graphs is None and engine.runner.model.aux_layers == (2, 4, 5)
@@ -183,8 +185,9 @@ def reference_drafts(target_dir: str, head_dir: str, history: list[int], k: int,
     return drafts
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["default", "own-embeddings-small-vocab-sglang-ids", "two-tokens-accepted"])
-def test_every_draft_is_the_one_eagle3_computed_from_scratch_gives(target, tmp_path, variant):
+def test_every_draft_is_the_one_eagle3_computed_from_scratch_gives(target, tmp_path, variant, device):
     if variant == "default":
         head_dir, layers = save_head(tmp_path / "head", head_tensors()), (2, 4, 5)
     elif variant == "two-tokens-accepted":  # 87, the token the target repeats after REPEATS, and another: drafts
@@ -195,7 +198,7 @@ def test_every_draft_is_the_one_eagle3_computed_from_scratch_gives(target, tmp_p
         head_dir = save_head(tmp_path / "head", head_tensors(draft_vocab=64, own_embeddings=True, seed=5),
                              eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 6]})
         layers = (1, 4, 7)
-    engine = _engine(target, _spec(head_dir))
+    engine = _engine(target, _spec(head_dir), device=device)
     proposer = engine.speculator.proposer
     assert engine.runner.model.aux_layers == layers
     calls, batched = [], proposer.propose_many
@@ -227,11 +230,12 @@ def test_a_head_whose_drafts_the_target_accepts_emits_them_and_keeps_its_tokens(
     assert _holds_nothing(engine)
 
 
-def test_seeded_sampling_draws_the_same_tokens_with_an_eagle3_head(target, head):
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_sampling_draws_the_same_tokens_with_an_eagle3_head(target, head, device):
     sampling = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
-    expected = _engine(target, None).generate(PROMPTS, sampling)
-    assert _engine(target, _spec(head)).generate(PROMPTS, sampling) == expected
-    assert _engine(target, _spec(head)).generate(PROMPTS, sampling) == expected
+    expected = _engine(target, None, device=device).generate(PROMPTS, sampling)
+    assert _engine(target, _spec(head), device=device).generate(PROMPTS, sampling) == expected
+    assert _engine(target, _spec(head), device=device).generate(PROMPTS, sampling) == expected
 
 
 def test_the_step_drafts_every_row_in_one_batched_call(target, head):
@@ -243,8 +247,9 @@ def test_the_step_drafts_every_row_in_one_batched_call(target, head):
     assert calls and max(calls) == len(PROMPTS)
 
 
-def test_an_abort_mid_speculation_leaves_no_head_block_or_hidden_state(target, head):
-    engine = _engine(target, _spec(head))
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_abort_mid_speculation_leaves_no_head_block_or_hidden_state(target, head, device):
+    engine = _engine(target, _spec(head), device=device)
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(4):
@@ -332,3 +337,14 @@ def test_a_prefill_worker_given_a_speculative_config_loads_no_head_and_a_decode_
     assert LLMEngine(config).speculator is None
     _, config = _configured(DECODE, target, missing)
     assert config.speculative_config is not None and config.speculative_config.model == missing
+
+
+def test_the_draft_costs_bench_times_an_eagle3_head_with_random_weights(target, tmp_path):
+    from benchmarks.spec_decode import draft_costs
+
+    head_dir = tmp_path / "config-only-head"
+    save_head(head_dir, head_tensors())
+    (head_dir / "model.safetensors").unlink()  # --dummy: config.json alone
+    rows = draft_costs(target, str(head_dir), 2, "cpu", dummy=True)
+    assert [r["batch"] for r in rows] == [1, 8, 32]
+    assert all(r["propose_ms"] > 0 and r["verify_ms"] > 0 and r["step_cost"] >= 1.0 for r in rows)
