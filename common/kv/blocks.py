@@ -3,6 +3,7 @@ ids read out of a cache (gather_blocks), of one tensor or of a tensor-parallel e
 from __future__ import annotations
 
 import ctypes
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -52,18 +53,24 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs(range(len(block_ids)), block_ids)
 
 
-def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
+def gather_blocks(source: torch.Tensor | KvShards, block_ids: Sequence[int],
+                  allocate: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """source[:, :, block_ids] on source's device, in the current stream: a block allocator mostly hands
     out consecutive blocks, and a strided copy per run moves them at copy speed, where an indexed
     gather over the middle dimension of a 6-d tensor runs several times slower. A sharded cache's blocks are
-    gathered on each shard's GPU and land, every head, on its first one's."""
+    gathered on each shard's GPU and land, every head, on its first one's. `allocate` (a plain tensor's only)
+    gives the output's memory: n bytes as a uint8 tensor on source's device."""
     if isinstance(source, KvShards):
         return source.gather(block_ids, gather_blocks)
+    shape = (*source.shape[:2], len(block_ids), *source.shape[3:])
+    if allocate is None:
+        out = torch.empty(shape, dtype=source.dtype, device=source.device)
+    else:
+        out = allocate(math.prod(shape) * source.element_size()).view(source.dtype).view(shape)
     spans = block_runs(block_ids)
     if len(spans) > MAX_RUNS:
         index = torch.tensor(list(block_ids), dtype=torch.long).to(source.device, non_blocking=True)
-        return source.index_select(2, index)
-    out = torch.empty((*source.shape[:2], len(block_ids), *source.shape[3:]), dtype=source.dtype, device=source.device)
+        return torch.index_select(source, 2, index, out=out)
     for position, first, length in spans:
         out[:, :, position : position + length].copy_(source[:, :, first : first + length], non_blocking=True)
     return out

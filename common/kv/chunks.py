@@ -14,9 +14,14 @@ import torch
 from google.protobuf.message import DecodeError
 
 from common.errors import InvalidRequest, LayoutMismatch
+from common.kv.buffers import host_empty
 from common.pb.disagg.v1 import worker_pb2
 
-MAX_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_CHUNK_BYTES = 4 * 1024 * 1024  # the most a puller may ask for (TensorStore.Pull's contract)
+# What a puller gets when it asks for nothing: 1 MiB chunks cost both ends less CPU than 4 MiB ones (the
+# exporter's serialized chunks and gRPC's received messages are freed and reused warm by the allocator, where
+# 4 MiB ones come as fresh pages), and a pull between hosts is bound by that CPU unless its link is slower.
+DEFAULT_CHUNK_BYTES = 1024 * 1024
 # Same-size integer types: every dtype (bfloat16 included, which numpy lacks) travels as these.
 _INT_OF_SIZE = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32),
                 8: (torch.int64, np.int64)}
@@ -59,8 +64,9 @@ def tensor_from_bytes(data: bytearray, shape: Sequence[int], dtype: str) -> torc
 
 
 def chunk_size(requested: int, max_message_bytes: int, header_room: int) -> int:
-    """The data bytes per chunk: what the puller asked for (0 = default), within 4 MiB and the message cap."""
-    size = min(requested or MAX_CHUNK_BYTES, MAX_CHUNK_BYTES, max_message_bytes - header_room)
+    """The data bytes per chunk: what the puller asked for (0 = DEFAULT_CHUNK_BYTES), within 4 MiB and the
+    message cap."""
+    size = min(requested or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, max_message_bytes - header_room)
     if size < 1:
         raise InvalidRequest(f"max message size {max_message_bytes} leaves no room for tensor data")
     return size
@@ -145,13 +151,14 @@ def chunk_tensor(header: worker_pb2.TensorHeader, data: memoryview,
 class ChunkAssembler:
     """Collects a Pull stream into one buffer, refusing gaps, reordering, overruns and short streams.
 
-    The buffer is a uint8 tensor from `allocate` (pinned memory when the KV goes on to a GPU)."""
+    The buffer is a uint8 tensor from `allocate` (pinned memory when the KV goes on to a GPU; by default host
+    memory in huge pages, common.kv.buffers)."""
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.header: worker_pb2.TensorHeader | None = None
         self.buffer = memoryview(bytearray())
         self.received = 0
-        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        self._allocate = allocate or host_empty
         self._bytes = torch.empty(0, dtype=torch.uint8)
 
     def add(self, chunk: worker_pb2.TensorChunk, data: memoryview | bytes | None = None) -> None:

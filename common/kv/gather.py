@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from common.kv.blocks import gather_blocks
+from common.kv.buffers import host_empty
 from common.kv.shards import KvShards
 
 _streams: dict[int, torch.cuda.Stream] = {}
@@ -101,8 +102,8 @@ def _devices(source: torch.Tensor | KvShards) -> list[torch.device]:
 
 async def gather_to_host(kv_cache: torch.Tensor | KvShards, block_ids: Sequence[int]) -> torch.Tensor:
     """kv_cache[:, :, block_ids] as a contiguous host tensor (pinned when the cache is on a GPU)."""
-    if kv_cache.device.type != "cuda":
-        return await asyncio.to_thread(gather_blocks, kv_cache, block_ids)
+    if kv_cache.device.type != "cuda":  # into huge pages: the chunks are cut from it, it is written once
+        return await asyncio.to_thread(gather_blocks, kv_cache, block_ids, host_empty)
     host, event = await asyncio.to_thread(_on_side_stream, kv_cache.device,
                                           lambda: _to_pinned(gather_blocks(kv_cache, block_ids)), _devices(kv_cache))
     await wait_event(event)
@@ -132,5 +133,8 @@ async def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def pinned_empty(num_bytes: int, device: torch.device) -> torch.Tensor:
-    """A byte buffer to receive pulled KV into: pinned when it will go on to a GPU."""
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    """A byte buffer to receive pulled KV into: pinned when it will go on to a GPU (the caching host allocator's,
+    reused warm), else in huge pages (common.kv.buffers)."""
+    if device.type == "cuda":
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    return host_empty(num_bytes)

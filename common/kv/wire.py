@@ -30,7 +30,11 @@ KV_DIMS = "layer,kv,block,slot,kv_head,head_dim"
 # Room for a chunk's framing and the first chunk's header (block ids) on top of its data.
 HEADER_ROOM = 1024 * 1024
 RELEASE_TIMEOUT_S = 5.0
-_PULL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + HEADER_ROOM)]
+# The importer's socket reads start at 4 MiB and may grow to 16 MiB (gRPC's defaults: 8 KiB, up to 4 MiB): a pull's
+# chunks then arrive in fewer, larger reads, which cost the importer's gRPC less CPU per byte.
+_PULL_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_CHUNK_BYTES + HEADER_ROOM),
+                         ("grpc.experimental.tcp_read_chunk_size", 4 * 1024 * 1024),
+                         ("grpc.experimental.tcp_max_read_chunk_size", 16 * 1024 * 1024)]
 
 
 class PulledKv(NamedTuple):

@@ -11,6 +11,7 @@ from common.engine.request import RequestType, SamplingParams
 from common.errors import InvalidConfig, InvalidRequest
 from common.kv import gather, host, transport
 from common.kv.blocks import block_runs, gather_blocks
+from common.kv.buffers import host_empty
 from common.kv.errors import TransportUnavailable
 from common.kv.offer import KV_CACHE_ID_ATTRIBUTE, OFFERED_ATTRIBUTE, parse_transports
 from common.kv.probe import PROBE_BLOCKS, PROBE_HANDLE
@@ -133,6 +134,9 @@ def test_gather_blocks_equals_index_select_for_runs_and_scattered_ids(block_ids)
     cache = torch.randn(3, 2, 48, 4, 2, 8)
     expected = cache.index_select(2, torch.tensor(block_ids))
     assert torch.equal(gather_blocks(cache, block_ids), expected)
+    into = []  # the output's memory from `allocate`: the same values, in the buffer handed out
+    out = gather_blocks(cache, block_ids, lambda n: into.append(host_empty(n)) or into[-1])
+    assert torch.equal(out, expected) and out.data_ptr() == into[0].data_ptr()
 
 
 def test_a_pull_cancelled_while_its_lease_is_answered_still_ends_the_lease(tiny_llama):

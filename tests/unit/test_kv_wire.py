@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from common.errors import InvalidRequest, LayoutMismatch
-from common.kv.chunks import MAX_CHUNK_BYTES, assemble, chunk_size, chunk_tensor, tensor_to_bytes
+from common.kv.chunks import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, ChunkAssembler, assemble, chunk_size, chunk_tensor,
+                              encoded_chunks, parse_chunk, tensor_to_bytes)
 from common.kv.layout import KvLayout
 from common.kv.paths import check_pullable
 from common.kv.session import KvSession
@@ -33,6 +34,18 @@ def test_round_trip_is_bit_exact(dtype, size):
     header, back = assemble(chunks)
     assert back.dtype == dtype and back.shape == tensor.shape
     assert torch.equal(back.view(torch.uint8), tensor.view(torch.uint8))
+
+
+@pytest.mark.parametrize("size", [1000, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES])
+def test_serialized_chunks_parse_back_into_the_same_tensor(size):
+    tensor = torch.randn(3 * MAX_CHUNK_BYTES // 4 + 5, generator=torch.Generator().manual_seed(1))
+    raw = list(encoded_chunks(_header(tensor), tensor_to_bytes(tensor), size))
+    assert [worker_pb2.TensorChunk.FromString(r) for r in raw] == _chunks(tensor, size)  # protobuf's own encoding
+    assembler = ChunkAssembler()
+    for message in raw:
+        assembler.add(*parse_chunk(message))
+    header, back = assembler.finish()
+    assert list(header.shape) == list(tensor.shape) and torch.equal(back, tensor)
 
 
 def test_bytes_are_little_endian():
@@ -78,10 +91,11 @@ def test_unknown_dtype_is_a_layout_mismatch():
 
 
 def test_chunk_size_stays_within_4mib_and_the_message_cap():
-    assert chunk_size(0, 16 << 20, 1 << 20) == MAX_CHUNK_BYTES
+    assert chunk_size(0, 16 << 20, 1 << 20) == DEFAULT_CHUNK_BYTES < MAX_CHUNK_BYTES
     assert chunk_size(100 << 20, 16 << 20, 1 << 20) == MAX_CHUNK_BYTES
     assert chunk_size(1000, 16 << 20, 1 << 20) == 1000
-    assert chunk_size(0, 3 << 20, 1 << 20) == 2 << 20
+    assert chunk_size(4 << 20, 3 << 20, 1 << 20) == 2 << 20
+    assert chunk_size(0, DEFAULT_CHUNK_BYTES + 1000, 1 << 20) == 1000
     with pytest.raises(InvalidRequest, match="leaves no room"):
         chunk_size(0, 1 << 20, 1 << 20)
 
