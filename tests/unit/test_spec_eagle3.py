@@ -1,6 +1,6 @@
 """EAGLE-3 speculative decoding (common/engine/spec/eagle3.py) on the CPU with tiny random targets and random heads
 saved in the Hugging Face layout (safetensors): greedy tokens the same as without speculation and as Hugging Face's,
-for Llama and Qwen2 targets; every draft the one an independent EAGLE-3 computation over Hugging Face's hidden
+for Llama, Qwen2 and Qwen3 targets; every draft the one an independent EAGLE-3 computation over Hugging Face's hidden
 states gives; seeded sampling reproducible; an abort or the end of every request leaving no head block or hidden
 state held; the step's rows drafted in one batched call; malformed heads refused at start naming the directory."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from common.engine.config import EngineConfig
@@ -33,10 +33,12 @@ SHAPE = dict(num_key_value_heads=2, num_attention_heads=4, hidden_size=64, inter
 
 
 def _target(root, family: str = "llama") -> str:
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config_cls, model_cls, extra = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
+                                    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+                                    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}[family]
     torch.manual_seed(0)
     config = config_cls(**{**_COMMON, "num_hidden_layers": LAYERS, "num_key_value_heads": 2,
-                           "tie_word_embeddings": False})
+                           "tie_word_embeddings": False, **extra})
     model = model_cls(config).eval()
     if family == "qwen2":  # random init zeroes biases; make them matter
         with torch.no_grad():
@@ -130,8 +132,9 @@ def test_greedy_tokens_with_an_eagle3_head_are_those_without_it_and_hfs(target, 
     assert _holds_nothing(engine)
 
 
-def test_a_qwen2_target_with_an_eagle3_head_keeps_its_greedy_tokens(tmp_path, head):
-    qwen = _target(tmp_path / "qwen2", "qwen2")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_qwen_target_with_an_eagle3_head_keeps_its_greedy_tokens(tmp_path, head, family):
+    qwen = _target(tmp_path / family, family)
     engine = _engine(qwen, _spec(head))
     got = engine.generate(PROMPTS, GREEDY)
     assert got == _engine(qwen, None).generate(PROMPTS, GREEDY)
