@@ -20,11 +20,13 @@ import time
 from pathlib import Path
 
 import grpc
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.kv import host  # noqa: E402
 from common.kv.store import pull_kv  # noqa: E402
+from common.kv.transports.nixl import NixlTransport  # noqa: E402
 from common.kv.wire import ChannelCache, release_session  # noqa: E402
 from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from benchmarks.processes import start_service  # noqa: E402
@@ -52,26 +54,39 @@ async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int,
                       transports: tuple[str, ...] = ("grpc", "shm")) -> tuple[int, dict[str, list[float]]]:
     """Times of pulls of `ref` for each of `transports`, interleaved: "grpc" over the gRPC stream (the ref as an
     importer on another host sees it, no shared host), "shm" through the same-host fast path
-    (common.kv.transports.shm). The session is released at the end."""
+    (common.kv.transports.shm), "nixl" the NIXL transport's one-sided read into host memory (the read alone: its
+    Release would end the session). A warm-up pull through each first checks that all moved the same bytes. The
+    session is released at the end."""
     over_grpc = common_pb2.KvSessionRef()
     over_grpc.CopyFrom(ref)
     over_grpc.attributes.pop(host.HOST_ID_ATTRIBUTE, None)
-    targets = {"grpc": over_grpc, "shm": ref}
     channels = ChannelCache()
+    nixl = NixlTransport() if "nixl" in transports else None
     try:
         channel = channels.get(ref.endpoint)
-        await pull_kv(channel, over_grpc)  # warm-up: connection, allocator
+
+        async def pull(transport: str) -> tuple[str, torch.Tensor]:
+            if transport == "nixl":
+                return transport, await nixl.read(torch.device("cpu"), channel, over_grpc)
+            pulled = await pull_kv(channel, over_grpc if transport == "grpc" else ref)
+            return pulled.transport, pulled.export.blocks
+
+        reference = (await pull("grpc"))[1]  # warm-up: connections, agents, allocator
+        for transport in transports:
+            name, blocks = await pull(transport)
+            if not torch.equal(blocks.view(torch.uint8), reference.view(torch.uint8)):
+                raise AssertionError(f"a {name} pull of session {ref.session_id} differs from its gRPC pull")
         times: dict[str, list[float]] = {transport: [] for transport in transports}
-        size = 0
         for _ in range(repeats):
             for transport in transports:
                 start = time.perf_counter()
-                pulled = await pull_kv(channel, targets[transport])
-                times[pulled.transport].append(time.perf_counter() - start)
-                size = pulled.num_bytes
+                name, _ = await pull(transport)
+                times[name].append(time.perf_counter() - start)
         await release_session(channel, ref.session_id)
-        return size, times
+        return reference.numel() * reference.element_size(), times
     finally:
+        if nixl is not None:
+            nixl.close()
         await channels.close()
 
 
