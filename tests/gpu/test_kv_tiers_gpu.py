@@ -70,3 +70,28 @@ def test_the_bandwidth_bench_times_offload_and_onboard_on_a_gpu(monkeypatch, cap
     assert bench.main() == 0
     out = capsys.readouterr().out
     assert "host tier pinned" in out and "(pinned host -> device copy)" in out
+
+
+def test_offload_and_onboard_do_not_wait_for_the_step_in_flight():
+    from benchmarks.kv_tier_bandwidth import DevicePaths, layout_of
+
+    paths = DevicePaths(layout_of(None, 1 << 16), 4, torch.device("cuda"), batch=4)
+    try:
+        paths.offload()
+        tiers, keys = paths.tiers, paths.keys
+        fetched = tiers.fetch("r", keys, limit=4)
+        torch.cuda.synchronize()
+        busy = torch.cuda.Event(enable_timing=False)
+        torch.cuda._sleep(2_000_000_000)  # about a second of a step on the engine's stream
+        busy.record()
+        tiers.install([4, 5, 6, 7], fetched)
+        for b in range(4):  # the same blocks down again: out of the host tier, cached on the device
+            tiers.host.discard(keys[b].hash)
+            tiers.remember(b, keys[b])
+        tiers.capture([(b, keys[b].hash) for b in range(4)])
+        assert not busy.query(), "install or capture waited for the stream"
+        torch.cuda.synchronize()
+        tiers.mover.drain()
+        assert paths.onboarded_intact() and all(key.hash in tiers.host for key in keys)
+    finally:
+        paths.close()

@@ -231,7 +231,7 @@ class KvTiers:
         started, n = time.perf_counter(), len(block_ids)
         shape = (n, *self.cache_bytes[:, :, 0].shape)
         values = self._upload([b.payload for b in blocks]).view(shape).permute(1, 2, 0, 3, 4, 5)
-        self.cache_bytes.index_copy_(2, torch.tensor(block_ids, dtype=torch.long, device=self.device), values)
+        self.cache_bytes.index_copy_(2, self._indices(block_ids), values)
         share = (time.perf_counter() - started) / n
         by_tier: dict[str, list[StoredBlock]] = {}
         for block_id, block in zip(block_ids, blocks):
@@ -261,8 +261,13 @@ class KvTiers:
         if gathered:
             rows = torch.empty((len(gathered), self.block_bytes), dtype=torch.uint8, pin_memory=True)
             torch.stack([payloads[i] for i in gathered], out=rows)
-            out.index_copy_(0, torch.tensor(gathered, device=self.device), rows.to(self.device, non_blocking=True))
+            out.index_copy_(0, self._indices(gathered), rows.to(self.device, non_blocking=True))
         return out
+
+    def _indices(self, ids: list[int]) -> torch.Tensor:
+        """`ids` as a device tensor, sent up without waiting: torch.tensor(ids, device=...) copies from pageable
+        memory and waits for the engine's stream, the step in flight with it."""
+        return torch.tensor(ids, dtype=torch.long, pin_memory=self._pinned).to(self.device, non_blocking=True)
 
     def _load_run(self, keys: list[BlockKey], staged: dict[int, StoredBlock] | None = None) -> list[StoredBlock]:
         """The blocks of `keys` up to the first no tier holds: `staged`'s where it has the same key, else loaded."""
