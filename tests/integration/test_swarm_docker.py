@@ -27,6 +27,7 @@ from tests.integration.test_compose_docker import IMAGE_TAG, PROMPTS, Stack, _ru
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROLLED_TAG = "test-swarm-2"  # prefill's new image: disagg:test-compose under a second name
+DECODE_METRICS_PORT = 9102  # swarm.yml's DISAGG_METRICS_PORT for decode, inside each task's container
 FILES = ("-c", str(COMPOSE_DIR / "swarm.yml"), "-c", str(COMPOSE_DIR / "swarm-stand-ins.yml"))
 
 
@@ -138,6 +139,21 @@ class Traffic:
             thread.join(180)
 
 
+def _rows_stepped(stack: SwarmStack, role: str, port: int) -> dict[str, float]:
+    """Each running task's rows stepped so far (disagg_engine_step_sequences_total over every kind), read from its
+    own /metrics inside its container, by container id."""
+    ids = _run(stack.docker, "ps", "-q", "--filter", f"label=com.docker.swarm.service.name={stack.name}_{role}",
+               timeout=60).stdout.split()
+    read = ("import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:%d/metrics', timeout=10)"
+            ".read().decode())" % port)
+    rows = {}
+    for container in ids:
+        text = _run(stack.docker, "exec", container, "python", "-c", read, timeout=60).stdout
+        rows[container] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith("disagg_engine_step_sequences_total{"))
+    return rows
+
+
 def _update_state(stack: SwarmStack, role: str) -> str:
     return stack.service("inspect", "--format", "{{if .UpdateStatus}}{{.UpdateStatus.State}}{{end}}",
                          f"{stack.name}_{role}", timeout=60).strip()
@@ -151,9 +167,16 @@ def test_decode_scaled_up_and_prefill_rolled_under_traffic_lose_no_request(stack
         wait_for(lambda: len(stack.passing("disagg-decode")) == 3, 120, "the router's Consul to pass 3 decode",
                  every_s=1)
         served_before_roll = len(traffic.answered)
+        stepped_at_scale = _rows_stepped(stack, "decode", DECODE_METRICS_PORT)
         stack.service("update", "--detach=false", "--no-resolve-image", "--image", f"disagg:{ROLLED_TAG}",
                       f"{stack.name}_prefill")
         wait_for(lambda: len(stack.passing("disagg-prefill")) == 1, 60, "the old prefill to leave Consul", every_s=1)
+        # Every decode replica serves: the two added ones too, not only the first (each stepped rows of its own
+        # after it joined; the engine's warm-up ran before it passed its health check).
+        wait_for(lambda: all(rows > stepped_at_scale.get(container, float("inf"))
+                             for container, rows in _rows_stepped(stack, "decode", DECODE_METRICS_PORT).items()),
+                 60, "every decode replica to step rows of its own under traffic", every_s=2)
+    assert len(stepped_at_scale) == 3, stepped_at_scale
     assert traffic.failures == [] and served_before_roll >= 3 and len(traffic.answered) > served_before_roll, (
         traffic.failures, served_before_roll, len(traffic.answered))
     assert _update_state(stack, "prefill") == "completed"  # not rolled back
