@@ -48,6 +48,23 @@ class _HeadRow:
     num_computed_tokens: int = 0
 
 
+@dataclass
+class _Pass:
+    """A row of one proposal: its head KV, prompt + output (`length` tokens), k, and the target's hidden states of
+    positions [first, length - 1), the ones the head runs first."""
+
+    index: int
+    row: _HeadRow
+    history: object
+    k: int
+    first: int
+    hidden: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return len(self.history)
+
+
 class _Hidden:
     """One request's target hidden states not yet run by the head: contiguous segments (first position, rows)."""
 
@@ -132,7 +149,7 @@ class Eagle3Proposer:
         """Each row's greedy draft of up to ks[i] tokens after histories[i] (prompt + output); [] for a row whose
         target hidden states the head lacks, past the head's context, or short of head KV blocks."""
         drafts: list[list[int]] = [[] for _ in histories]
-        rows = []  # (index, request id, L, k, first position to run, its hidden rows)
+        rows: list[_Pass] = []
         for i, (history, k, request_id) in enumerate(zip(histories, ks, request_ids, strict=True)):
             length = len(history)
             hidden = self._hidden.get(request_id)
@@ -147,47 +164,44 @@ class Eagle3Proposer:
                 self.blocks.free(row)
                 row.base = row.done = first
             row.num_computed_tokens = 0
-            if not self.blocks.allocate_slots(row, length + k - 2 - row.base):
-                continue
-            rows.append((i, request_id, length, k, first, target_rows))
+            if self.blocks.allocate_slots(row, length + k - 2 - row.base):
+                rows.append(_Pass(i, row, history, k, first, target_rows))
         if rows:
-            for (i, *_), tokens in zip(rows, self._draft(rows, histories)):
-                drafts[i] = tokens
-        for _, request_id, length, _, _, _ in rows:
-            self._rows[request_id].done = length - 1
-            self._hidden[request_id].drop_before(length - 2)
+            for one, tokens in zip(rows, self._draft(rows)):
+                drafts[one.index] = tokens
+        for one, request_id in ((one, request_ids[one.index]) for one in rows):
+            one.row.done = one.length - 1
+            self._hidden[request_id].drop_before(one.length - 2)
         return drafts
 
-    def _draft(self, rows: list, histories: list) -> list[list[int]]:
+    def _draft(self, rows: list[_Pass]) -> list[list[int]]:
         """The head's passes over `rows`: the catch-up one, then one a further draft."""
         head = self.head
-        heads = [self._rows[request_id] for _, request_id, *_ in rows]
-        tokens = np.concatenate([np.asarray(histories[i][first + 1: length]) for i, _, length, _, first, _ in rows])
-        positions = np.concatenate([np.arange(first, length - 1) for _, _, length, _, first, _ in rows])
-        target_hidden = torch.cat([target_rows for *_, target_rows in rows])
-        layout = BatchLayout(query_lens=[length - 1 - first for _, _, length, _, first, _ in rows],
-                             context_lens=[first - r.base for r, (*_, first, _) in zip(heads, rows)],
-                             block_tables=[r.block_table for r in heads])
-        normed, prenorm = self._forward(self._upload(tokens), head.fc(target_hidden), positions, layout)
+        layout = BatchLayout(query_lens=[r.length - 1 - r.first for r in rows],
+                             context_lens=[r.first - r.row.base for r in rows],
+                             block_tables=[r.row.block_table for r in rows])
+        tokens = np.concatenate([np.asarray(r.history[r.first + 1:]) for r in rows])
+        positions = np.concatenate([np.arange(r.first, r.length - 1) for r in rows])
+        normed, prenorm = self._forward(self._upload(tokens), head.fc(torch.cat([r.hidden for r in rows])),
+                                        positions, layout)
         last = torch.tensor(np.cumsum(layout.query_lens) - 1, device=self.device)
         ids, hidden = head.draft_ids(normed[last]), prenorm[last]
-        out = [ids]
-        live = list(range(len(rows)))
-        for step in range(1, max(k for _, _, _, k, _, _ in rows)):
-            keep = [j for j in live if rows[j][3] > step]
-            if len(keep) < len(live):
-                index = torch.tensor([live.index(j) for j in keep], device=self.device)
-                ids, hidden, live = ids[index], hidden[index], keep
-            lengths = [rows[j][2] for j in live]
+        out, live = [ids], list(range(len(rows)))
+        for step in range(1, max(r.k for r in rows)):
+            going = [j for j in live if rows[j].k > step]
+            if len(going) < len(live):
+                index = torch.tensor([live.index(j) for j in going], device=self.device)
+                ids, hidden, live = ids[index], hidden[index], going
+            at = [rows[j].length - 2 + step for j in live]  # each row's position of this draft's input
             layout = BatchLayout(query_lens=[1] * len(live),
-                                 context_lens=[n - 2 + step - heads[j].base for j, n in zip(live, lengths)],
-                                 block_tables=[heads[j].block_table for j in live])
-            normed, hidden = self._forward(ids, hidden, np.array([n - 2 + step for n in lengths]), layout)
+                                 context_lens=[p - rows[j].row.base for j, p in zip(live, at)],
+                                 block_tables=[rows[j].row.block_table for j in live])
+            normed, hidden = self._forward(ids, hidden, np.array(at), layout)
             ids = head.draft_ids(normed)
             out.append(torch.full((len(rows),), -1, dtype=torch.long, device=self.device).index_copy_(
                 0, torch.tensor(live, device=self.device), ids))
         table = torch.stack(out, dim=1).tolist()  # one copy to the host for every draft
-        return [self._in_vocab(t[:k]) for t, (_, _, _, k, _, _) in zip(table, rows)]
+        return [self._in_vocab(t[: r.k]) for t, r in zip(table, rows)]
 
     def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: np.ndarray, layout: BatchLayout):
         embeds = self.embed(ids)
