@@ -18,6 +18,7 @@ import numpy as np
 
 from common.engine.request import SamplingParams
 from common.engine.spec.config import FLAG, SpeculativeConfig
+from common.engine.spec.memory import draft_rows_blocks
 from common.errors import DisaggError, InvalidConfig
 from common.model_facts import load_model_facts
 from common.tokenizer import load_tokenizer
@@ -44,7 +45,7 @@ class DraftModelProposer:
                                 f"{config.draft_tensor_parallel_size}")
         check_same_vocabulary(config.model, target.config.model)
         t = target.config
-        rows_k = t.max_num_seqs * -(-(config.num_speculative_tokens + 1) // t.block_size)
+        rows_k = draft_rows_blocks(config, t.max_num_seqs, t.block_size)
         draft = LLMEngine(t.replace(
             model=config.model, num_kv_blocks=target.block_manager.num_blocks + rows_k,
             gpu_memory_utilization=None, max_model_len=None, speculative_config=None, tensor_parallel_size=1,

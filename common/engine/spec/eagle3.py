@@ -31,6 +31,7 @@ from common.engine.model_runner import make_attention_backend
 from common.engine.request import Request, RequestType
 from common.engine.spec.config import FLAG, SpeculativeConfig
 from common.engine.spec.eagle3_head import Eagle3Head, load_head
+from common.engine.spec.memory import draft_rows_blocks
 from common.errors import InvalidConfig
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class Eagle3Proposer:
                                 "(--tensor-parallel-size 1)")
         head, layers = load_head(config.model, target, target.runner.dtype, target.runner.device,
                                  t.dummy_seed if t.load_format == "dummy" else None)
-        rows_k = t.max_num_seqs * -(-(config.num_speculative_tokens + 1) // t.block_size)
+        rows_k = draft_rows_blocks(config, t.max_num_seqs, t.block_size)
         proposer = cls(head, layers, target, target.block_manager.num_blocks + rows_k)
         log.info("speculative decoding: EAGLE-3 head %s over the target's layers %s, %d KV blocks", config.model,
                  list(layers), proposer.blocks.num_blocks)
