@@ -7,7 +7,8 @@ a process in the other pulls its session `--repeats` times over TensorStore.Pull
 (UCX over TCP alone, UCX_TLS=tcp, as between hosts without RDMA; left out, with NIXL's reason, where NIXL cannot
 run), interleaved, and receives the same number of bytes from a plain socket sender in the prefill's namespace.
 `--rate` shapes the prefill host's veth with tc tbf, so the link, not the CPU, is the limit. Prints the median MB/s
-of each and each pull's ratio to raw TCP.
+of each, each pull's ratio to raw TCP, and the CPU time both ends spent per pull (the importer's process and the
+prefill worker's; the receiver's and the sender's for raw TCP), which says what bounds a pull on an unshaped link.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
+from benchmarks.cpu_time import TICKS_PER_S, cpu_ticks
 from benchmarks.kv_pull_bandwidth import MB, prefill_session, serve_copies, timed_copies, timed_pulls
 from benchmarks.netns import hosts_apart
 from common.kv.transports.nixl import nixl_unavailable_reason
@@ -37,9 +40,15 @@ def _send_tcp(address: str) -> None:
 
 def _importer(args) -> int:
     ref = common_pb2.KvSessionRef.FromString(base64.b64decode(args.pull))
-    size, pulls = asyncio.run(timed_pulls(ref, args.repeats, transports=tuple(args.transports.split(","))))
-    copies = timed_copies((args.tcp_from, TCP_PORT), size, args.repeats)
-    print(json.dumps({"bytes": size, "pull_s": pulls, "tcp_s": copies}))
+
+    def both_ends(peer: int):  # CPU seconds of this process and of the peer process serving it
+        return lambda: time.process_time() + cpu_ticks(peer) / TICKS_PER_S
+
+    size, pulls = asyncio.run(timed_pulls(ref, args.repeats, tuple(args.transports.split(",")),
+                                          both_ends(args.exporter_pid)))
+    copies = timed_copies((args.tcp_from, TCP_PORT), size, args.repeats, both_ends(args.sender_pid))
+    print(json.dumps({"bytes": size, "pulls": {name: timed._asdict() for name, timed in pulls.items()},
+                      "tcp": copies._asdict()}))
     return 0
 
 
@@ -54,6 +63,8 @@ def main() -> int:
     parser.add_argument("--tcp-from", help=argparse.SUPPRESS)
     parser.add_argument("--send-tcp", help=argparse.SUPPRESS)
     parser.add_argument("--transports", help=argparse.SUPPRESS)
+    parser.add_argument("--exporter-pid", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--sender-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.send_tcp:
         _send_tcp(args.send_tcp)
@@ -75,7 +86,8 @@ def main() -> int:
             result = subprocess.run(far.command(
                 sys.executable, "-m", "benchmarks.hosts_apart", "--pull",
                 base64.b64encode(ref.SerializeToString()).decode(), "--tcp-from", near.address,
-                "--repeats", str(args.repeats), "--transports", ",".join(transports)),
+                "--repeats", str(args.repeats), "--transports", ",".join(transports),
+                "--exporter-pid", str(prefill.popen.pid), "--sender-pid", str(sender.pid)),
                 capture_output=True, text=True, timeout=600, env={**os.environ, **UCX_OVER_TCP})
             if result.returncode:
                 raise RuntimeError(result.stderr)
@@ -85,13 +97,18 @@ def main() -> int:
             sender.wait()
             prefill.stop()
     size = figures["bytes"]
-    tcp_rate = size / statistics.median(figures["tcp_s"]) / MB
+
+    def rate_and_cpu(timed: dict) -> tuple[float, float]:
+        return size / statistics.median(timed["seconds"]) / MB, statistics.mean(timed["cpu_seconds"]) * 1000
+
+    tcp_rate, tcp_cpu = rate_and_cpu(figures["tcp"])
     print(f"model {args.model}, {args.tokens} tokens, {size / MB:.1f} MB of KV, link {args.rate or 'unshaped'}, "
           f"{args.repeats} repeats, {os.cpu_count()} CPUs" + (f"; NIXL left out: {nixl_reason}" if nixl_reason else ""))
-    print(f"{'pull':>6} {'MB/s':>6} {'raw TCP MB/s':>13} {'pull/TCP':>9}")
+    print(f"{'':>7} {'MB/s':>6} {'/raw TCP':>9} {'CPU ms':>7}")
     for name in transports:
-        rate = size / statistics.median(figures["pull_s"][name]) / MB
-        print(f"{name:>6} {rate:>6.0f} {tcp_rate:>13.0f} {rate / tcp_rate:>9.2f}")
+        rate, cpu = rate_and_cpu(figures["pulls"][name])
+        print(f"{name:>7} {rate:>6.0f} {rate / tcp_rate:>9.2f} {cpu:>7.0f}")
+    print(f"{'raw TCP':>7} {tcp_rate:>6.0f} {1:>9.2f} {tcp_cpu:>7.0f}")
     return 0
 
 

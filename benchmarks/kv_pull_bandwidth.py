@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import grpc
 import torch
@@ -32,6 +33,10 @@ from common.pb.disagg.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa:
 from benchmarks.processes import start_service  # noqa: E402
 
 MB = 1e6
+# Untimed pulls through each transport first, each checked against the first gRPC pull: a fresh importer's first
+# gRPC pulls of a large session ran at a quarter to a half of its later speed (its allocator and its connection's
+# buffers still growing), levelling off by the sixth; a serving worker pulls many sessions.
+WARM_UP_PULLS = 6
 
 
 def prefill_session(address: str, num_tokens: int, seed: int) -> common_pb2.KvSessionRef:
@@ -50,13 +55,20 @@ def prefill_session(address: str, num_tokens: int, seed: int) -> common_pb2.KvSe
     raise RuntimeError("no session after 5 prompts")
 
 
-async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int,
-                      transports: tuple[str, ...] = ("grpc", "shm")) -> tuple[int, dict[str, list[float]]]:
+class Timed(NamedTuple):
+    """Seconds of each timed operation, and the CPU seconds `cpu` counted meanwhile (empty without a clock)."""
+
+    seconds: list[float]
+    cpu_seconds: list[float]
+
+
+async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int, transports: tuple[str, ...] = ("grpc", "shm"),
+                      cpu: Callable[[], float] | None = None) -> tuple[int, dict[str, Timed]]:
     """Times of pulls of `ref` for each of `transports`, interleaved: "grpc" over the gRPC stream (the ref as an
     importer on another host sees it, no shared host), "shm" through the same-host fast path
     (common.kv.transports.shm), "nixl" the NIXL transport's one-sided read into host memory (the read alone: its
-    Release would end the session). A warm-up pull through each first checks that all moved the same bytes. The
-    session is released at the end."""
+    Release would end the session). WARM_UP_PULLS untimed ones through each first check that all moved the same bytes. `cpu`:
+    a clock of CPU seconds (e.g. both ends' processes) read around each pull. The session is released at the end."""
     over_grpc = common_pb2.KvSessionRef()
     over_grpc.CopyFrom(ref)
     over_grpc.attributes.pop(host.HOST_ID_ATTRIBUTE, None)
@@ -71,17 +83,20 @@ async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int,
             pulled = await pull_kv(channel, over_grpc if transport == "grpc" else ref)
             return pulled.transport, pulled.export.blocks
 
-        reference = (await pull("grpc"))[1]  # warm-up: connections, agents, allocator
-        for transport in transports:
-            name, blocks = await pull(transport)
-            if not torch.equal(blocks.view(torch.uint8), reference.view(torch.uint8)):
-                raise AssertionError(f"a {name} pull of session {ref.session_id} differs from its gRPC pull")
-        times: dict[str, list[float]] = {transport: [] for transport in transports}
+        reference = (await pull("grpc"))[1]
+        for _ in range(WARM_UP_PULLS):
+            for transport in transports:
+                name, blocks = await pull(transport)
+                if not torch.equal(blocks.view(torch.uint8), reference.view(torch.uint8)):
+                    raise AssertionError(f"a {name} pull of session {ref.session_id} differs from its gRPC pull")
+        times = {transport: Timed([], []) for transport in transports}
         for _ in range(repeats):
             for transport in transports:
-                start = time.perf_counter()
+                before, start = cpu() if cpu else 0.0, time.perf_counter()
                 name, _ = await pull(transport)
-                times[name].append(time.perf_counter() - start)
+                times[name].seconds.append(time.perf_counter() - start)
+                if cpu:
+                    times[name].cpu_seconds.append(cpu() - before)
         await release_session(channel, ref.session_id)
         return reference.numel() * reference.element_size(), times
     finally:
@@ -102,20 +117,23 @@ def serve_copies(listener: socket.socket) -> None:
             conn.sendall(payload)
 
 
-def timed_copies(address: tuple[str, int], num_bytes: int, repeats: int) -> list[float]:
+def timed_copies(address: tuple[str, int], num_bytes: int, repeats: int,
+                 cpu: Callable[[], float] | None = None) -> Timed:
     """Times of `repeats` copies of `num_bytes` from serve_copies at `address` over one connection (after one
-    warm-up), each from the request to its last byte."""
-    buffer, times = bytearray(num_bytes), []
+    warm-up), each from the request to its last byte; `cpu` as in timed_pulls."""
+    buffer, timed = bytearray(num_bytes), Timed([], [])
     with socket.create_connection(address, timeout=30) as client, memoryview(buffer) as view:
         for i in range(repeats + 1):
-            start = time.perf_counter()
+            before, start = cpu() if cpu and i else 0.0, time.perf_counter()
             client.sendall(num_bytes.to_bytes(8, "big"))
             received = 0
             while received < num_bytes:
                 received += client.recv_into(view[received:])
             if i:
-                times.append(time.perf_counter() - start)
-    return times
+                timed.seconds.append(time.perf_counter() - start)
+                if cpu:
+                    timed.cpu_seconds.append(cpu() - before)
+    return timed
 
 
 def tcp_copies(num_bytes: int, repeats: int) -> list[float]:
@@ -123,7 +141,7 @@ def tcp_copies(num_bytes: int, repeats: int) -> list[float]:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         server = threading.Thread(target=serve_copies, args=(listener,), daemon=True)
         server.start()
-        times = timed_copies(listener.getsockname(), num_bytes, repeats)
+        times = timed_copies(listener.getsockname(), num_bytes, repeats).seconds
         server.join(timeout=5)
     return times
 
@@ -145,7 +163,7 @@ def main() -> int:
         for num_tokens in args.tokens:
             ref = prefill_session(prefill.address, num_tokens, seed=num_tokens)
             size, times = asyncio.run(timed_pulls(ref, args.repeats))
-            pulls, shm_pulls = times["grpc"], times["shm"]
+            pulls, shm_pulls = times["grpc"].seconds, times["shm"].seconds
             copies = tcp_copies(size, args.repeats)
             grpc_rate, tcp_rate = size / statistics.median(pulls) / MB, size / statistics.median(copies) / MB
             print(f"{num_tokens:>7} {size / MB:>8.1f} {grpc_rate:>10.0f} {tcp_rate:>10.0f} {grpc_rate / tcp_rate:>9.2f} "
