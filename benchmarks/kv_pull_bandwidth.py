@@ -67,8 +67,9 @@ async def timed_pulls(ref: common_pb2.KvSessionRef, repeats: int, transports: tu
     """Times of pulls of `ref` for each of `transports`, interleaved: "grpc" over the gRPC stream (the ref as an
     importer on another host sees it, no shared host), "shm" through the same-host fast path
     (common.kv.transports.shm), "nixl" the NIXL transport's one-sided read into host memory (the read alone: its
-    Release would end the session). WARM_UP_PULLS untimed ones through each first check that all moved the same bytes. `cpu`:
-    a clock of CPU seconds (e.g. both ends' processes) read around each pull. The session is released at the end."""
+    Release would end the session). WARM_UP_PULLS untimed ones through each first check that all moved the same
+    bytes. `cpu`: a clock of CPU seconds (e.g. both ends' processes) read around each pull. The session is released
+    at the end."""
     over_grpc = common_pb2.KvSessionRef()
     over_grpc.CopyFrom(ref)
     over_grpc.attributes.pop(host.HOST_ID_ATTRIBUTE, None)
