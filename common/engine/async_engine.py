@@ -64,7 +64,7 @@ class AsyncLLMEngine:
         self.decode_tokens_per_s: float | None = None  # measured after the warm-up (decode_rate.py; None: not)
         # KV tiers: what a hit in each costs against computing it, told to the router as a KV event.
         self._hit_costs = (HitCostReporter(engine.kv_tiers.names, engine.kv_tiers.metrics, engine.kv_events,
-                                           engine.config.block_size)
+                                           engine.kv_tiers.payoff)
                            if engine.kv_tiers is not None and engine.kv_events is not None else None)
         if engine.kv_tiers is not None:  # a prefetch that ends wakes a loop waiting for it (_waits_for_tiers)
             engine.kv_tiers.on_loaded = lambda: self._commands.put((lambda e: None, concurrent.futures.Future()))
@@ -254,18 +254,21 @@ class AsyncLLMEngine:
                 self._fail_all(exc)
                 previous = None
                 continue
-            step = engine.last_step
-            if step is not None and (self.step_done is not None or self._hit_costs is not None):
+            step, tiers = engine.last_step, engine.kv_tiers
+            if step is not None and (self.step_done is not None or tiers is not None):
                 wall = time.perf_counter() - started
-                if self._hit_costs is not None:
-                    self._hit_costs.observe(step.kind, step.tokens, wall)
+                if tiers is not None and step.kind == "prefill":  # what a hit saves: whether one pays, its cost
+                    tiers.payoff.prefill(step.tokens, wall)
+                    if self._hit_costs is not None:
+                        self._hit_costs.publish()
                 if self.step_done is not None:
                     self.step_done(step, wall, time.thread_time() - cpu,
                                    None if previous is None else (previous[0], started - previous[1]))
             previous = None if step is None else (step, started)
             self._deliver(outputs)
             if step is None and self._waits_for_tiers(engine):
-                self._run_commands(block=True)  # until a prefetch ends (its callback's command) or a request comes
+                # until a prefetch ends (its callback's command), a request comes or a held request's wait is over
+                self._run_commands(block=True, timeout=engine.kv_tiers.wait_left_s())
 
     @staticmethod
     def _waits_for_tiers(engine: LLMEngine) -> bool:
@@ -287,9 +290,10 @@ class AsyncLLMEngine:
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch, handed, self.output_wait)
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float | None = None) -> None:
+        wait = _IDLE_WAKEUP_S if timeout is None else min(timeout, _IDLE_WAKEUP_S)
         try:
-            item = self._commands.get(timeout=_IDLE_WAKEUP_S) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=wait) if block and wait > 0 else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -293,24 +293,27 @@ def test_a_restarted_worker_announces_the_blocks_its_disk_tier_holds(tiny_llama,
 
 def test_a_hit_cost_is_published_once_both_sides_are_measured(tiny_llama, tmp_path):
     """HitCostReporter: onboard seconds a block (the tiers' counts) over prefill seconds a block (prompt-only
-    steps): nothing before both exist, then an event, then none until the cost moves by more than CHANGE."""
+    steps, OnboardPayoff's mean): nothing before both exist, then an event, then none until the cost moves by more
+    than CHANGE."""
     from common.kv.events import KvEventLog
     from common.kv.tiers.hit_cost import CHANGE, HitCostReporter
+    from common.kv.tiers.payoff import OnboardPayoff
 
-    metrics, log = TierMetrics(), KvEventLog(block_size=4)
-    reporter = HitCostReporter(["disk"], metrics, log, block_size=4)
-    prefill = ("prefill", 100)
-    reporter.observe(*prefill, 0.1)  # 1 ms a token: 4 ms a block
+    metrics, log, payoff = TierMetrics(), KvEventLog(block_size=4), OnboardPayoff(block_size=4)
+    reporter = HitCostReporter(["disk"], metrics, log, payoff)
+    payoff.prefill(100, 0.1)  # 1 ms a token: 4 ms a block
+    reporter.publish()
     assert reporter.cost("disk") is None and "disk" not in log._costs
     metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.01)  # 1 ms a block onboarded
-    reporter.observe("decode", 8, 0.5)  # decode steps say nothing of prefill
-    assert "disk" not in log._costs
-    reporter.observe(*prefill, 0.1)
+    payoff.prefill(100, 0.1)
+    reporter.publish()
     assert abs(log._costs["disk"] - 0.25) < 1e-9
-    reporter.observe(*prefill, 0.1 * (1 + CHANGE / 2))
+    payoff.prefill(100, 0.1 * (1 + CHANGE / 2))
+    reporter.publish()
     assert abs(log._costs["disk"] - 0.25) < 1e-9  # moved less than CHANGE: no event
     metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.05)  # slower now: 3 ms a block
-    reporter.observe(*prefill, 0.1)
+    payoff.prefill(100, 0.1)
+    reporter.publish()
     assert log._costs["disk"] > 0.5
 
 
@@ -345,8 +348,10 @@ def test_a_request_whose_blocks_still_load_waits_while_the_others_run(tiny_llama
     engine.close()
 
 
-def test_a_late_prefetch_is_admitted_after_its_wait_and_loads_on_the_engine_thread(tiny_llama, baseline, tmp_path,
-                                                                                   monkeypatch):
+def test_a_late_prefetch_is_admitted_after_its_wait_and_computes_its_blocks(tiny_llama, baseline, tmp_path,
+                                                                            monkeypatch):
+    """Held past its wait bound, a request is admitted and computes the blocks its prefetch still reads: the engine
+    thread never waits for the disk, and the wait counts against the tier's cost."""
     import threading
 
     engine = _engine(tiny_llama, **_disk(tmp_path))
@@ -355,11 +360,13 @@ def test_a_late_prefetch_is_admitted_after_its_wait_and_loads_on_the_engine_thre
     disk, release = engine.kv_tiers.disk, threading.Event()
     read = disk.read
     disk.read = lambda h: (threading.current_thread().name == "kv-tiers" and release.wait(30), read(h))[1]
+    hits = _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk")
     engine.add_request("late", _prompts()[1], GREEDY)  # its prefetch hangs on the tiers' thread
     tokens = []
     while engine.has_unfinished_requests():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
     release.set()
     assert tokens == baseline[1]
-    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") > 0  # read here, not from the prefetch
+    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") == hits  # computed, nothing read here
+    assert engine.kv_tiers.payoff._blocks["disk"] > 0  # the wait was counted as the disk's onboarding
     engine.close()

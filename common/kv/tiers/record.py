@@ -56,7 +56,8 @@ class StoredBlock:
     payload: torch.Tensor
     checksum: int
     tier: str = ""
-    load_s: float = 0.0
+    load_s: float = 0.0  # seconds reading and verifying it took (on whichever thread read it)
+    wait_s: float = 0.0  # its request's share of the wait at admission and of the engine thread's fetch
 
     def verify(self, expected: BlockKey, block_bytes: int) -> None:
         """Raise RecordRejected unless this is `expected`'s block, whole and intact."""

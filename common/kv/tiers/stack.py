@@ -12,6 +12,9 @@ Write-through (`write_through`, the node-wide tier): a finished request's full b
 the disk tier at once, while the device keeps them too, so that another worker of the node finds them for the next
 turn (a decode worker's answer, for the prefill worker that prefills the next prompt); each block once per content.
 Keys are the prefix cache's chained block hashes in every tier. A block that fails a check is recomputed, counted.
+A hit is taken only where it pays (`payoff`, payoff.py): blocks of a tier whose onboarding, as requests saw it, costs
+more than computing them are recomputed, and admission holds a request for its prefetch no longer than computing
+its blocks would take; past that it recomputes them.
 With `events` (the engine's KvEventLog) each tier's arrivals and departures are KV events naming the tier, so the
 router knows what this worker can onboard (what other processes evict from a shared directory it learns only as
 misses).
@@ -23,6 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,15 +37,27 @@ from common.kv.tiers.host import HostTier
 from common.kv.tiers.identity import TierLayout
 from common.kv.tiers.metrics import TierMetrics
 from common.kv.tiers.mover import Mover
+from common.kv.tiers.payoff import OnboardPayoff
 from common.kv.tiers.record import BlockKey, RecordRejected, StoredBlock, checksum, decode
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Prefetch:
+    future: Future
+    keys: list[BlockKey]
+    tiers: list[str]  # the tier each key was in when the prefetch was queued
+    deferred_at: float | None = None  # when admission first passed the request over for it (monotonic)
+    bound_s: float = 0.0  # how long admission may hold it from then
+    done_at: float | None = None
+
+
 class KvTiers:
     MAX_STAGED = 64  # requests whose prefetched blocks wait for their admission (an aborted one's are dropped)
-    # A request whose prefetch still runs waits in the queue (others pass it) for at most this long; then it is
-    # admitted anyway and whatever the prefetch has not brought loads on the engine thread.
+    # A request whose prefetch still runs waits in the queue (others pass it) for as long as computing its blocks
+    # would take (OnboardPayoff.wait_bound_s), at most this long, which also stands until a prefill was measured;
+    # then it is admitted anyway and computes them.
     FETCH_WAIT_S = 10.0
 
     def __init__(self, cache: torch.Tensor, layout: TierLayout, host: HostTier | None, disk: DiskTier | None,
@@ -58,7 +74,9 @@ class KvTiers:
         self._keys: dict[int, BlockKey] = {}  # device block id -> the key of the cached block it holds
         self.write_through = write_through and disk is not None
         self._written: set[int] = set()  # device block ids whose content write-through stored (or a tier gave)
-        self._staged: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # request id -> (its load, queued at)
+        self._staged: OrderedDict[str, _Prefetch] = OrderedDict()  # request id -> its prefetch
+        self._skipped: OrderedDict[str, None] = OrderedDict()  # requests whose hits did not pay when queued
+        self.payoff = OnboardPayoff(layout.block_size)
         self.on_loaded: Callable[[], None] | None = None  # called (on the mover) as a prefetch ends: wakes the engine
         self.events: KvEventLog | None = None  # told what enters and leaves each tier (the engine's, for routing)
         if self.disk is not None:
@@ -194,37 +212,94 @@ class KvTiers:
 
     def prefetch(self, request_id: str, keys: list[BlockKey]) -> None:
         """Engine thread, as a request is queued: load and verify its blocks `keys` (those past its device hit, in
-        chain order) on the mover, up to the first one no tier holds."""
+        chain order) on the mover, up to the first one no tier holds, as many as pay (OnboardPayoff.take)."""
         if not keys:
             return
         keys = keys[: self.max_prefetch_blocks]
+        tiers = self._tiers_of(keys)
+        taken = self.payoff.take(tiers)
+        if not taken:
+            self._remember_skip(request_id)
+            return
+        keys, tiers = keys[:taken], tiers[:taken]
         future = self.mover.load(lambda: {b.key.hash: b for b in self._load_run(keys)})
-        if self.on_loaded is not None:
-            future.add_done_callback(lambda _: self.on_loaded())
-        self._staged[request_id] = (future, time.monotonic())
+        prefetch = _Prefetch(future, keys, tiers)
+        future.add_done_callback(lambda _: self._loaded(prefetch))
+        self._staged[request_id] = prefetch
         while len(self._staged) > self.MAX_STAGED:
             self._staged.popitem(last=False)
 
+    def _loaded(self, prefetch: _Prefetch) -> None:
+        prefetch.done_at = time.monotonic()
+        if self.on_loaded is not None:
+            self.on_loaded()
+
+    def _tiers_of(self, keys: list[BlockKey]) -> list[str]:
+        """The tier each key would come from (the disk for any the host tier lacks: a miss ends the run anyway)."""
+        below = self.names[-1]
+        if self.host is None:
+            return [below] * len(keys)
+        return [self.host.name if key.hash in self.host else below for key in keys]
+
+    def _remember_skip(self, request_id: str) -> None:
+        self._skipped[request_id] = None
+        while len(self._skipped) > self.MAX_STAGED:
+            self._skipped.popitem(last=False)
+
     def ready(self, request_id: str) -> bool:
-        """Whether admission may take the request now: no prefetch of it runs, or its prefetch ended or is late
-        (FETCH_WAIT_S). Admitting it while its blocks still load would hold the engine thread, and with it every
-        running request's next token, until the disk answers."""
-        staged = self._staged.get(request_id)
-        return staged is None or staged[0].done() or time.monotonic() - staged[1] >= self.FETCH_WAIT_S
+        """Whether admission may take the request now: no prefetch of it runs, or its prefetch ended, or it has been
+        held for it as long as computing its blocks would take. Admitting it while its blocks still load would hold
+        the engine thread, and with it every running request's next token, until the disk answers."""
+        prefetch = self._staged.get(request_id)
+        if prefetch is None or prefetch.future.done():
+            return True
+        now = time.monotonic()
+        if prefetch.deferred_at is None:
+            prefetch.deferred_at = now
+            prefetch.bound_s = self.payoff.wait_bound_s(len(prefetch.keys), self.FETCH_WAIT_S)
+        return now - prefetch.deferred_at >= prefetch.bound_s
+
+    def wait_left_s(self) -> float | None:
+        """Seconds until the first request admission holds for its prefetch may be admitted anyway (None: none is
+        held): how long an engine with nothing else to run may sleep."""
+        now = time.monotonic()
+        left = [p.deferred_at + p.bound_s - now for p in self._staged.values()
+                if p.deferred_at is not None and not p.future.done()]
+        return max(0.0, min(left)) if left else None
 
     def fetch(self, request_id: str, keys: list[BlockKey], limit: int) -> list[StoredBlock]:
         """Engine thread, at admission: the verified blocks of the longest run of `keys` (at most `limit`) the tiers
-        hold, those staged by `prefetch` first."""
+        hold, those staged by `prefetch` first; none where the hit did not pay or the prefetch is late (computed)."""
+        started = time.perf_counter()
+        if request_id in self._skipped:
+            del self._skipped[request_id]
+            return []
+        prefetch = self._staged.pop(request_id, None)
         staged: dict[int, StoredBlock] = {}
-        future, _ = self._staged.pop(request_id, (None, 0.0))
-        if future is not None and not future.done():  # late (admission deferred it FETCH_WAIT_S): not waited for
-            log.warning("KV tiers: the prefetch of %s took over %.0f s; loading here", request_id, self.FETCH_WAIT_S)
-        elif future is not None:
+        held_s = 0.0
+        if prefetch is None:
+            keys = keys[: self.payoff.take(self._tiers_of(keys[:limit]))]
+        elif not prefetch.future.done():  # late: held as long as computing them takes, so computed
+            waited = time.monotonic() - (prefetch.deferred_at or time.monotonic())
+            for tier in set(prefetch.tiers):
+                share = prefetch.tiers.count(tier)
+                self.payoff.onboarded(tier, share, waited * share / len(prefetch.tiers))
+            log.info("KV tiers: the prefetch of %s took over %.3f s, as long as its prefill; computing it",
+                     request_id, waited)
+            return []
+        else:
             try:
-                staged = future.result()
+                staged = prefetch.future.result()
             except Exception:
                 log.exception("KV tiers: the prefetch of %s failed; loading here", request_id)
-        return self._load_run(keys[:limit], staged)
+            if prefetch.deferred_at is not None and prefetch.done_at is not None:
+                held_s = max(0.0, prefetch.done_at - prefetch.deferred_at)
+        found = self._load_run(keys[:limit], staged)
+        if found:
+            share = (held_s + time.perf_counter() - started) / len(found)
+            for block in found:
+                block.wait_s = share
+        return found
 
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy fetched blocks into these device blocks (on the engine's stream: before any step that reads them)."""
@@ -244,6 +319,7 @@ class KvTiers:
         for tier, got in by_tier.items():
             self.metrics.hit(tier, len(got), len(got) * self.layout.block_size, len(got) * self.block_bytes,
                              sum(b.load_s for b in got) + share * len(got))
+            self.payoff.onboarded(tier, len(got), sum(b.wait_s for b in got) + share * len(got))
 
     def _upload(self, payloads: list[torch.Tensor]) -> torch.Tensor:
         """The payloads as one [n, block_bytes] tensor on the device, enqueued on the engine's stream. On a GPU a

@@ -1,0 +1,103 @@
+"""A lower tier's hit is taken only where onboarding it costs less than computing its tokens (OnboardPayoff): the
+CPU's case, where recompute is dear, keeps every hit; where recompute is cheaper the engine computes the same tokens
+instead; a skipped tier is probed again as its evidence ages, and admission holds a request for its prefetch no
+longer than computing its blocks would take. Costs are injected through the figures the engine measures (its
+prefill seconds a token, a tier's onboard seconds a block), so nothing here depends on this machine's speed."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from common.kv.tiers.payoff import OnboardPayoff, PayoffPolicy
+from tests.unit.test_kv_tiers_engine import GREEDY, _chat, _disk, _engine, _prompts, _total, baseline  # noqa: F401
+
+SAVED = 6 * 9 * 4  # every full block of every prompt but its last token's (test_kv_tiers_engine's chat)
+
+
+def test_nothing_measured_takes_every_hit():
+    payoff = OnboardPayoff(block_size=4)
+    assert payoff.take(["disk"] * 5) == 5
+    assert payoff.wait_bound_s(5, default_s=10.0) == 10.0
+
+
+def test_a_tier_dearer_than_compute_is_skipped_and_a_cheaper_one_taken():
+    payoff = OnboardPayoff(block_size=4)
+    payoff.prefill(tokens=100, seconds=0.1)  # 1 ms a token: 4 ms a block
+    payoff.onboarded("host", blocks=100, seconds=0.1)  # 1 ms a block
+    payoff.onboarded("disk", blocks=100, seconds=1.0)  # 10 ms a block
+    assert payoff.take(["host"] * 3) == 3
+    assert payoff.take(["disk"] * 3) == 0
+    assert payoff.take(["host", "host", "disk", "disk"]) == 2  # the host's run, not the disk's after it
+    assert payoff.take(["host"] * 8 + ["disk"]) == 8
+    assert payoff.wait_bound_s(3, default_s=10.0) == pytest.approx(3 * 0.004)
+
+
+def test_a_skipped_tier_is_probed_again_and_stopped_again_while_still_dear():
+    payoff = OnboardPayoff(block_size=4, policy=PayoffPolicy(half_life_blocks=64, idle_half_life_blocks=512))
+    payoff.prefill(tokens=100, seconds=0.1)
+    payoff.onboarded("disk", blocks=64, seconds=64 * 0.008)  # twice what computing a block takes
+    requests = 0
+    while not payoff.take(["disk"] * 16):
+        requests += 1
+        assert requests < 1000, "a skipped tier is never probed again"
+    assert requests > 10  # not at once: its evidence had to age
+    payoff.onboarded("disk", blocks=16, seconds=16 * 0.008)  # the probe: still dear
+    assert payoff.take(["disk"] * 16) == 0
+
+
+def test_a_tier_that_became_cheap_is_used_again():
+    payoff = OnboardPayoff(block_size=4)
+    payoff.prefill(tokens=100, seconds=0.1)
+    payoff.onboarded("disk", blocks=64, seconds=64 * 0.008)
+    assert payoff.take(["disk"] * 16) == 0
+    payoff.prefill(tokens=100, seconds=10.0)  # a longer context, a bigger model: computing got dear
+    payoff.prefill(tokens=100, seconds=10.0)
+    assert payoff.take(["disk"] * 16) == 16
+
+
+def test_recompute_dearer_than_the_disk_keeps_every_hit(tiny_llama, baseline, tmp_path):
+    """The CPU's case: prefill costs far more than reading a block back, so the second turns take every hit."""
+    engine = _engine(tiny_llama, **_disk(tmp_path))
+    engine.kv_tiers.payoff.prefill(tokens=1, seconds=1.0)  # a second a token
+    assert _chat(engine) == baseline
+    assert _total(engine, "disagg_kv_tier_hit_tokens_total", tier="disk") == SAVED
+    assert engine.kv_tiers.payoff.onboard_s_per_block("disk") < engine.kv_tiers.payoff.compute_s_per_block
+    engine.close()
+
+
+def test_recompute_cheaper_than_the_disk_computes_the_same_tokens(tiny_llama, baseline, tmp_path):
+    engine = _engine(tiny_llama, **_disk(tmp_path))
+    payoff = engine.kv_tiers.payoff
+    payoff.prefill(tokens=1000, seconds=0.001)  # a microsecond a token
+    payoff.onboarded("disk", blocks=1000, seconds=1.0)  # a millisecond a block: 250x computing it
+    assert _chat(engine) == baseline
+    assert _total(engine, "disagg_kv_tier_hit_tokens_total", tier="disk") == 0
+    assert _total(engine, "disagg_kv_tier_offload_bytes_total", tier="disk") > 0  # blocks still go down
+    assert engine.block_manager.prefix_hit_tokens == 0
+    assert not engine.kv_tiers._staged and not engine.kv_tiers._skipped  # nothing left behind
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.close()
+
+
+def test_a_request_is_held_for_its_prefetch_only_as_long_as_computing_its_blocks(tiny_llama, baseline, tmp_path):
+    """The wait bound comes from the measured prefill cost, not FETCH_WAIT_S: a prefetch stuck on the disk past it
+    leaves its request to compute the blocks, the same tokens."""
+    engine = _engine(tiny_llama, **_disk(tmp_path))
+    _chat(engine, turns=1)  # every prompt's blocks on disk
+    payoff = engine.kv_tiers.payoff
+    payoff.prefill(tokens=1000, seconds=0.001)  # cheap to compute, but no disk figure yet: the prior says take it
+    disk, release = engine.kv_tiers.disk, threading.Event()
+    read = disk.read
+    disk.read = lambda h: (threading.current_thread().name == "kv-tiers" and release.wait(30), read(h))[1]
+    engine.add_request("stuck", _prompts()[2], GREEDY)
+    engine.step()
+    held = engine.kv_tiers._staged["stuck"]
+    assert held.deferred_at is not None and held.bound_s == pytest.approx(9 * payoff.compute_s_per_block)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    release.set()
+    assert tokens == baseline[2]
+    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") == 0
+    engine.close()
