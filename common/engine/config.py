@@ -253,38 +253,38 @@ def resolve_max_model_len(config: EngineConfig, model_max_positions: int) -> int
     return config.max_model_len
 
 
-def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int) -> int:
+def kv_cache_blocks(config: EngineConfig, hf_config, block_bytes: int, proposer=None) -> int:
     """The block count, or on a GPU sized by memory (`memory_share`) what fits in the worker's share once its own
-    weights are loaded (call it after loading them), less a reserve for one step: its MLP activations and logits."""
+    weights are loaded (call it after loading them), less a reserve for one step: its MLP activations and logits.
+    `proposer`: the speculative proposer's spec.memory.ProposerMemory, counted in the same share."""
     if config.memory_share is None:
         return config.num_kv_blocks or CPU_KV_BLOCKS
     import torch
 
     from common.engine.kv_memory import read_device_memory
 
-    blocks, line = kv_blocks_in_share(config, hf_config, block_bytes, read_device_memory(torch.device(config.device)))
+    blocks, line = kv_blocks_in_share(config, hf_config, block_bytes, read_device_memory(torch.device(config.device)),
+                                      proposer)
     if config.num_kv_blocks is not None:
         log.warning("%s", config.kv_sizing())
     log.info("%s", line)
     return blocks
 
 
-def kv_blocks_in_share(config: EngineConfig, hf_config, block_bytes: int, memory) -> tuple[int, str]:
+def kv_blocks_in_share(config: EngineConfig, hf_config, block_bytes: int, memory, proposer=None) -> tuple[int, str]:
     """kv_cache_blocks' count and its log line for the device memory `memory` (kv_memory.DeviceMemory) read after
     the weights loaded. A speculative proposer that will load beside the target (a draft model, an EAGLE-3 head:
-    spec/memory.py) is counted too: its weights with the step's reserve, its KV beside each of the target's blocks,
-    so that it fits in the same share."""
+    `proposer`, its spec.memory.ProposerMemory) is counted too: its weights with the step's reserve, its KV beside
+    each of the target's blocks, so that it fits in the same share."""
     from common.engine.kv_memory import kv_blocks_for_share
-    from common.engine.spec.memory import proposer_memory
 
     text = getattr(hf_config, "text_config", None) or hf_config
     reserve = (config.max_num_batched_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
                * config.torch_dtype.itemsize + config.max_num_seqs * text.vocab_size * 4)
-    proposer = proposer_memory(config.speculative_config, text.hidden_size, config.torch_dtype, config.block_size,
-                               config.max_num_seqs)
-    blocks, line = kv_blocks_for_share(config.memory_share, memory, block_bytes + proposer.block_bytes,
-                                       reserve + proposer.fixed_bytes)
-    if proposer.weight_bytes:
-        line += (f", with the {config.speculative_config.method} proposer's {proposer.weight_bytes / (1 << 30):.1f} "
-                 f"GiB of weights and its KV ({proposer.block_bytes} bytes a block) beside it")
+    block_extra, fixed, weights = ((proposer.block_bytes, proposer.fixed_bytes, proposer.weight_bytes)
+                                   if proposer is not None else (0, 0, 0))
+    blocks, line = kv_blocks_for_share(config.memory_share, memory, block_bytes + block_extra, reserve + fixed)
+    if weights:
+        line += (f", with the {config.speculative_config.method} proposer's {weights / (1 << 30):.1f} GiB of weights "
+                 f"and its KV ({block_extra} bytes a block) beside it")
     return blocks, line

@@ -30,6 +30,7 @@ from common.engine.host_upload import upload
 from common.engine.request import Request, TokenLogprob
 from common.engine.sampler import Sampler, logprobs_on_device, with_logprobs
 from common.engine.scheduler import ScheduledBatch
+from common.engine.spec.memory import proposer_memory
 from common.kv import ipc_share
 from common.kv.blocks import gather_blocks
 from common.kv.layout import KvExport, KvLayout
@@ -199,7 +200,10 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         heads = self.num_kv_heads // self.tp.size
         block_bytes = 2 * self.num_layers * self.block_size * heads * self.head_dim * self.kv_dtype.itemsize
-        self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes)  # after the weights: they count as used
+        proposer = (proposer_memory(config.speculative_config, (getattr(c, "text_config", None) or c).hidden_size,
+                                    self.dtype, self.block_size, config.max_num_seqs)  # a draft's share of the GPU
+                    if config.memory_share is not None else None)
+        self.num_kv_blocks = kv_cache_blocks(config, c, block_bytes, proposer)  # after the weights: they count as used
         if self.tp.size > 1 and self.device.type == "cuda":
             # A cache of its own heads on each rank's GPU; rank 0 maps the others' (kv_cache: every head).
             self.num_kv_blocks = self.tp.min(self.num_kv_blocks)

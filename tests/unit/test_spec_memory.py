@@ -83,7 +83,8 @@ def test_a_target_sized_from_its_gpu_share_leaves_room_for_its_draft(target, dra
     def sized(spec):
         config = EngineConfig(model=target, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5,
                               speculative_config=spec)
-        return config, kv_blocks_in_share(config, hf, block_bytes, memory)
+        proposer = proposer_memory(spec, hf.hidden_size, torch.bfloat16, 16, config.max_num_seqs)
+        return config, kv_blocks_in_share(config, hf, block_bytes, memory, proposer)
 
     _, (alone, _) = sized(None)
     config, (with_draft, line) = sized(_spec("draft", draft))
