@@ -2,8 +2,10 @@
 
 One slab of `capacity // block_bytes` rows, allocated once: pinning memory block by block would cost the engine a
 driver call per store, and the slab's size is the tier's footprint (on CUDA, with the pinned copies `get` hands out,
-which torch's pinned-memory cache keeps for reuse at their peak: the blocks staged for admission at once). Used from
-the engine thread (lookups, reads) and the tiers' mover thread (stores), under one lock.
+which torch's pinned-memory cache keeps for reuse at their peak: the blocks staged for admission at once). Blocks
+evicted from the device are copied straight into free slots (`reserve`, then `commit` once checksummed: a reserved
+slot is no one else's and no lookup sees it before), with `put` for when no slot is free. Used from the engine thread
+(lookups, reservations) and the tiers' mover thread (stores, commits, reads), under one lock.
 """
 from __future__ import annotations
 
@@ -50,6 +52,45 @@ class HostTier:
             slot = self._free.pop()
             self.slab[slot].copy_(block.payload)
             self._entries[block.key.hash] = (slot, block.key, block.checksum)
+        return evicted
+
+    def reserve(self, n: int, drop_lru: bool) -> tuple[list[int], list[int]]:
+        """Up to `n` slots for blocks copied straight in, each to `commit` or `release`; with `drop_lru` (no tier
+        below to hand victims to) the least recently used blocks make room, else only free slots are taken. Returns
+        the slots and the hashes dropped for them."""
+        dropped = []
+        with self._lock:
+            while drop_lru and len(self._free) < n and self._entries:
+                old_hash, (slot, _, _) = self._entries.popitem(last=False)
+                self._free.append(slot)
+                dropped.append(old_hash)
+            slots = self._free[max(0, len(self._free) - n):]
+            del self._free[len(self._free) - len(slots):]
+        return slots, dropped
+
+    def commit(self, slot: int, key: BlockKey, checksum: int) -> bool:
+        """A reserved slot holds `key`'s block, checksummed: held from now (False, the slot freed: held already)."""
+        with self._lock:
+            if key.hash in self._entries:
+                self._entries.move_to_end(key.hash)
+                self._free.append(slot)
+                return False
+            self._entries[key.hash] = (slot, key, checksum)
+            return True
+
+    def release(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def evict_to(self, free_slots: int) -> list[StoredBlock]:
+        """Evict the least recently used blocks until `free_slots` slots are free (room for the next evictions
+        from the device to be copied straight in); the blocks evicted, each with a copy of its payload."""
+        evicted = []
+        with self._lock:
+            while len(self._free) < free_slots and self._entries:
+                _, (slot, key, sums) = self._entries.popitem(last=False)
+                evicted.append(StoredBlock(key, self.slab[slot].clone(), sums, self.name))
+                self._free.append(slot)
         return evicted
 
     def get(self, block_hash: int) -> StoredBlock | None:

@@ -81,6 +81,8 @@ class KvTiers:
         self.events: KvEventLog | None = None  # told what enters and leaves each tier (the engine's, for routing)
         if self.disk is not None:
             self.disk.on_evicted = lambda hashes: self._announce_removed(self.disk.name, hashes)
+        # Free host slots kept for evictions to be copied straight in (the mover evicts to disk ahead of them).
+        self._headroom = min(host.num_slots // 8, self.mover.max_pending_bytes // self.block_bytes) if host else 0
 
     @property
     def names(self) -> list[str]:
@@ -119,7 +121,57 @@ class KvTiers:
         if not ids:
             return
         self.metrics.evicted("device", len(ids))
-        self._queue_store(keys, ids, sync, self.names[0], self._store)
+        taken = self._into_host(keys, ids, sync) if self.host is not None else 0
+        if taken < len(ids):
+            self._queue_store(keys[taken:], ids[taken:], sync, self.names[0], self._store)
+
+    def _into_host(self, keys: list[BlockKey], ids: list[int], sync: bool) -> int:
+        """Copy the first of device blocks `ids` straight into reserved slots of the host tier's slab, no buffer
+        between (on a GPU a DMA a block on the engine's stream), for the mover to checksum and commit; how many."""
+        if not self.mover.has_room(len(ids) * self.block_bytes):
+            return 0
+        slots, dropped = self.host.reserve(len(ids), drop_lru=self.disk is None)
+        if dropped:
+            self.metrics.evicted(self.host.name, len(dropped))
+            self._announce_removed(self.host.name, dropped)
+        if not slots:
+            return 0
+        n, slab = len(slots), self.host.slab
+        if self.device.type == "cuda":
+            rows = torch.stack([self.cache_bytes[:, :, b] for b in ids[:n]]).view(n, -1)
+            for slot, row in zip(slots, rows):
+                slab[slot].copy_(row, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            if sync:
+                ready.synchronize()
+        else:
+            shape, ready = self.cache_bytes[:, :, 0].shape, None
+            for slot, b in zip(slots, ids):
+                slab[slot].view(shape).copy_(self.cache_bytes[:, :, b])
+        if self.mover.store(lambda: self._commit_host(keys[:n], slots, ready), n * self.block_bytes):
+            return n
+        self.host.release(slots)
+        return 0
+
+    def _commit_host(self, keys: list[BlockKey], slots: list[int], ready) -> None:
+        """On the mover: the reserved slots, once their copy has finished, checksummed and held; then room made
+        for the next ones, the blocks evicted for it going down to disk."""
+        started, host = time.perf_counter(), self.host
+        if ready is not None:
+            ready.synchronize()
+        held = [key for key, slot in zip(keys, slots) if host.commit(slot, key, checksum(host.slab[slot]))]
+        self.metrics.offloaded(host.name, len(keys), len(keys) * self.block_bytes, time.perf_counter() - started)
+        self._announce_stored(host.name, held)
+        if self.disk is not None:
+            self._down_from_host(host.evict_to(self._headroom))
+        self.metrics.used(host.name, host.used_bytes)
+
+    def _down_from_host(self, down: list[StoredBlock]) -> None:
+        if down:
+            self.metrics.evicted(self.host.name, len(down))
+            self._announce_removed(self.host.name, [b.key.hash for b in down if b.key.hash not in self.host])
+            self._write_disk(down)
 
     def _queue_store(self, keys: list[BlockKey], ids: list[int], sync: bool, tier: str,
                      store: Callable[[list[StoredBlock]], None]) -> bool:
@@ -163,11 +215,8 @@ class KvTiers:
         self.metrics.offloaded(self.host.name, len(blocks), len(blocks) * self.block_bytes,
                                time.perf_counter() - started)
         self.metrics.used(self.host.name, self.host.used_bytes)
-        self._announce_stored(self.host.name, [b for b in blocks if b.key.hash in self.host])
-        if down:
-            self.metrics.evicted(self.host.name, len(down))
-            self._announce_removed(self.host.name, [b.key.hash for b in down if b.key.hash not in self.host])
-            self._write_disk(down)
+        self._announce_stored(self.host.name, [b.key for b in blocks if b.key.hash in self.host])
+        self._down_from_host(down)
 
     def _write_disk(self, blocks: list[StoredBlock]) -> None:
         if self.disk is None:
@@ -189,7 +238,7 @@ class KvTiers:
             nbytes += size
         if written:
             self.metrics.offloaded(self.disk.name, written, nbytes, time.perf_counter() - started)
-        self._announce_stored(self.disk.name, there)
+        self._announce_stored(self.disk.name, [b.key for b in there])
 
     def announce_held(self) -> None:
         """Tell the events what the disk tier holds already (a restarted worker, the node's other workers' blocks),
@@ -199,10 +248,10 @@ class KvTiers:
             self.mover.load(lambda: [events.stored([key.hash], key.parent, tier=disk.name)
                                      for key in disk.held_keys()])
 
-    def _announce_stored(self, tier: str, blocks: list[StoredBlock]) -> None:
+    def _announce_stored(self, tier: str, keys: list[BlockKey]) -> None:
         if self.events is not None:
-            for block in blocks:
-                self.events.stored([block.key.hash], block.key.parent, tier=tier)
+            for key in keys:
+                self.events.stored([key.hash], key.parent, tier=tier)
 
     def _announce_removed(self, tier: str, hashes: list[int]) -> None:
         if self.events is not None and hashes:
@@ -304,9 +353,14 @@ class KvTiers:
     def install(self, block_ids: list[int], blocks: list[StoredBlock]) -> None:
         """Copy fetched blocks into these device blocks (on the engine's stream: before any step that reads them)."""
         started, n = time.perf_counter(), len(block_ids)
-        shape = (n, *self.cache_bytes[:, :, 0].shape)
-        values = self._upload([b.payload for b in blocks]).view(shape).permute(1, 2, 0, 3, 4, 5)
-        self.cache_bytes.index_copy_(2, self._indices(block_ids), values)
+        if self._pinned:
+            shape = (n, *self.cache_bytes[:, :, 0].shape)
+            values = self._upload([b.payload for b in blocks]).view(shape).permute(1, 2, 0, 3, 4, 5)
+            self.cache_bytes.index_copy_(2, self._indices(block_ids), values)
+        else:  # the device is host memory: each payload straight into its block, one copy
+            shape = self.cache_bytes[:, :, 0].shape
+            for block_id, block in zip(block_ids, blocks):
+                self.cache_bytes[:, :, block_id].copy_(block.payload.view(shape))
         share = (time.perf_counter() - started) / n
         by_tier: dict[str, list[StoredBlock]] = {}
         for block_id, block in zip(block_ids, blocks):
@@ -322,11 +376,9 @@ class KvTiers:
             self.payoff.onboarded(tier, len(got), sum(b.wait_s for b in got) + share * len(got))
 
     def _upload(self, payloads: list[torch.Tensor]) -> torch.Tensor:
-        """The payloads as one [n, block_bytes] tensor on the device, enqueued on the engine's stream. On a GPU a
-        pinned payload (the host tier's) goes up by a DMA of its own, with no copy on the engine thread; the others
-        (the disk's) are gathered into pinned memory first, one copy, and go up together."""
-        if not self._pinned:
-            return torch.stack(payloads)
+        """The payloads as one [n, block_bytes] tensor on the GPU, enqueued on the engine's stream. A pinned
+        payload (the host tier's) goes up by a DMA of its own, with no copy on the engine thread; the others (the
+        disk's) are gathered into pinned memory first, one copy, and go up together."""
         out = torch.empty((len(payloads), self.block_bytes), dtype=torch.uint8, device=self.device)
         gathered = []
         for i, payload in enumerate(payloads):
