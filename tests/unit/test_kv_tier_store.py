@@ -106,6 +106,44 @@ def test_the_host_tier_is_an_lru_whose_victims_go_down_with_their_bytes():
     assert got.tier == "host"
 
 
+def test_a_reserved_host_slot_is_seen_only_once_committed_and_its_lru_victims_go_down():
+    host = HostTier(3 * BLOCK_BYTES, BLOCK_BYTES, pin=False)
+    blocks = [_block(i) for i in range(4)]
+    slots, dropped = host.reserve(2, drop_lru=False)
+    assert len(slots) == 2 and not dropped
+    for slot, block in zip(slots, blocks):
+        host.slab[slot].copy_(block.payload)
+        assert block.key.hash not in host and host.get(block.key.hash) is None  # not before its commit
+    assert all(host.commit(slot, b.key, checksum(host.slab[slot])) for slot, b in zip(slots, blocks))
+    host.get(blocks[0].key.hash).verify(blocks[0].key, BLOCK_BYTES)
+    [again], _ = host.reserve(1, drop_lru=False)
+    assert not host.commit(again, blocks[1].key, blocks[1].checksum)  # held already: the slot goes back
+    assert host.put(blocks[2]) == [] and host.reserve(1, drop_lru=False) == ([], [])  # full: none free
+    [victim] = host.evict_to(1)  # blocks[0]: its read came before blocks[1]'s second commit
+    assert victim.key == blocks[0].key and torch.equal(victim.payload, blocks[0].payload)
+    host.release(host.reserve(1, drop_lru=False)[0])
+    slots, dropped = host.reserve(3, drop_lru=True)  # no tier below: the LRU makes room itself
+    assert len(slots) == 3 and set(dropped) == {blocks[1].key.hash, blocks[2].key.hash} and host.used_bytes == 0
+
+
+def test_a_load_runs_while_a_store_is_still_writing():
+    """Loads have a thread of their own: a prefetch never waits behind a slow store (a disk write of host victims)."""
+    import threading
+
+    from common.kv.tiers.mover import Mover
+
+    mover, writing, release = Mover(), threading.Event(), threading.Event()
+    try:
+        assert mover.store(lambda: (writing.set(), release.wait(30)), nbytes=1)
+        assert writing.wait(5)
+        assert mover.load(lambda: "loaded").result(timeout=5) == "loaded"
+        assert mover.pending_bytes == 1  # the store still runs
+    finally:
+        release.set()
+        mover.close()
+    assert mover.pending_bytes == 0
+
+
 def _disk(path, blocks: int, metrics: TierMetrics | None = None) -> DiskTier:
     size = len(_record(_block(0)))
     return DiskTier(path, blocks * size, LAYOUT, metrics or TierMetrics())

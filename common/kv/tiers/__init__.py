@@ -4,7 +4,8 @@ optionally node-wide (one directory for the workers of a host, finished requests
 - identity: TierLayout, what a stored block was computed by (model, weights, dtype, block size, shape, shard)
 - record: a stored block (its key in the hash chain, its bytes, their checksum) and its file format
 - host, disk: the tiers, LRU each; the disk tier safe for several processes on one directory
-- mover: the thread that stores blocks down and prefetches them up
+- mover: the threads that store blocks down and prefetch them up
+- payoff: whether a hit pays (onboarding against computing its tokens), and how long a prefetch may hold a request
 - stack: KvTiers, what the block manager calls
 - metrics: their counts, bound to a worker's Prometheus metrics
 """

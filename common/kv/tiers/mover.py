@@ -1,6 +1,8 @@
-"""The tiers' own thread: it stores blocks evicted from the device down and loads a new request's blocks up, off the
-engine thread. A load is some request's next step waiting, so loads go before stores; stores wait in a queue bounded
-in bytes, past which an eviction is dropped (counted) rather than held: the bandwidth down is what one thread writes.
+"""The tiers' own threads: one loads a new request's blocks up, one stores blocks evicted from the device down, both
+off the engine thread. A load is some request's next step waiting, so loads never queue behind a store: each has its
+thread (the copies and checksums they spend their time in release the GIL). Stores run one at a time, in order, in a
+queue bounded in bytes, past which an eviction is dropped (counted) rather than held: the bandwidth down is what one
+thread writes.
 """
 from __future__ import annotations
 
@@ -23,10 +25,14 @@ class Mover:
         self._loads: deque[tuple[Callable, Future]] = deque()
         self._stores: deque[tuple[Callable, int]] = deque()
         self._cv = threading.Condition()
-        self._busy = False
+        self._busy = 0  # jobs taken off a queue and still running
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(self._loads, self._load), name="kv-tiers",
+                                          daemon=True),
+                         threading.Thread(target=self._run, args=(self._stores, self._store), name="kv-tiers-store",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def has_room(self, nbytes: int) -> bool:
         return self.pending_bytes + nbytes <= self.max_pending_bytes
@@ -38,7 +44,7 @@ class Mover:
                 return False
             self.pending_bytes += nbytes
             self._stores.append((job, nbytes))
-            self._cv.notify()
+            self._cv.notify_all()
         return True
 
     def load(self, job: Callable[[], T]) -> Future:
@@ -48,7 +54,7 @@ class Mover:
                 future.set_result({})
                 return future
             self._loads.append((job, future))
-            self._cv.notify()
+            self._cv.notify_all()
         return future
 
     def drain(self, timeout_s: float = 30.0) -> bool:
@@ -61,32 +67,38 @@ class Mover:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _run(self, jobs: deque, run: Callable[[tuple], None]) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._loads or self._stores or self._closed)
-                if self._closed and not (self._loads or self._stores):
+                self._cv.wait_for(lambda: jobs or self._closed)
+                if self._closed and not jobs:
                     return
-                load = self._loads.popleft() if self._loads else None
-                store = None if load is not None else self._stores.popleft()
-                self._busy = True
+                item = jobs.popleft()
+                self._busy += 1
             try:
-                if load is not None:
-                    job, future = load
-                    try:
-                        future.set_result(job())
-                    except BaseException as exc:  # the fetch that waits on it loads on its own thread instead
-                        future.set_exception(exc)
-                else:
-                    try:
-                        store[0]()
-                    except Exception:  # a store that failed loses one copy of a block, nothing more
-                        log.exception("a KV tier store failed")
+                run(item)
             finally:
                 with self._cv:
-                    if store is not None:
-                        self.pending_bytes -= store[1]
-                    self._busy = False
+                    self._busy -= 1
                     self._cv.notify_all()
+
+    @staticmethod
+    def _load(item: tuple[Callable, Future]) -> None:
+        job, future = item
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # the fetch that waits on it loads on its own thread instead
+            future.set_exception(exc)
+
+    def _store(self, item: tuple[Callable, int]) -> None:
+        job, nbytes = item
+        try:
+            job()
+        except Exception:  # a store that failed loses one copy of a block, nothing more
+            log.exception("a KV tier store failed")
+        finally:
+            with self._cv:
+                self.pending_bytes -= nbytes
