@@ -29,6 +29,9 @@ VOCABULARY = (
     "common.kv.tiers.identity",
     "common.kv.tiers.metrics",
     "common.kv.tiers.mover",
+    "common.kv.tiers.payoff",
     "common.kv.tiers.record",
     "common.kv.tiers.stack",
+    "common.kv.tiers.staging",
+    "common.kv.tiers.stores",
 )

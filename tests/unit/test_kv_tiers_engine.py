@@ -76,7 +76,7 @@ def test_a_disk_tier_gives_the_same_greedy_tokens_and_saves_the_second_turns_pre
     assert engine.block_manager.prefix_hit_tokens == saved
     assert _total(engine, "disagg_kv_tier_evictions_total", tier="device") > 0
     assert _total(engine, "disagg_kv_tier_offload_bytes_total", tier="disk") > 0
-    assert not engine.kv_tiers._staged  # every prefetch was taken at admission
+    assert not engine.kv_tiers.prefetches.staged  # every prefetch was taken at admission
     assert engine.block_manager.num_free_blocks == BLOCKS
     engine.close()
 

@@ -75,7 +75,7 @@ def test_recompute_cheaper_than_the_disk_computes_the_same_tokens(tiny_llama, ba
     assert _total(engine, "disagg_kv_tier_hit_tokens_total", tier="disk") == 0
     assert _total(engine, "disagg_kv_tier_offload_bytes_total", tier="disk") > 0  # blocks still go down
     assert engine.block_manager.prefix_hit_tokens == 0
-    assert not engine.kv_tiers._staged and not engine.kv_tiers._skipped  # nothing left behind
+    assert not engine.kv_tiers.prefetches.staged and not engine.kv_tiers.prefetches.skipped  # nothing left behind
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.close()
 
@@ -92,7 +92,7 @@ def test_a_request_is_held_for_its_prefetch_only_as_long_as_computing_its_blocks
     disk.read = lambda h: (threading.current_thread().name == "kv-tiers" and release.wait(30), read(h))[1]
     engine.add_request("stuck", _prompts()[2], GREEDY)
     engine.step()
-    held = engine.kv_tiers._staged["stuck"]
+    held = engine.kv_tiers.prefetches.staged["stuck"]
     assert held.deferred_at is not None and held.bound_s == pytest.approx(9 * payoff.compute_s_per_block)
     tokens = []
     while engine.has_unfinished_requests():

@@ -6,7 +6,8 @@ optionally node-wide (one directory for the workers of a host, finished requests
 - host, disk: the tiers, LRU each; the disk tier safe for several processes on one directory
 - mover: the threads that store blocks down and prefetch them up
 - payoff: whether a hit pays (onboarding against computing its tokens), and how long a prefetch may hold a request
-- stack: KvTiers, what the block manager calls
+- stack: KvTiers, what the block manager calls; staging: the prefetches waiting for admission; stores: what the
+  store thread does with the blocks copied out
 - metrics: their counts, bound to a worker's Prometheus metrics
 """
 from __future__ import annotations

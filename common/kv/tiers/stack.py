@@ -21,40 +21,27 @@ misses).
 """
 from __future__ import annotations
 
-import errno
 import logging
 import time
-from collections import OrderedDict
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from common.kv.events import KvEventLog
-from common.kv.tiers.disk import DiskFull, DiskTier
+from common.kv.tiers.disk import DiskTier
 from common.kv.tiers.host import HostTier
 from common.kv.tiers.identity import TierLayout
 from common.kv.tiers.metrics import TierMetrics
 from common.kv.tiers.mover import Mover
 from common.kv.tiers.payoff import OnboardPayoff
-from common.kv.tiers.record import BlockKey, RecordRejected, StoredBlock, checksum, decode
+from common.kv.tiers.record import BlockKey, RecordRejected, StoredBlock, decode
+from common.kv.tiers.staging import Prefetches
+from common.kv.tiers.stores import Stores
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Prefetch:
-    future: Future
-    keys: list[BlockKey]
-    tiers: list[str]  # the tier each key was in when the prefetch was queued
-    deferred_at: float | None = None  # when admission first passed the request over for it (monotonic)
-    bound_s: float = 0.0  # how long admission may hold it from then
-    done_at: float | None = None
-
-
 class KvTiers:
-    MAX_STAGED = 64  # requests whose prefetched blocks wait for their admission (an aborted one's are dropped)
     # A request whose prefetch still runs waits in the queue (others pass it) for as long as computing its blocks
     # would take (OnboardPayoff.wait_bound_s), at most this long, which also stands until a prefill was measured;
     # then it is admitted anyway and computes them.
@@ -74,15 +61,16 @@ class KvTiers:
         self._keys: dict[int, BlockKey] = {}  # device block id -> the key of the cached block it holds
         self.write_through = write_through and disk is not None
         self._written: set[int] = set()  # device block ids whose content write-through stored (or a tier gave)
-        self._staged: OrderedDict[str, _Prefetch] = OrderedDict()  # request id -> its prefetch
-        self._skipped: OrderedDict[str, None] = OrderedDict()  # requests whose hits did not pay when queued
         self.payoff = OnboardPayoff(layout.block_size)
+        self.prefetches = Prefetches(self.payoff)  # those waiting for their requests' admission
         self.on_loaded: Callable[[], None] | None = None  # called (on the mover) as a prefetch ends: wakes the engine
         self.events: KvEventLog | None = None  # told what enters and leaves each tier (the engine's, for routing)
         if self.disk is not None:
             self.disk.on_evicted = lambda hashes: self._announce_removed(self.disk.name, hashes)
-        # Free host slots kept for evictions to be copied straight in (the mover evicts to disk ahead of them).
-        self._headroom = min(host.num_slots // 8, self.mover.max_pending_bytes // self.block_bytes) if host else 0
+        # Free host slots kept for evictions to be copied straight in (the store thread evicts to disk ahead).
+        headroom = min(host.num_slots // 8, self.mover.max_pending_bytes // self.block_bytes) if host else 0
+        self.stores = Stores(host, disk, metrics, self.block_bytes, headroom, self._announce_stored,
+                             self._announce_removed)
 
     @property
     def names(self) -> list[str]:
@@ -105,7 +93,7 @@ class KvTiers:
             if key is not None and key.hash == block_hash and block_id not in self._written:
                 keys.append(key)
                 ids.append(block_id)
-        if ids and self._queue_store(keys, ids, False, self.disk.name, self._write_disk):
+        if ids and self._queue_store(keys, ids, False, self.disk.name, self.stores.write_disk):
             self._written.update(ids)
 
     def capture(self, evicted: list[tuple[int, int]], sync: bool = False) -> None:
@@ -123,7 +111,7 @@ class KvTiers:
         self.metrics.evicted("device", len(ids))
         taken = self._into_host(keys, ids, sync) if self.host is not None else 0
         if taken < len(ids):
-            self._queue_store(keys[taken:], ids[taken:], sync, self.names[0], self._store)
+            self._queue_store(keys[taken:], ids[taken:], sync, self.names[0], self.stores.store)
 
     def _into_host(self, keys: list[BlockKey], ids: list[int], sync: bool) -> int:
         """Copy the first of device blocks `ids` straight into reserved slots of the host tier's slab, no buffer
@@ -149,29 +137,10 @@ class KvTiers:
             shape, ready = self.cache_bytes[:, :, 0].shape, None
             for slot, b in zip(slots, ids):
                 slab[slot].view(shape).copy_(self.cache_bytes[:, :, b])
-        if self.mover.store(lambda: self._commit_host(keys[:n], slots, ready), n * self.block_bytes):
+        if self.mover.store(lambda: self.stores.commit_host(keys[:n], slots, ready), n * self.block_bytes):
             return n
         self.host.release(slots)
         return 0
-
-    def _commit_host(self, keys: list[BlockKey], slots: list[int], ready) -> None:
-        """On the mover: the reserved slots, once their copy has finished, checksummed and held; then room made
-        for the next ones, the blocks evicted for it going down to disk."""
-        started, host = time.perf_counter(), self.host
-        if ready is not None:
-            ready.synchronize()
-        held = [key for key, slot in zip(keys, slots) if host.commit(slot, key, checksum(host.slab[slot]))]
-        self.metrics.offloaded(host.name, len(keys), len(keys) * self.block_bytes, time.perf_counter() - started)
-        self._announce_stored(host.name, held)
-        if self.disk is not None:
-            self._down_from_host(host.evict_to(self._headroom))
-        self.metrics.used(host.name, host.used_bytes)
-
-    def _down_from_host(self, down: list[StoredBlock]) -> None:
-        if down:
-            self.metrics.evicted(self.host.name, len(down))
-            self._announce_removed(self.host.name, [b.key.hash for b in down if b.key.hash not in self.host])
-            self._write_disk(down)
 
     def _queue_store(self, keys: list[BlockKey], ids: list[int], sync: bool, tier: str,
                      store: Callable[[list[StoredBlock]], None]) -> bool:
@@ -180,7 +149,7 @@ class KvTiers:
         nbytes = len(ids) * self.block_bytes
         if self.mover.has_room(nbytes):
             rows, ready = self._copy_out(ids, sync)
-            if self.mover.store(lambda: store(self._stored_blocks(keys, rows, ready)), nbytes):
+            if self.mover.store(lambda: store(self.stores.stored_blocks(keys, rows, ready)), nbytes):
                 return True
         self.metrics.store_failed(tier, "queue_full", len(ids))
         return False
@@ -197,48 +166,6 @@ class KvTiers:
             ready.synchronize()
             return host, None
         return host, ready
-
-    @staticmethod
-    def _stored_blocks(keys: list[BlockKey], rows: torch.Tensor, ready) -> list[StoredBlock]:
-        """On the mover: the copied-out rows (once their copy has finished) as blocks, checksummed."""
-        if ready is not None:
-            ready.synchronize()
-        return [StoredBlock(key, row, checksum(row)) for key, row in zip(keys, rows)]
-
-    def _store(self, blocks: list[StoredBlock]) -> None:
-        if self.host is None:
-            self._write_disk(blocks)
-            return
-        started, down = time.perf_counter(), []
-        for block in blocks:
-            down += self.host.put(block)
-        self.metrics.offloaded(self.host.name, len(blocks), len(blocks) * self.block_bytes,
-                               time.perf_counter() - started)
-        self.metrics.used(self.host.name, self.host.used_bytes)
-        self._announce_stored(self.host.name, [b.key for b in blocks if b.key.hash in self.host])
-        self._down_from_host(down)
-
-    def _write_disk(self, blocks: list[StoredBlock]) -> None:
-        if self.disk is None:
-            return
-        started, written, nbytes, there = time.perf_counter(), 0, 0, []
-        for block in blocks:
-            try:
-                size = self.disk.write(block)
-                there.append(block)
-            except DiskFull:
-                self.metrics.store_failed(self.disk.name, "full")
-                continue
-            except OSError as exc:
-                reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "error"
-                self.metrics.store_failed(self.disk.name, reason)
-                log.warning("KV disk tier: could not store a block: %s", exc)
-                continue
-            written += size > 0
-            nbytes += size
-        if written:
-            self.metrics.offloaded(self.disk.name, written, nbytes, time.perf_counter() - started)
-        self._announce_stored(self.disk.name, [b.key for b in there])
 
     def announce_held(self) -> None:
         """Tell the events what the disk tier holds already (a restarted worker, the node's other workers' blocks),
@@ -268,20 +195,11 @@ class KvTiers:
         tiers = self._tiers_of(keys)
         taken = self.payoff.take(tiers)
         if not taken:
-            self._remember_skip(request_id)
+            self.prefetches.skip(request_id)
             return
-        keys, tiers = keys[:taken], tiers[:taken]
+        keys = keys[:taken]
         future = self.mover.load(lambda: {b.key.hash: b for b in self._load_run(keys)})
-        prefetch = _Prefetch(future, keys, tiers)
-        future.add_done_callback(lambda _: self._loaded(prefetch))
-        self._staged[request_id] = prefetch
-        while len(self._staged) > self.MAX_STAGED:
-            self._staged.popitem(last=False)
-
-    def _loaded(self, prefetch: _Prefetch) -> None:
-        prefetch.done_at = time.monotonic()
-        if self.on_loaded is not None:
-            self.on_loaded()
+        self.prefetches.add(request_id, future, keys, tiers[:taken], self.on_loaded)
 
     def _tiers_of(self, keys: list[BlockKey]) -> list[str]:
         """The tier each key would come from (the disk for any the host tier lacks: a miss ends the run anyway)."""
@@ -290,62 +208,29 @@ class KvTiers:
             return [below] * len(keys)
         return [self.host.name if key.hash in self.host else below for key in keys]
 
-    def _remember_skip(self, request_id: str) -> None:
-        self._skipped[request_id] = None
-        while len(self._skipped) > self.MAX_STAGED:
-            self._skipped.popitem(last=False)
-
     def ready(self, request_id: str) -> bool:
         """Whether admission may take the request now: no prefetch of it runs, or its prefetch ended, or it has been
         held for it as long as computing its blocks would take. Admitting it while its blocks still load would hold
         the engine thread, and with it every running request's next token, until the disk answers."""
-        prefetch = self._staged.get(request_id)
-        if prefetch is None or prefetch.future.done():
-            return True
-        now = time.monotonic()
-        if prefetch.deferred_at is None:
-            prefetch.deferred_at = now
-            prefetch.bound_s = self.payoff.wait_bound_s(len(prefetch.keys), self.FETCH_WAIT_S)
-        return now - prefetch.deferred_at >= prefetch.bound_s
+        return self.prefetches.ready(request_id, self.FETCH_WAIT_S)
 
     def wait_left_s(self) -> float | None:
         """Seconds until the first request admission holds for its prefetch may be admitted anyway (None: none is
         held): how long an engine with nothing else to run may sleep."""
-        now = time.monotonic()
-        left = [p.deferred_at + p.bound_s - now for p in self._staged.values()
-                if p.deferred_at is not None and not p.future.done()]
-        return max(0.0, min(left)) if left else None
+        return self.prefetches.wait_left_s()
 
     def fetch(self, request_id: str, keys: list[BlockKey], limit: int) -> list[StoredBlock]:
         """Engine thread, at admission: the verified blocks of the longest run of `keys` (at most `limit`) the tiers
         hold, those staged by `prefetch` first; none where the hit did not pay or the prefetch is late (computed)."""
         started = time.perf_counter()
-        if request_id in self._skipped:
-            del self._skipped[request_id]
+        staged = self.prefetches.take(request_id)
+        if staged.compute:
             return []
-        prefetch = self._staged.pop(request_id, None)
-        staged: dict[int, StoredBlock] = {}
-        held_s = 0.0
-        if prefetch is None:
+        if staged.blocks is None:  # no prefetch ran for it (a preempted request, or the device held them then)
             keys = keys[: self.payoff.take(self._tiers_of(keys[:limit]))]
-        elif not prefetch.future.done():  # late: held as long as computing them takes, so computed
-            waited = time.monotonic() - (prefetch.deferred_at or time.monotonic())
-            for tier in set(prefetch.tiers):
-                share = prefetch.tiers.count(tier)
-                self.payoff.onboarded(tier, share, waited * share / len(prefetch.tiers))
-            log.info("KV tiers: the prefetch of %s took over %.3f s, as long as its prefill; computing it",
-                     request_id, waited)
-            return []
-        else:
-            try:
-                staged = prefetch.future.result()
-            except Exception:
-                log.exception("KV tiers: the prefetch of %s failed; loading here", request_id)
-            if prefetch.deferred_at is not None and prefetch.done_at is not None:
-                held_s = max(0.0, prefetch.done_at - prefetch.deferred_at)
-        found = self._load_run(keys[:limit], staged)
+        found = self._load_run(keys[:limit], staged.blocks)
         if found:
-            share = (held_s + time.perf_counter() - started) / len(found)
+            share = (staged.held_s + time.perf_counter() - started) / len(found)
             for block in found:
                 block.wait_s = share
         return found
