@@ -101,3 +101,71 @@ def test_a_request_is_held_for_its_prefetch_only_as_long_as_computing_its_blocks
     assert tokens == baseline[2]
     assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") == 0
     engine.close()
+
+
+def test_a_cheap_host_tier_is_taken_and_the_dear_disk_after_it_computed(tiny_llama, baseline, tmp_path):
+    """Per tier: the host tier's blocks come up, the disk's (its LRU victims) are computed, the same tokens; none
+    of the disk's is read at admission either."""
+    import torch
+
+    from common.kv.tiers import KvTiers, TierLayout, TierMetrics, weights_identity
+    from common.kv.tiers.disk import DiskTier
+    from common.kv.tiers.host import HostTier
+
+    engine = _engine(tiny_llama)
+    bm, cache = engine.block_manager, engine.runner.kv_cache
+    layout = TierLayout.of(engine.kv_layout, weights_identity(tiny_llama))
+    metrics, block_bytes = TierMetrics(), cache.view(torch.uint8)[:, :, 0].numel()
+    host = HostTier(15 * block_bytes, block_bytes, pin=False)
+    bm.tiers = KvTiers(cache, layout, host, DiskTier(tmp_path / "kv", 1 << 24, layout, metrics), metrics,
+                       max_prefetch_blocks=24)
+    assert _chat(engine, turns=1) == baseline[:6]
+    payoff = bm.tiers.payoff
+    payoff.prefill(tokens=1000, seconds=1.0)  # a millisecond a token: 4 ms a block
+    payoff.onboarded("host", blocks=1000, seconds=0.1)  # 0.1 ms a block
+    payoff.onboarded("disk", blocks=1000, seconds=1000.0)  # a second a block
+    reads = []
+    read = bm.tiers.disk.read
+    bm.tiers.disk.read = lambda h: (reads.append(h), read(h))[1]
+    assert _chat(engine, turns=1, prompts=_prompts()[::-1]) == baseline[:6][::-1]
+    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="host") > 0
+    assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") == 0 and not reads
+    engine.close()
+
+
+def test_a_run_of_host_blocks_then_disk_blocks_takes_the_hosts_and_never_reads_the_disk(tmp_path):
+    """The prefetch asks for the blocks that pay, and admission loads none after them on the engine thread."""
+    import torch
+
+    from common.kv.tiers import KvTiers, TierMetrics
+    from common.kv.tiers.disk import DiskTier
+    from common.kv.tiers.host import HostTier
+    from tests.unit.test_kv_tier_store import BLOCK_BYTES, LAYOUT, _block
+
+    cache = torch.zeros((LAYOUT.num_layers, 2, 8, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim))
+    metrics = TierMetrics()
+    host, disk = HostTier(4 * BLOCK_BYTES, BLOCK_BYTES, pin=False), DiskTier(tmp_path, 1 << 20, LAYOUT, metrics)
+    chain, parent = [], 0
+    for i in range(4):
+        chain.append(_block(i, parent))
+        parent = chain[-1].key.hash
+    for block in chain[:2]:
+        host.put(block)
+    for block in chain[2:]:
+        disk.write(block)
+    tiers = KvTiers(cache, LAYOUT, host, disk, metrics, max_prefetch_blocks=8)
+    tiers.payoff.prefill(tokens=1000, seconds=1.0)
+    tiers.payoff.onboarded("host", blocks=1000, seconds=0.1)
+    tiers.payoff.onboarded("disk", blocks=1000, seconds=1000.0)
+    reads = []
+    read = disk.read
+    disk.read = lambda h: (reads.append(h), read(h))[1]
+    keys = [b.key for b in chain]
+    try:
+        tiers.prefetch("r", keys)
+        assert tiers.mover.drain() and tiers.ready("r")
+        fetched = tiers.fetch("r", keys, limit=4)
+        assert [b.key for b in fetched] == keys[:2] and not reads
+        assert all(torch.equal(got.payload, want.payload) for got, want in zip(fetched, chain))
+    finally:
+        tiers.close()

@@ -228,6 +228,8 @@ class KvTiers:
             return []
         if staged.blocks is None:  # no prefetch ran for it (a preempted request, or the device held them then)
             keys = keys[: self.payoff.take(self._tiers_of(keys[:limit]))]
+        else:  # up to the last the prefetch was asked for: the blocks after it did not pay
+            keys = keys[: next((i + 1 for i, key in enumerate(keys) if key.hash == staged.last), len(keys))]
         found = self._load_run(keys[:limit], staged.blocks)
         if found:
             share = (staged.held_s + time.perf_counter() - started) / len(found)

@@ -33,10 +33,12 @@ class Prefetch:
 @dataclass
 class Staged:
     """What admission takes for a request: `compute` (its tier blocks are computed), else the blocks a prefetch
-    staged (None: no prefetch ran for it) and the seconds admission held the request for them."""
+    staged (None: no prefetch ran for it), the hash of the last block it was asked for (those after it did not pay:
+    they are computed) and the seconds admission held the request for them."""
 
     compute: bool = False
     blocks: dict[int, StoredBlock] | None = None
+    last: int | None = None
     held_s: float = 0.0
 
 
@@ -109,7 +111,7 @@ class Prefetches:
         held = 0.0
         if prefetch.deferred_at is not None and prefetch.done_at is not None:
             held = max(0.0, prefetch.done_at - prefetch.deferred_at)
-        return Staged(blocks=blocks, held_s=held)
+        return Staged(blocks=blocks, last=prefetch.keys[-1].hash, held_s=held)
 
 
 def _bound(entries: OrderedDict, most: int) -> None:
