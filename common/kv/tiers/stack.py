@@ -2,12 +2,14 @@
 
 Down: the block manager remembers each full block's key when it enters the prefix cache (`remember`); when a cached
 free block is reused, `capture` copies its KV out before anything can overwrite it (on a GPU, a copy enqueued on the
-engine's stream ahead of the step that reuses the block, into pinned memory) and the mover thread stores it: into
-the host tier, whose LRU victims go on to the disk tier (write-back), or straight to disk where there is no host
-tier (the CPU, whose host tier is the device pool itself).
-Up: a new request's blocks past its device prefix hit are loaded and verified by the mover as it is queued
-(`prefetch`, overlapped with the steps before its admission); at admission the block manager takes what was staged
-(`fetch`: loading the rest itself) and `install` copies it into fresh device blocks, which then count as cached.
+engine's stream ahead of the step that reuses the block), straight into free slots of the host tier's slab where
+it has them, else into a buffer, and the mover's store thread checksums and stores it (stores.py): into the host
+tier, whose LRU victims go on to the disk tier (write-back), or straight to disk where there is no host tier (the
+CPU, whose host tier is the device pool itself).
+Up: a new request's blocks past its device prefix hit are loaded and verified by the mover's load thread as it is
+queued (`prefetch`, overlapped with the steps before its admission; staging.py); at admission the block manager
+takes what was staged (`fetch`: loading the rest itself) and `install` copies it into fresh device blocks, which
+then count as cached.
 Write-through (`write_through`, the node-wide tier): a finished request's full blocks are copied out and stored in
 the disk tier at once, while the device keeps them too, so that another worker of the node finds them for the next
 turn (a decode worker's answer, for the prefill worker that prefills the next prompt); each block once per content.
@@ -139,6 +141,8 @@ class KvTiers:
                 slab[slot].view(shape).copy_(self.cache_bytes[:, :, b])
         if self.mover.store(lambda: self.stores.commit_host(keys[:n], slots, ready), n * self.block_bytes):
             return n
+        if ready is not None:
+            ready.synchronize()  # (a slot freed while its copy is in flight could be written under it)
         self.host.release(slots)
         return 0
 
