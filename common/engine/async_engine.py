@@ -63,8 +63,7 @@ class AsyncLLMEngine:
         self.warm_up_s: float | None = None  # how long from_config's warm-up took (None: none ran)
         self.decode_tokens_per_s: float | None = None  # measured after the warm-up (decode_rate.py; None: not)
         # KV tiers: what a hit in each costs against computing it, told to the router as a KV event.
-        self._hit_costs = (HitCostReporter(engine.kv_tiers.names, engine.kv_tiers.metrics, engine.kv_events,
-                                           engine.kv_tiers.payoff)
+        self._hit_costs = (HitCostReporter(engine.kv_tiers.names, engine.kv_events, engine.kv_tiers.payoff)
                            if engine.kv_tiers is not None and engine.kv_events is not None else None)
         if engine.kv_tiers is not None:  # a prefetch that ends wakes a loop waiting for it (_waits_for_tiers)
             engine.kv_tiers.on_loaded = lambda: self._commands.put((lambda e: None, concurrent.futures.Future()))

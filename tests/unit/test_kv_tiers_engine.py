@@ -292,27 +292,26 @@ def test_a_restarted_worker_announces_the_blocks_its_disk_tier_holds(tiny_llama,
 
 
 def test_a_hit_cost_is_published_once_both_sides_are_measured(tiny_llama, tmp_path):
-    """HitCostReporter: onboard seconds a block (the tiers' counts) over prefill seconds a block (prompt-only
-    steps, OnboardPayoff's mean): nothing before both exist, then an event, then none until the cost moves by more
-    than CHANGE."""
+    """HitCostReporter: the tier's onboarding seconds a block over the prefill's, both as OnboardPayoff estimates
+    them (the figures the engine decides by): nothing before both exist, then an event, then none until the cost
+    moves by more than CHANGE."""
     from common.kv.events import KvEventLog
     from common.kv.tiers.hit_cost import CHANGE, HitCostReporter
     from common.kv.tiers.payoff import OnboardPayoff
 
-    metrics, log, payoff = TierMetrics(), KvEventLog(block_size=4), OnboardPayoff(block_size=4)
-    reporter = HitCostReporter(["disk"], metrics, log, payoff)
+    log, payoff = KvEventLog(block_size=4), OnboardPayoff(block_size=4)
+    reporter = HitCostReporter(["disk"], log, payoff)
     payoff.prefill(100, 0.1)  # 1 ms a token: 4 ms a block
     reporter.publish()
-    assert reporter.cost("disk") is None and "disk" not in log._costs
-    metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.01)  # 1 ms a block onboarded
-    payoff.prefill(100, 0.1)
+    assert reporter.cost("disk") is None and "disk" not in log._costs  # (the prior alone is not a measurement)
+    payoff.onboarded("disk", blocks=1000, seconds=1.0)  # 1 ms a block onboarded
     reporter.publish()
-    assert abs(log._costs["disk"] - 0.25) < 1e-9
+    first = log._costs["disk"]
+    assert first == pytest.approx(payoff.onboard_s_per_block("disk") / 0.004) and 0.25 < first < 0.26
     payoff.prefill(100, 0.1 * (1 + CHANGE / 2))
     reporter.publish()
-    assert abs(log._costs["disk"] - 0.25) < 1e-9  # moved less than CHANGE: no event
-    metrics.hit("disk", blocks=10, tokens=40, nbytes=1000, seconds=0.05)  # slower now: 3 ms a block
-    payoff.prefill(100, 0.1)
+    assert log._costs["disk"] == first  # moved less than CHANGE: no event
+    payoff.onboarded("disk", blocks=1000, seconds=3.0)  # slower now: 3 ms a block
     reporter.publish()
     assert log._costs["disk"] > 0.5
 

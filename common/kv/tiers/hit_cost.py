@@ -1,20 +1,19 @@
-"""What a hit in each tier costs this engine against computing the block, as it measured both, for the router
-(KvIndex scores a tier's block 1 - that cost): the tiers' onboard seconds a block (TierMetrics: read, verified,
-copied in) over the engine's prefill seconds a block (OnboardPayoff's running mean of its prompt-only steps, wall
-seconds a token times the block size). Published as a KV event (KvEventLog.hit_cost) when a tier's cost first exists
-and when it moves by more than CHANGE; the router takes half a computed block until then."""
+"""What a hit in each tier costs this engine against computing the block, for the router (KvIndex scores a tier's
+block 1 - that cost): OnboardPayoff's estimate of the tier's onboarding seconds a block (what requests that took a
+hit waited and spent on it) over its prefill seconds a block, the figures the engine decides by whether to take a
+hit at all. Published as a KV event (KvEventLog.hit_cost) once the tier has been measured and the prefill too, and
+when the cost moves by more than CHANGE; the router takes half a computed block until then."""
 from __future__ import annotations
 
 from common.kv.events import KvEventLog
-from common.kv.tiers.metrics import TierMetrics
 from common.kv.tiers.payoff import OnboardPayoff
 
 CHANGE = 0.1  # a relative move that is worth an event
 
 
 class HitCostReporter:
-    def __init__(self, tiers: list[str], metrics: TierMetrics, events: KvEventLog, payoff: OnboardPayoff):
-        self.tiers, self.metrics, self.events, self.payoff = tiers, metrics, events, payoff
+    def __init__(self, tiers: list[str], events: KvEventLog, payoff: OnboardPayoff):
+        self.tiers, self.events, self.payoff = tiers, events, payoff
         self.published: dict[str, float] = {}
 
     def publish(self) -> None:
@@ -28,9 +27,7 @@ class HitCostReporter:
 
     def cost(self, tier: str) -> float | None:
         """Onboard seconds a block over prefill seconds a block (None until both were measured)."""
-        blocks = self.metrics.total("disagg_kv_tier_hit_blocks_total", tier=tier)
-        seconds = self.metrics.total("disagg_kv_tier_onboard_seconds_sum", tier=tier)
         compute = self.payoff.compute_s_per_block
-        if not blocks or compute is None:
+        if compute is None or not self.payoff.measured(tier):
             return None
-        return (seconds / blocks) / compute
+        return self.payoff.onboard_s_per_block(tier) / compute

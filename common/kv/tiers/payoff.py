@@ -78,6 +78,10 @@ class OnboardPayoff:
             self._seconds[tier] *= decay
             self._blocks[tier] *= decay
 
+    def measured(self, tier: str) -> bool:
+        """Whether a request has onboarded blocks of `tier` (else its estimate is the prior alone)."""
+        return tier in self._blocks
+
     def onboard_s_per_block(self, tier: str) -> float | None:
         """The estimated seconds a block of `tier` costs to onboard (None: no prefill measured yet)."""
         compute = self.compute_s_per_block
