@@ -100,6 +100,10 @@ def test_a_request_is_held_for_its_prefetch_only_as_long_as_computing_its_blocks
     release.set()
     assert tokens == baseline[2]
     assert _total(engine, "disagg_kv_tier_hit_blocks_total", tier="disk") == 0
+    # the late prefetch cost its wait and then the computing: the disk now looks dearer than computing, so the
+    # next request computes at once instead of waiting again
+    assert payoff.onboard_s_per_block("disk") > payoff.compute_s_per_block
+    assert payoff.take(["disk"] * 9) == 0
     engine.close()
 
 

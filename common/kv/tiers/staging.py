@@ -3,8 +3,8 @@
 A request's prefetch is queued as the request is (KvTiers.prefetch); admission asks `ready` and passes the request
 over while its blocks still load, for as long as computing them would take (OnboardPayoff.wait_bound_s, from when it
 could first have been admitted); then `take` hands over what was staged, with how long admission held the request
-for it, or says to compute: its hit did not pay when it was queued, or its prefetch ran past the bound (the wait then
-counts as the tier's onboarding cost). Engine thread, but for a prefetch's end (the load thread).
+for it, or says to compute: its hit did not pay when it was queued, or its prefetch ran past the bound (the wait and
+the computing that follows it then count as the tier's onboarding cost: twice computing, at the bound). Engine thread, but for a prefetch's end (the load thread).
 """
 from __future__ import annotations
 
@@ -95,11 +95,12 @@ class Prefetches:
         prefetch = self.staged.pop(request_id, None)
         if prefetch is None:
             return Staged()
-        if not prefetch.future.done():
+        if not prefetch.future.done():  # it cost the request its wait and then the computing it was to save
             waited = time.monotonic() - (prefetch.deferred_at or time.monotonic())
+            cost = waited + len(prefetch.keys) * (self.payoff.compute_s_per_block or 0.0)
             for tier in set(prefetch.tiers):
                 share = prefetch.tiers.count(tier)
-                self.payoff.onboarded(tier, share, waited * share / len(prefetch.tiers))
+                self.payoff.onboarded(tier, share, cost * share / len(prefetch.tiers))
             log.info("KV tiers: the prefetch of %s took over %.3f s, as long as its prefill; computing it",
                      request_id, waited)
             return Staged(compute=True)
