@@ -14,10 +14,10 @@ first have been admitted to when its blocks were staged) plus the engine thread'
 blocks, in sums whose weight halves every `half_life_blocks` blocks onboarded, with a prior of `prior_blocks` blocks
 at `prior_ratio` of P (the router's "half a computed block" before a measurement). A prefetch that ran past its wait
 bound counts as the seconds it was waited for plus those of computing its blocks after all (2P a block at the
-bound): a tier too slow for the bound looks dearer than computing, never as dear. Skipped blocks age a tier's evidence at `idle_half_life_blocks`:
-the prior regains weight until c(t) falls below P and a request probes the tier; a probe that is still dear stops
-it again. A prefetch hidden behind the request's own wait in the queue costs little, so a loaded engine keeps its
-hits where an idle one computes.
+bound): a tier too slow for the bound looks dearer than computing. Skipped blocks age a tier's evidence at
+`idle_half_life_blocks`: the prior regains weight until c(t) falls below P and a request probes the tier; a probe
+that is still dear stops it again. A prefetch hidden behind the request's own wait in the queue costs little, so a
+loaded engine keeps its hits where an idle one computes.
 """
 from __future__ import annotations
 

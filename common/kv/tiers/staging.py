@@ -4,7 +4,8 @@ A request's prefetch is queued as the request is (KvTiers.prefetch); admission a
 over while its blocks still load, for as long as computing them would take (OnboardPayoff.wait_bound_s, from when it
 could first have been admitted); then `take` hands over what was staged, with how long admission held the request
 for it, or says to compute: its hit did not pay when it was queued, or its prefetch ran past the bound (the wait and
-the computing that follows it then count as the tier's onboarding cost: twice computing, at the bound). Engine thread, but for a prefetch's end (the load thread).
+the computing that follows it then count as the tier's onboarding cost: twice computing, at the bound). Engine
+thread, but for a prefetch's end (the load thread).
 """
 from __future__ import annotations
 
