@@ -10,6 +10,7 @@
 VOCABULARY = (
     "common.kv.block_hash",  # a block's prefix-cache hash
     "common.kv.blocks",  # KvBlocks (an engine's cache and pool), block ids read out of a cache
+    "common.kv.buffers",  # host buffers in huge pages, written once by a pull or a gather
     "common.kv.chunks",  # dtypes on the wire, tensors as bytes and chunks
     "common.kv.errors",  # TransportUnavailable: a transport that cannot serve a pair of workers
     "common.kv.events",  # the prefix cache's stored / removed events
