@@ -125,9 +125,11 @@ def test_a_cheap_host_tier_is_taken_and_the_dear_disk_after_it_computed(tiny_lla
                        max_prefetch_blocks=24)
     assert _chat(engine, turns=1) == baseline[:6]
     payoff = bm.tiers.payoff
-    payoff.prefill(tokens=1000, seconds=1.0)  # a millisecond a token: 4 ms a block
+    # Computing dear enough that a prefetch held back by a loaded machine stays within its wait bound (4 s a block):
+    # at 4 ms a block a busy moment made the host's prefetch late, so the host too was measured dear and skipped.
+    payoff.prefill(tokens=1000, seconds=1000.0)  # a second a token: 4 s a block
     payoff.onboarded("host", blocks=1000, seconds=0.1)  # 0.1 ms a block
-    payoff.onboarded("disk", blocks=1000, seconds=1000.0)  # a second a block
+    payoff.onboarded("disk", blocks=1000, seconds=100_000.0)  # 100 s a block
     reads = []
     read = bm.tiers.disk.read
     bm.tiers.disk.read = lambda h: (reads.append(h), read(h))[1]
