@@ -144,7 +144,7 @@ def main() -> int:
     p.add_argument("--model", type=Path, required=True, help="a model directory (config.json and tokenizer files)")
     p.add_argument("--vllm-site", type=Path, required=True, help="the --target directory vLLM was installed into")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="both servers' --dtype (auto: the checkpoint's half precision)")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="INPUT:OUTPUT:CONCURRENCY, comma-separated")
     p.add_argument("--seconds", type=float, default=2.0,
                    help="requests per workload: this many times its concurrency (at least 4 waves, 16 requests)")

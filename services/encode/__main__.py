@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.engine.config import AUTO_DTYPE, DTYPES, resolve_dtype
 from common.engine.default_model import resolve_model
 from common.engine.image_encoder import ImageEncoder
 from common.errors import InvalidConfig
@@ -49,8 +50,8 @@ class EncodeConfig:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("DISAGG_MODEL"),
                    help="LLaVA-style Hugging Face model directory (env DISAGG_MODEL)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="the vision tower's dtype")
+    p.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
+                   help="the vision tower's dtype; auto: as the workers' --dtype auto")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the vision tower runs")
     p.add_argument("--embedding-ttl", type=float, default=60.0, help="seconds an unpulled embedding is kept")
     p.add_argument("--max-stored-bytes", type=int, default=1 << 30, help="cap on unpulled embedding bytes")
@@ -65,7 +66,9 @@ def _configure(args: argparse.Namespace) -> EncodeConfig:
     _require_vision_model(args.model)
     media = MediaConfig(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                         allowed_media_dir=args.allowed_media_dir, allow_url_fetch=args.allow_url_fetch)
-    return EncodeConfig(model=str(resolve_model(args.model)), media=media, dtype=args.dtype, device=args.device,
+    model = str(resolve_model(args.model))
+    return EncodeConfig(model=model, media=media, dtype=resolve_dtype(args.dtype, args.device, model),
+                        device=args.device,
                         embedding_ttl_s=args.embedding_ttl, max_stored_bytes=args.max_stored_bytes,
                         max_images_per_request=args.max_images_per_request)
 

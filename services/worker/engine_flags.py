@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from common.engine.spec.config import parse_speculative_config
-from common.engine.config import (CPU_KV_BLOCKS, CPU_LONG_PREFILL_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION,
-                                  DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, ENGINES,
+from common.engine.config import (AUTO_DTYPE, CPU_KV_BLOCKS, CPU_LONG_PREFILL_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION,
+                                  DEFAULT_MAX_NUM_SEQS, DEFAULT_STEP_TOKENS, DTYPES, ENGINES,
                                   GPU_MAX_NUM_SEQS, GPU_STEP_TOKENS, KV_CACHE_DTYPES, LOAD_FORMATS,
                                   QUANTIZATIONS, STRUCTURED_OUTPUT_BACKENDS, EngineConfig, default_max_num_seqs,
-                                  default_step_tokens)
+                                  default_step_tokens, resolve_dtype)
 from common.engine.default_model import resolve_model
 from services.worker.engine_file import Given, GivenSwitch, apply_layers, flag_specs, read_json, read_yaml
 
@@ -38,9 +38,9 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
              "image; unverified on hardware) (env DISAGG_ENGINE)")
     add("--model", default=os.environ.get("DISAGG_MODEL"), metavar="DIR",
         help="HF model dir, or 'default' (env DISAGG_MODEL)")
-    add("--dtype", default=os.environ.get("DISAGG_DTYPE", "float32"),
-        choices=["float32", "float16", "bfloat16"], metavar="DTYPE",
-        help="%(choices)s (env DISAGG_DTYPE)")
+    add("--dtype", default=os.environ.get("DISAGG_DTYPE", AUTO_DTYPE), choices=[AUTO_DTYPE, *DTYPES], metavar="DTYPE",
+        help="%(choices)s; auto: the checkpoint's half precision on a GPU (bfloat16 for a float32 one), float32 on "
+             "the CPU (env DISAGG_DTYPE)")
     add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"), help="cpu, cuda or cuda:N (env DISAGG_DEVICE)")
     add("--block-size", type=int, default=16, metavar="TOKENS",
         help="tokens a KV block holds (prefix caching, handoffs and the tiers count in blocks)")
@@ -136,8 +136,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     step_tokens = (args.max_num_batched_tokens if args.max_num_batched_tokens is not None
                    else default_step_tokens(args.device))
     max_num_seqs = args.max_num_seqs if args.max_num_seqs is not None else default_max_num_seqs(args.device)
+    model = resolve_model(args.model)
     return EngineConfig(
-        model=str(resolve_model(args.model)), dtype=args.dtype, device=args.device, block_size=args.block_size,
+        model=str(model), dtype=resolve_dtype(args.dtype, args.device, str(model)), device=args.device,
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=step_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, max_model_len=args.max_model_len,

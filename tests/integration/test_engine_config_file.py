@@ -72,7 +72,7 @@ def test_the_file_beats_a_default_from_the_environment(model, engine_yaml, monke
     ("max-num-seq: 4", "--engine-config {path}: unknown key 'max-num-seq' (did you mean 'max-num-seqs'?)"),
     ("max-num-seqs: many", "--engine-config {path}: max-num-seqs must be an integer or null, got 'many'"),  # null: default
     ("no-prefix-caching: 1", "--engine-config {path}: no-prefix-caching must be true or false, got 1"),
-    ("dtype: fp4", "--engine-config {path}: dtype must be one of ['float32', 'float16', 'bfloat16'], got 'fp4'"),
+    ("dtype: fp4", "--engine-config {path}: dtype must be one of ['auto', 'float32', 'float16', 'bfloat16'], got 'fp4'"),
     ("max-model-len: null\nblock-size: null", "--engine-config {path}: block-size must be an integer, got None"),
     ("- a list", "--engine-config {path}: a YAML file of `flag: value` pairs is expected, got a list"),
 ])
