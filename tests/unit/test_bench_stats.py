@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from services.cli.bench.clients import SendOptions
+from services.cli.bench.clients import OpenAIClient, SendOptions
 from services.cli.bench.report import format_breakdown, format_table, write_json, write_plot
 from services.cli.bench.runner import LoadShape, run_load
 from services.cli.bench.stats import Distribution, RequestRecord, SloLimits, summarize
@@ -198,3 +198,13 @@ def test_the_table_names_a_client_loop_at_its_ceiling():
     hot = summarize([record], 1.0, SloLimits(None, None), [0.91])
     assert "0.91 of a core busy" in format_table(hot, "t")
     assert hot.to_dict()["client_loop_busy"] == [0.91]
+
+
+def test_a_completion_event_with_its_text_held_back_is_an_arrival_and_the_finish_event_is_not() -> None:
+    """The server streams an event a token, "" while a partial character is held back (openai_responses.py): each is
+    one arrival, as vLLM's bench counts them, or the ITL of a model emitting byte tokens would read k steps a gap."""
+    record = RequestRecord(0, 3, 4)
+    for text, reason in (("a", None), ("", None), ("", None), ("b", None), ("", "length")):
+        OpenAIClient._chunk({"choices": [{"index": 0, "text": text, "finish_reason": reason}]}, record)
+    OpenAIClient._chunk({"choices": [], "usage": {"completion_tokens": 4}}, record)
+    assert (len(record.token_times), record.output_tokens) == (4, 4)

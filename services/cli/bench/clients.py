@@ -113,7 +113,10 @@ class OpenAIClient:
     def _chunk(chunk: dict, record: RequestRecord) -> None:
         if "error" in chunk:
             record.error = chunk["error"].get("message", "error event")
-        elif chunk.get("choices") and chunk["choices"][0].get("text"):
+        elif (choices := chunk.get("choices")) and (choices[0].get("text") or choices[0].get("finish_reason") is None):
+            # A token's event, its text "" while the server holds it back (a partial character: most tokens of a
+            # random-weight model whose vocabulary outgrows its tokenizer's): an arrival all the same, as vLLM's bench
+            # counts it. The finish event carries no token.
             record.token_times.append(time.perf_counter())
         if chunk.get("usage"):
             record.output_tokens = chunk["usage"]["completion_tokens"]
