@@ -34,6 +34,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.argmax: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor] = {}  # the kept layers' hidden states (model.aux_layers), each graph's own
         self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -51,6 +52,8 @@ class DecodeGraphs:
             with graph_capture(graph, self.device, pool):
                 self.logits[bs] = self._forward(bs)
                 self.argmax[bs] = self.logits[bs].argmax(dim=-1)
+                if getattr(self.model, "aux_layers", ()):
+                    self.aux[bs] = self.model.aux_hidden
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
@@ -90,4 +93,6 @@ class DecodeGraphs:
         self.tables[:bs, :width].copy_(staged_ints[: bs * width].view(bs, width))
         self.seq_lens[:bs].copy_(staged_ints[bs * width:])
         self.graphs[bs].replay()
+        if self.aux:  # a copy: whoever keeps them (EAGLE-3) outlives the next replay
+            self.model.aux_hidden = self.aux[bs][:b].clone()
         return self.logits[bs][:b], self.argmax[bs][:b]

@@ -276,9 +276,11 @@ class ModelRunner:
         if config.enforce_eager or self.device.type != "cuda" or not self.attention.graphable:
             return None
         spec = config.speculative_config
-        if spec is not None and spec.reads_target_hidden:  # (a graph replays into the hidden states it captured)
-            log.info("the target's steps run eagerly: speculative method %s reads its hidden states", spec.method)
-            return None
+        if spec is not None and spec.reads_target_hidden:
+            # The graphs capture the forward that keeps the layers the head reads, and hand them out after each replay.
+            from common.engine.spec.eagle3_head import head_aux_layers
+
+            self.model.aux_layers = head_aux_layers(spec.model, self.hf_config.num_hidden_layers)
         from common.engine.cuda_graphs import DecodeGraphs
 
         max_len = resolve_max_model_len(config, self.hf_config.max_position_embeddings)

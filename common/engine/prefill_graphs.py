@@ -53,6 +53,7 @@ class PrefillGraphs:
                                          device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.aux: dict[int, torch.Tensor] = {}  # the kept layers' hidden states (model.aux_layers), each graph's own
         self.steps = self.mixed_steps = 0  # steps run through the graphs, and those with decode rows (tests check)
         self._capture()
 
@@ -75,6 +76,8 @@ class PrefillGraphs:
             graph = torch.cuda.CUDAGraph()
             with graph_capture(graph, self.device, pool):
                 self.hidden[b] = self._forward(b)
+                if getattr(self.model, "aux_layers", ()):
+                    self.aux[b] = self.model.aux_hidden
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
@@ -104,4 +107,6 @@ class PrefillGraphs:
         self.steps += 1
         self.mixed_steps += 0 < decode_tables.shape[0] < len(layout.query_lens)
         self.graphs[b].replay()
+        if self.aux:  # a copy: whoever keeps them (EAGLE-3) outlives the next replay
+            self.model.aux_hidden = self.aux[b][:t].clone()
         return self.hidden[b][:t]

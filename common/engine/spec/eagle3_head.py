@@ -112,6 +112,19 @@ def aux_layers(config: PretrainedConfig, num_layers: int, where: str) -> tuple[i
     return layers
 
 
+def head_aux_layers(model_dir: str, num_layers: int) -> tuple[int, ...]:
+    """The target layers the head in `model_dir` reads (aux_layers), from its config alone: a GPU target's CUDA graphs
+    are captured keeping them, before the head itself is loaded (load_head checks the rest)."""
+    return aux_layers(_head_config(model_dir), num_layers, model_dir)
+
+
+def _head_config(model_dir: str) -> PretrainedConfig:
+    try:
+        return load_config(model_dir)
+    except (OSError, ValueError) as exc:
+        raise InvalidConfig(f"{FLAG}: no EAGLE-3 head config in {model_dir}: {exc}") from None
+
+
 def load_head(model_dir: str, target, dtype: torch.dtype, device: torch.device,
               dummy_seed: int | None = None) -> tuple[Eagle3Head, tuple[int, ...]]:
     """The head in `model_dir` on `device` and the target layers it reads; InvalidConfig naming the directory for
@@ -121,10 +134,7 @@ def load_head(model_dir: str, target, dtype: torch.dtype, device: torch.device,
     if type(target.runner.model) is not LlamaForCausalLM or architecture_of(tc) not in TARGETS:
         raise InvalidConfig(f"{FLAG}: eagle3 heads run on Llama, Mistral and Qwen2/Qwen3 targets; "
                             f"{target.config.model} is {architecture_of(tc)}")
-    try:
-        config = load_config(model_dir)
-    except (OSError, ValueError) as exc:
-        raise InvalidConfig(f"{FLAG}: no EAGLE-3 head config in {model_dir}: {exc}") from None
+    config = _head_config(model_dir)
     if not set(getattr(config, "architectures", None) or ()) & set(ARCHITECTURES):
         raise InvalidConfig(f"{FLAG}: {model_dir} is not an EAGLE-3 head (architectures "
                             f"{getattr(config, 'architectures', None)}; expected one of {list(ARCHITECTURES)})")
