@@ -186,7 +186,17 @@ async def _ready_note(spec: RoleSpec, state: WorkerState, load_s: float) -> str:
     if state.kv_layout is not None:
         load = await spec.load_report(state)
         parts.append(f"KV cache {load.kv_blocks_total * state.kv_layout.block_size} tokens")
+    speculation = _speculation(state.engine)
+    if speculation is not None:
+        parts.append(f"speculative decoding {speculation.method}, up to {speculation.num_speculative_tokens} drafts "
+                     "a step" + (f" from {speculation.model}" if speculation.model else ""))
     return "; ".join(parts)
+
+
+def _speculation(engine: Any):
+    """The speculative config an AsyncLLMEngine's engine runs with (a prefill worker's has none), else None."""
+    config = getattr(getattr(engine, "engine", None), "config", None)
+    return getattr(config, "speculative_config", None)
 
 
 async def _load(spec: RoleSpec, state: WorkerState, config: Any, stop: asyncio.Event) -> bool:

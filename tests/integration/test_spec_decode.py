@@ -76,3 +76,11 @@ def test_a_cancel_mid_speculation_gives_every_block_back(speculating):
                 break
     for worker in speculating[1:]:
         wait_for(lambda w=worker: _blocks_free(w), 20.0, f"{worker.name} to free every KV block")
+
+
+def test_the_decode_workers_ready_line_says_it_speculates_and_the_prefill_workers_does_not(speculating):
+    """`disagg up`'s summary repeats each worker's ready line: a user sees where drafts run without reading logs."""
+    _, prefill, decode = speculating
+    line = next(line for line in decode.log().splitlines() if "serving on" in line)
+    assert "speculative decoding ngram, up to 3 drafts a step" in line
+    assert "speculative" not in next(line for line in prefill.log().splitlines() if "serving on" in line)
