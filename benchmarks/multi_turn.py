@@ -190,7 +190,7 @@ def run_config(name: str, args: argparse.Namespace, chats: list[Conversation], p
     try:
         chat(args.port, model_id(server.url), [{"role": "user", "content": "Warm up: say hello."}], 4)
         turns, wall = drive(args.port, chats, pauses, args.max_tokens, args.ignore_eos)
-        return Result(name, wall, turns, tier_hits(args.metrics_port_base))
+        return Result(name, wall, turns, tier_hits(args.metrics_port_base, args.workers))
     finally:
         server.stop()
 
@@ -242,6 +242,8 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--port", type=int, default=18471)
     parser.add_argument("--metrics-port-base", type=int, default=18480)
+    parser.add_argument("--workers", type=lambda text: tuple(text.split(",")), default=("prefill-0", "decode-0"),
+                        help="the workers whose /metrics count tier hits, in up's order (--prefill 0: decode-0)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     names = args.configs.split(",")
