@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -72,14 +73,19 @@ def test_up_planner_moves_a_worker_to_prefill_under_traffic_with_no_request_fail
         assert re.search(r"pressure prefill [\d.]+x, decode [\d.]+x of the SLO, 2 windows in a row", decision)
         assert any("move a decode worker to prefill" in line and "ttft_p90" in line for line in up.lines)
         assert not any("decode-1 exited" in line or "restarting it" in line for line in up.lines), "".join(up.lines)
-        # The new prefill worker takes prompts: a few more after the bench (on a loaded machine its start can take
-        # most of the bench's 15 s, so the bench's own last requests may all have gone before it served).
-        after = subprocess.run([sys.executable, "-m", "services", "bench", "--router", router, "--num-prompts", "6",
-                                "--input-len", "64", "--output-len", "4", "--no-progress", "--timeout", "60"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-        assert after.returncode == 0, after.stdout + after.stderr
-        metrics = urllib.request.urlopen(up.metrics_urls()["router"], timeout=10).read().decode()
-        remote = re.search(r'disagg_routing_prefill_decisions_total\{[^}]*where="remote"[^}]*\} (\d+)', metrics)
+        # The new prefill worker takes prompts: a few more after the bench, again until one prefilled remotely (on a
+        # loaded machine its start, and the router finding it, can take longer than the bench's 15 s and one round).
+        deadline = time.monotonic() + 90
+        while True:
+            after = subprocess.run([sys.executable, "-m", "services", "bench", "--router", router, "--num-prompts",
+                                    "6", "--input-len", "64", "--output-len", "4", "--no-progress", "--timeout", "60"],
+                                   cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+            assert after.returncode == 0, after.stdout + after.stderr
+            metrics = urllib.request.urlopen(up.metrics_urls()["router"], timeout=10).read().decode()
+            remote = re.search(r'disagg_routing_prefill_decisions_total\{[^}]*where="remote"[^}]*\} (\d+)', metrics)
+            if (remote and int(remote.group(1)) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert remote and int(remote.group(1)) > 0, metrics
     finally:
         assert up.stop() == 0, "".join(up.lines)
