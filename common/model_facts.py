@@ -32,6 +32,7 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     image_token_id: int | None = None  # None: the model takes no images
     num_image_tokens: int = 0  # placeholder tokens (embedding rows) per image
+    checkpoint_dtype: str | None = None  # config.json's `dtype` (`torch_dtype` in older files); None: not named
 
     @property
     def accepts_images(self) -> bool:
@@ -66,6 +67,7 @@ def _load(model_dir: str) -> ModelFacts:
         eos_token_ids=frozenset(eos),
         image_token_id=_image_token_id(config) if vision else None,
         num_image_tokens=_num_image_tokens(config) if vision else 0,
+        checkpoint_dtype=next((c[k] for c in (config, text) for k in ("dtype", "torch_dtype") if c.get(k)), None),
     )
 
 

@@ -83,11 +83,9 @@ def auto_dtype(device: str, model_dir: str) -> str:
     against Hugging Face transformers; `--dtype bfloat16` there is the faster choice on cores with AVX-512 BF16."""
     if not device.startswith("cuda"):
         return "float32"
-    import json
-    from pathlib import Path
+    from common.model_facts import load_model_facts
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    named = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("torch_dtype")
+    named = load_model_facts(model_dir).checkpoint_dtype
     return named if named in HALF_DTYPES else "bfloat16"
 
 

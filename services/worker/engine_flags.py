@@ -39,7 +39,7 @@ def _add_engine_flags(g: argparse._ArgumentGroup) -> None:
     add("--model", default=os.environ.get("DISAGG_MODEL"), metavar="DIR",
         help="HF model dir, or 'default' (env DISAGG_MODEL)")
     add("--dtype", default=os.environ.get("DISAGG_DTYPE", AUTO_DTYPE), choices=[AUTO_DTYPE, *DTYPES], metavar="DTYPE",
-        help="auto (GPU: half, CPU: float32) or a dtype")
+        help="auto: GPU half, CPU float32 (env DISAGG_DTYPE)")
     add("--device", default=os.environ.get("DISAGG_DEVICE", "cpu"), help="cpu, cuda or cuda:N (env DISAGG_DEVICE)")
     add("--block-size", type=int, default=16, metavar="TOKENS",
         help="tokens a KV block holds (prefix caching, handoffs and the tiers count in blocks)")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from common import model_facts
 from common.engine.config import auto_dtype, resolve_dtype
 from services.worker.engine_flags import add_engine_args, engine_config_from_args
 from tests.unit.test_dummy_load import config_dir
@@ -17,6 +18,7 @@ def _with_dtype(directory: Path, **keys: object) -> Path:
     path = directory / "config.json"
     config = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("dtype", "torch_dtype")}
     path.write_text(json.dumps({**config, **keys}))
+    model_facts._load.cache_clear()  # (facts are read once a directory; pytest may hand a later case the same path)
     return directory
 
 
