@@ -35,10 +35,12 @@ def transformers_facts(model_dir: str) -> ModelFacts:
     generation = (GenerationConfig.from_pretrained(model_dir, local_files_only=True)
                   if (Path(model_dir) / "generation_config.json").exists() else None)
     token = image_token_id(config)
+    dtype = getattr(config, "dtype", None) or getattr(text, "dtype", None)
     return ModelFacts(model_type=config.model_type, architectures=tuple(config.architectures or ()),
                       vocab_size=text.vocab_size, max_position_embeddings=text.max_position_embeddings,
                       eos_token_ids=frozenset(_eos(config) | _eos(text) | _eos(generation)),
-                      image_token_id=token, num_image_tokens=num_image_tokens(config) if token is not None else 0)
+                      image_token_id=token, num_image_tokens=num_image_tokens(config) if token is not None else 0,
+                      checkpoint_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
