@@ -60,6 +60,130 @@ static inline float exp_nonpositive(float x) {
     return exp2_clamped(t < -126.0f ? -126.0f : t);
 }
 
+#if defined(CPU_BF16_SIMD) && defined(__AVX512BF16__)
+#define DECODE_BF16_SIMD 1
+#define MAX_GROUP 16
+#define MAX_D 256
+
+/* the 16 sums of each vector's 16 lanes, as one vector (lane i: the sum of v[i]): a transposing tree of 15 adds
+ * where one reduction a vector takes four */
+static inline __m512 sum_each_x16(const __m512 *v) {
+    __m512 quads[4];
+    for (int g = 0; g < 4; g++) {
+        const __m512 *a = v + 4 * g;
+        __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+        __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+        __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+        quads[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+    }
+    __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[0..n) = softmax(s), 16 lanes at a time: exp_nonpositive's arithmetic (exp2_clamped_x16), the division last */
+static inline void softmax_x16(float *s, int64_t n) {
+    __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        __mmask16 m = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + t));
+    }
+    __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top)), log2e = _mm512_set1_ps(1.44269504088896341f);
+    for (int64_t t = 0; t < n; t += 16) {
+        __mmask16 m = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+        __m512 e = exp2_clamped_x16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), max), log2e));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        total = _mm512_mask_add_ps(total, m, total, e);
+    }
+    __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+    for (int64_t t = 0; t < n; t += 16) {
+        __mmask16 m = (__mmask16)(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+        _mm512_mask_storeu_ps(s + t, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + t), sum));
+    }
+}
+
+/* The decode of one sequence and KV head for bf16 q and caches, head_dim D a multiple of 32 (up to MAX_D), G query
+ * heads a KV head (up to MAX_GROUP). Sixteen keys at a time are scored against each head with vdpbf16ps, two dims a
+ * lane (as the prefill kernel's bf16 pairs), and their sixteen dot products summed by one transposing tree; softmax
+ * runs 16 lanes at a time; a value row is converted once and folded into every head's float32 sums, which stay in
+ * registers. The scalar kernel below converts every row to float32 and sums each dot alone: about 3x slower at
+ * eight decodes (docs/benchmarks/vllm_cpu.md, "the decode attention kernel"). Only a dot's rounding differs. */
+static inline __attribute__((always_inline)) void decode_group_bf16(
+        const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *blocks,
+        int64_t start, int64_t len, int64_t block_size, int64_t row, int64_t block_stride, float scale,
+        float *scores, const int64_t D, const int64_t G) {
+    const int64_t nk = D / 32, nv = D / 16;
+    __m512bh qv[MAX_GROUP][MAX_D / 32];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < nk; j++) qv[h][j] = (__m512bh)_mm512_loadu_si512(q + h * D + 32 * j);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {  /* 16 keys at a time: their 16 dot products summed at once */
+        int64_t n = len - t0 < 16 ? len - t0 : 16;
+        const uint16_t *k[16];
+        for (int64_t t = 0; t < n; t++) {
+            int64_t pos = start + t0 + t;
+            k[t] = k_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * row;
+        }
+        for (int64_t h = 0; h < G; h++) {
+            __m512 dots[16];
+            for (int64_t t = 0; t < 16; t++) {
+                __m512 acc = _mm512_setzero_ps();
+                const uint16_t *kt = k[t < n ? t : 0];  /* past the last key: any key's, masked out below */
+                for (int64_t j = 0; j < nk; j++)
+                    acc = _mm512_dpbf16_ps(acc, qv[h][j], (__m512bh)_mm512_loadu_si512(kt + 32 * j));
+                dots[t] = acc;
+            }
+            _mm512_mask_storeu_ps(scores + h * len + t0, (__mmask16)((1u << n) - 1),
+                                  _mm512_mul_ps(sum_each_x16(dots), _mm512_set1_ps(scale)));
+        }
+    }
+    for (int64_t h = 0; h < G; h++) softmax_x16(scores + h * len, len);
+    __m512 acc[MAX_GROUP][MAX_D / 16];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < nv; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        int64_t pos = start + t;
+        const uint16_t *v = v_cache + blocks[pos / block_size] * block_stride + (pos % block_size) * row;
+        __m512 vf[MAX_D / 16];
+        for (int64_t j = 0; j < nv; j++) vf[j] = load_bf16x16(v + 16 * j, 16);
+        for (int64_t h = 0; h < G; h++) {
+            __m512 p = _mm512_set1_ps(scores[h * len + t]);
+            for (int64_t j = 0; j < nv; j++) acc[h][j] = _mm512_fmadd_ps(p, vf[j], acc[h][j]);
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t j = 0; j < nv; j++) store_bf16x16(out + h * D + 16 * j, acc[h][j], 16);
+}
+
+/* paged_decode_attention's bf16 case on decode_group_bf16, with the common shapes' D and G as constants (their
+ * loops unrolled, the sums in registers) */
+static void decode_bf16_simd(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
+                             const int64_t *block_ids, const int64_t *seq_lens, const int64_t *starts, int64_t B,
+                             int64_t max_blocks, int64_t block_size, int64_t Hq, int64_t Hkv, int64_t D,
+                             int64_t block_stride, float scale, float *scores) {
+    int64_t G = Hq / Hkv, row = Hkv * D;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t start = starts[b], len = seq_lens[b] - start;
+        const int64_t *blocks = block_ids + b * max_blocks;
+        for (int64_t g = 0; g < Hkv; g++) {
+            const uint16_t *qg = q + (b * Hq + g * G) * D, *kg = k_cache + g * D, *vg = v_cache + g * D;
+            uint16_t *og = out + (b * Hq + g * G) * D;
+#define GROUP_CASE(d, gq) decode_group_bf16(qg, kg, vg, og, blocks, start, len, block_size, row, block_stride, \
+                                            scale, scores, d, gq)
+            if (D == 64 && G == 3) GROUP_CASE(64, 3);
+            else if (D == 64 && G == 4) GROUP_CASE(64, 4);
+            else if (D == 128 && G == 4) GROUP_CASE(128, 4);
+            else if (D == 128 && G == 8) GROUP_CASE(128, 8);
+            else GROUP_CASE(D, G);
+#undef GROUP_CASE
+        }
+    }
+}
+#endif
+
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] over the tokens [starts[b], seq_lens[b]) of sequence b,
  * whose token t lives at block block_ids[b * max_blocks + t / block_size], row t % block_size.
  * q, out: [B, Hq, D]; caches: blocks block_stride elements apart, a block [block_size, Hkv, D]; query head h
@@ -83,6 +207,14 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         free(qf); free(acc); free(kv); free(scores);
         return -1;
     }
+#ifdef DECODE_BF16_SIMD
+    if (is_bf16 && cache_kind == BF16 && D % 32 == 0 && D <= MAX_D && Hq % Hkv == 0 && group <= MAX_GROUP) {
+        decode_bf16_simd(q, k_cache, v_cache, out, block_ids, seq_lens, starts, B, max_blocks, block_size, Hq, Hkv, D,
+                         block_stride, scale, scores);
+        free(qf); free(acc); free(kv); free(scores);
+        return 0;
+    }
+#endif
     for (int64_t b = 0; b < B; b++) {
         int64_t start = starts[b], len = seq_lens[b] - start;
         const int64_t *blocks = block_ids + b * max_blocks;

@@ -95,6 +95,33 @@ def test_decode_kernel_reads_the_blocks_as_the_gathered_path_does(monkeypatch, d
     torch.testing.assert_close(kernel.float(), attend().float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(cpu_attention.kernel() is None, reason="no C compiler for the CPU attention kernel")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (6, 3, 32)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_bf16_decode_kernel_over_many_key_chunks_reads_as_the_gathered_path(monkeypatch, heads, window):
+    """The bf16 decode kernel's shapes (SmolLM2's 9 / 3 heads of 64, Llama's groups of 128, one case of neither):
+    contexts of one key, of exactly sixteen and across several sixteen-key chunks, blocks out of order, with and
+    without a window; the same answer as gathering the blocks and SDPA, to bf16 precision."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    torch.manual_seed(3)
+    hq, hkv, d = heads
+    blocks = torch.randperm(40).tolist()
+    layout = BatchLayout(query_lens=[1, 1, 1, 1], context_lens=[0, 15, 50, 70],
+                         block_tables=[blocks[0:1], blocks[1:5], blocks[5:18], blocks[18:36]])
+    q = torch.randn(4, hq, d, dtype=torch.bfloat16) * 3
+    k, v = torch.randn(4, hkv, d, dtype=torch.bfloat16), torch.randn(4, hkv, d, dtype=torch.bfloat16)
+    cache = torch.randn(2, 40, 4, hkv, d, dtype=torch.bfloat16)
+
+    def attend() -> torch.Tensor:
+        attention = TorchPagedAttention(block_size=4, windows={window}, device=CPU)
+        return attention.forward(q, k, v, cache.clone(), attention.prepare(layout), scale=d**-0.5, window=window)
+
+    assert cpu_attention.applies(q, cache[0])
+    kernel = attend()
+    monkeypatch.setattr(cpu_attention, "applies", lambda *args: False)
+    torch.testing.assert_close(kernel.float(), attend().float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_one_thread_engine_matches_hf_for_each_family(tiny_model_dirs, family, one_thread):
     """Float32 greedy through the CPU serving path (the decode kernel where it is built) equals Hugging Face."""
