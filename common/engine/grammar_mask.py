@@ -9,6 +9,7 @@ import xgrammar as xgr
 
 from common.engine import kernels
 from common.engine.grammar_backend import BatchFill, GrammarState
+from common.engine.greedy import greedy_tokens
 
 
 class GrammarMasks:
@@ -31,7 +32,7 @@ class GrammarMasks:
         if logits.device.type == "cpu":
             grammars = self.unfilled(logits, grammars, [g is not None for g in grammars])
         self.apply(logits, grammars)
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
 
     def unfilled(self, logits: torch.Tensor, grammars: list[GrammarState | None],
                  greedy: list[bool]) -> list[GrammarState | None]:
@@ -41,7 +42,7 @@ class GrammarMasks:
         nothing overlaps a fill, that saves its time. (Not on a GPU, where the fill overlaps the forward and the check
         would wait for the logits, and costs more than the slow fills it skips where the grammar refuses most argmaxes.)
         """
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = greedy_tokens(logits).tolist()
         return [None if g is not None and checked and g.allows(token) else g
                 for g, checked, token in zip(grammars, greedy, argmax)]
 

@@ -19,6 +19,7 @@ from common.cpu_cores import pin_model_thread, usable_cores
 from common.engine import cpu_attention, cpu_ops
 from common.engine.cpu_linear import pack_linears, packs
 from common.devices import bind_thread, limit_host_threads
+from common.engine.greedy import greedy_tokens
 from common.engine.models.loader import check_shardable, load_model
 from common.engine.parallel import SINGLE, TensorParallel, check_devices, rank_device
 from common.engine.quantization.kv_cache import KvCacheFormat
@@ -456,7 +457,7 @@ class ModelRunner:
             return
         logits = self.run_step(step, ids)
         if logits is not None:
-            self._greedy = logits.argmax(dim=-1)
+            self._greedy = greedy_tokens(logits)
 
     def _graphed(self, layout: BatchLayout, requests: list[Request]) -> bool:
         return self.graphs is not None and self.graphs.fits(layout) and all(r.mm is None for r in requests)
@@ -489,7 +490,7 @@ class ModelRunner:
         if not greedy:
             tokens = self.sampler.draw(logits, sampled, draws())
         else:
-            tokens = argmax if argmax is not None else logits.argmax(dim=-1)
+            tokens = argmax if argmax is not None else greedy_tokens(logits)
         if want:
             launch.logprob_rows = want, [sampled[i].sampling.top_logprobs for i in want]
             self._device_tokens(launch, tokens, logprobs_on_device(logits, want, tokens, launch.logprob_rows[1]))

@@ -6,6 +6,7 @@ import torch
 import xxhash
 
 from common.engine.grammar_mask import GrammarMasks
+from common.engine.greedy import greedy_tokens
 from common.engine.host_upload import upload
 from common.engine.penalties import adjusted_logits
 from common.engine.request import Request, TokenLogprob
@@ -122,7 +123,7 @@ class Sampler:
         own rules leave them (grammar masks, penalties: `__call__`)."""
         sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if not sampled:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         device = logits.device
         params = [requests[i].sampling for i in sampled]
         some = len(sampled) < len(requests)
@@ -140,7 +141,7 @@ class Sampler:
         chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
         # (u * mass rounding up to the mass itself would pass the last kept token: take the row's top one then)
         chosen = torch.where(probs.gather(1, chosen[:, None])[:, 0] > 0, chosen, probs.argmax(dim=-1))
-        return logits.argmax(dim=-1).index_copy(0, index, chosen) if some else chosen
+        return greedy_tokens(logits).index_copy(0, index, chosen) if some else chosen
 
     def _unseeded_on(self, device: torch.device) -> torch.Generator:
         """Unseeded rows' generator on `device` (one a device, seeded with the engine's seed)."""
